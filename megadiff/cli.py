@@ -1,0 +1,85 @@
+"""`megadiff` command line: parses arguments and calls into the package, nothing more."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+
+def _target(path: str) -> Callable:
+    """'package.module:function' -> the function; a missing module is a clear 'not implemented' error."""
+    module_name, func_name = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise SystemExit(f"megadiff: {module_name} is not implemented yet") from None
+        raise
+    return getattr(module, func_name)
+
+
+def _config_command(sub, name: str, target: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text)
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    parser.set_defaults(run=lambda a: _target(target)(a.config, a.overrides))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megadiff", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _config_command(sub, "prepare-data", "megadiff.data.prepare:prepare_from_config",
+                    "tokenize text into a megatron indexed dataset (.bin/.idx)")
+    _config_command(sub, "pretrain", "megadiff.training.pretrain:pretrain_from_config",
+                    "pre-train (one process or under torchrun)")
+    _config_command(sub, "adapt", "megadiff.adapt.finetune:finetune_from_config",
+                    "Dex/DAA adaptation of a HF model with DeepSpeed ZeRO")
+
+    params = sub.add_parser("params", help="print a config's parameter count without allocating it")
+    params.add_argument("config")
+    params.add_argument("overrides", nargs="*")
+    params.set_defaults(run=lambda a: _target("megadiff.models.param_count:print_param_count")(a.config, a.overrides))
+
+    convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format")
+    conv_sub = convert.add_subparsers(dest="direction", required=True)
+    for direction, target in (("to-hf", "megadiff.convert.to_hf:convert_to_hf"),
+                              ("from-hf", "megadiff.convert.from_hf:convert_from_hf")):
+        p = conv_sub.add_parser(direction)
+        p.add_argument("--load", required=True, help="source directory")
+        p.add_argument("--save", required=True, help="destination directory")
+        p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                       help="weight dtype of the output (default: keep the source's)")
+        p.add_argument("--no-check", action="store_true", help="skip the logits comparison of both sides")
+        p.set_defaults(run=lambda a, t=target: _target(t)(a.load, a.save, dtype=a.dtype, check=not a.no_check))
+
+    gen = sub.add_parser("generate", help="generate text from a megadiff checkpoint")
+    gen.add_argument("--load", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
+        a.load, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
+
+    demo = sub.add_parser("demo", help="prepare the bundled corpus, pre-train a tiny DIFF model, convert, sample")
+    demo.add_argument("--output-dir", default="runs/demo")
+    demo.set_defaults(run=lambda a: _target("megadiff.demo:run_demo")(a.output_dir))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megadiff.config import ConfigError
+    try:
+        result = args.run(args)
+    except ConfigError as err:
+        print(f"megadiff: config error: {err}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The one typed config tree: model, parallel, data, train, checkpoint, logging.
+
+Every field is documented here; YAML files under configs/ set them and
+`key.sub=value` overrides refine them. Validation that needs several fields
+lives in `validate_*` functions so a bad config fails before any compute,
+with a message naming the key.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Variant = Literal["softmax", "diff", "shared_diff", "dint"]
+DIFFERENTIAL_VARIANTS = ("diff", "shared_diff", "dint")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    variant: Variant = "diff"
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=1)
+    ffn_hidden_size: Optional[int] = Field(None, ge=1, description="default: 8/3 hidden, rounded up to 64")
+    num_attention_heads: int = Field(2, ge=1, description="the variant's own heads: a DIFF head holds two softmax maps")
+    num_kv_heads: Optional[int] = Field(None, ge=1, description="GQA key/value heads; default = num_attention_heads")
+    head_dim: Optional[int] = Field(None, ge=1, description="d: width of one Q/K map; default hidden/(2h) for "
+                                    "differential variants (V is 2d wide), hidden/h for softmax")
+    vocab_size: int = Field(100288, ge=2, description="tokenizer vocabulary; padded up for the embedding")
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    seq_length: int = Field(4096, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    lambda_init: Union[Literal["depth"], float] = Field("depth", description="'depth': 0.8 - 0.6 exp(-0.3 l)")
+    lambda_std: float = Field(0.1, ge=0, description="std of the normal init of the four lambda vectors")
+    lowrank_rank: int = Field(0, ge=0, description="Shared DIFF: rank r of the four low-rank updates")
+    lowrank_zero_init: bool = Field(True, description="Shared DIFF: B factors start at zero (update = 0)")
+    init_std: float = Field(0.02, gt=0)
+    tie_embeddings: bool = False
+    attention_backend: Literal["auto", "triton", "sdpa", "sdpa_split_v", "reference"] = "auto"
+    transformer_impl: Literal["local", "te"] = "local"
+
+
+class ParallelConfig(Section):
+    tensor: int = Field(1, ge=1, description="tensor-parallel size")
+    pipeline: int = Field(1, ge=1, description="pipeline-parallel size")
+    virtual_pipeline: Optional[int] = Field(None, ge=2, description="model chunks per pipeline rank (interleaved)")
+    sequence_parallel: bool = False
+    context: int = Field(1, ge=1, description="context-parallel size")
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+
+class DataConfig(Section):
+    sources: list[str] = Field(default_factory=list, description="text files (json/jsonl/txt/parquet) or a "
+                               "dataset name, used by prepare-data")
+    text_key: str = "text"
+    prefix: Optional[str] = Field(None, description="output prefix of the indexed dataset (.bin/.idx)")
+    blend: list[Union[str, float]] = Field(default_factory=list, description="[w1, prefix1, w2, prefix2, ...] "
+                                           "or [prefix]; default [prefix]")
+    split: str = "949,50,1"
+    tokenizer: str = Field("cl100k_base", description="'cl100k_base', 'r50k_base' or a HF tokenizer directory")
+    workers: int = Field(1, ge=1)
+    length_upsampling: bool = Field(False, description="sample documents in proportion to their length")
+    bundled_corpus: Optional[str] = Field(None, description="name of a corpus megadiff builds itself (demo)")
+    cache_dir: Optional[str] = None
+
+
+class TrainConfig(Section):
+    micro_batch_size: int = Field(1, ge=1)
+    global_batch_size: int = Field(1, ge=1)
+    iters: int = Field(100, ge=1)
+    lr: float = Field(3.2e-4, ge=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_iters: int = Field(0, ge=0)
+    lr_decay_style: Literal["linear", "cosine", "constant"] = "linear"
+    lr_decay_iters: Optional[int] = Field(None, ge=1, description="default: iters")
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    exit_interval: Optional[int] = Field(None, ge=1, description="stop cleanly after this iteration, with a checkpoint")
+    eval_interval: Optional[int] = Field(None, ge=1)
+    eval_iters: int = Field(1, ge=1)
+    max_skipped_nan_iters: int = Field(10, ge=0)
+
+
+class CheckpointConfig(Section):
+    save_interval: Optional[int] = Field(None, ge=1)
+    keep_last: Optional[int] = Field(None, ge=1)
+    async_save: bool = False
+    load: Optional[str] = Field(None, description="initial checkpoint when output_dir has none (e.g. 4K -> 64K)")
+    load_optimizer: bool = True
+    reset_iteration: bool = Field(False, description="with `load`: start counting iterations and data from 0")
+
+
+class LoggingConfig(Section):
+    log_interval: int = Field(1, ge=1)
+    tensorboard: bool = True
+    rank0_only: bool = True
+
+
+class Config(Section):
+    output_dir: str = "runs/default"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -1,0 +1,112 @@
+"""Cross-field checks: each failure names the offending key(s)."""
+from __future__ import annotations
+
+from megadiff.config.schema import DIFFERENTIAL_VARIANTS, Config, ModelConfig, ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot work; raised before any compute."""
+
+
+def _fail(key: str, message: str) -> None:
+    raise ConfigError(f"{key}: {message}")
+
+
+def resolved_kv_heads(model: ModelConfig) -> int:
+    return model.num_kv_heads or model.num_attention_heads
+
+
+def resolved_head_dim(model: ModelConfig) -> int:
+    if model.head_dim is not None:
+        return model.head_dim
+    maps_per_head = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
+    return model.hidden_size // (maps_per_head * model.num_attention_heads)
+
+
+def resolved_ffn_hidden_size(model: ModelConfig) -> int:
+    if model.ffn_hidden_size is not None:
+        return model.ffn_hidden_size
+    return -(-(8 * model.hidden_size // 3) // 64) * 64
+
+
+def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
+    multiple = model.make_vocab_size_divisible_by * tensor_parallel
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def validate_model(model: ModelConfig) -> None:
+    h, h_kv = model.num_attention_heads, resolved_kv_heads(model)
+    differential = model.variant in DIFFERENTIAL_VARIANTS
+    if model.head_dim is None:
+        maps = 2 if differential else 1
+        if model.hidden_size % (maps * h):
+            _fail("model.hidden_size", f"{model.hidden_size} is not divisible by "
+                  f"{'2 x ' if differential else ''}model.num_attention_heads ({h}); set model.head_dim explicitly")
+    if h % h_kv:
+        _fail("model.num_kv_heads", f"model.num_attention_heads ({h}) must be a multiple of num_kv_heads ({h_kv})")
+    if resolved_head_dim(model) % 2:
+        _fail("model.head_dim", f"{resolved_head_dim(model)} must be even for rotary embeddings")
+    if model.variant == "shared_diff" and model.lowrank_rank < 1:
+        _fail("model.lowrank_rank", "Shared DIFF needs a rank >= 1")
+    if model.variant != "shared_diff" and model.lowrank_rank:
+        _fail("model.lowrank_rank", f"only used by variant 'shared_diff', not '{model.variant}'")
+    if isinstance(model.lambda_init, float) and not differential:
+        _fail("model.lambda_init", "only used by the differential variants")
+    if model.transformer_impl == "te":
+        from importlib.util import find_spec
+        if find_spec("transformer_engine") is None:
+            _fail("model.transformer_impl", "'te' needs TransformerEngine, which is not installed; use 'local'")
+
+
+def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None,
+                      seq_length: int | None = None) -> None:
+    tp, pp, cp = parallel.tensor, parallel.pipeline, parallel.context
+    h, h_kv = model.num_attention_heads, resolved_kv_heads(model)
+    if h % tp:
+        _fail("parallel.tensor", f"model.num_attention_heads ({h}) is not divisible by the tensor-parallel size {tp}")
+    if h_kv % tp:
+        _fail("parallel.tensor", f"GQA groups (model.num_kv_heads = {h_kv}) are not divisible by the "
+              f"tensor-parallel size {tp}")
+    if parallel.sequence_parallel and tp == 1:
+        _fail("parallel.sequence_parallel", "needs parallel.tensor > 1")
+    seq = seq_length if seq_length is not None else model.seq_length
+    if parallel.sequence_parallel and seq % tp:
+        _fail("parallel.sequence_parallel", f"sequence length {seq} is not divisible by parallel.tensor ({tp})")
+    if cp > 1 and seq % (2 * cp):
+        _fail("parallel.context", f"sequence length {seq} is not divisible by 2 x parallel.context ({2 * cp})")
+    chunks = pp * (parallel.virtual_pipeline or 1)
+    if model.num_layers % chunks:
+        what = "parallel.pipeline" + (" x parallel.virtual_pipeline" if parallel.virtual_pipeline else "")
+        _fail("parallel.pipeline", f"model.num_layers ({model.num_layers}) is not divisible by {what} ({chunks})")
+    if parallel.virtual_pipeline and pp < 2:
+        _fail("parallel.virtual_pipeline", "interleaving needs parallel.pipeline >= 2")
+    if parallel.overlap_param_gather and not parallel.distributed_optimizer:
+        _fail("parallel.overlap_param_gather", "needs parallel.distributed_optimizer")
+    if world_size is not None and world_size % (tp * pp * cp):
+        _fail("parallel", f"world size {world_size} is not divisible by tensor x pipeline x context = {tp * pp * cp}")
+
+
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    return world_size // (parallel.tensor * parallel.pipeline * parallel.context)
+
+
+def validate_config(cfg: Config, world_size: int | None = None) -> None:
+    validate_model(cfg.model)
+    validate_parallel(cfg.model, cfg.parallel, world_size)
+    train = cfg.train
+    if world_size is not None:
+        dp = data_parallel_size(cfg.parallel, world_size)
+        if train.global_batch_size % (train.micro_batch_size * dp):
+            _fail("train.global_batch_size", f"{train.global_batch_size} is not divisible by "
+                  f"train.micro_batch_size x data-parallel size ({train.micro_batch_size} x {dp})")
+        if cfg.parallel.virtual_pipeline:
+            micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
+            if micro_batches % cfg.parallel.pipeline:
+                _fail("train.global_batch_size", f"the interleaved schedule needs the number of micro-batches "
+                      f"({micro_batches}) to be a multiple of parallel.pipeline ({cfg.parallel.pipeline})")
+    if train.min_lr > train.lr:
+        _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
+    if train.lr_warmup_iters > (train.lr_decay_iters or train.iters):
+        _fail("train.lr_warmup_iters", "longer than the schedule (train.lr_decay_iters or train.iters)")
+    if train.precision == "fp8" and cfg.model.transformer_impl != "te":
+        _fail("train.precision", "fp8 needs model.transformer_impl=te (TransformerEngine)")

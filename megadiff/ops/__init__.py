@@ -1,0 +1,15 @@
+"""Pure-PyTorch (+ Triton) differential-attention ops. Knows nothing about megatron."""
+from megadiff.ops.dispatch import BACKENDS, differential_attention, resolve_backend
+from megadiff.ops.lambdas import depth_lambda_init, reparameterized_lambda
+from megadiff.ops.reference import differential_attention_reference
+from megadiff.ops.sdpa import differential_attention_sdpa
+
+__all__ = [
+    "BACKENDS",
+    "differential_attention",
+    "differential_attention_reference",
+    "differential_attention_sdpa",
+    "depth_lambda_init",
+    "reparameterized_lambda",
+    "resolve_backend",
+]

@@ -1,0 +1,47 @@
+"""Shape checks and small helpers shared by every differential-attention implementation."""
+from __future__ import annotations
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax and accumulation run in fp32 for low precision, in the input dtype otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def check_shapes(q1, k1, q2, k2, v, lam, integral: bool) -> None:
+    if q1.dim() != 4:
+        raise ValueError(f"q1 must be [B, N, H, d], got shape {tuple(q1.shape)}")
+    if q1.shape != q2.shape:
+        raise ValueError(f"q1 {tuple(q1.shape)} and q2 {tuple(q2.shape)} must have the same shape")
+    if k1.shape != k2.shape:
+        raise ValueError(f"k1 {tuple(k1.shape)} and k2 {tuple(k2.shape)} must have the same shape")
+    b, n_q, h_q, d = q1.shape
+    b_k, n_k, h_kv, d_k = k1.shape
+    if (b_k, d_k) != (b, d):
+        raise ValueError(f"k {tuple(k1.shape)} does not match q {tuple(q1.shape)} in batch or head dim")
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
+    if v.shape[:3] != (b, n_k, h_kv):
+        raise ValueError(f"v must be [B, Nk, Hkv, dv] = [{b}, {n_k}, {h_kv}, dv], got {tuple(v.shape)}")
+    if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != h_q):
+        raise ValueError(f"lam must be a 0-dim tensor or have one value per query head ({h_q}), got {tuple(lam.shape)}")
+    if n_q > n_k:
+        raise ValueError(f"more queries ({n_q}) than keys ({n_k})")
+    if integral and n_q != n_k:
+        raise ValueError("the DINT integral term needs as many queries as keys")
+
+
+def lambda_per_head(lam: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[] or [H] -> [H] in fp32."""
+    return lam.float().expand(num_heads) if lam.dim() == 0 else lam.float()
+
+
+def running_mean(x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Mean over positions 1..i of x[:, :i] (causal) or over all positions; x: [B, N, H, e]."""
+    if not causal:
+        return x.mean(dim=1, keepdim=True).expand_as(x)
+    counts = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+    return x.cumsum(dim=1) / counts

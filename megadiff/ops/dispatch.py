@@ -1,0 +1,56 @@
+"""One entry point, `differential_attention`, over every implementation.
+
+Order of preference: the fused Triton kernel (CUDA tensors), the SDPA-composed
+path, the naive reference. `backend=` forces one.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from megadiff.ops.reference import differential_attention_reference
+from megadiff.ops.sdpa import differential_attention_sdpa
+
+BACKENDS = ("auto", "triton", "sdpa", "sdpa_split_v", "reference")
+
+
+def _triton_impl() -> Callable | None:
+    try:
+        module = importlib.import_module("megadiff.ops.triton_kernel")
+    except ImportError:
+        return None
+    return getattr(module, "differential_attention_triton", None)
+
+
+def _triton_usable(q: torch.Tensor) -> bool:
+    return q.is_cuda and _triton_impl() is not None
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if _triton_usable(q) else "sdpa"
+    if backend == "triton" and _triton_impl() is None:
+        raise RuntimeError("attention backend 'triton' requested but triton (or the kernel module) is not importable")
+    return backend
+
+
+def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integral: bool = False,
+                           softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """(A1 - lam A2) V, plus lam * running-mean(A1 V) when `integral` (DINT).
+
+    q1, q2: [B, N, Hq, d]; k1, k2: [B, Nk, Hkv, d]; v: [B, Nk, Hkv, dv]; lam: [] or [Hq].
+    Returns [B, N, Hq, dv], before the head-wise norm.
+    """
+    kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale)
+    chosen = resolve_backend(backend, q1)
+    if chosen == "triton":
+        return _triton_impl()(q1, k1, q2, k2, v, lam, **kwargs)
+    if chosen == "sdpa":
+        return differential_attention_sdpa(q1, k1, q2, k2, v, lam, **kwargs)
+    if chosen == "sdpa_split_v":
+        return differential_attention_sdpa(q1, k1, q2, k2, v, lam, split_v=True, **kwargs)
+    return differential_attention_reference(q1, k1, q2, k2, v, lam, **kwargs)

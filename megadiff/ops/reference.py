@@ -1,0 +1,42 @@
+"""Naive differential attention: the numerical oracle for every fast path.
+
+It materialises the N x N maps in fp32 (fp64 for fp64 inputs), so use it for
+tests and small shapes only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megadiff.ops.common import check_shapes, compute_dtype, lambda_per_head, running_mean
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """softmax(scale * q k^T + causal mask), q: [B, Nq, H, d], k: [B, Nk, H, d] -> [B, H, Nq, Nk]."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        n_q, n_k = q.shape[1], k.shape[1]
+        # bottom-right aligned, so a query block at the end of the keys (decode, CP) is causal too
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def differential_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None):
+    check_shapes(q1, k1, q2, k2, v, lam, integral)
+    out_dtype = q1.dtype
+    work = compute_dtype(q1.dtype)
+    group = q1.shape[2] // k1.shape[2]
+    q1, q2 = q1.to(work), q2.to(work)
+    k1, k2, v = (t.to(work).repeat_interleave(group, dim=2) for t in (k1, k2, v))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q1.shape[-1])
+
+    a1 = attention_probs(q1, k1, scale, causal)
+    a2 = attention_probs(q2, k2, scale, causal)
+    lam_h = lambda_per_head(lam, q1.shape[2]).to(work).view(1, -1, 1, 1)
+    out = torch.einsum("bhqk,bkhe->bqhe", a1 - lam_h * a2, v)
+    if integral:
+        first_map_out = torch.einsum("bhqk,bkhe->bqhe", a1, v)
+        out = out + lam_h.view(1, 1, -1, 1) * running_mean(first_map_out, causal)
+    return out.to(out_dtype)
