@@ -1,0 +1,44 @@
+"""Build the GPT model (one chunk per virtual pipeline stage) from megadiff's config."""
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megadiff.config import Config, padded_vocab_size
+from megadiff.models.specs import block_spec
+from megadiff.models.transformer_config import MegadiffTransformerConfig, to_transformer_config
+
+
+def build_model_chunk(cfg: Config, config: MegadiffTransformerConfig, pre_process: bool, post_process: bool,
+                      vp_stage: int | None = None) -> GPTModel:
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config, vp_stage),
+        vocab_size=padded_vocab_size(cfg.model, cfg.parallel.tensor),
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.model.rope_theta),
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(cfg: Config, config: MegadiffTransformerConfig | None = None) -> list[GPTModel]:
+    """This rank's model chunks (more than one under the interleaved pipeline schedule).
+
+    Model-parallel groups must be initialised (megadiff.parallel.initialize).
+    """
+    config = config or to_transformer_config(cfg)
+    virtual = cfg.parallel.virtual_pipeline or 1
+    chunks = []
+    for vp_stage in range(virtual):
+        stage = vp_stage if cfg.parallel.virtual_pipeline else None
+        chunks.append(build_model_chunk(
+            cfg, config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage))
+    return chunks

@@ -1,0 +1,76 @@
+"""Core attention for DIFF and DINT, plugged into megatron's SelfAttention.
+
+Receives megatron's rotated q/k/v with 2h heads of width d (see
+transformer_config.py for the layout), pairs adjacent heads into the two maps
+of each differential head, applies the op, the head-wise RMSNorm and the
+(1 - lambda_init) multiplier, and returns [s, b, h * 2d] for linear_proj.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from megadiff.ops import depth_lambda_init, differential_attention, reparameterized_lambda
+
+
+def layer_lambda_init(lambda_init: str | float, layer_number: int) -> float:
+    """megatron's layer_number is 1-based and global (pipeline offset included)."""
+    return depth_lambda_init(layer_number - 1) if lambda_init == "depth" else float(lambda_init)
+
+
+class DifferentialCoreAttention(MegatronModule):
+    """(A1 - lambda A2) V [+ lambda * running mean of A1 V for DINT], then head-wise norm."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 cp_comm_type: str | None = None, softmax_scale: float | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"differential attention supports causal masking only, got {attn_mask_type}")
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism is not implemented for the differential variants yet")
+        self.integral = config.variant == "dint"
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale
+        self.backend = config.attention_backend_name
+        self.lambda_init = layer_lambda_init(config.lambda_init, layer_number)
+        # lambda's vectors stay fp32 whatever the model's dtype: exp() of their dot products is sensitive
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            torch.nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32)) for _ in range(4))
+        self.head_norm_weight = torch.nn.Parameter(torch.ones(2 * self.head_dim, dtype=config.params_dtype))
+        self.head_norm_eps = config.layernorm_epsilon
+        self.reset_lambda_parameters()
+
+    def reset_lambda_parameters(self) -> None:
+        with torch.no_grad():
+            for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+                vector.normal_(mean=0.0, std=self.config.lambda_std)
+
+    def _replicated(self, param: torch.Tensor) -> torch.Tensor:
+        # These parameters are replicated across tensor-parallel ranks but each rank only sees
+        # its own heads: all-reducing their gradient (backward of this identity) keeps ranks equal.
+        return copy_to_tensor_model_parallel_region(param)
+
+    def current_lambda(self) -> torch.Tensor:
+        vectors = [self._replicated(p) for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)]
+        return reparameterized_lambda(*vectors, self.lambda_init)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences are not supported by differential attention")
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by differential attention")
+        seq, batch, d = query.shape[0], query.shape[1], self.head_dim
+        # [s, b, 2h, d] -> two [b, s, h, d] maps; adjacent megatron heads are one differential head
+        q1, q2 = query.reshape(seq, batch, -1, 2, d).transpose(0, 1).unbind(dim=3)
+        k1, k2 = key.reshape(seq, batch, -1, 2, d).transpose(0, 1).unbind(dim=3)
+        v = value.reshape(seq, batch, -1, 2 * d).transpose(0, 1)
+        out = differential_attention(q1, k1, q2, k2, v, self.current_lambda(), causal=True,
+                                     integral=self.integral, softmax_scale=self.softmax_scale,
+                                     backend=self.backend)
+        weight = self._replicated(self.head_norm_weight)
+        out = F.rms_norm(out.float(), (2 * d,), weight.float(), self.head_norm_eps) * (1.0 - self.lambda_init)
+        return out.to(query.dtype).transpose(0, 1).reshape(seq, batch, -1)

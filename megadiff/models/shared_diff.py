@@ -1,0 +1,77 @@
+"""Shared DIFF's QKV projection: shared W_Q, W_K plus four low-rank updates.
+
+It stands in for megatron's `linear_qkv` and returns exactly the tensor that
+a DIFF layer's fused QKV projection returns (see transformer_config.py), so
+the rest of megatron's SelfAttention and DifferentialCoreAttention are reused:
+    Q1 = X (W_Q + A_q1 B_q1^T), Q2 = X (W_Q + A_q2 B_q2^T), likewise K1, K2.
+A (D x r, replicated across tensor-parallel ranks) and B (rows per head,
+split across ranks with the heads) follow SPEC section 2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide, get_pg_size
+
+UPDATES = ("q1", "q2", "k1", "k2")
+
+
+class SharedDiffQKV(MegatronModule):
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, gather_output: bool = False,
+                 bias: bool = False, tp_group=None, **_unused):
+        super().__init__(config=config)
+        if bias or gather_output:
+            raise ValueError("Shared DIFF's QKV projection has no bias and keeps its output split")
+        d, rank = config.kv_channels, config.lowrank_rank
+        heads, kv_heads = config.differential_heads, config.differential_kv_heads
+        tp = get_pg_size(tp_group)
+        self.head_dim, self.rank = d, rank
+        self.heads_per_group = heads // kv_heads
+        self.kv_heads_local = divide(kv_heads, tp)
+        self.tp_group = tp_group
+        # One row block per key/value group: [its query heads | K | V (2d)], so a contiguous
+        # tensor-parallel split hands every rank whole groups.
+        self.shared = ColumnParallelLinear(
+            input_size, kv_heads * (self.heads_per_group * d + 3 * d), config=config, init_method=init_method,
+            bias=False, gather_output=False, tp_group=tp_group)
+        self.lowrank_down = torch.nn.Parameter(torch.empty(len(UPDATES) * rank, input_size, dtype=config.params_dtype))
+        with torch.no_grad():
+            self.lowrank_down.normal_(0.0, config.init_method_std)
+        up_init = torch.nn.init.zeros_ if config.lowrank_zero_init else init_method
+        self.lowrank_up = torch.nn.ModuleDict({
+            name: ColumnParallelLinear(rank, (heads if name.startswith("q") else kv_heads) * d, config=config,
+                                       init_method=up_init, bias=False, gather_output=False, tp_group=tp_group)
+            for name in UPDATES})
+        assert output_size == 2 * heads * d + 4 * kv_heads * d, "unexpected DIFF QKV width"
+
+    def _low_rank_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """X A for all four updates on the full sequence, with a gradient that is complete on every rank."""
+        if self.config.sequence_parallel:
+            # the incoming gradient is already summed over ranks, so its backward only splits
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
+        return copy_to_tensor_model_parallel_region(F.linear(x, self.lowrank_down), group=self.tp_group)
+
+    def forward(self, x: torch.Tensor):
+        shared, _ = self.shared(x)
+        seq, batch = shared.shape[:2]
+        d, groups = self.head_dim, self.kv_heads_local
+        shared = shared.view(seq, batch, groups, self.heads_per_group * d + 3 * d)
+        q, k, v = torch.split(shared, [self.heads_per_group * d, d, 2 * d], dim=-1)
+        down = self._low_rank_inputs(x).split(self.rank, dim=-1)
+        update = {name: self.lowrank_up[name](part)[0] for name, part in zip(UPDATES, down)}
+        q = q.reshape(seq, batch, groups, self.heads_per_group, d)
+        q1 = q + update["q1"].view_as(q)
+        q2 = q + update["q2"].view_as(q)
+        k1 = k + update["k1"].view_as(k)
+        k2 = k + update["k2"].view_as(k)
+        # megatron's DIFF layout: 2 * groups megatron groups, query heads interleaved (Q1_i, Q2_i)
+        queries = torch.stack([q1, q2], dim=-2).reshape(seq, batch, 2 * groups, self.heads_per_group, d)
+        keys = torch.stack([k1, k2], dim=-2).reshape(seq, batch, 2 * groups, 1, d)
+        values = v.reshape(seq, batch, 2 * groups, 1, d)
+        return torch.cat([queries, keys, values], dim=-2).reshape(seq, batch, -1), None
+

@@ -1,0 +1,93 @@
+"""megadiff's config tree -> megatron-core TransformerConfig.
+
+A differential model with h heads of width d (V of width 2d) is laid out for
+megatron as 2h attention heads of width d and 2*n_kv query groups: the Q/K/V
+projection then has exactly DIFF's widths, and adjacent megatron heads (2i,
+2i+1) are the two maps of differential head i. This keeps megatron's own
+SelfAttention, QKV split, RoPE and tensor-parallel head sharding untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from megadiff.config import (
+    DIFFERENTIAL_VARIANTS, Config, resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads,
+)
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+@dataclass
+class MegadiffTransformerConfig(TransformerConfig):
+    """TransformerConfig plus what the differential layers read."""
+
+    variant: str = "softmax"
+    lambda_init: Union[str, float] = "depth"
+    lambda_std: float = 0.1
+    lowrank_rank: int = 0
+    lowrank_zero_init: bool = True
+    attention_backend_name: str = "auto"
+
+    @property
+    def differential_heads(self) -> int:
+        return self.num_attention_heads // 2
+
+    @property
+    def differential_kv_heads(self) -> int:
+        return self.num_query_groups // 2
+
+
+def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    maps = 2 if m.variant in DIFFERENTIAL_VARIANTS else 1
+    dtype = PRECISION_DTYPES[t.precision]
+    recompute = {} if t.recompute == "none" else (
+        {"recompute_granularity": "selective"} if t.recompute == "selective"
+        else {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1})
+    return MegadiffTransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=resolved_ffn_hidden_size(m),
+        num_attention_heads=maps * m.num_attention_heads,
+        num_query_groups=maps * resolved_kv_heads(m),
+        kv_channels=resolved_head_dim(m),
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        context_parallel_size=p.context,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype if t.precision != "fp32" else torch.float32,
+        bf16=t.precision in ("bf16", "fp8"),
+        fp16=t.precision == "fp16",
+        fp8="hybrid" if t.precision == "fp8" else None,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        variant=m.variant,
+        lambda_init=m.lambda_init,
+        lambda_std=m.lambda_std,
+        lowrank_rank=m.lowrank_rank,
+        lowrank_zero_init=m.lowrank_zero_init,
+        attention_backend_name=m.attention_backend,
+        **recompute,
+    )

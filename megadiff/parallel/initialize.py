@@ -1,0 +1,62 @@
+"""Process groups, megatron model-parallel state and seeds."""
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megadiff.config import ParallelConfig
+from megadiff.parallel import cpu_mode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a plain `python` run: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def set_seed(seed: int) -> None:
+    """Same seed on tensor/data-parallel ranks (replicated weights agree); offset per pipeline stage."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize(parallel: ParallelConfig, seed: int) -> None:
+    """Idempotent per process: call once before building models."""
+    if not torch.cuda.is_available():
+        cpu_mode.enable()
+    _init_process_group()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor,
+            pipeline_model_parallel_size=parallel.pipeline,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+            context_parallel_size=parallel.context,
+        )
+    set_seed(seed)
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
