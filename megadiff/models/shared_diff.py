@@ -12,9 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide, get_pg_size
 
@@ -33,7 +30,6 @@ class SharedDiffQKV(MegatronModule):
         self.head_dim, self.rank = d, rank
         self.heads_per_group = heads // kv_heads
         self.kv_heads_local = divide(kv_heads, tp)
-        self.tp_group = tp_group
         # One row block per key/value group: [its query heads | K | V (2d)], so a contiguous
         # tensor-parallel split hands every rank whole groups.
         self.shared = ColumnParallelLinear(
@@ -42,19 +38,16 @@ class SharedDiffQKV(MegatronModule):
         self.lowrank_down = torch.nn.Parameter(torch.empty(len(UPDATES) * rank, input_size, dtype=config.params_dtype))
         with torch.no_grad():
             self.lowrank_down.normal_(0.0, config.init_method_std)
+        # replicated across TP ranks; under SP each rank sees only its tokens, so megatron's
+        # finalize_model_grads must all-reduce its gradient, as for the norms
+        setattr(self.lowrank_down, "sequence_parallel", config.sequence_parallel)
         up_init = torch.nn.init.zeros_ if config.lowrank_zero_init else init_method
-        self.lowrank_up = torch.nn.ModuleDict({
-            name: ColumnParallelLinear(rank, (heads if name.startswith("q") else kv_heads) * d, config=config,
-                                       init_method=up_init, bias=False, gather_output=False, tp_group=tp_group)
-            for name in UPDATES})
+        # direct children (not a ModuleDict) so megatron's sharded_state_dict sees them as TP-split
+        for name in UPDATES:
+            setattr(self, f"lowrank_up_{name}", ColumnParallelLinear(
+                rank, (heads if name.startswith("q") else kv_heads) * d, config=config, init_method=up_init,
+                bias=False, gather_output=False, tp_group=tp_group))
         assert output_size == 2 * heads * d + 4 * kv_heads * d, "unexpected DIFF QKV width"
-
-    def _low_rank_inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """X A for all four updates on the full sequence, with a gradient that is complete on every rank."""
-        if self.config.sequence_parallel:
-            # the incoming gradient is already summed over ranks, so its backward only splits
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
-        return copy_to_tensor_model_parallel_region(F.linear(x, self.lowrank_down), group=self.tp_group)
 
     def forward(self, x: torch.Tensor):
         shared, _ = self.shared(x)
@@ -62,8 +55,10 @@ class SharedDiffQKV(MegatronModule):
         d, groups = self.head_dim, self.kv_heads_local
         shared = shared.view(seq, batch, groups, self.heads_per_group * d + 3 * d)
         q, k, v = torch.split(shared, [self.heads_per_group * d, d, 2 * d], dim=-1)
-        down = self._low_rank_inputs(x).split(self.rank, dim=-1)
-        update = {name: self.lowrank_up[name](part)[0] for name, part in zip(UPDATES, down)}
+        # X A on this rank's tokens; each up-projection (a ColumnParallelLinear) gathers the sequence
+        # under SP and all-reduces its input gradient, so A's gradient is complete per token shard
+        down = F.linear(x, self.lowrank_down).split(self.rank, dim=-1)
+        update = {name: getattr(self, f"lowrank_up_{name}")(part)[0] for name, part in zip(UPDATES, down)}
         q = q.reshape(seq, batch, groups, self.heads_per_group, d)
         q1 = q + update["q1"].view_as(q)
         q2 = q + update["q2"].view_as(q)

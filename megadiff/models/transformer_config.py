@@ -83,6 +83,10 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # gloo matches point-to-point messages per peer in posting order; megatron's batched ops
+        # mix up activations and gradients when both pipeline neighbours are one rank (PP=2).
+        # Its unbatched path sends the two directions over different groups.
+        batch_p2p_comm=torch.cuda.is_available(),
         variant=m.variant,
         lambda_init=m.lambda_init,
         lambda_std=m.lambda_std,

@@ -1,0 +1,1 @@
+"""Checkpoints: megatron dist_checkpointing save/load, resume, full-tensor gathering."""

@@ -1,0 +1,1 @@
+"""Training: the engine (DDP + optimizer), the step, the pre-training loop."""

@@ -1,0 +1,87 @@
+"""Model chunks wrapped for training: mixed precision, megatron DDP, the megatron optimizer.
+
+Shared by `megadiff pretrain` and the parallel-parity tests, so what the tests
+check is what training runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+
+from megadiff.config import Config
+from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
+
+
+@dataclass
+class Engine:
+    cfg: Config
+    config: MegadiffTransformerConfig
+    model: list            # DDP-wrapped chunks, one per virtual pipeline stage
+    optimizer: object      # megatron MegatronOptimizer (ChainedOptimizer)
+
+    def unwrapped(self) -> list:
+        """The GPTModel chunks inside DDP / Float16Module."""
+        chunks = []
+        for chunk in self.model:
+            inner = chunk.module
+            chunks.append(inner.module if isinstance(inner, Float16Module) else inner)
+        return chunks
+
+
+def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> list:
+    parallel = cfg.parallel
+    if config.bf16 or config.fp16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
+        use_distributed_optimizer=parallel.distributed_optimizer,
+    )
+    wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                       # megatron buckets only the first chunk when overlapping
+                                       disable_bucketing=index > 0)
+               for index, chunk in enumerate(chunks)]
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if parallel.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in wrapped]
+        config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    if parallel.overlap_param_gather:
+        sync = [chunk.start_param_sync for chunk in wrapped]
+        config.param_sync_func = sync[0] if len(sync) == 1 else sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(cfg: Config, config: MegadiffTransformerConfig, model: list):
+    train = cfg.train
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, model)
+    if config.bf16 or config.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_engine(cfg: Config) -> Engine:
+    """Model-parallel state must be initialised (megadiff.parallel.initialize)."""
+    config = to_transformer_config(cfg)
+    model = wrap_model(cfg, config, build_model(cfg, config))
+    return Engine(cfg=cfg, config=config, model=model, optimizer=build_optimizer(cfg, config, model))

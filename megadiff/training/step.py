@@ -1,0 +1,77 @@
+"""One optimizer step through megatron's pipeline schedules (1F1B, interleaved or none)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megadiff.training.engine import Engine
+
+
+def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """megatron loss_func: mean token loss of one micro-batch."""
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
+    # clone: the schedule scales the returned loss in place by 1/num_microbatches
+    return loss, {"lm_loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator, model):
+    """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels."""
+    batch = next(data_iterator)
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return per_token_loss, partial(masked_mean_loss, batch["loss_mask"])
+
+
+@dataclass
+class StepResult:
+    loss: float                 # mean over micro-batches and data-parallel ranks, same on every rank
+    grad_norm: float | None
+    updated: bool               # False when the optimizer skipped the step (non-finite gradients)
+
+
+def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int) -> float:
+    """The schedules return losses on the last pipeline stage only: average over DP, send to all stages."""
+    value = torch.zeros(1, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        value[0] = sum(float(item["lm_loss"]) for item in reduced) / num_microbatches
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(value[0])
+
+
+def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool = False) -> float:
+    """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk."""
+    cfg = engine.cfg
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    reduced = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(engine.model) > 1 else iterators[0],
+        model=engine.model,
+        num_microbatches=num_microbatches,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size,
+        forward_only=forward_only,
+    )
+    return _mean_loss_on_every_rank(reduced, num_microbatches)
+
+
+def train_step(engine: Engine, data_iterator, num_microbatches: int,
+               before_update: Callable[[Engine], None] | None = None) -> StepResult:
+    """`before_update(engine)` sees the reduced gradients (param.main_grad) before the optimizer uses them."""
+    for chunk in engine.model:
+        chunk.zero_grad_buffer()
+    engine.optimizer.zero_grad()
+    loss = run_forward_backward(engine, data_iterator, num_microbatches)
+    if before_update is not None:
+        before_update(engine)
+    updated, grad_norm, _ = engine.optimizer.step()
+    return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm), updated=bool(updated))
