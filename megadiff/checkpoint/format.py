@@ -1,0 +1,71 @@
+"""On-disk layout of a run and its checkpoints (shared by training, conversion and inference).
+
+    OUTPUT_DIR/
+      config.yaml                       resolved config of the run
+      checkpoints/
+        latest_checkpointed_iteration.txt   the commit marker: written last, after a save completed
+        iter_0000100/                   megatron dist_checkpointing (torch_dist), any TP/PP layout
+          config.yaml                   the config the weights belong to
+          ...
+
+A checkpoint holds the model under "model" ("model0", "model1", ... with
+virtual pipeline chunks); sharded keys are global, so it loads into any layout.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megadiff.config import Config, load_config
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+CONFIG_FILE = "config.yaml"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint path that cannot be used."""
+
+
+def iteration_dir(checkpoints_dir: str | Path, iteration: int) -> Path:
+    return Path(checkpoints_dir) / f"iter_{iteration:07d}"
+
+
+def read_latest_iteration(checkpoints_dir: str | Path) -> int | None:
+    marker = Path(checkpoints_dir) / LATEST_FILE
+    if not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{marker}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """A run's output_dir, its checkpoints/ directory (-> latest) or one iteration's directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path does not exist: {path}")
+    if (path / CHECKPOINTS_DIR).is_dir():
+        path = path / CHECKPOINTS_DIR
+    if (path / LATEST_FILE).is_file():
+        iteration = read_latest_iteration(path)
+        path = iteration_dir(path, iteration)
+        if not path.is_dir():
+            raise CheckpointError(f"the latest marker names iteration {iteration}, but {path} is missing")
+    if not (path / "metadata.json").is_file() or not (path / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{path} is not a megadiff checkpoint (no metadata.json / {CONFIG_FILE}); pass a run's "
+                              "output_dir, its checkpoints/ directory or an iter_* directory")
+    return path
+
+
+def checkpoint_config(checkpoint_dir: str | Path) -> Config:
+    return load_config(Path(checkpoint_dir) / CONFIG_FILE)
+
+
+def model_keys(num_chunks: int) -> list[str]:
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def model_sharded_state(chunks: list) -> dict:
+    """{"model": chunk.sharded_state_dict()} (or model0, model1, ...) for unwrapped GPTModel chunks."""
+    return {key: chunk.sharded_state_dict() for key, chunk in zip(model_keys(len(chunks)), chunks)}
