@@ -1,0 +1,62 @@
+"""Config tree: YAML + overrides, and bad configs refused before any compute, naming the key."""
+from __future__ import annotations
+
+import pytest
+
+from megadiff.config import ConfigError, build_config, load_config, resolved_head_dim
+
+
+def test_yaml_base_inheritance_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("model:\n  hidden_size: 128\n  num_attention_heads: 4\ntrain:\n  lr: 0.1\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nmodel:\n  num_layers: 3\n")
+    cfg = load_config(tmp_path / "child.yaml", ["train.lr=0.5", "output_dir=/tmp/x"])
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.train.lr, cfg.output_dir) == (128, 3, 0.5, "/tmp/x")
+    assert resolved_head_dim(cfg.model) == 16  # DIFF: hidden / (2 heads-maps x 4 heads)
+
+
+def test_softmax_head_dim_uses_all_heads():
+    cfg = build_config({}, ["model.variant=softmax", "model.hidden_size=128", "model.num_attention_heads=4"])
+    assert resolved_head_dim(cfg.model) == 32
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.hiden_size=3"], "model.hiden_size: unknown key"),
+    (["train.lr=abc"], "train.lr"),
+    (["model.hidden_size=65"], "model.hidden_size"),
+    (["model.num_attention_heads=4", "model.num_kv_heads=3", "model.hidden_size=64"], "model.num_kv_heads"),
+    (["parallel.tensor=4"], "parallel.tensor"),
+    (["model.num_attention_heads=4", "model.num_kv_heads=1", "model.hidden_size=64", "parallel.tensor=2"],
+     "GQA groups"),
+    (["model.num_layers=3", "parallel.pipeline=2"], "parallel.pipeline"),
+    (["model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=4"], "parallel.pipeline"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel: needs parallel.tensor"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.seq_length=33"], "not divisible by parallel"),
+    (["model.variant=shared_diff"], "model.lowrank_rank"),
+    (["model.lowrank_rank=8"], "model.lowrank_rank"),
+    (["model.variant=softmax", "model.lambda_init=0.5"], "model.lambda_init"),
+    (["model.head_dim=7"], "model.head_dim"),
+    (["train.min_lr=1", "train.lr=0.1"], "train.min_lr"),
+    (["train.precision=fp8"], "train.precision"),
+    (["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather"),
+    (["model.transformer_impl=te"], "model.transformer_impl"),
+])
+def test_bad_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        build_config({}, overrides)
+
+
+def test_world_size_checks():
+    with pytest.raises(ConfigError, match="world size 3"):
+        build_config({}, ["parallel.tensor=2"], world_size=3)
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        build_config({}, ["train.global_batch_size=3", "train.micro_batch_size=1"], world_size=2)
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        build_config({}, ["train.lr"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
