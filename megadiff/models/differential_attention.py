@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megadiff.models.context_parallel import context_parallel_differential_attention
 from megadiff.ops import depth_lambda_init, differential_attention, reparameterized_lambda
 
 
@@ -29,8 +30,6 @@ class DifferentialCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"differential attention supports causal masking only, got {attn_mask_type}")
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism is not implemented for the differential variants yet")
         self.integral = config.variant == "dint"
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale
@@ -64,13 +63,18 @@ class DifferentialCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by differential attention")
         seq, batch, d = query.shape[0], query.shape[1], self.head_dim
-        # [s, b, 2h, d] -> two [b, s, h, d] maps; adjacent megatron heads are one differential head
-        q1, q2 = query.reshape(seq, batch, -1, 2, d).transpose(0, 1).unbind(dim=3)
-        k1, k2 = key.reshape(seq, batch, -1, 2, d).transpose(0, 1).unbind(dim=3)
-        v = value.reshape(seq, batch, -1, 2 * d).transpose(0, 1)
-        out = differential_attention(q1, k1, q2, k2, v, self.current_lambda(), causal=True,
-                                     integral=self.integral, softmax_scale=self.softmax_scale,
-                                     backend=self.backend)
+        # [s, b, 2h, d] -> two [s, b, h, d] maps; adjacent megatron heads are one differential head
+        q1, q2 = query.reshape(seq, batch, -1, 2, d).unbind(dim=3)
+        k1, k2 = key.reshape(seq, batch, -1, 2, d).unbind(dim=3)
+        v = value.reshape(seq, batch, -1, 2 * d)
+        lam = self.current_lambda()
+        if self.config.context_parallel_size > 1:
+            out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
+                                                          softmax_scale=self.softmax_scale, backend=self.backend)
+        else:
+            q1, k1, q2, k2, v = (t.transpose(0, 1) for t in (q1, k1, q2, k2, v))
+            out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,
+                                         softmax_scale=self.softmax_scale, backend=self.backend)
         weight = self._replicated(self.head_norm_weight)
         out = F.rms_norm(out.float(), (2 * d,), weight.float(), self.head_norm_eps) * (1.0 - self.lambda_init)
         return out.to(query.dtype).transpose(0, 1).reshape(seq, batch, -1)

@@ -2,7 +2,7 @@
 from megadiff.ops.dispatch import BACKENDS, differential_attention, resolve_backend
 from megadiff.ops.lambdas import depth_lambda_init, reparameterized_lambda
 from megadiff.ops.reference import differential_attention_reference
-from megadiff.ops.sdpa import differential_attention_sdpa
+from megadiff.ops.sdpa import differential_attention_sdpa, softmax_attention
 
 __all__ = [
     "BACKENDS",
@@ -12,4 +12,5 @@ __all__ = [
     "depth_lambda_init",
     "reparameterized_lambda",
     "resolve_backend",
+    "softmax_attention",
 ]

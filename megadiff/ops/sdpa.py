@@ -49,3 +49,9 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
     if integral:
         out = out + lam_h * running_mean(o1, causal)
     return out.to(q1.dtype)
+
+
+def softmax_attention(q, k, v, *, causal=True, softmax_scale=None) -> torch.Tensor:
+    """One softmax map's output A V ([B, N, H, d] layout, bottom-right causal when Nq < Nk)."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _sdpa(q, k, v, causal, scale)

@@ -1,10 +1,10 @@
 """megatron-core on a machine without CUDA (development, the CPU demo, CI).
 
-megatron-core 0.16.1 assumes CUDA in six places (measured, see
-docs/cpu-mode.md): `torch.cuda.current_device()` as a device, stream-capture
-checks, the CUDA RNG tracker, hard-coded device="cuda" / `.cuda()` in
-schedules and optimizers, `torch.cuda.synchronize()`, and `Tensor.type()`
-asserting 'torch.cuda.FloatTensor'. `enable()` redirects each of them to the
+megatron-core 0.16.1 assumes CUDA in seven places: `torch.cuda.current_device()`
+as a device, stream-capture checks, the CUDA RNG tracker, hard-coded
+device="cuda" / `.cuda()` in schedules and optimizers, `torch.cuda.synchronize()`,
+`Tensor.type()` asserting 'torch.cuda.FloatTensor', and `pin_memory=True`
+(context-parallel RoPE). `enable()` redirects each of them to the
 CPU. It refuses to run where CUDA exists, so GPU runs always take megatron's
 real CUDA paths untouched.
 """
@@ -33,6 +33,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # page-locked host memory only exists with an accelerator
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1:

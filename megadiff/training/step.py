@@ -9,21 +9,31 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megadiff.training.engine import Engine
 
 
 def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """megatron loss_func: mean token loss of one micro-batch."""
+    """megatron loss_func: mean token loss of one micro-batch over its whole sequence.
+
+    Under context parallelism each rank holds part of the sequence: the value is the
+    full-sequence mean, while the gradient flows through this rank's tokens only (the
+    schedule then scales by the CP size and DDP averages over DP x CP).
+    """
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(per_token_loss.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
+    local_sum = torch.sum(per_token_loss.float().reshape(-1) * mask)
+    totals = torch.stack([local_sum.detach(), mask.sum()])
+    if parallel_state.get_context_parallel_world_size() > 1:
+        dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
+    loss = (local_sum + (totals[0] - local_sum.detach())) / totals[1].clamp(min=1.0)
     # clone: the schedule scales the returned loss in place by 1/num_microbatches
     return loss, {"lm_loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator: Iterator, model):
     """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels."""
-    batch = next(data_iterator)
+    batch = get_batch_on_this_cp_rank(next(data_iterator))  # identity without context parallelism
     per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return per_token_loss, partial(masked_mean_loss, batch["loss_mask"])
 
