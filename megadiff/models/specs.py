@@ -1,15 +1,21 @@
-"""Layer specs: megatron's local GPT layer with the attention variant swapped in.
+"""Layer specs: megatron's GPT layer with the attention variant swapped in.
 
-softmax      megatron's own SelfAttention + DotProductAttention (the baseline)
+softmax      megatron's own SelfAttention + core attention (the baseline)
 diff         SelfAttention + DifferentialCoreAttention
 dint         same, the core attention adds the integral term
 shared_diff  SelfAttention whose linear_qkv is SharedDiffQKV, + DifferentialCoreAttention
+
+Backends (model.transformer_impl): "local" (megatron-core modules, runs anywhere)
+or "te" (TransformerEngine linear/norm layers, BF16/FP8, following megatron's own
+TE spec; the differential core attention stays ours).
 """
 from __future__ import annotations
 
 import copy
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -17,23 +23,35 @@ from megadiff.models.differential_attention import DifferentialCoreAttention
 from megadiff.models.norms import RMSNorm
 from megadiff.models.shared_diff import SharedDiffQKV
 
+DIFFERENTIAL = ("diff", "dint", "shared_diff")
+
+
+def _te_norm():
+    from megatron.core.extensions.transformer_engine import TENorm  # needs TransformerEngine
+    return TENorm
+
 
 def layer_spec(config) -> ModuleSpec:
-    """One transformer layer for `config.variant`, local (non-TE) backend."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    """One transformer layer for `config.variant` and `config.transformer_impl`."""
+    te = config.transformer_impl == "transformer_engine"
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec() if te
+                         else get_gpt_layer_local_spec(normalization="RMSNorm"))
     layer = spec.submodules
-    # megatron's local norm refuses sequence parallelism; ours supports it
-    layer.input_layernorm = RMSNorm
-    layer.pre_mlp_layernorm = RMSNorm
+    if not te:  # megatron's local norm refuses sequence parallelism; ours supports it
+        layer.input_layernorm = RMSNorm
+        layer.pre_mlp_layernorm = RMSNorm
     attention = layer.self_attention.submodules
-    if config.variant in ("diff", "dint", "shared_diff"):
+    if config.variant in DIFFERENTIAL:
         attention.core_attention = DifferentialCoreAttention
     if config.variant == "shared_diff":
         attention.linear_qkv = SharedDiffQKV
+        if te:  # TE fuses the input norm into linear_qkv; Shared DIFF's projection needs it separately
+            layer.input_layernorm = _te_norm()
     return spec
 
 
 def block_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """The layers of this pipeline stage (and virtual stage), with our final norm."""
+    """The layers of this pipeline stage (and virtual stage), with the final norm."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * layers, layer_norm=RMSNorm)
+    final_norm = _te_norm() if config.transformer_impl == "transformer_engine" else RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * layers, layer_norm=final_norm)

@@ -87,6 +87,7 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         # mix up activations and gradients when both pipeline neighbours are one rank (PP=2).
         # Its unbatched path sends the two directions over different groups.
         batch_p2p_comm=torch.cuda.is_available(),
+        transformer_impl="transformer_engine" if m.transformer_impl == "te" else "local",
         variant=m.variant,
         lambda_init=m.lambda_init,
         lambda_std=m.lambda_std,
