@@ -1,0 +1,289 @@
+"""Differential attention vs the equal-size Transformer's attention: time, TFLOP/s, peak memory.
+
+    python bench/attention.py                      # CUDA: the 3B head shape at N = 4K, 16K, 64K
+    python bench/attention.py --device cpu --small # a tiny run that checks the script itself
+
+Every differential backend (fused Triton kernel, SDPA wide-V, SDPA split-V) is
+timed in the same run as the baseline: softmax attention with 2x the heads,
+head dim d and V width d, through SDPA's cuDNN and flash backends (the faster
+one is the baseline). Results go to bench/results/attention-<device>-<date>.{json,md}.
+FLOP formulas: see `attention_flops` and bench/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import sys
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from megadiff.ops import differential_attention  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    seq: int
+    heads: int  # differential heads; the baseline has twice as many
+    d: int      # head dim of one map (and of a baseline head)
+    dv: int     # V width of a differential head
+    causal: bool = True
+
+
+FULL_SHAPES = (Shape(2, 4096, 12, 128, 256), Shape(1, 16384, 12, 128, 256), Shape(1, 65536, 12, 128, 256))
+SMALL_SHAPES = (Shape(1, 64, 2, 16, 32),)
+
+
+def attention_flops(shape: Shape, maps: int, heads: int, dv: int) -> tuple[float, float]:
+    """Matmul FLOPs (fwd, bwd) of `heads` heads of `maps` softmax maps sharing V of width dv.
+
+    Per visible (query, key) pair and map, 2 FLOPs per multiply-add: forward S = Q K^T (2d) and
+    O = P V (2dv); backward (FlashAttention convention, S recomputed) S (2d), dP = dO V^T (2dv),
+    dV = P^T dO (2dv), dQ = dS K (2d), dK = dS^T Q (2d). Causal: N(N+1)/2 visible pairs.
+    """
+    pairs = shape.seq * (shape.seq + 1) / 2 if shape.causal else shape.seq ** 2
+    per_pair = shape.batch * heads * maps * pairs
+    return per_pair * (2 * shape.d + 2 * dv), per_pair * (6 * shape.d + 4 * dv)
+
+
+def _sdpa_backends(device: torch.device) -> dict[str, list]:
+    """Baseline variants: cuDNN and flash on CUDA, whatever SDPA picks elsewhere."""
+    if device.type != "cuda":
+        return {"sdpa": []}
+    from torch.nn.attention import SDPBackend
+    return {"sdpa-cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa-flash": [SDPBackend.FLASH_ATTENTION]}
+
+
+def _baseline(backends: list, causal: bool) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # megadiff keeps [B, N, H, d]
+        if not backends:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    return run
+
+
+def _differential(backend: str, causal: bool, integral: bool) -> Callable:
+    def run(q1, k1, q2, k2, v, lam):
+        return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral, backend=backend)
+    return run
+
+
+def _inputs(shape: Shape, baseline: bool, device, dtype) -> tuple[torch.Tensor, ...]:
+    b, n, h, d = shape.batch, shape.seq, shape.heads, shape.d
+
+    def rand(*size):
+        return torch.randn(*size, device=device, dtype=dtype).requires_grad_()
+
+    if baseline:
+        return rand(b, n, 2 * h, d), rand(b, n, 2 * h, d), rand(b, n, 2 * h, d)
+    lam = torch.full((h,), 0.5, device=device, requires_grad=True)
+    return rand(b, n, h, d), rand(b, n, h, d), rand(b, n, h, d), rand(b, n, h, d), rand(b, n, h, shape.dv), lam
+
+
+def _mean_ms(fn: Callable, device: torch.device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):  # includes Triton's compilation and autotuning on first use
+        fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+    import time
+    begin = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - begin) * 1e3 / reps
+
+
+def _peak_mib(fn: Callable, device: torch.device) -> float | None:
+    """Memory allocated beyond the inputs while fn runs (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
+def measure(fn: Callable, inputs: tuple, device, warmup: int, reps: int) -> dict:
+    grad = torch.randn_like(fn(*inputs))
+
+    def forward():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def forward_backward():
+        torch.autograd.grad(fn(*inputs), inputs, grad)
+
+    return dict(fwd_ms=_mean_ms(forward, device, warmup, reps),
+                fwd_bwd_ms=_mean_ms(forward_backward, device, warmup, reps),
+                peak_fwd_mib=_peak_mib(forward, device), peak_fwd_bwd_mib=_peak_mib(forward_backward, device))
+
+
+def _methods(args, device) -> dict[str, tuple[Callable, bool, int]]:
+    """name -> (fn taking the inputs, is_baseline, number of softmax maps)."""
+    methods = {f"baseline-{name}": (_baseline(backends, args.causal), True, 1)
+               for name, backends in _sdpa_backends(device).items()}
+    for backend in args.backends:
+        methods[f"diff-{backend}"] = (_differential(backend, args.causal, False), False, 2)
+        if args.integral:
+            methods[f"dint-{backend}"] = (_differential(backend, args.causal, True), False, 2)
+    return methods
+
+
+def run_shape(shape: Shape, args, device, dtype) -> list[dict]:
+    rows = []
+    for name, (fn, is_baseline, maps) in _methods(args, device).items():
+        heads, dv = (2 * shape.heads, shape.d) if is_baseline else (shape.heads, shape.dv)
+        fwd_flops, bwd_flops = attention_flops(shape, maps, heads, dv)
+        row = dict(asdict(shape), method=name, baseline=is_baseline, fwd_gflop=fwd_flops / 1e9,
+                   fwd_bwd_gflop=(fwd_flops + bwd_flops) / 1e9)
+        try:
+            row.update(measure(fn, _inputs(shape, is_baseline, device, dtype), device, args.warmup, args.reps))
+            row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+            row["fwd_bwd_tflops"] = (fwd_flops + bwd_flops) / row["fwd_bwd_ms"] / 1e9
+            row["status"] = "ok"
+        except torch.OutOfMemoryError:
+            row["status"] = "out of memory"
+        except Exception as error:  # noqa: BLE001 -- one failing method must not lose the others' numbers
+            row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"  {name:<24} {_brief(row)}", flush=True)
+        rows.append(row)
+    _add_ratios(rows)
+    return rows
+
+
+def _brief(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    return f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms, {row['fwd_bwd_tflops']:.1f} TFLOP/s"
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Time and FLOPs relative to the fastest baseline of the same shape (> 1: more than the baseline)."""
+    baselines = [r for r in rows if r["baseline"] and r["status"] == "ok"]
+    if not baselines:
+        return
+    for pass_ in ("fwd", "fwd_bwd"):
+        best = min(baselines, key=lambda r: r[f"{pass_}_ms"])
+        for row in rows:
+            row[f"{pass_}_flop_vs_baseline"] = row[f"{pass_}_gflop"] / best[f"{pass_}_gflop"]
+            if row["status"] == "ok":
+                row[f"{pass_}_vs_baseline"] = row[f"{pass_}_ms"] / best[f"{pass_}_ms"]
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return dict(device=name, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
+                date=datetime.date.today().isoformat(), python=platform.python_version())
+
+
+COLUMNS = (("method", "method", "{}"), ("fwd+bwd FLOPs x baseline", "fwd_bwd_flop_vs_baseline", "{:.2f}"),
+           ("fwd ms", "fwd_ms", "{:.3f}"), ("fwd+bwd ms", "fwd_bwd_ms", "{:.3f}"),
+           ("fwd TFLOP/s", "fwd_tflops", "{:.3g}"), ("fwd+bwd TFLOP/s", "fwd_bwd_tflops", "{:.3g}"),
+           ("peak fwd+bwd MiB", "peak_fwd_bwd_mib", "{:.0f}"), ("fwd x baseline", "fwd_vs_baseline", "{:.2f}"),
+           ("fwd+bwd x baseline", "fwd_bwd_vs_baseline", "{:.2f}"))
+
+
+def _shape_of(row: dict) -> Shape:
+    return Shape(**{f.name: row[f.name] for f in fields(Shape)})
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# Attention benchmark, {env['device']}", "",
+             f"{env['date']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
+             f"dtype {report['dtype']}. Times are means over repeated runs; \"x baseline\" divides by the "
+             "fastest baseline of the same shape. FLOPs are counted as in bench/README.md.", ""]
+    for shape in dict.fromkeys(_shape_of(r) for r in report["rows"]):
+        lines += [f"## B={shape.batch}, N={shape.seq}, {shape.heads} differential heads (baseline "
+                  f"{2 * shape.heads}), d={shape.d}, dv={shape.dv}, {'causal' if shape.causal else 'non-causal'}",
+                  "", "| " + " | ".join(title for title, _, _ in COLUMNS) + " | status |",
+                  "|" + "---|" * (len(COLUMNS) + 1)]
+        for row in (r for r in report["rows"] if _shape_of(r) == shape):
+            cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for _, key, fmt in COLUMNS]
+            lines.append("| " + " | ".join(cells) + f" | {row['status']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(report: dict, out_dir: Path) -> Path:
+    env = report["environment"]
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    path = out_dir / f"attention-{slug}-{env['date']}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown(report))
+    return path
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--small", action="store_true", help="one tiny shape: checks the script, not the speed")
+    parser.add_argument("--backends", nargs="+", help="differential backends (default: triton sdpa sdpa_split_v "
+                        "on CUDA; sdpa sdpa_split_v reference on CPU)")
+    parser.add_argument("--integral", action="store_true", help="also time DINT (the integral term)")
+    parser.add_argument("--non-causal", dest="causal", action="store_false")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    on_cuda = args.device == "cuda"
+    args.backends = args.backends or (["triton", "sdpa", "sdpa_split_v"] if on_cuda
+                                      else ["sdpa", "sdpa_split_v", "reference"])
+    args.warmup = args.warmup if args.warmup is not None else (3 if on_cuda else 1)
+    args.reps = args.reps if args.reps is not None else (10 if on_cuda else 2)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/attention.py: no CUDA device here, nothing to measure. "
+              "Run it on a GPU machine, or `--device cpu --small` to check the script.")
+        return 0
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    report = dict(environment=environment(device), dtype=args.dtype, rows=[],
+                  flops=attention_flops.__doc__.strip().replace("\n    ", " "))
+    for shape in SMALL_SHAPES if args.small else FULL_SHAPES:
+        shape = replace(shape, causal=args.causal)
+        print(f"{shape}", flush=True)
+        report["rows"] += run_shape(shape, args, device, dtype)
+    path = write(report, args.out_dir)
+    print(f"wrote {path} and {path.with_suffix('.md').name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

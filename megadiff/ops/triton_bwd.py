@@ -1,0 +1,236 @@
+"""Triton backward of both maps (FlashAttention-2 scheme, no atomics, so deterministic).
+
+Given dO1, dO2 (the gradients reaching O1 = A1 V and O2 = A2 V), the saved
+log-sum-exps and delta_j = rowsum(dOj * Oj), per map j:
+    P = exp(scale Q K^T - lse),  dP = dO V^T,  dS = P * (dP - delta),
+    dV = sum_j Pj^T dOj,  dKj = scale dSj^T Qj,  dQj = scale dSj Kj.
+One kernel owns a key tile and loops over query tiles (dK1, dK2, dV); for GQA
+it also loops over the query heads of its K/V head, so the group's sum
+happens in registers. A second kernel owns a query tile and loops over key
+tiles (dQ1, dQ2). Both maps share every K/V/dO tile load.
+
+"Tied" mode is plain DIFF: dO2 = -lam dO1, so dP2 = -lam dP1 and
+dV = (P1 - lam P2)^T dO1 -- two fewer matmuls per tile pair.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from megadiff.ops.triton_fwd import (
+    LOG2E, KernelConfig, bnh_strides, dot_precision, key_range, launch, load_tile, padded_dim, store_tile, visible,
+)
+
+
+@triton.jit
+def _query_range(start_n, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For a key tile: query tiles [lo, mid) and [max(mid, tail), n_q) need the mask, [mid, tail) not."""
+    tail = n_q // BLOCK_M * BLOCK_M  # the partial last tile is masked
+    if CAUSAL:
+        shift = n_k - n_q
+        lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M  # first tile that sees a key of ours
+        full = (tl.maximum(start_n + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # sees all
+        mid = tl.maximum(lo, tl.minimum(full, tail))
+    else:
+        lo = 0
+        mid = 0
+    return lo, mid, tail
+
+
+@triton.jit
+def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, lam,
+                stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
+    # transposed orientation: rows are our keys, columns the query tile
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        in_q = offs_m < n_q
+        q1 = load_tile(Q1, offs_m, stride_qn, offs_d, n_q, HEAD_D)
+        q2 = load_tile(Q2, offs_m, stride_qn, offs_d, n_q, HEAD_D)
+        do1 = load_tile(DO1, offs_m, stride_don, offs_dv, n_q, HEAD_DV)
+        lse1 = tl.load(LSE1 + offs_m, mask=in_q, other=0.0) * LOG2E
+        lse2 = tl.load(LSE2 + offs_m, mask=in_q, other=0.0) * LOG2E
+        p1 = tl.exp2(tl.dot(k1, tl.trans(q1), input_precision=DOT_PREC) * qk_scale - lse1[None, :])
+        p2 = tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) * qk_scale - lse2[None, :])
+        if MASKED:
+            ok = visible(offs_m[None, :], offs_n[:, None], n_q, n_k, CAUSAL)
+            p1 = tl.where(ok, p1, 0.0)
+            p2 = tl.where(ok, p2, 0.0)
+        dp1 = tl.dot(v, tl.trans(do1), input_precision=DOT_PREC)
+        if TIED:
+            dv = tl.dot((p1 - lam * p2).to(do1.dtype), do1, dv, input_precision=DOT_PREC)
+            dp2 = -lam * dp1
+        else:
+            do2 = load_tile(DO2, offs_m, stride_don, offs_dv, n_q, HEAD_DV)
+            dv = tl.dot(p1.to(do1.dtype), do1, dv, input_precision=DOT_PREC)
+            dv = tl.dot(p2.to(do2.dtype), do2, dv, input_precision=DOT_PREC)
+            dp2 = tl.dot(v, tl.trans(do2), input_precision=DOT_PREC)
+        ds1 = p1 * (dp1 - tl.load(DELTA1 + offs_m, mask=in_q, other=0.0)[None, :])
+        ds2 = p2 * (dp2 - tl.load(DELTA2 + offs_m, mask=in_q, other=0.0)[None, :])
+        dk1 = tl.dot(ds1.to(q1.dtype), q1, dk1, input_precision=DOT_PREC)
+        dk2 = tl.dot(ds2.to(q2.dtype), q2, dk2, input_precision=DOT_PREC)
+    return dk1, dk2, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DK1, DK2, DV,
+                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                 stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                 n_q, n_k, n_heads, group, qk_scale, scale,
+                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    n_kv = n_heads // group
+    b = (tl.program_id(1) // n_kv).to(tl.int64)
+    h_kv = (tl.program_id(1) % n_kv).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k_off = b * stride_kb + h_kv * stride_kh
+    k1 = load_tile(K1 + k_off, offs_n, stride_kn, offs_d, n_k, HEAD_D)
+    k2 = load_tile(K2 + k_off, offs_n, stride_kn, offs_d, n_k, HEAD_D)
+    v = load_tile(V + b * stride_vb + h_kv * stride_vh, offs_n, stride_vn, offs_dv, n_k, HEAD_DV)
+    dk1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo, mid, tail = _query_range(start_n, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for g in range(group):
+        h = h_kv * group + g
+        q_off = b * stride_qb + h * stride_qh
+        do_off = b * stride_dob + h * stride_doh
+        row_off = (b * n_heads + h) * n_q
+        lam = tl.load(LAM + h)
+        Q1h, Q2h, DO1h, DO2h = Q1 + q_off, Q2 + q_off, DO1 + do_off, DO2 + do_off
+        LSE1h, LSE2h, DELTA1h, DELTA2h = LSE1 + row_off, LSE2 + row_off, DELTA1 + row_off, DELTA2 + row_off
+        dk1, dk2, dv = _dkdv_tiles(
+            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, lam,
+            stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, mid, n_q, n_k, qk_scale,
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, TIED, DOT_PREC)
+        dk1, dk2, dv = _dkdv_tiles(
+            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, lam,
+            stride_qn, stride_don, offs_n, offs_d, offs_dv, mid, tail, n_q, n_k, qk_scale,
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, TIED, DOT_PREC)
+        dk1, dk2, dv = _dkdv_tiles(
+            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, lam,
+            stride_qn, stride_don, offs_n, offs_d, offs_dv, tl.maximum(mid, tail), n_q, n_q, n_k, qk_scale,
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, TIED, DOT_PREC)
+
+    dk_off = b * stride_dkb + h_kv * stride_dkh
+    store_tile(DK1 + dk_off, dk1 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
+    store_tile(DK2 + dk_off, dk2 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
+    store_tile(DV + b * stride_dvb + h_kv * stride_dvh, dv, offs_n, stride_dvn, offs_dv, n_k, HEAD_DV)
+
+
+@triton.jit
+def _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam, K1, K2, V, stride_kn, stride_vn,
+              offs_m, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              MASKED: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k1 = load_tile(K1, offs_n, stride_kn, offs_d, n_k, HEAD_D)
+        k2 = load_tile(K2, offs_n, stride_kn, offs_d, n_k, HEAD_D)
+        v = load_tile(V, offs_n, stride_vn, offs_dv, n_k, HEAD_DV)
+        p1 = tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale - lse1[:, None])
+        p2 = tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale - lse2[:, None])
+        if MASKED:
+            ok = visible(offs_m[:, None], offs_n[None, :], n_q, n_k, CAUSAL)
+            p1 = tl.where(ok, p1, 0.0)
+            p2 = tl.where(ok, p2, 0.0)
+        dp1 = tl.dot(do1, tl.trans(v), input_precision=DOT_PREC)
+        if TIED:
+            dp2 = -lam * dp1
+        else:
+            dp2 = tl.dot(do2, tl.trans(v), input_precision=DOT_PREC)
+        ds1 = p1 * (dp1 - delta1[:, None])
+        ds2 = p2 * (dp2 - delta2[:, None])
+        dq1 = tl.dot(ds1.to(k1.dtype), k1, dq1, input_precision=DOT_PREC)
+        dq2 = tl.dot(ds2.to(k2.dtype), k2, dq2, input_precision=DOT_PREC)
+    return dq1, dq2
+
+
+@triton.jit
+def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DQ1, DQ2,
+               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+               stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+               stride_dqb, stride_dqn, stride_dqh,
+               n_q, n_k, n_heads, group, qk_scale, scale,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    h_kv = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    in_q = offs_m < n_q
+
+    q_off = b * stride_qb + h * stride_qh
+    q1 = load_tile(Q1 + q_off, offs_m, stride_qn, offs_d, n_q, HEAD_D)
+    q2 = load_tile(Q2 + q_off, offs_m, stride_qn, offs_d, n_q, HEAD_D)
+    do_off = b * stride_dob + h * stride_doh
+    do1 = load_tile(DO1 + do_off, offs_m, stride_don, offs_dv, n_q, HEAD_DV)
+    if TIED:
+        do2 = do1  # placeholder: tied mode derives dP2 from dP1 and never reads dO2
+    else:
+        do2 = load_tile(DO2 + do_off, offs_m, stride_don, offs_dv, n_q, HEAD_DV)
+    row = bh * n_q + offs_m
+    lse1 = tl.load(LSE1 + row, mask=in_q, other=0.0) * LOG2E
+    lse2 = tl.load(LSE2 + row, mask=in_q, other=0.0) * LOG2E
+    delta1 = tl.load(DELTA1 + row, mask=in_q, other=0.0)
+    delta2 = tl.load(DELTA2 + row, mask=in_q, other=0.0)
+    lam = tl.load(LAM + h)
+    k_off = b * stride_kb + h_kv * stride_kh
+    v_off = b * stride_vb + h_kv * stride_vh
+    dq1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                         K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
+                         0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, TIED, DOT_PREC)
+    dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                         K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
+                         full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, TIED, DOT_PREC)
+
+    dq_off = b * stride_dqb + h * stride_dqh
+    store_tile(DQ1 + dq_off, dq1 * scale, offs_m, stride_dqn, offs_d, n_q, HEAD_D)
+    store_tile(DQ2 + dq_off, dq2 * scale, offs_m, stride_dqn, offs_d, n_q, HEAD_D)
+
+
+def attention_maps_backward(q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2, *,
+                            causal: bool, scale: float, config: KernelConfig | None = None):
+    """Returns (dq1, dk1, dq2, dk2, dv) given the gradients dO1, dO2 reaching each map's output.
+
+    do2=None means dO2 = -lam_h dO1 (plain DIFF); lam_h: fp32 [Hq]. do1/do2 and q1/q2, k1/k2 must share
+    layouts. lse1, lse2 (natural log) and delta_j = rowsum(dOj * Oj) are [B, Hq, N] fp32, contiguous.
+    A context-parallel caller passes the merged (global) lse and delta of its rows.
+    """
+    b, n_q, n_heads, d = q1.shape
+    n_k, n_kv, dv_dim = k1.shape[1], k1.shape[2], v.shape[-1]
+    tied = do2 is None
+    dq1, dq2 = q1.new_empty(q1.shape), q1.new_empty(q1.shape)  # new_empty: contiguous even for strided inputs
+    dk1, dk2 = k1.new_empty(k1.shape), k1.new_empty(k1.shape)
+    dv = v.new_empty(v.shape)
+    inputs = (q1, q2, k1, k2, v, do1, do1 if tied else do2, lse1, lse2, delta1, delta2, lam_h)
+    in_strides = (*bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(do1))
+    sizes = (n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e), scale)
+    meta = dict(HEAD_D=d, HEAD_DV=dv_dim, BLOCK_D=padded_dim(d), BLOCK_DV=padded_dim(dv_dim), CAUSAL=causal,
+                TIED=tied, DOT_PREC=dot_precision(q1.dtype))
+    launch(_dkdv_kernel, "dkdv", n_k, b * n_kv,
+           (*inputs, dk1, dk2, dv, *in_strides, *bnh_strides(dk1), *bnh_strides(dv), *sizes), meta, config)
+    launch(_dq_kernel, "dq", n_q, b * n_heads,
+           (*inputs, dq1, dq2, *in_strides, *bnh_strides(dq1), *sizes), meta, config)
+    return dq1, dk1, dq2, dk2, dv
+

@@ -1,0 +1,256 @@
+"""Triton forward: both maps' outputs O1 = A1 V and O2 = A2 V in one pass over K/V.
+
+One program owns a query tile of one (batch, query head). It runs two online
+softmaxes (FlashAttention-2 style) that share every V tile it loads, then
+writes O1, O2, both log-sum-exps and, optionally, O1 - lam O2.
+
+Also home of what the backward kernels share: tile loads, the causal mask
+(bottom-right aligned, like the reference), tile ranges and the launcher.
+Layout: q, k, v, o are [B, N, H, dim] with any batch/sequence/head strides and
+a dense last dim; log-sum-exps are [B, H, N] fp32 in natural-log units.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# softmax runs in base 2 (exp2 is the fast instruction); stored log-sum-exps stay natural
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options; block_m tiles queries, block_n tiles keys."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# Untuned candidates (block_m, block_n, num_warps, num_stages) for triton.autotune on CUDA;
+# those whose fp32 accumulators would not fit in registers are pruned first.
+_CANDIDATES = {
+    "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 2), (32, 64, 4, 2)],
+    "dkdv": [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2), (64, 128, 8, 2)],
+    "dq": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2)],
+}
+# fp32 accumulator elements a program holds, per kernel (block_m, block_n, padded d, padded dv)
+_ACCUMULATORS = {
+    "fwd": lambda m, n, d, dv: 2 * m * dv,
+    "dkdv": lambda m, n, d, dv: n * (2 * d + dv),
+    "dq": lambda m, n, d, dv: 2 * m * d,
+}
+_MAX_ACC_PER_THREAD = 128
+INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32)
+
+
+@triton.jit
+def load_tile(ptr, rows, stride_row, cols, n_rows, n_cols):
+    """[rows, cols] tile, zero outside the tensor (the sequence tail and the head-dim padding)."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(ptr, tile, rows, stride_row, cols, n_rows, n_cols):
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(ptr + rows[:, None] * stride_row + cols[None, :], tile, mask=mask)
+
+
+@triton.jit
+def visible(q_idx, k_idx, n_q, n_k, CAUSAL: tl.constexpr):
+    """Which (query, key) pairs exist and pass the mask; q_idx and k_idx broadcast against each other."""
+    ok = (q_idx < n_q) & (k_idx < n_k)
+    if CAUSAL:
+        ok = ok & (k_idx <= q_idx + (n_k - n_q))  # query i sees keys j <= i + n_k - n_q
+    return ok
+
+
+@triton.jit
+def key_range(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For a query tile: keys [0, full) need no mask, keys [full, end) do, later keys are invisible."""
+    if CAUSAL:
+        shift = n_k - n_q
+        end = tl.minimum(n_k, start_m + BLOCK_M + shift)
+        full = tl.minimum(start_m + shift + 1, n_k) // BLOCK_N * BLOCK_N
+    else:
+        end = n_k
+        full = n_k // BLOCK_N * BLOCK_N
+    return full, end
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+    """One online-softmax update with base-2 scores s: rescale the running sums, add this tile."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_tiles(acc1, l1, m1, acc2, l2, m2, q1, q2, K1, K2, V, stride_kn, stride_vn,
+               offs_m, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k1 = load_tile(K1, offs_n, stride_kn, offs_d, n_k, HEAD_D)
+        k2 = load_tile(K2, offs_n, stride_kn, offs_d, n_k, HEAD_D)
+        v = load_tile(V, offs_n, stride_vn, offs_dv, n_k, HEAD_DV)
+        s1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
+        s2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            ok = visible(offs_m[:, None], offs_n[None, :], n_q, n_k, CAUSAL)
+            s1 = tl.where(ok, s1, float("-inf"))
+            s2 = tl.where(ok, s2, float("-inf"))
+        # key 0 is visible to every query and comes first, so no row's running max stays -inf
+        acc1, l1, m1 = _softmax_step(acc1, l1, m1, s1, v, DOT_PREC)
+        acc2, l2, m2 = _softmax_step(acc2, l2, m2, s2, v, DOT_PREC)
+    return acc1, l1, m1, acc2, l2, m2
+
+
+@triton.jit
+def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2,
+                stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
+                n_q, n_k, n_heads, group, qk_scale,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                COMBINE: tl.constexpr, DOT_PREC: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)  # int64 offsets: batch * stride can pass 2^31
+    h = (bh % n_heads).to(tl.int64)
+    h_kv = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_off = b * stride_qb + h * stride_qh
+    q1 = load_tile(Q1 + q_off, offs_m, stride_qn, offs_d, n_q, HEAD_D)
+    q2 = load_tile(Q2 + q_off, offs_m, stride_qn, offs_d, n_q, HEAD_D)
+    k_off = b * stride_kb + h_kv * stride_kh
+    v_off = b * stride_vb + h_kv * stride_vh
+
+    acc1 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+
+    full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+        acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+        offs_m, offs_d, offs_dv, 0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, DOT_PREC)
+    acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+        acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+        offs_m, offs_d, offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, DOT_PREC)
+
+    o1 = acc1 / l1[:, None]
+    o2 = acc2 / l2[:, None]
+    o_off = b * stride_ob + h * stride_oh
+    store_tile(O1 + o_off, o1, offs_m, stride_on, offs_dv, n_q, HEAD_DV)
+    store_tile(O2 + o_off, o2, offs_m, stride_on, offs_dv, n_q, HEAD_DV)
+    if COMBINE:
+        lam = tl.load(LAM + h)
+        store_tile(OUT + o_off, o1 - lam * o2, offs_m, stride_on, offs_dv, n_q, HEAD_DV)
+    lse_off = bh * n_q + offs_m
+    tl.store(LSE1 + lse_off, (m1 + tl.log2(l1)) * LN2, mask=offs_m < n_q)
+    tl.store(LSE2 + lse_off, (m2 + tl.log2(l2)) * LN2, mask=offs_m < n_q)
+
+
+INTERPRETED = isinstance(_fwd_kernel, InterpretedFunction)
+
+
+def padded_dim(n: int) -> int:
+    """tl.dot needs power-of-2 tiles of at least 16; narrower or odd head dims are zero-padded."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products rather than TF32, to match the reference
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def bnh_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, sequence and head strides of a [B, N, H, dim] tensor with a dense last dim."""
+    assert t.stride(-1) == 1, "the kernels need a dense last dim"
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def shared_layout(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels take one set of strides for q1/q2 (and k1/k2, do1/do2): make them agree."""
+    first = tensors[0]
+    if all(t.stride() == first.stride() and t.stride(-1) == 1 for t in tensors):
+        return tensors
+    return tuple(t.contiguous() for t in tensors)
+
+
+def _prune(kind: str):
+    def prune(configs, named_args, **meta):
+        def per_thread(c):
+            acc = _ACCUMULATORS[kind](c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], meta["BLOCK_D"], meta["BLOCK_DV"])
+            return acc / (32 * c.num_warps)
+        fitting = [c for c in configs if per_thread(c) <= _MAX_ACC_PER_THREAD]
+        return fitting or [min(configs, key=per_thread)]
+    return prune
+
+
+@functools.cache
+def _autotuned(kernel, kind: str):
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in _CANDIDATES[kind]]
+    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
+
+
+def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: dict,
+           config: KernelConfig | None) -> None:
+    """Run `kernel` over (tiles of n_tiled rows) x programs; autotuned on CUDA unless a config is given.
+
+    `kind` names the kernel ("fwd", "dq": tiles of queries; "dkdv": tiles of keys).
+    """
+    tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    if config is None and not INTERPRETED:
+        _autotuned(kernel, kind)[lambda m: (triton.cdiv(n_tiled, m[tile]), programs)](*args, **meta)
+        return
+    config = config or INTERPRETER_CONFIG
+    tile_rows = config.block_n if kind == "dkdv" else config.block_m
+    kernel[(triton.cdiv(n_tiled, tile_rows), programs)](
+        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: float, o_dtype: torch.dtype,
+                           config: KernelConfig | None = None):
+    """Both maps in one pass: returns (out, o1, o2, lse1, lse2).
+
+    q1/q2 and k1/k2 must share their layouts (see `shared_layout`). o1, o2 (and out = o1 - lam_h o2,
+    only when lam_h, fp32 [Hq], is given; else None) are [B, N, Hq, dv] in o_dtype; lse1, lse2 are
+    [B, Hq, N] fp32.
+    """
+    b, n_q, n_heads, d = q1.shape
+    n_k, n_kv, dv = k1.shape[1], k1.shape[2], v.shape[-1]
+    o1, o2 = (torch.empty(b, n_q, n_heads, dv, device=q1.device, dtype=o_dtype) for _ in range(2))
+    out = torch.empty_like(o1) if lam_h is not None else None
+    lse1, lse2 = (torch.empty(b, n_heads, n_q, device=q1.device, dtype=torch.float32) for _ in range(2))
+    args = (q1, q2, k1, k2, v,
+            lam_h if lam_h is not None else lse1, o1, o2, out if out is not None else o1,  # unread placeholders
+            lse1, lse2, *bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(o1),
+            n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e))
+    meta = dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=padded_dim(d), BLOCK_DV=padded_dim(dv), CAUSAL=causal,
+                COMBINE=lam_h is not None, DOT_PREC=dot_precision(q1.dtype))
+    launch(_fwd_kernel, "fwd", n_q, b * n_heads, args, meta, config)
+    return out, o1, o2, lse1, lse2

@@ -1,0 +1,137 @@
+"""Fused differential attention in Triton: forward, backward, and the maps for partial-result merging.
+
+The kernels (triton_fwd, triton_bwd) compute both maps per query tile in one
+pass over K/V. What is linear in O1 and O2 happens here, in torch:
+    out = O1 - lam O2 + [integral] lam R(O1),   R = running mean over positions
+(the kernel fuses O1 - lam O2 into its epilogue). Backward, with G = dL/dout:
+    dO1 = G + [integral] lam R^T(G),   dO2 = -lam G,
+    dlam_h = sum_{b,n,e} G * (-O2 + [integral] R(O1)) = sum(-G O2) + [integral] sum(R^T(G) O1),
+where R^T(G)_k = sum_{i >= k} G_i / i (causal) or mean_i G_i (non-causal).
+
+Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (set before
+triton is first imported) -- how the tests exercise it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megadiff.ops.common import check_shapes, lambda_per_head, running_mean
+from megadiff.ops.triton_bwd import attention_maps_backward
+from megadiff.ops.triton_fwd import (
+    INTERPRETED, MAX_HEAD_DIM, KernelConfig, attention_maps_forward, shared_layout,
+)
+
+__all__ = ["KernelConfig", "attention_maps_backward", "differential_attention_triton",
+           "differential_attention_triton_maps"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_supported(q1, k1, q2, k2, v) -> None:
+    if any(t.dtype != q1.dtype for t in (k1, q2, k2, v)) or q1.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the Triton kernel needs q, k, v all of one dtype among {SUPPORTED_DTYPES}, got "
+                        f"{[t.dtype for t in (q1, k1, q2, k2, v)]}")
+    if max(q1.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernel supports head dims up to {MAX_HEAD_DIM}, "
+                         f"got d={q1.shape[-1]}, dv={v.shape[-1]}")
+    if q1.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                           f"imported to run on {q1.device.type} tensors")
+
+
+def _kernel_layout(q1, k1, q2, k2, v):
+    """One set of strides per pair (q1/q2, k1/k2) and a dense last dim everywhere; copies only if needed."""
+    q1, q2 = shared_layout(q1, q2)
+    k1, k2 = shared_layout(k1, k2)
+    return q1, k1, q2, k2, (v if v.stride(-1) == 1 else v.contiguous())
+
+
+def _rowsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_e a * b over the head dim, [B, N, H, e] -> [B, N, H]."""
+    return torch.einsum("bnhe,bnhe->bnh", a, b)
+
+
+def _rows_last(x: torch.Tensor) -> torch.Tensor:
+    """[B, N, H] -> [B, H, N] contiguous, the kernels' layout for per-row statistics."""
+    return x.transpose(1, 2).contiguous()
+
+
+def _running_mean_adjoint(g: torch.Tensor, causal: bool) -> torch.Tensor:
+    """R^T(g) for R = running_mean along dim 1: the gradient of sum(g * R(x)) w.r.t. x."""
+    if not causal:
+        return g.mean(dim=1, keepdim=True).expand_as(g)
+    counts = torch.arange(1, g.shape[1] + 1, device=g.device, dtype=g.dtype).view(1, -1, 1, 1)
+    return (g / counts).flip(1).cumsum(1).flip(1)
+
+
+class _DifferentialAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config):
+        q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
+        lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
+        out, o1, o2, lse1, lse2 = attention_maps_forward(
+            q1, k1, q2, k2, v, lam_h, causal=causal, scale=scale, o_dtype=q1.dtype, config=config)
+        if integral:
+            out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal)).to(q1.dtype)
+        ctx.save_for_backward(q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h)
+        ctx.causal, ctx.integral, ctx.scale, ctx.config = causal, integral, scale, config
+        ctx.lam_meta = (lam.dim(), lam.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h = ctx.saved_tensors
+        lam = lam_h.view(1, 1, -1, 1)
+        g, o1f, o2f = grad_out.float(), o1.float(), o2.float()
+        g_o2 = _rowsum(g, o2f)
+        grad_lam = -g_o2.sum(dim=(0, 1))
+        if ctx.integral:
+            g_mean = _running_mean_adjoint(g, ctx.causal)
+            grad_lam = grad_lam + _rowsum(g_mean, o1f).sum(dim=(0, 1))
+            do1, do2 = g + lam * g_mean, -lam * g
+            delta1, delta2 = _rowsum(do1, o1f), _rowsum(do2, o2f)
+            do1, do2 = (t.to(q1.dtype) for t in (do1, do2))
+        else:  # dO2 = -lam G: the kernels derive it, "tied" mode
+            do1, do2 = grad_out.contiguous(), None
+            delta1, delta2 = _rowsum(g, o1f), -lam_h.view(1, 1, -1) * g_o2
+        dq1, dk1, dq2, dk2, dv = attention_maps_backward(
+            q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, _rows_last(delta1), _rows_last(delta2),
+            causal=ctx.causal, scale=ctx.scale, config=ctx.config)
+        lam_dim, lam_dtype = ctx.lam_meta
+        grad_lam = (grad_lam.sum() if lam_dim == 0 else grad_lam).to(lam_dtype)
+        return dq1, dk1, dq2, dk2, dv, grad_lam, None, None, None, None
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def differential_attention_triton(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
+                                  config: KernelConfig | None = None):
+    """(A1 - lam A2) V (+ lam running-mean(A1 V) when `integral`), differentiable in all inputs and lam.
+
+    Shapes as `megadiff.ops.differential_attention`. config fixes the tiles (else autotuned on CUDA).
+    """
+    check_shapes(q1, k1, q2, k2, v, lam, integral)
+    _check_supported(q1, k1, q2, k2, v)
+    return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config)
+
+
+def differential_attention_triton_maps(q1, k1, q2, k2, v, *, causal=True, softmax_scale=None,
+                                       config: KernelConfig | None = None):
+    """Per-map partial results for merging across key chunks (context parallelism); no autograd.
+
+    Returns (o1, o2, lse1, lse2): o_j = A_j V as fp32 [B, N, Hq, dv], lse_j = the natural-log
+    log-sum-exp of the scaled, masked scores, fp32 [B, Hq, N]. Chunks merge as in FlashAttention:
+    lse = logaddexp(lse_a, lse_b), o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b. The backward
+    of a chunk is `attention_maps_backward` fed the merged lse and delta.
+    """
+    check_shapes(q1, k1, q2, k2, v, q1.new_zeros(()), integral=False)
+    _check_supported(q1, k1, q2, k2, v)
+    q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
+    _, o1, o2, lse1, lse2 = attention_maps_forward(
+        q1, k1, q2, k2, v, None, causal=causal, scale=_scale(q1, softmax_scale), o_dtype=torch.float32,
+        config=config)
+    return o1, o2, lse1, lse2

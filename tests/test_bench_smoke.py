@@ -1,0 +1,52 @@
+"""bench/attention.py runs end to end: its CPU smoke mode, and a clean exit where CUDA is missing."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):
+    assert bench.main(["--device", "cpu", "--small", "--backends", "sdpa", "reference", "--dtype", "float32",
+                       "--out-dir", str(tmp_path)]) == 0
+    (report_path,) = tmp_path.glob("attention-*.json")
+    report = json.loads(report_path.read_text())
+    assert {r["method"] for r in report["rows"]} == {"baseline-sdpa", "diff-sdpa", "diff-reference"}
+    for row in report["rows"]:
+        assert row["status"] == "ok", row
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and math.isfinite(row["fwd_bwd_tflops"])
+    diff = next(r for r in report["rows"] if r["method"] == "diff-sdpa")
+    assert diff["fwd_flop_vs_baseline"] == pytest.approx(1.5)  # two maps, V twice as wide, half the heads
+    assert report_path.with_suffix(".md").read_text().count("| diff-") == 2
+
+
+def test_flop_formula_matches_a_direct_count(bench):
+    shape = bench.Shape(batch=2, seq=8, heads=3, d=4, dv=8, causal=False)
+    fwd, bwd = bench.attention_flops(shape, maps=2, heads=3, dv=8)
+    per_map_fwd = 2 * 8 * 8 * 4 + 2 * 8 * 8 * 8  # Q K^T, then P V
+    assert fwd == 2 * 3 * 2 * per_map_fwd
+    assert bwd == 2 * 3 * 2 * (3 * 2 * 8 * 8 * 4 + 2 * 2 * 8 * 8 * 8)  # S, dQ, dK; dP, dV
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_exits_cleanly_without_cuda(bench, capsys, tmp_path):
+    assert bench.main(["--out-dir", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())

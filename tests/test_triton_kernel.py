@@ -1,0 +1,275 @@
+"""The fused Triton kernel against the naive reference: outputs and every gradient.
+
+On CPU the kernel runs under the Triton interpreter. TRITON_INTERPRET must be
+set before triton is imported and must not leak into this process (the GPU
+tests below run compiled kernels), so one subprocess -- this file run as a
+script -- computes every case's kernel results; the tests compare them with
+the fp64 reference computed here.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import traceback
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from megadiff.ops import differential_attention_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    causal: bool = True
+    integral: bool = False
+    gqa: bool = True  # Hq=4 over Hkv=2, else 2 heads of each
+    per_head_lam: bool = False
+    d: int = 16
+    dv: int = 32
+    n_q: int = 37
+    n_k: int = 37
+    batch: int = 2
+    dtype: torch.dtype = torch.float32
+    blocks: tuple[int, int] | None = (16, 32)  # (block_m, block_n); None: the default config
+    strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return (4, 2) if self.gqa else (2, 2)
+
+
+def _grid() -> dict[str, Case]:
+    cases = {}
+    for causal in (True, False):
+        for integral in (False, True):
+            for gqa in (True, False):
+                for per_head in (False, True):
+                    dv = 16 if gqa != per_head else 32  # dv = d for half the grid, 2d for the other half
+                    name = (f"{'causal' if causal else 'full'}-{'dint' if integral else 'diff'}-"
+                            f"{'gqa' if gqa else 'mha'}-{'lamh' if per_head else 'lam'}-dv{dv}")
+                    cases[name] = Case(causal=causal, integral=integral, gqa=gqa, per_head_lam=per_head, dv=dv)
+    cases.update({
+        "blocks32x16": Case(blocks=(32, 16), integral=True, per_head_lam=True),
+        "fewer-queries-causal": Case(n_q=20, n_k=45, per_head_lam=True),
+        "fewer-queries-full": Case(causal=False, n_q=20, n_k=45),
+        "odd-head-dims": Case(d=24, dv=40, n_q=29, n_k=29, integral=True),
+        "strided-inputs": Case(strided=True, per_head_lam=True),
+        "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
+        "bf16": Case(dtype=torch.bfloat16, per_head_lam=True, n_q=64, n_k=64, d=32, dv=64, batch=1),
+    })
+    return cases
+
+
+CASES = _grid()
+NAMES = ("out", "q1", "k1", "q2", "k2", "v", "lam")
+
+
+def make_inputs(name: str, case: Case, device="cpu"):
+    """(q1, k1, q2, k2, v, lam) needing grad, in case.dtype (lam fp32), and the upstream gradient."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    h_q, h_kv = case.heads
+    b, d, dv = case.batch, case.d, case.dv
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=case.dtype)
+
+    if case.strided:
+        q = rand(b, case.n_q, h_q, 2, d).requires_grad_()
+        k = rand(b, case.n_k, h_kv, 2, d).requires_grad_()
+        v_wide = rand(b, case.n_k, h_kv, dv + 8).requires_grad_()
+        q1, q2, k1, k2, v = q[..., 0, :], q[..., 1, :], k[..., 0, :], k[..., 1, :], v_wide[..., :dv]
+    else:
+        q1, q2 = (rand(b, case.n_q, h_q, d).requires_grad_() for _ in range(2))
+        k1, k2 = (rand(b, case.n_k, h_kv, d).requires_grad_() for _ in range(2))
+        v = rand(b, case.n_k, h_kv, dv).requires_grad_()
+    lam_shape = (h_q,) if case.per_head_lam else ()
+    lam = (0.2 + 0.6 * torch.rand(lam_shape, generator=gen)).to(device).requires_grad_()
+    grad_out = rand(b, case.n_q, h_q, dv)
+    return (q1, k1, q2, k2, v, lam), grad_out
+
+
+def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tensor]:
+    out = fn(*inputs, causal=case.causal, integral=case.integral)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    return {name: t.detach() for name, t in zip(NAMES, (out, *grads))}
+
+
+def reference_results(name: str, case: Case) -> dict[str, torch.Tensor]:
+    inputs, grad_out = make_inputs(name, case)
+    inputs = tuple(t.detach().double().requires_grad_() for t in inputs)
+    return outputs_and_grads(differential_attention_reference, inputs, grad_out.double(), case)
+
+
+def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
+    """Explicit tiles through the kernel's API; blocks=None goes through the dispatcher instead."""
+    from megadiff.ops import differential_attention
+    from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton
+
+    def fn(*args, **kwargs):
+        if case.blocks is None:
+            return differential_attention(*args, **kwargs, backend="triton")
+        return differential_attention_triton(*args, **kwargs, config=KernelConfig(*case.blocks))
+
+    inputs, grad_out = make_inputs(name, case)
+    return outputs_and_grads(fn, inputs, grad_out, case)
+
+
+def assert_matches(got: dict, want: dict, dtype: torch.dtype, label: str) -> None:
+    for key in NAMES:
+        a, b = got[key].double().cpu(), want[key].double().cpu()
+        assert a.shape == b.shape, f"{label}: {key} shape {tuple(a.shape)} != {tuple(b.shape)}"
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"{label}: {key}: {m}")
+        else:  # bf16 rounding of inputs to the matmuls: compare relative to the tensor's size
+            rel = float((a - b).norm() / b.norm().clamp(min=1e-12))
+            assert rel < 2e-2, f"{label}: {key} relative error {rel:.2e}"
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    pytest.importorskip("triton")
+    results = tmp_path_factory.mktemp("triton-interpreter") / "results.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, str(results)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return torch.load(results)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(interpreted, name):
+    got = interpreted[name]
+    if isinstance(got, str):
+        pytest.fail(f"kernel raised:\n{got}")
+    assert_matches(got, reference_results(name, CASES[name]), CASES[name].dtype, name)
+
+
+MAPS_CASE = Case(n_q=21, n_k=40)
+
+
+def test_maps_and_log_sum_exps(interpreted):
+    """The partial-result API: each map's output A_j V and log-sum-exp, from first principles."""
+    got = interpreted["maps"]
+    if isinstance(got, str):
+        pytest.fail(f"kernel raised:\n{got}")
+    (q1, k1, q2, k2, v, _), _ = make_inputs("maps", MAPS_CASE)
+    group = q1.shape[2] // k1.shape[2]
+    for j, (q, k) in enumerate(((q1, k1), (q2, k2)), start=1):
+        q, k, vv = q.detach().double(), k.detach().double().repeat_interleave(group, 2), v.detach().double()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        allowed = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(k.shape[1] - q.shape[1])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = scores.logsumexp(-1)
+        o = torch.einsum("bhqk,bkhe->bqhe", (scores - lse[..., None]).exp(), vv.repeat_interleave(group, 2))
+        torch.testing.assert_close(got[f"lse{j}"].double(), lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[f"o{j}"].double(), o, atol=1e-5, rtol=1e-5)
+
+
+def test_refusals():
+    triton_kernel = pytest.importorskip("megadiff.ops.triton_kernel")
+    (q1, k1, q2, k2, v, lam), _ = make_inputs("refusals", Case())
+    with pytest.raises(TypeError, match="dtype"):
+        triton_kernel.differential_attention_triton(q1.double(), k1, q2, k2, v, lam)
+    wide_v = v.new_zeros(*v.shape[:3], 512)
+    with pytest.raises(ValueError, match="head dims up to"):
+        triton_kernel.differential_attention_triton(q1, k1, q2, k2, wide_v, lam)
+    if not triton_kernel.INTERPRETED:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            triton_kernel.differential_attention_triton(q1, k1, q2, k2, v, lam)
+
+
+def _upcast_bf16_dots_in_interpreter() -> None:
+    """triton 3.9's interpreter feeds bf16 tl.dot operands to numpy as their raw uint16 bits.
+
+    Multiply them in fp32 instead, which is what the GPU's bf16 MMA computes (exact products,
+    fp32 sums), so the bf16 case tests the kernel rather than that bug.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def upcast(builder, x):
+        return builder.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+
+    def create_dot_in_fp32(self, a, b, *args, **kwargs):
+        return create_dot(self, upcast(self, a), upcast(self, b), *args, **kwargs)
+
+    InterpreterBuilder.create_dot = create_dot_in_fp32
+
+
+def _interpreter_main(path: str) -> None:
+    """Child process: every case through the interpreted kernel; errors are recorded per case."""
+    from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton_maps
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _upcast_bf16_dots_in_interpreter()
+    results = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = kernel_results(name, case)
+        except Exception:  # noqa: BLE001 -- reported by the matching test
+            results[name] = traceback.format_exc()
+    try:
+        (q1, k1, q2, k2, v, _), _ = make_inputs("maps", MAPS_CASE)
+        maps = differential_attention_triton_maps(q1.detach(), k1.detach(), q2.detach(), k2.detach(), v.detach(),
+                                                  config=KernelConfig(16, 16))
+        results["maps"] = dict(zip(("o1", "o2", "lse1", "lse2"), maps))
+    except Exception:  # noqa: BLE001
+        results["maps"] = traceback.format_exc()
+    torch.save(results, path)
+
+
+GPU_CASES = {
+    "causal-gqa-diff-n4096": Case(n_q=4096, n_k=4096, batch=1),
+    "causal-gqa-dint-n1000": Case(n_q=1000, n_k=1000, integral=True, per_head_lam=True),
+    "full-gqa-diff-n2048": Case(causal=False, n_q=2048, n_k=2048, batch=1),
+    "causal-mha-diff-n3000": Case(gqa=False, n_q=3000, n_k=3000, batch=1, per_head_lam=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestOnGPU:
+    """Compiled kernels at the 3B head shape (d=128, dv=256, bf16), autotuned tiles.
+
+    The bound is relative to SDPA's bf16 error on the same inputs: the fused kernel must be as
+    accurate as the library path it replaces, within a factor of 2.
+    """
+
+    @staticmethod
+    def _results(name, case, backend):
+        from megadiff.ops import differential_attention
+
+        inputs, grad_out = make_inputs(name, case, device="cuda")
+        return outputs_and_grads(lambda *a, **kw: differential_attention(*a, **kw, backend=backend),
+                                 inputs, grad_out, case)
+
+    @pytest.mark.parametrize("name", list(GPU_CASES))
+    def test_matches_reference(self, name):
+        case = replace(GPU_CASES[name], d=128, dv=256, dtype=torch.bfloat16, blocks=None)
+        want = self._results(name, case, "reference")
+        got = self._results(name, case, "triton")
+        sdpa = self._results(name, case, "sdpa")
+        for key in NAMES:
+            err = (got[key].float() - want[key].float()).abs().max().item()
+            sdpa_err = (sdpa[key].float() - want[key].float()).abs().max().item()
+            scale = want[key].float().abs().max().item()
+            assert err <= 2 * sdpa_err + 1e-3 * scale, f"{name}: {key} error {err:.3e} vs SDPA's {sdpa_err:.3e}"
+
+    def test_deterministic_backward(self):
+        case = Case(n_q=1024, n_k=1024, d=128, dv=256, dtype=torch.bfloat16, blocks=None)
+        first, second = (self._results("determinism", case, "triton") for _ in range(2))
+        for key in NAMES:
+            assert torch.equal(first[key], second[key]), f"{key} differs between two identical runs"
+
+
+if __name__ == "__main__":
+    _interpreter_main(sys.argv[1])
