@@ -85,6 +85,8 @@ class TrainConfig(Section):
     clip_grad: float = Field(1.0, ge=0)
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    fp8_backend: Literal["te", "torchao"] = Field("te", description="fp8: TransformerEngine layers (te) or "
+                                                  "torch-native float8 linear layers (torchao)")
     recompute: Literal["none", "selective", "full"] = "none"
     exit_interval: Optional[int] = Field(None, ge=1, description="stop cleanly after this iteration, with a checkpoint")
     eval_interval: Optional[int] = Field(None, ge=1)

@@ -1,0 +1,1 @@
+"""Run observability: metrics files, TensorBoard, console progress (no megatron)."""

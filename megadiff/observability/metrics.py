@@ -1,0 +1,98 @@
+"""Where training metrics go: metrics.jsonl, TensorBoard scalars and a console progress line.
+
+Shared by pre-training and adaptation, so both runs read the same way. Pure Python + torch's
+TensorBoard writer: no megatron here. Only the logging rank creates a writer.
+
+metrics.jsonl holds one JSON object per logged iteration. Its keys are the caller's: numbers,
+and dicts of numbers (e.g. {"lambda": {"layer_1": 0.2}}), which TensorBoard gets as
+"lambda/layer_1". A run that resumes appends, after dropping the lines of iterations it will
+run again, so the file always reads as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _flatten(record: dict, prefix: str = "") -> dict[str, float]:
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.3e}" if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5) else f"{value:.4f}"
+    return str(value)
+
+
+class MetricsWriter:
+    """Write with `log(record)`; `record["iteration"]` is the step axis."""
+
+    def __init__(self, run_dir: str | Path, *, resume_from_iteration: int = 0, tensorboard: bool = True,
+                 total_iterations: int | None = None, console_keys: tuple[str, ...] = ()):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._truncate_after(resume_from_iteration)
+        self._file = open(self.path, "a")
+        self.total = total_iterations
+        self.console_keys = console_keys
+        self.console = Console(highlight=False)
+        self._tensorboard = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR),
+                                              purge_step=resume_from_iteration + 1 if resume_from_iteration else None)
+
+    def _truncate_after(self, iteration: int) -> None:
+        """Keep the lines of iterations <= `iteration` (the checkpoint this run resumed from)."""
+        if not self.path.exists():
+            return
+        kept = [record for record in read_metrics(self.path) if record.get("iteration", 0) <= iteration]
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["iteration"]
+        if self._tensorboard is not None:
+            for key, value in _flatten(record).items():
+                if key != "iteration":
+                    self._tensorboard.add_scalar(key, value, step)
+        self.console.print(self.progress_line(record))
+
+    def progress_line(self, record: dict) -> str:
+        total = f"/{self.total}" if self.total else ""
+        keys = self.console_keys or tuple(k for k, v in record.items() if k != "iteration" and not isinstance(v, dict))
+        parts = [f"iteration {record['iteration']}{total}"]
+        parts += [f"{key} {_format(record[key])}" for key in keys if key in record]
+        return " | ".join(parts)
+
+    def print(self, message: str) -> None:
+        self.console.print(message)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
