@@ -55,18 +55,24 @@ class ParallelConfig(Section):
 
 
 class DataConfig(Section):
-    sources: list[str] = Field(default_factory=list, description="text files (json/jsonl/txt/parquet) or a "
-                               "dataset name, used by prepare-data")
-    text_key: str = "text"
-    prefix: Optional[str] = Field(None, description="output prefix of the indexed dataset (.bin/.idx)")
+    sources: list[str] = Field(default_factory=list, description="prepare-data input: text files (json/jsonl/txt/"
+                               "parquet), directories or globs of them, or a Hugging Face dataset name")
+    text_key: str = Field("text", description="the field holding a document's text in json/jsonl/parquet sources")
+    prefix: Optional[str] = Field(None, description="the indexed dataset (<prefix>.bin/.idx) prepare-data writes; "
+                                  "default for a bundled corpus: <cache_dir>/prepared/<corpus>-<tokenizer>")
     blend: list[Union[str, float]] = Field(default_factory=list, description="[w1, prefix1, w2, prefix2, ...] "
-                                           "or [prefix]; default [prefix]")
-    split: str = "949,50,1"
-    tokenizer: str = Field("cl100k_base", description="'cl100k_base', 'r50k_base' or a HF tokenizer directory")
-    workers: int = Field(1, ge=1)
-    length_upsampling: bool = Field(False, description="sample documents in proportion to their length")
-    bundled_corpus: Optional[str] = Field(None, description="name of a corpus megadiff builds itself (demo)")
-    cache_dir: Optional[str] = None
+                                           "or [prefix, ...]; default [prefix]")
+    split: str = Field("949,50,1", description="train,valid,test document proportions of every prefix")
+    tokenizer: str = Field("cl100k_base", description="'cl100k_base', 'o200k_base' or a HF tokenizer directory")
+    workers: int = Field(1, ge=1, description="prepare-data tokenizer processes")
+    length_upsampling: bool = Field(False, description="repeat each training document in proportion to its "
+                                    "length (64K extension); see docs/data.md")
+    length_upsampling_unit: Optional[int] = Field(None, ge=1, description="tokens per repeat of length "
+                                                  "up-sampling; default model.seq_length")
+    bundled_corpus: Optional[str] = Field(None, description="'kjv': a real corpus megadiff writes and prepares "
+                                          "itself at the start of pre-training (demo, tests)")
+    cache_dir: str = Field("data/cache", description="bundled corpora, their prepared data and megatron's "
+                           "sample-index cache; must be visible to every node")
 
 
 class TrainConfig(Section):
@@ -91,7 +97,9 @@ class TrainConfig(Section):
     exit_interval: Optional[int] = Field(None, ge=1, description="stop cleanly after this iteration, with a checkpoint")
     eval_interval: Optional[int] = Field(None, ge=1)
     eval_iters: int = Field(1, ge=1)
-    max_skipped_nan_iters: int = Field(10, ge=0)
+    max_skipped_nan_iters: int = Field(10, ge=0, description="stop after this many steps skipped for a "
+                                       "non-finite loss or gradient")
+    dataloader_workers: int = Field(0, ge=0, description="background processes reading training samples")
 
 
 class CheckpointConfig(Section):
@@ -105,6 +113,8 @@ class CheckpointConfig(Section):
 
 class LoggingConfig(Section):
     log_interval: int = Field(1, ge=1)
+    peak_tflops: Optional[float] = Field(None, gt=0, description="per-device peak for MFU; default: known GPUs' "
+                                         "dense bf16 peak, none on CPU")
     tensorboard: bool = True
     rank0_only: bool = True
 

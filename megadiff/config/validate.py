@@ -1,7 +1,11 @@
 """Cross-field checks: each failure names the offending key(s)."""
 from __future__ import annotations
 
-from megadiff.config.schema import DIFFERENTIAL_VARIANTS, Config, ModelConfig, ParallelConfig
+import math
+import re
+from typing import Optional
+
+from megadiff.config.schema import DIFFERENTIAL_VARIANTS, Config, DataConfig, ModelConfig, ParallelConfig
 
 
 class ConfigError(ValueError):
@@ -67,6 +71,10 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
     if h_kv % tp:
         _fail("parallel.tensor", f"GQA groups (model.num_kv_heads = {h_kv}) are not divisible by the "
               f"tensor-parallel size {tp}")
+    ffn = resolved_ffn_hidden_size(model)
+    if ffn % tp:
+        _fail("parallel.tensor", f"the FFN width ({ffn}, model.ffn_hidden_size) is not divisible by the "
+              f"tensor-parallel size {tp}")
     if parallel.sequence_parallel and tp == 1:
         _fail("parallel.sequence_parallel", "needs parallel.tensor > 1")
     seq = seq_length if seq_length is not None else model.seq_length
@@ -89,6 +97,35 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
         _fail("parallel", f"world size {world_size} is not divisible by tensor x pipeline x context = {tp * pp * cp}")
 
 
+def parse_blend(blend: list) -> tuple[list[str], Optional[list[float]]]:
+    """data.blend -> (prefixes, weights or None): [w1, p1, w2, p2, ...] or [p1, p2, ...]."""
+    if all(isinstance(item, str) for item in blend):
+        return list(blend), None
+    if len(blend) % 2:
+        _fail("data.blend", f"{blend}: give [weight, prefix, weight, prefix, ...] pairs or only prefixes")
+    weights, prefixes = blend[0::2], blend[1::2]
+    for i, (weight, prefix) in enumerate(zip(weights, prefixes)):
+        if isinstance(weight, str) or not isinstance(prefix, str):
+            _fail("data.blend", f"item {2 * i} should be a weight and item {2 * i + 1} a prefix, got "
+                  f"{weight!r}, {prefix!r}")
+        if not (math.isfinite(weight) and weight > 0):
+            _fail("data.blend", f"weight {weight} of {prefix} must be a positive number")
+    return list(prefixes), [float(w) for w in weights]
+
+
+def validate_data(data: DataConfig) -> None:
+    parse_blend(data.blend)
+    parts = data.split.split(",")
+    if len(parts) > 3 or not all(re.fullmatch(r"\s*\d+(\.\d*)?\s*", part) for part in parts) \
+            or float(parts[0]) == 0:
+        _fail("data.split", f"{data.split!r}: give up to three non-negative train,valid,test proportions "
+              "with train > 0, e.g. 949,50,1")
+    if data.bundled_corpus and data.sources:
+        _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both")
+    if data.length_upsampling_unit is not None and not data.length_upsampling:
+        _fail("data.length_upsampling_unit", "only used with data.length_upsampling=true")
+
+
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // (parallel.tensor * parallel.pipeline * parallel.context)
 
@@ -96,6 +133,7 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
 def validate_config(cfg: Config, world_size: int | None = None) -> None:
     validate_model(cfg.model)
     validate_parallel(cfg.model, cfg.parallel, world_size)
+    validate_data(cfg.data)
     train = cfg.train
     if world_size is not None:
         dp = data_parallel_size(cfg.parallel, world_size)
@@ -109,7 +147,20 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
                       f"({micro_batches}) to be a multiple of parallel.pipeline ({cfg.parallel.pipeline})")
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
-    if train.lr_warmup_iters > (train.lr_decay_iters or train.iters):
-        _fail("train.lr_warmup_iters", "longer than the schedule (train.lr_decay_iters or train.iters)")
-    if train.precision == "fp8" and cfg.model.transformer_impl != "te":
-        _fail("train.precision", "fp8 needs model.transformer_impl=te (TransformerEngine)")
+    if train.lr_warmup_iters >= (train.lr_decay_iters or train.iters):
+        _fail("train.lr_warmup_iters", "must be shorter than the schedule (train.lr_decay_iters or train.iters)")
+    if train.precision == "fp8":
+        _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
+
+
+def _validate_fp8(backend: str, transformer_impl: str) -> None:
+    if backend == "te" and transformer_impl != "te":
+        _fail("train.precision", "fp8 with train.fp8_backend=te needs model.transformer_impl=te (TransformerEngine); "
+              "train.fp8_backend=torchao gives float8 linears in the local layers")
+    if backend == "torchao" and transformer_impl == "te":
+        _fail("train.fp8_backend", "torchao's float8 linears replace the local layers' linears; with "
+              "model.transformer_impl=te use train.fp8_backend=te")
+    if backend == "torchao":
+        from importlib.util import find_spec
+        if find_spec("torchao") is None:
+            _fail("train.fp8_backend", "'torchao' needs torchao, which is not installed (pip install torchao)")

@@ -1,0 +1,148 @@
+"""data.sources -> one Hugging Face `datasets.Dataset` of document texts, in source order.
+
+A source is a file (json/jsonl with one document per record, parquet, or txt with one
+document per file; optionally .gz/.bz2/.xz compressed), a directory or glob of such files
+(sorted), or otherwise a dataset name loaded from the Hugging Face hub (split "train").
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from megadiff.data.errors import DataError
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz")
+TEXT_TYPES = ("string", "large_string")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Local files read by one `datasets` builder, or (builder "hub") a hub dataset name."""
+    key: str                      # the config key, for messages: data.sources[i]
+    builder: str
+    files: tuple[Path, ...] = ()
+    name: Optional[str] = None
+
+    def describe(self) -> str:
+        return self.name if self.builder == "hub" else ", ".join(str(f) for f in self.files)
+
+    def fingerprint(self) -> list:
+        """What decides whether prepared data is still up to date: file paths, sizes and times."""
+        if self.builder == "hub":
+            return [self.name]
+        return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
+
+
+def builder_for(path: Path) -> Optional[str]:
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def _files_of(entry: str, key: str) -> Optional[list[Path]]:
+    """The local files an entry names, or None when it names no local path (a hub dataset)."""
+    kinds = "json/jsonl/txt/parquet"
+    if glob.has_magic(entry):
+        files = [Path(p) for p in sorted(glob.glob(entry, recursive=True))
+                 if Path(p).is_file() and builder_for(Path(p))]
+        if not files:
+            raise DataError(f"{key}: no {kinds} files match {entry!r}")
+        return files
+    path = Path(entry).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and builder_for(p))
+        if not files:
+            raise DataError(f"{key}: directory {path} holds no {kinds} files")
+        return files
+    if path.is_file():
+        if builder_for(path) is None:
+            raise DataError(f"{key}: {path}: unsupported file type; use {kinds}")
+        return [path]
+    if builder_for(path) or entry.startswith((".", "/", "~")):
+        raise DataError(f"{key}: file not found: {path}")
+    return None
+
+
+def resolve_sources(entries: list[str]) -> list[Source]:
+    """Check every entry exists now, before any work; consecutive files of one kind load together."""
+    if not entries:
+        raise DataError("data.sources: empty; list the files to prepare (json/jsonl/txt/parquet) "
+                        "or set data.bundled_corpus")
+    sources: list[Source] = []
+    for i, entry in enumerate(entries):
+        key = f"data.sources[{i}]"
+        files = _files_of(entry, key)
+        if files is None:
+            sources.append(Source(key, "hub", name=entry))
+            continue
+        for path in files:
+            builder = builder_for(path)
+            last = sources[-1] if sources else None
+            if last is not None and last.key == key and last.builder == builder:
+                sources[-1] = Source(key, builder, last.files + (path,))
+            else:
+                sources.append(Source(key, builder, (path,)))
+    return sources
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """`datasets` prints progress bars and logs for every load; prepare-data shows its own progress."""
+    import datasets
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _load(source: Source, text_key: str, cache_dir: str):
+    import datasets
+
+    try:
+        if source.builder == "hub":
+            return datasets.load_dataset(source.name, split="train"), text_key
+        options = {"sample_by": "document"} if source.builder == "text" else {}
+        # an empty file holds no documents, but datasets' builders refuse it
+        files = [str(f) for f in source.files if f.stat().st_size]
+        if not files:
+            return None, None
+        table = datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
+        return table, ("text" if source.builder == "text" else text_key)
+    except Exception as err:  # datasets raises many types; all mean the same thing here
+        what = ("is not a local file or directory, and loading it as a Hugging Face dataset failed"
+                if source.builder == "hub" else "could not be read")
+        raise DataError(f"{source.key}: {source.describe()} {what}: {err}") from err
+
+
+def load_texts(sources: list[Source], text_key: str, cache_dir: str):
+    """All documents as one Dataset with a single "text" column (None for a missing value)."""
+    import datasets
+
+    parts = []
+    with _quiet_datasets():
+        for source in sources:
+            table, key = _load(source, text_key, cache_dir)
+            if table is None:
+                continue
+            feature = table.features.get(key)
+            if feature is None:
+                raise DataError(f"data.text_key: {source.key} ({source.describe()}) has no field {key!r}; "
+                                f"its fields are {list(table.features)}")
+            if getattr(feature, "dtype", None) not in TEXT_TYPES:
+                raise DataError(f"data.text_key: field {key!r} of {source.key} ({source.describe()}) holds "
+                                f"{feature}, not text")
+            parts.append(table.select_columns([key]).rename_column(key, "text") if key != "text"
+                         else table.select_columns(["text"]))
+        return datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict({"text": []})

@@ -1,0 +1,47 @@
+"""Document texts -> token ids with an EOD after each document, in order, on several processes.
+
+Workers are spawned (not forked: pre-training may call this from a process that already runs
+threads) and import only this light module and the tokenizer, which each loads once.
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+
+from megadiff.data.tokenizers import load_tokenizer
+
+Encoded = tuple[np.ndarray, np.ndarray]  # (ids of the batch, concatenated; tokens per document, 0 = skipped)
+
+
+def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str) -> Encoded:
+    """A document that encodes to no tokens (empty or missing text) is skipped, not stored as a lone EOD."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    pieces, lengths = [], []
+    for text in texts:
+        ids = tokenizer.encode(text) if text else []
+        if ids:
+            ids.append(tokenizer.eod)
+        pieces.append(np.asarray(ids, dtype=dtype))
+        lengths.append(len(ids))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype), np.asarray(lengths, dtype=np.int64)
+
+
+def encode_in_order(batches: Iterable[list[Optional[str]]], tokenizer_spec: str, dtype: str,
+                    workers: int) -> Iterator[Encoded]:
+    """Encoded batches in input order; at most a few batches per worker in flight, so memory stays flat."""
+    if workers == 1:
+        for texts in batches:
+            yield encode_documents(texts, tokenizer_spec, dtype)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=load_tokenizer,
+                                                   initargs=(tokenizer_spec,)) as pool:
+        pending: collections.deque = collections.deque()
+        for texts in batches:
+            pending.append(pool.apply_async(encode_documents, (texts, tokenizer_spec, dtype)))
+            if len(pending) >= 4 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

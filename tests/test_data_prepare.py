@@ -1,0 +1,267 @@
+"""prepare-data: the bundled corpus, text -> megatron indexed dataset, idempotence, atomicity, the CLI.
+
+Every check compares with an independent reading: the KJV jsonl read naively, the tokenizer
+called document by document, megatron's own IndexedDataset reading the files back.
+"""
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megadiff.cli import main as cli_main
+from megadiff.config import build_config
+from megadiff.data import prepare as prepare_module
+from megadiff.data import tokenize_workers
+from megadiff.data.corpus import kjv_source, write_bundled_corpus
+from megadiff.data.errors import DataError
+from megadiff.data.indexed import token_dtype
+from megadiff.data.prepare import ensure_prepared, prepare
+from megadiff.data.tokenizers import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTERS = 24  # a KJV subset keeps each preparation well under a second
+
+
+def naive_kjv_chapters() -> dict[tuple[str, int], dict[int, str]]:
+    chapters: dict = {}
+    for line in kjv_source().read_text(encoding="utf-8").splitlines():
+        verse = json.loads(line)
+        chapters.setdefault((verse["book"], verse["chapter"]), {})[verse["verse"]] = verse["text"]
+    return chapters
+
+
+def read_documents(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def read_back(prefix) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def data_config(tmp_path, *overrides):
+    return build_config({}, [f"data.cache_dir={tmp_path / 'cache'}", *overrides]).data
+
+
+def outputs_only(directory: Path, prefix_name: str) -> None:
+    """No temporary file or work directory is left beside the outputs."""
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == sorted(f"{prefix_name}{ext}" for ext in (".bin", ".idx", ".lock", ".manifest.json")), names
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A jsonl of KJV chapters plus an empty document and one with another key's text missing."""
+    root = tmp_path_factory.mktemp("corpus")
+    documents = read_documents(write_bundled_corpus("kjv", root))[:CHAPTERS]
+    records = [{"text": d, "id": i} for i, d in enumerate(documents)]
+    records.insert(3, {"text": "", "id": -1})
+    path = root / "subset.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, documents
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("prepared")
+    prefix = root / "out" / "subset"
+    stats = prepare(build_config({}, [f"data.sources=[{corpus[0]}]", f"data.prefix={prefix}"]).data)
+    return prefix, stats
+
+
+def test_kjv_corpus_is_one_document_per_chapter_of_the_naive_read(tmp_path):
+    path = write_bundled_corpus("kjv", tmp_path)
+    documents = read_documents(path)
+    chapters = naive_kjv_chapters()
+    assert len(documents) == len(chapters) == 1189
+    order = list(chapters)
+    genesis = documents[order.index(("Genesis", 1))].split("\n")
+    assert genesis[0] == "In the beginning God created the heaven and the earth."
+    john = documents[order.index(("John", 11))].split("\n")
+    assert john[34] == chapters[("John", 11)][35] == "Jesus wept."
+    assert all(doc.split("\n") == [v[k] for k in sorted(v)] for doc, v in zip(documents, chapters.values()))
+
+    # re-running leaves an identical file untouched, and replaces a damaged one
+    stamp = path.stat().st_mtime_ns
+    assert write_bundled_corpus("kjv", tmp_path) == path and path.stat().st_mtime_ns == stamp
+    path.write_text("damaged")
+    assert read_documents(write_bundled_corpus("kjv", tmp_path)) == documents
+    assert [p.name for p in tmp_path.iterdir()] == ["kjv.jsonl"]
+    with pytest.raises(DataError, match="data.bundled_corpus: unknown corpus 'nope'"):
+        write_bundled_corpus("nope", tmp_path)
+
+
+def test_tokens_are_each_document_encoded_plus_eod(corpus, prepared):
+    prefix, stats = prepared
+    tokenizer = load_tokenizer("cl100k_base")
+    expected = [tokenizer.encode(doc) + [tokenizer.eod] for doc in corpus[1]]  # the empty document is skipped
+    assert read_back(prefix) == expected
+    assert (stats["documents"], stats["skipped_empty"], stats["tokens"]) == (CHAPTERS, 1, sum(map(len, expected)))
+    assert np.fromfile(f"{prefix}.bin", dtype=np.int32).size == stats["tokens"]  # cl100k needs int32
+    outputs_only(prefix.parent, prefix.name)
+
+
+def test_token_dtype_is_megatrons_choice():
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import DType
+
+    for vocab in (1000, 65535, 65536, 65537, 100277, 200019):
+        tokenizer = type("T", (), {"vocab_size": vocab, "eod": 0})()
+        megatron = GPTDatasetConfig(random_seed=0, sequence_length=8, blend=(["x"], None), split="1,0,0",
+                                    tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                                    eod_mask_loss=False)
+        assert token_dtype(vocab) == np.dtype(DType.dtype_from_code(megatron.token_dtype_code))
+
+
+def test_several_workers_write_the_same_bytes_and_a_rerun_is_skipped(corpus, prepared, tmp_path, capsys):
+    prefix, stats = prepared
+    other = tmp_path / "two-workers"
+    prepare(build_config({}, [f"data.sources=[{corpus[0]}]", f"data.prefix={other}", "data.workers=2"]).data)
+    for ext in (".bin", ".idx"):
+        assert Path(f"{other}{ext}").read_bytes() == Path(f"{prefix}{ext}").read_bytes()
+    outputs_only(tmp_path, other.name)
+
+    stamp = Path(f"{other}.bin").stat().st_mtime_ns
+    capsys.readouterr()
+    again = prepare(build_config({}, [f"data.sources=[{corpus[0]}]", f"data.prefix={other}"]).data)
+    assert "up to date" in capsys.readouterr().out
+    assert again == stats | {"seconds": again["seconds"], "tokens_per_second": again["tokens_per_second"]}
+    assert Path(f"{other}.bin").stat().st_mtime_ns == stamp
+
+    # a changed source is prepared again
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text(json.dumps({"text": "Jesus wept."}) + "\n")
+    prepare(build_config({}, [f"data.sources=[{changed}]", f"data.prefix={other}"]).data)
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(other) == [tokenizer.encode("Jesus wept.") + [tokenizer.eod]]
+
+
+def test_a_failure_leaves_no_output_and_no_temporary_files(corpus, tmp_path, monkeypatch):
+    calls = []
+
+    def failing(texts, spec, dtype):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise RuntimeError("worker died")
+        return real(texts, spec, dtype)
+
+    real = tokenize_workers.encode_documents
+    monkeypatch.setattr(tokenize_workers, "encode_documents", failing)
+    monkeypatch.setattr(prepare_module, "DOCUMENTS_PER_BATCH", 4)
+    with pytest.raises(RuntimeError, match="worker died"):
+        prepare(build_config({}, [f"data.sources=[{corpus[0]}]", f"data.prefix={tmp_path / 'x'}"]).data)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.lock"]
+
+
+def test_ensure_prepared_writes_and_prepares_the_bundled_corpus_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare_module, "write_bundled_corpus",
+                        lambda name, directory: _kjv_subset(Path(directory), CHAPTERS))
+    cfg = build_config({}, ["data.bundled_corpus=kjv", f"data.cache_dir={tmp_path}"])
+    ensure_prepared(cfg)
+    prefix = tmp_path / "prepared" / "kjv-cl100k_base"
+    tokenizer = load_tokenizer("cl100k_base")
+    documents = read_documents(tmp_path / "corpus" / "kjv.jsonl")
+    assert read_back(prefix) == [tokenizer.encode(d) + [tokenizer.eod] for d in documents]
+    capsys.readouterr()
+    ensure_prepared(cfg)
+    assert "up to date" in capsys.readouterr().out
+    ensure_prepared(build_config({}, [f"data.cache_dir={tmp_path / 'unused'}"]))  # no bundled corpus: nothing
+    assert not (tmp_path / "unused").exists()
+
+
+def _kjv_subset(directory: Path, chapters: int) -> Path:
+    """The first chapters of the bundled corpus, written once like write_bundled_corpus does."""
+    path = directory / "kjv.jsonl"
+    if not path.exists():
+        full = write_bundled_corpus("kjv", directory / "full")
+        lines = full.read_text(encoding="utf-8").splitlines(keepends=True)
+        path.write_text("".join(lines[:chapters]), encoding="utf-8")
+    return path
+
+
+def test_cli_and_tools_script_prepare_from_a_config(corpus, tmp_path, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  sources: [{corpus[0]}]\n  prefix: {tmp_path / 'cli'}\n")
+    assert cli_main(["prepare-data", str(config), "data.workers=1"]) == 0
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(tmp_path / "cli") == [tokenizer.encode(d) + [tokenizer.eod] for d in corpus[1]]
+
+    monkeypatch.setattr(sys, "argv", ["preprocess_data.py", str(config), f"data.prefix={tmp_path / 'tool'}"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__")
+    assert done.value.code == 0
+    assert Path(f"{tmp_path / 'tool'}.bin").read_bytes() == Path(f"{tmp_path / 'cli'}.bin").read_bytes()
+
+
+def test_cli_reports_bad_data_without_a_traceback(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  sources: [{tmp_path / 'missing.jsonl'}]\n  prefix: {tmp_path / 'x'}\n")
+    assert cli_main(["prepare-data", str(config)]) == 2
+    assert f"data.sources[0]: file not found: {tmp_path / 'missing.jsonl'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing file", r"data.sources\[1\]: file not found"),
+    ("no sources", r"data.sources: empty"),
+    ("no prefix", r"data.prefix: not set"),
+    ("no documents", r"data.sources: no documents in .*empty.jsonl"),
+    ("no tokens", r"data.sources: 2 documents but no tokens"),
+    ("wrong key", r"data.text_key: data.sources\[0\] \(.*good.jsonl\) has no field 'body'"),
+    ("not text", r"data.text_key: field 'n' of data.sources\[0\] .* not text"),
+    ("unreadable", r"data.sources\[0\]: .*bad.jsonl could not be read"),
+    ("empty directory", r"data.sources\[0\]: directory .* holds no json/jsonl/txt/parquet files"),
+    ("unsupported", r"data.sources\[0\]: .*notes.md: unsupported file type"),
+])
+def test_bad_sources_fail_before_tokenizing_naming_the_key(tmp_path, case, message):
+    good, empty, blank, bad = (tmp_path / n for n in ("good.jsonl", "empty.jsonl", "blank.jsonl", "bad.jsonl"))
+    good.write_text(json.dumps({"text": "In the beginning", "n": 1}) + "\n")
+    empty.write_text("")
+    blank.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": None}) + "\n")
+    bad.write_text("{not json\n")
+    (tmp_path / "notes.md").write_text("# notes")
+    (tmp_path / "nothing").mkdir()
+    prefix = f"data.prefix={tmp_path / 'out'}"
+    overrides = {
+        "missing file": [f"data.sources=[{good},{tmp_path / 'missing.jsonl'}]", prefix],
+        "no sources": [prefix],
+        "no prefix": [f"data.sources=[{good}]"],
+        "no documents": [f"data.sources=[{empty}]", prefix],
+        "no tokens": [f"data.sources=[{blank}]", prefix],
+        "wrong key": [f"data.sources=[{good}]", "data.text_key=body", prefix],
+        "not text": [f"data.sources=[{good}]", "data.text_key=n", prefix],
+        "unreadable": [f"data.sources=[{bad}]", prefix],
+        "empty directory": [f"data.sources=[{tmp_path / 'nothing'}]", prefix],
+        "unsupported": [f"data.sources=[{tmp_path / 'notes.md'}]", prefix],
+    }[case]
+    with pytest.raises(DataError, match=message):
+        prepare(data_config(tmp_path, *overrides))
+    assert not Path(f"{tmp_path / 'out'}.bin").exists()
+
+
+def test_text_files_directories_and_globs_keep_source_order(tmp_path):
+    """A .txt file is one document; a directory or glob expands to its files in sorted order."""
+    folder = tmp_path / "books"
+    folder.mkdir()
+    texts = {"b.txt": "Second book.\nIt has two lines.\n", "a.txt": "First book.\n", "c.jsonl": None}
+    for name, text in texts.items():
+        if text is not None:
+            (folder / name).write_text(text)
+    (folder / "c.jsonl").write_text(json.dumps({"text": "Third, from json."}) + "\n")
+    first = tmp_path / "first.jsonl"
+    first.write_text(json.dumps({"text": "Zeroth."}) + "\n")
+    prefix = tmp_path / "out"
+    prepare(data_config(tmp_path, f"data.sources=[{first},{folder}]", f"data.prefix={prefix}"))
+    tokenizer = load_tokenizer("cl100k_base")
+    order = ["Zeroth.", texts["a.txt"], texts["b.txt"], "Third, from json."]
+    assert read_back(prefix) == [tokenizer.encode(t) + [tokenizer.eod] for t in order]
+
+    globbed = tmp_path / "globbed"
+    prepare(data_config(tmp_path, f"data.sources=['{folder}/*.txt']", f"data.prefix={globbed}"))
+    assert read_back(globbed) == read_back(prefix)[1:3]
