@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from typing import Callable
 
 
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weight dtype of the output (default: keep the source's)")
         p.add_argument("--no-check", action="store_true", help="skip the logits comparison of both sides")
         p.set_defaults(run=lambda a, t=target: _target(t)(a.load, a.save, dtype=a.dtype, check=not a.no_check))
+    to_hf = conv_sub.choices["to-hf"]
+    to_hf.add_argument("--remote-code", action="store_true",
+                       help="export DIFF with megadiff's modeling code (trust_remote_code) instead of stock DiffLlama")
+    to_hf.set_defaults(run=lambda a: _target("megadiff.convert.to_hf:convert_to_hf")(
+        a.load, a.save, dtype=a.dtype, check=not a.no_check, remote_code=a.remote_code))
 
     gen = sub.add_parser("generate", help="generate text from a megadiff checkpoint")
     gen.add_argument("--load", required=True)
@@ -70,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# megatron-core warns at import that it falls back from TransformerEngine/Apex to torch: expected
+# without them (the CPU machines), and said once in the README rather than on every command.
+QUIET_IMPORT_WARNINGS = r".*(Transformer Engine|Apex)( and Apex)? (is|are) not installed.*"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=QUIET_IMPORT_WARNINGS)
     args = build_parser().parse_args(argv)
     from megadiff.config import ConfigError
     try:

@@ -147,8 +147,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
                       f"({micro_batches}) to be a multiple of parallel.pipeline ({cfg.parallel.pipeline})")
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
-    if train.lr_warmup_iters >= (train.lr_decay_iters or train.iters):
-        _fail("train.lr_warmup_iters", "must be shorter than the schedule (train.lr_decay_iters or train.iters)")
     if train.precision == "fp8":
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
 

@@ -32,6 +32,7 @@ class MegadiffTransformerConfig(TransformerConfig):
     lowrank_rank: int = 0
     lowrank_zero_init: bool = True
     attention_backend_name: str = "auto"
+    float8_linears: bool = False  # the local layers' linears in float8 (models/float8.py, fp8_backend=torchao)
 
     @property
     def differential_heads(self) -> int:
@@ -74,7 +75,7 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         params_dtype=dtype if t.precision != "fp32" else torch.float32,
         bf16=t.precision in ("bf16", "fp8"),
         fp16=t.precision == "fp16",
-        fp8="hybrid" if t.precision == "fp8" else None,
+        fp8="hybrid" if t.precision == "fp8" and t.fp8_backend == "te" else None,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         gradient_accumulation_fusion=False,
@@ -87,6 +88,7 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         # mix up activations and gradients when both pipeline neighbours are one rank (PP=2).
         # Its unbatched path sends the two directions over different groups.
         batch_p2p_comm=torch.cuda.is_available(),
+        cuda_graph_scope=[],  # megatron's own default ("full") warns that it is deprecated
         transformer_impl="transformer_engine" if m.transformer_impl == "te" else "local",
         variant=m.variant,
         lambda_init=m.lambda_init,
@@ -94,5 +96,6 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         lowrank_rank=m.lowrank_rank,
         lowrank_zero_init=m.lowrank_zero_init,
         attention_backend_name=m.attention_backend,
+        float8_linears=t.precision == "fp8" and t.fp8_backend == "torchao",
         **recompute,
     )

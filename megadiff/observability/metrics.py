@@ -58,7 +58,7 @@ class MetricsWriter:
         self._file = open(self.path, "a")
         self.total = total_iterations
         self.console_keys = console_keys
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, soft_wrap=True)
         self._tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

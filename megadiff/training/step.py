@@ -1,6 +1,7 @@
 """One optimizer step through megatron's pipeline schedules (1F1B, interleaved or none)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
@@ -42,7 +43,7 @@ def forward_step(data_iterator: Iterator, model):
 class StepResult:
     loss: float                 # mean over micro-batches and data-parallel ranks, same on every rank
     grad_norm: float | None
-    updated: bool               # False when the optimizer skipped the step (non-finite gradients)
+    updated: bool               # False when the step was skipped (non-finite loss or gradients)
 
 
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int) -> float:
@@ -74,13 +75,27 @@ def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, f
     return _mean_loss_on_every_rank(reduced, num_microbatches)
 
 
+def _all_finite(engine: Engine, loss: float) -> bool:
+    """Loss and every reduced gradient finite, agreed by all ranks (each may hold other gradients)."""
+    finite = math.isfinite(loss) and all(bool(torch.isfinite(buffer.grad_data).all())
+                                         for chunk in engine.model for buffer in chunk.buffers)
+    flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=engine.model[0].buffers[0].grad_data.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())
+
+
 def train_step(engine: Engine, data_iterator, num_microbatches: int,
                before_update: Callable[[Engine], None] | None = None) -> StepResult:
-    """`before_update(engine)` sees the reduced gradients (param.main_grad) before the optimizer uses them."""
+    """Forward, backward and, unless the loss or a gradient is not finite, an optimizer update.
+
+    `before_update(engine)` sees the reduced gradients (param.main_grad) before the optimizer uses them.
+    """
     for chunk in engine.model:
         chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
     loss = run_forward_backward(engine, data_iterator, num_microbatches)
+    if not _all_finite(engine, loss):  # an update from NaN/inf gradients would poison every weight
+        return StepResult(loss=loss, grad_norm=None, updated=False)
     if before_update is not None:
         before_update(engine)
     updated, grad_norm, _ = engine.optimizer.step()

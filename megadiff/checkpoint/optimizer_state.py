@@ -1,0 +1,61 @@
+"""The optimizer's part of a checkpoint, with megatron-core 0.16.1's distributed-optimizer bugs mended.
+
+With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1:
+  a) fails to save its default format ("ShardedTensor.flattened_range is not supported"):
+     we use the `fully_reshardable` format, which also reshards across TP/PP/DP;
+  b) cannot build a loading state dict for a fresh optimizer (asserts one Adam `step` over an
+     empty state), then fails to load (KeyError 'step': it copies every state entry but the
+     checkpoint's tensors have no `step`);
+  c) after loading, gives all parameters ONE shared `step` tensor, which AdamW increments once
+     per parameter: the bias correction is silently wrong and the loss diverges from the
+     uninterrupted run two steps after a resume.
+Each mend below is local to one optimizer instance and keeps megatron's own code paths.
+"""
+from __future__ import annotations
+
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+DISTRIBUTED_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _distributed(optimizer) -> list[DistributedOptimizer]:
+    return [inner for inner in _inner_optimizers(optimizer) if isinstance(inner, DistributedOptimizer)]
+
+
+def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bool) -> dict:
+    if is_loading:
+        for inner in _distributed(optimizer):
+            if not inner.optimizer.state:  # (b) Adam state must exist before its layout is described
+                inner._init_optimizer_states_with_dummy_values()
+    return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=DISTRIBUTED_FORMAT)
+
+
+def _keep_current_step(inner: DistributedOptimizer):
+    set_states = inner._set_main_param_and_optimizer_states
+
+    def set_with_step(model_param, tensors):
+        group_index, group_order = inner.model_param_group_index_map[model_param]
+        main_param = inner.optimizer.param_groups[group_index]["params"][group_order]
+        step = inner.optimizer.state[main_param].get("step")
+        set_states(model_param, tensors if step is None else {**tensors, "step": step})  # (b)
+
+    return set_with_step
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    distributed = _distributed(optimizer)
+    for inner in distributed:
+        inner._set_main_param_and_optimizer_states = _keep_current_step(inner)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for inner in distributed:
+            del inner._set_main_param_and_optimizer_states  # back to the class's method
+    for inner in distributed:
+        for param_state in inner.optimizer.state.values():  # (c) one step counter per parameter
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].clone()

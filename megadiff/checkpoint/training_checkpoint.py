@@ -1,0 +1,177 @@
+"""Training checkpoints: model, optimizer, training state and RNG, committed atomically.
+
+A save writes `iter_NNNNNNN.partial/` with megatron dist_checkpointing, then (after every rank
+finished) rank 0 renames it to `iter_NNNNNNN/` and only then rewrites the latest marker. A crash
+at any point (kill -9 included) leaves the previous checkpoint and marker untouched; leftover
+`.partial` directories are removed by the next save. With `async_save` the files are written in
+the background and the commit runs when every rank's write has finished.
+
+The training state (iteration, consumed samples, LR schedule, ...) is a plain dict stored in
+dist_checkpointing's common state. RNG states are stored per global rank and restored only when
+the layout (world size, TP, PP, CP) is unchanged; any layout can load the rest (resharding).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from megadiff.checkpoint.format import (
+    CONFIG_FILE, LATEST_FILE, iteration_dir, model_keys, model_sharded_state, read_latest_iteration,
+)
+from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
+from megadiff.config import Config, dump_config
+
+PARTIAL_SUFFIX = ".partial"
+TRAIN_STATE_KEY = "train_state"
+RNG_KEY = "rng_state"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_states() -> dict:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _rng_sharded_object(states: dict | None) -> ShardedObject:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedObject(RNG_KEY, states, (world,), (_rank(),), replica_id=0)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> None:
+    """Rank 0, after every rank's files are complete: rename into place, then move the marker."""
+    final = iteration_dir(checkpoints_dir, iteration)
+    if final.exists():  # the same iteration saved again (e.g. a signal right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(final.with_name(final.name + PARTIAL_SUFFIX), final)
+    _write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n")
+    if keep_last:
+        saved = sorted(p for p in checkpoints_dir.glob("iter_*") if p.is_dir() and p.suffix != PARTIAL_SUFFIX)
+        for old in saved[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Saves training checkpoints of one run; `async_save` overlaps the file writes with training."""
+
+    def __init__(self, checkpoints_dir: str | Path, cfg: Config, keep_last: int | None = None,
+                 async_save: bool = False):
+        self.dir = Path(checkpoints_dir)
+        self.cfg = cfg
+        self.keep_last = keep_last
+        self.queue = AsyncCallsQueue() if async_save else None
+
+    def save(self, iteration: int, chunks: list, optimizer, train_state: dict) -> None:
+        self.wait()  # one save in flight at a time: its commit must precede the next one's
+        staging = iteration_dir(self.dir, iteration).with_name(f"iter_{iteration:07d}{PARTIAL_SUFFIX}")
+        if _rank() == 0:
+            for leftover in self.dir.glob(f"*{PARTIAL_SUFFIX}"):  # from a crashed save
+                shutil.rmtree(leftover)
+            staging.mkdir(parents=True)
+        _barrier()
+        state = model_sharded_state(chunks)
+        state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
+        state[TRAIN_STATE_KEY] = train_state
+        state[RNG_KEY] = _rng_sharded_object(_rng_states())
+        commit = self._commit_fn(iteration)
+        if self.queue is None:
+            dist_checkpointing.save(state, str(staging))
+            _barrier()
+            commit()
+            _barrier()
+        else:
+            request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+            request.add_finalize_fn(commit)
+            self.queue.schedule_async_request(request)
+
+    def _commit_fn(self, iteration: int):
+        def commit() -> None:
+            if _rank() == 0:
+                dump_config(self.cfg, iteration_dir(self.dir, iteration).with_name(
+                    f"iter_{iteration:07d}{PARTIAL_SUFFIX}") / CONFIG_FILE)
+                _commit(self.dir, iteration, self.keep_last)
+        return commit
+
+    def poll(self) -> None:
+        """Commit background saves that every rank has finished (collective: call on every rank)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+            _barrier()
+
+    def close(self) -> None:
+        self.wait()
+        if self.queue is not None:
+            self.queue.close()
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    iteration = read_latest_iteration(checkpoints_dir)
+    return None if iteration is None else iteration_dir(checkpoints_dir, iteration)
+
+
+def read_train_state(checkpoint_dir: str | Path) -> dict | None:
+    """The training state saved with a checkpoint (None for a model-only one), weights untouched."""
+    return dist_checkpointing.load_common_state_dict(str(checkpoint_dir)).get(TRAIN_STATE_KEY)
+
+
+def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer, *, load_optimizer: bool = True,
+                             restore_rng: bool = True) -> None:
+    """Load into this rank's model chunks (any TP/PP layout) and, optionally, the optimizer.
+
+    `restore_rng` only where the run's world size and TP/PP/CP equal the saved run's.
+    """
+    request = model_sharded_state(chunks)
+    if load_optimizer:
+        request["optimizer"] = optimizer_sharded_state(optimizer, request, is_loading=True)
+    if restore_rng:
+        request[RNG_KEY] = _rng_sharded_object(None)
+    loaded = dist_checkpointing.load(request, str(checkpoint_dir))
+    for key, chunk in zip(model_keys(len(chunks)), chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+    if load_optimizer:
+        load_optimizer_state(optimizer, loaded["optimizer"])
+    else:  # the optimizer's fp32 copies must follow the loaded weights
+        optimizer.reload_model_params()
+    if restore_rng:
+        _restore_rng_states(loaded[RNG_KEY])

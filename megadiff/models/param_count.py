@@ -1,0 +1,100 @@
+"""Parameter and FLOP counts from the config alone (no model is allocated).
+
+`megadiff params CONFIG` prints them, so a recipe can be sized before any GPU is touched. A
+test checks the counts against a built model, and the recipes against the papers' sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megadiff.config import (
+    DIFFERENTIAL_VARIANTS, Config, ModelConfig, load_config, padded_vocab_size, resolved_ffn_hidden_size,
+    resolved_head_dim, resolved_kv_heads,
+)
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    attention: int       # per layer: QKV (Shared DIFF: shared + low-rank), output projection, lambda, head norm
+    mlp: int             # per layer: SwiGLU fc1 (gate + up) and fc2
+    norms: int           # per layer: the two RMSNorms
+    num_layers: int
+    embedding: int       # input embedding (padded vocabulary)
+    output_layer: int    # 0 when tied to the embedding
+    final_norm: int
+
+    @property
+    def per_layer(self) -> int:
+        return self.attention + self.mlp + self.norms
+
+    @property
+    def non_embedding(self) -> int:
+        return self.num_layers * self.per_layer + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return self.non_embedding + self.embedding + self.output_layer
+
+
+def _qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
+    """Widths of Q, K and V outputs (all maps together)."""
+    maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
+    d, h, h_kv = resolved_head_dim(model), model.num_attention_heads, resolved_kv_heads(model)
+    return maps * h * d, maps * h_kv * d, maps * h_kv * d
+
+
+def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount:
+    hidden, d = model.hidden_size, resolved_head_dim(model)
+    q, k, v = _qkv_widths(model)
+    if model.variant == "shared_diff":  # shared W_Q, W_K (half the maps' widths) + four rank-r updates
+        r = model.lowrank_rank
+        qkv = hidden * (q // 2 + k // 2 + v) + 4 * r * hidden + 2 * r * (q // 2) + 2 * r * (k // 2)
+    else:
+        qkv = hidden * (q + k + v)
+    differential_extras = 4 * d + 2 * d if model.variant in DIFFERENTIAL_VARIANTS else 0
+    ffn = resolved_ffn_hidden_size(model)
+    vocab = padded_vocab_size(model, tensor_parallel)
+    return ParamCount(
+        attention=qkv + q * hidden + differential_extras,  # linear_proj reads every query head's output
+        mlp=3 * hidden * ffn,
+        norms=2 * hidden,
+        num_layers=model.num_layers,
+        embedding=vocab * hidden,
+        output_layer=0 if model.tie_embeddings else vocab * hidden,
+        final_norm=hidden,
+    )
+
+
+def training_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
+    """Matmul FLOPs (forward + backward = 3 x forward) per trained token.
+
+    Dense layers: 2 FLOPs per weight per token (the output layer included, the embedding lookup
+    not). Attention: every map computes Q K^T and P V over, on average, half the sequence (causal).
+    """
+    seq = seq_length or model.seq_length
+    counts = count_parameters(model)
+    dense = counts.num_layers * (counts.attention + counts.mlp) + counts.embedding
+    q, _, _ = _qkv_widths(model)
+    maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
+    # scores: all maps' query width; P V: each map times a V as wide as a differential head (2d)
+    per_layer_attention = 2 * (seq / 2) * (q + maps * q)
+    return 3 * (2 * dense + counts.num_layers * per_layer_attention)
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
+
+
+def print_param_count(config_path: str, overrides: list[str]) -> int:
+    cfg: Config = load_config(config_path, overrides)
+    counts = count_parameters(cfg.model, cfg.parallel.tensor)
+    m = cfg.model
+    print(f"{config_path}: variant {m.variant}, {m.num_layers} layers, hidden {m.hidden_size}, "
+          f"{m.num_attention_heads} heads x head dim {resolved_head_dim(m)}, ffn {resolved_ffn_hidden_size(m)}")
+    rows = [("attention / layer", counts.attention), ("mlp / layer", counts.mlp), ("norms / layer", counts.norms),
+            ("non-embedding", counts.non_embedding), ("embedding", counts.embedding),
+            ("output layer", counts.output_layer), ("total", counts.total)]
+    for name, value in rows:
+        print(f"  {name:<18} {value:>16,d}  ({_billions(value)})")
+    print(f"  training FLOPs / token: {training_flops_per_token(m):.3e}")
+    return 0

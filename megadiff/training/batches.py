@@ -1,0 +1,65 @@
+"""Which samples each data-parallel rank reads at each iteration, resumable from a sample count.
+
+Global batch g covers dataset samples [g * GBS, (g + 1) * GBS); data-parallel rank r reads the
+r-th contiguous slice of it, in micro-batches. The position is the number of consumed samples,
+so a resumed run (same global batch size) reads exactly what the uninterrupted run would have,
+whatever the data-parallel size. Every pipeline stage and tensor-parallel rank of one
+data-parallel rank reads the same micro-batches.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class MicroBatchSampler(Sampler[list[int]]):
+    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int):
+        per_rank = global_batch_size // data_parallel_size
+        if per_rank * data_parallel_size != global_batch_size or per_rank % micro_batch_size:
+            raise ValueError(f"global batch {global_batch_size} does not split into micro-batches of "
+                             f"{micro_batch_size} over {data_parallel_size} data-parallel ranks")
+        if consumed_samples % global_batch_size:
+            raise ValueError(f"resuming at {consumed_samples} consumed samples, which is not a whole number of "
+                             f"global batches of {global_batch_size}: keep train.global_batch_size when resuming")
+        self.total, self.start = total_samples, consumed_samples
+        self.global_batch, self.micro_batch, self.per_rank = global_batch_size, micro_batch_size, per_rank
+        self.rank = data_parallel_rank
+
+    def __len__(self) -> int:
+        return (self.total - self.start) // self.global_batch * (self.per_rank // self.micro_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch_start in range(self.start, self.total - self.global_batch + 1, self.global_batch):
+            mine = batch_start + self.rank * self.per_rank
+            for micro_start in range(mine, mine + self.per_rank, self.micro_batch):
+                yield list(range(micro_start, micro_start + self.micro_batch))
+
+
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS}
+
+
+def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate, num_workers=num_workers,
+                      pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+
+
+class IterationBatches:
+    """Hands out one iteration's micro-batches, once per model chunk (the interleaved schedule
+    pulls each micro-batch through every virtual stage)."""
+
+    def __init__(self, loader: DataLoader, num_microbatches: int, num_chunks: int):
+        self._source = iter(loader)
+        self.num_microbatches, self.num_chunks = num_microbatches, num_chunks
+
+    def next_iteration(self):
+        batches = [next(self._source) for _ in range(self.num_microbatches)]
+        if torch.cuda.is_available():
+            batches = [{k: v.cuda(non_blocking=True) for k, v in b.items()} for b in batches]
+        iterators = [iter(batches) for _ in range(self.num_chunks)]
+        return iterators if self.num_chunks > 1 else iterators[0]

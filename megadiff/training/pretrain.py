@@ -1,0 +1,197 @@
+"""`megadiff pretrain CONFIG [key=value ...]`: the pre-training loop, in one process or under torchrun.
+
+Rerunning the same command continues from the latest checkpoint in output_dir, reproducing the
+uninterrupted run's losses exactly. The run stops cleanly, with a checkpoint, at
+`train.iters`, after an iteration divisible by `train.exit_interval`, or at the first iteration
+boundary after SIGTERM/SIGUSR1 (exit code 75: requeue me).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
+from megadiff.checkpoint.training_checkpoint import CheckpointWriter
+from megadiff.config import Config, data_parallel_size, dump_config, load_config
+from megadiff.observability.metrics import MetricsWriter
+from megadiff.parallel import initialize, shutdown
+from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
+from megadiff.training.engine import Engine, build_engine
+from megadiff.training.signals import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
+from megadiff.training.state import TrainState, restore
+from megadiff.training.step import run_forward_backward, train_step
+from megadiff.training.throughput import Throughput, layer_lambdas
+
+CONSOLE_KEYS = ("lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "skipped_iterations")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many non-finite steps)."""
+
+
+def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
+    """The papers' schedules in iterations: linear warmup from 0, then linear/cosine decay to min_lr.
+
+    The config's values win over a checkpoint's, so the schedule's length follows train.iters
+    (or train.lr_decay_iters); only the position (iterations done) comes from the checkpoint.
+    A run shorter than its warmup (e.g. `train.iters=3` on a recipe) only warms up.
+    """
+    t = cfg.train
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=max(t.lr_decay_iters or t.iters, t.lr_warmup_iters + 1), lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.iters, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+
+
+class Pretraining:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.dp = data_parallel_size(cfg.parallel, self.world)
+        self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
+        self.output = Path(cfg.output_dir)
+        self.tokenizer, self.datasets = _prepare_data(cfg)
+        self.engine: Engine = build_engine(cfg)
+        self.scheduler = build_scheduler(cfg, self.engine.optimizer)
+        self.state, how = restore(cfg, self.engine, self.scheduler)
+        self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
+                                            cfg.checkpoint.async_save)
+        self.throughput = Throughput(cfg, self.world)
+        self.metrics = None
+        if self.rank == 0:
+            self.output.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.output / CONFIG_FILE)
+            self.metrics = MetricsWriter(self.output, resume_from_iteration=self.state.iteration,
+                                         tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
+                                         console_keys=CONSOLE_KEYS)
+            self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} ranks "
+                               f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
+                               f"DP {self.dp}); {how}")
+
+    def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
+        t = self.cfg.train
+        sampler = MicroBatchSampler(total, consumed, t.global_batch_size, t.micro_batch_size,
+                                    parallel_state.get_data_parallel_rank(), self.dp)
+        return IterationBatches(micro_batch_loader(dataset, sampler, t.dataloader_workers), self.num_microbatches,
+                                len(self.engine.model))
+
+    def _log(self, record: dict) -> None:
+        lambdas = layer_lambdas(self.engine.unwrapped())  # collective over pipeline stages
+        if self.metrics is not None:
+            if lambdas:
+                record["lambda"] = lambdas
+            self.metrics.log(record)
+
+    def _save(self) -> None:
+        self.state.scheduler = self.scheduler.state_dict()
+        self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
+                              self.state.to_dict())
+
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        batches = self._loader(self.datasets[1], 0, t.eval_iters * t.global_batch_size)
+        for chunk in self.engine.model:
+            chunk.eval()
+        losses = [run_forward_backward(self.engine, batches.next_iteration(), self.num_microbatches,
+                                       forward_only=True) for _ in range(t.eval_iters)]
+        for chunk in self.engine.model:
+            chunk.train()
+        return sum(losses) / len(losses)
+
+    def train(self) -> int:
+        cfg, t, state = self.cfg, self.cfg.train, self.state
+        batches = self._loader(self.datasets[0], state.consumed_samples, t.iters * t.global_batch_size)
+        preemption = PreemptionHandler()
+        exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
+        try:
+            while state.iteration < t.iters:
+                started = time.perf_counter()
+                self.scheduler.step(1)
+                result = train_step(self.engine, batches.next_iteration(), self.num_microbatches)
+                state.iteration += 1
+                state.consumed_samples += t.global_batch_size
+                if not result.updated:
+                    state.skipped_iterations += 1
+                elapsed = time.perf_counter() - started
+                self.checkpoints.poll()
+                if state.iteration % cfg.logging.log_interval == 0 or not result.updated:
+                    record = {"iteration": state.iteration, "lm_loss": result.loss,
+                              "lr": self.engine.optimizer.param_groups[0]["lr"],
+                              "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
+                              "skipped_iterations": state.skipped_iterations, **self.throughput.metrics(elapsed)}
+                    self._log({k: v for k, v in record.items() if v is not None})
+                if not result.updated and state.skipped_iterations > t.max_skipped_nan_iters:
+                    raise TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a "
+                                        f"non-finite loss or gradient (train.max_skipped_nan_iters = "
+                                        f"{t.max_skipped_nan_iters}); last loss {result.loss}. The weights were "
+                                        "never updated from them: lower train.lr, or resume from the last checkpoint")
+                if t.eval_interval and state.iteration % t.eval_interval == 0:
+                    valid = self.evaluate()
+                    if self.metrics is not None:
+                        self.metrics.log({"iteration": state.iteration, "valid_loss": valid})
+                interval = cfg.checkpoint.save_interval
+                if interval and state.iteration % interval == 0:
+                    self._save()
+                    saved_at = state.iteration
+                stop_signal = preemption.agreed()
+                if stop_signal or (t.exit_interval and state.iteration % t.exit_interval == 0):
+                    if stop_signal:
+                        exit_code = REQUEUE_EXIT_CODE
+                        self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
+                                  f"{state.iteration}, then exiting with code {exit_code} (requeue)")
+                    break
+            if saved_at != state.iteration:
+                self._save()
+            self.checkpoints.close()
+        finally:
+            preemption.restore()
+            if self.metrics is not None:
+                self.metrics.close()
+        self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
+        return exit_code
+
+    def _say(self, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.print(message)
+
+
+def _prepare_data(cfg: Config):
+    """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build datasets."""
+    from megadiff.data.datasets import build_datasets, check_training_data
+    from megadiff.data.prepare import ensure_prepared
+    from megadiff.data.tokenizers import load_tokenizer
+
+    if dist.get_rank() == 0:
+        ensure_prepared(cfg)
+    dist.barrier()
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_training_data(cfg, tokenizer)
+    t = cfg.train
+    num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
+    return tokenizer, build_datasets(cfg, tokenizer, num_samples, t.seed)
+
+
+def pretrain(cfg: Config) -> int:
+    initialize(cfg.parallel, cfg.train.seed)
+    try:
+        return Pretraining(cfg).train()
+    finally:
+        shutdown()
+
+
+def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(config_path, overrides, world_size=world_size)  # bad configs fail before any compute
+    try:
+        return pretrain(cfg)
+    except TrainingError as err:
+        print(f"megadiff pretrain: {err}", file=sys.stderr)
+        return 3

@@ -1,0 +1,43 @@
+"""Preemption: SIGTERM / SIGUSR1 ask for a checkpoint and a clean exit at the next iteration boundary.
+
+The flag is all-reduced (MAX) over every rank each iteration, so all ranks stop after the same
+iteration even when the signal reached only some of them. The process then exits with
+REQUEUE_EXIT_CODE, which the Slurm scripts turn into a requeue.
+"""
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+
+class PreemptionHandler:
+    def __init__(self, signals=PREEMPTION_SIGNALS):
+        self.received: int | None = None
+        self._previous = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def agreed(self) -> bool:
+        """True on every rank if any rank received a signal (collective)."""
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
+        if dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else "a signal on another rank"

@@ -1,0 +1,77 @@
+"""The training state a checkpoint carries beside the weights, and where a run starts from.
+
+Rerunning a command continues from the latest checkpoint of its output_dir. Without one,
+`checkpoint.load` names an initial checkpoint (e.g. a 4K run for the 64K extension); with
+`checkpoint.reset_iteration` its iteration count, data position and LR schedule start afresh.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.training_checkpoint import latest_checkpoint, load_training_checkpoint, read_train_state
+from megadiff.config import Config, ConfigError
+
+# model keys a continued run may change: they do not alter the weights' shapes or meaning
+CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "attention_backend", "transformer_impl"}
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    scheduler: dict | None = None
+    layout: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def current_layout(cfg: Config) -> dict:
+    p = cfg.parallel
+    return {"world_size": dist.get_world_size(), "tensor": p.tensor, "pipeline": p.pipeline,
+            "virtual_pipeline": p.virtual_pipeline, "context": p.context}
+
+
+def _check_same_model(saved: Config, cfg: Config, where: Path) -> None:
+    differing = [key for key, value in cfg.model.model_dump().items()
+                 if key not in CHANGEABLE_MODEL_KEYS and getattr(saved.model, key) != value]
+    if differing:
+        details = ", ".join(f"model.{k}: {getattr(saved.model, k)!r} -> {getattr(cfg.model, k)!r}" for k in differing)
+        raise ConfigError(f"the checkpoint {where} was trained with another model ({details}); "
+                          "use a new output_dir, or the checkpoint's model settings")
+
+
+def _starting_checkpoint(cfg: Config) -> tuple[Path | None, bool]:
+    """(checkpoint to load, whether it is this run's own) -- own checkpoints resume exactly."""
+    own = latest_checkpoint(Path(cfg.output_dir) / CHECKPOINTS_DIR)
+    if own is not None:
+        return own, True
+    if cfg.checkpoint.load:
+        return resolve_checkpoint_dir(cfg.checkpoint.load), False
+    return None, False
+
+
+def restore(cfg: Config, engine, scheduler) -> tuple[TrainState, str]:
+    """Load the starting checkpoint, if any, into the engine and scheduler; says what it did."""
+    path, own = _starting_checkpoint(cfg)
+    fresh = TrainState(layout=current_layout(cfg))
+    if path is None:
+        return fresh, "starting from scratch"
+    _check_same_model(checkpoint_config(path), cfg, path)
+    saved = read_train_state(path)  # None for a model-only checkpoint (e.g. converted from HF)
+    load_training_checkpoint(path, engine.unwrapped(), engine.optimizer,
+                             load_optimizer=saved is not None and (own or cfg.checkpoint.load_optimizer),
+                             restore_rng=own and saved is not None and saved["layout"] == fresh.layout)
+    if not own and (saved is None or cfg.checkpoint.reset_iteration):
+        return fresh, f"initialised from {path} (iteration count, data position and LR schedule start afresh)"
+    state = TrainState(**saved)
+    if state.scheduler is not None:
+        scheduler.load_state_dict(state.scheduler)
+    resharded = "" if state.layout == fresh.layout else f", resharded from {state.layout}"
+    state.layout = fresh.layout
+    return state, f"resumed from {path} at iteration {state.iteration}{resharded}"

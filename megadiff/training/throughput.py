@@ -1,0 +1,57 @@
+"""What one iteration achieved: tokens/s, TFLOP/s per device and MFU, and each layer's lambda."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megadiff.config import Config
+from megadiff.models.param_count import training_flops_per_token
+
+# dense bf16 tensor-core peaks (TFLOP/s) used for MFU when logging.peak_tflops is not set
+KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
+
+
+def device_peak_tflops(configured: float | None) -> float | None:
+    if configured is not None:
+        return configured
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+
+
+class Throughput:
+    def __init__(self, cfg: Config, world_size: int):
+        self.tokens_per_iteration = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops_per_iteration = training_flops_per_token(cfg.model) * self.tokens_per_iteration
+        self.world_size = world_size
+        self.peak = device_peak_tflops(cfg.logging.peak_tflops)
+
+    def metrics(self, seconds: float) -> dict:
+        tflops = self.flops_per_iteration / seconds / self.world_size / 1e12
+        record = {"iteration_time_ms": 1000 * seconds, "tokens_per_s": self.tokens_per_iteration / seconds,
+                  "tflops_per_device": tflops}
+        if self.peak:
+            record["mfu"] = tflops / self.peak
+        return record
+
+
+def layer_lambdas(chunks: list) -> dict[str, float]:
+    """{"layer_<global 1-based number>": lambda} for every differential layer of the whole model.
+
+    Collective over the pipeline group: each stage holds its own layers.
+    """
+    local = {}
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            core = layer.self_attention.core_attention
+            if hasattr(core, "current_lambda"):
+                with torch.no_grad():
+                    local[f"layer_{layer.layer_number}"] = float(core.current_lambda())
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, local, group=parallel_state.get_pipeline_model_parallel_group())
+    merged = {key: value for stage in stages for key, value in stage.items()}
+    return dict(sorted(merged.items(), key=lambda item: int(item[0].split("_")[1])))

@@ -1,0 +1,46 @@
+"""Helpers for the pre-training tests: tiny runs of `megadiff pretrain`, as a user launches them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megadiff.observability.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "configs" / "demo" / "diff-tiny.yaml"
+
+
+def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
+    """The demo config shrunk for tests: the 512-id KJV tokenizer, 32-token sequences."""
+    return ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2", "model.seq_length=32",
+            "model.vocab_size=512", "model.make_vocab_size_divisible_by=64", "model.tie_embeddings=false",
+            f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={cache_dir}", "train.micro_batch_size=2",
+            "train.global_batch_size=8", "train.lr=5e-3", "train.lr_warmup_iters=2", "train.eval_interval=null",
+            "checkpoint.save_interval=null", "logging.tensorboard=false"]
+
+
+def environment() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+
+
+def pretrain_command(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG) -> list[str]:
+    entry = ["-m", "megadiff", "pretrain", str(config), *overrides]
+    if nproc == 1:
+        return [sys.executable, *entry]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry]
+
+
+def run_pretrain(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG, timeout: float = 300,
+                 expect: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(pretrain_command(nproc, overrides, config), env=environment(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, (f"exit code {proc.returncode}, expected {expect}\n"
+                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def losses(output_dir: Path) -> list[float]:
+    return [record["lm_loss"] for record in read_metrics(output_dir) if "lm_loss" in record]
