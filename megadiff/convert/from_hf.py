@@ -1,0 +1,109 @@
+"""`megadiff convert from-hf`: a Hugging Face directory -> a megadiff checkpoint.
+
+Reads megadiff's own exports (Llama, DiffLlama, MegadiffForCausalLM) back into
+identical tensors, and any stock LlamaForCausalLM into a softmax checkpoint for
+continued pre-training (its config derived from config.json). The checkpoint
+directory (usable as `--load`, `checkpoint.load` or `data.tokenizer`'s source) holds
+config.yaml, the weights in megatron's dist-checkpoint format (loadable into any
+layout) and, unless the model uses a packaged tiktoken encoding, its tokenizer
+under tokenizer/.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from megadiff.checkpoint.weights import save_model_weights
+from megadiff.config import Config, ModelConfig, padded_vocab_size, validate_config
+from megadiff.convert.check import compare_logits, thresholds_for
+from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, same_model, vocab_padding_multiple
+from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
+from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
+from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
+from megadiff.inference.loader import (
+    PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
+)
+
+
+def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precision: str, tokenizer: str,
+                     console: Console) -> Config:
+    """The sidecar config of a megadiff export where it still describes config.json, else one derived from it."""
+    source = hf_dir.source_cfg
+    if source is not None and same_model(source.model, fields) and \
+            padded_vocab_size(source.model, source.parallel.tensor) == vocab_size:
+        base, model = source, source.model
+    else:
+        if source is not None:
+            console.print("megadiff convert: megadiff_config.yaml does not describe config.json (edited since the "
+                          "export?); deriving the model config from config.json")
+        base = Config()
+        model = ModelConfig(**fields, vocab_size=vocab_size,
+                            make_vocab_size_divisible_by=vocab_padding_multiple(vocab_size))
+    cfg = base.model_copy(update={"model": model,
+                                  "data": base.data.model_copy(update={"tokenizer": tokenizer}),
+                                  "train": base.train.model_copy(update={"precision": precision})})
+    validate_config(cfg)
+    return cfg
+
+
+def _load_parameters(model, params: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(params[name])
+
+
+def _tokenizer(hf_dir: HFDirectory, save: Path):
+    """(data.tokenizer value, number of ids in use, HF tokenizer to copy under tokenizer/ or None).
+
+    A packaged tiktoken encoding named by the export's sidecar stays by name."""
+    source = hf_dir.source_cfg
+    if source is not None and source.data.tokenizer in PACKAGED_TIKTOKEN:
+        return source.data.tokenizer, load_tokenizer(source.data.tokenizer).vocab_size, None
+    from transformers import AutoTokenizer
+
+    try:  # never run code from the directory: the tokenizer files alone describe the tokenizer
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir.path), trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{hf_dir.path}: no usable tokenizer files ({err}); a megadiff checkpoint carries "
+                              "its tokenizer") from None
+    return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer
+
+
+def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True) -> Path:
+    console = Console()
+    out = Path(save)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
+    hf_dir = read_hf_dir(load)
+    hf_config = load_hf_config(hf_dir.config_dict, hf_dir.path)
+    family = hf_config.model_type
+    state = dict(hf_dir.state)
+    if hf_config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+    hf_dtype = state["model.embed_tokens.weight"].dtype
+    if dtype is None and hf_dtype not in PRECISIONS:
+        raise ConversionError(f"{hf_dir.path}: weights in {hf_dtype}; pass --dtype fp32, bf16 or fp16")
+    precision = dtype or PRECISIONS[hf_dtype]
+    tokenizer_spec, vocab_in_use, hf_tokenizer = _tokenizer(hf_dir, out)
+    cfg = _megadiff_config(hf_dir, model_fields_from_hf(hf_config, hf_dir.path), hf_config.vocab_size, precision,
+                           tokenizer_spec, console)
+    dims = Dims.of(cfg.model, family)
+    model = build_single_process_model(single_process_config(cfg))
+    expected = {name: p for name, p in model.named_parameters()}
+    check_tensors(state, expected_hf_shapes(expected, dims), f"{hf_dir.path} (config.json)")
+    params = hf_to_megatron(state, dims, hf_dir.extras)
+    if check:  # before anything is written
+        reference = build_single_process_model(single_process_config(cfg, "fp32"))
+        _load_parameters(reference, params)
+        result = compare_logits(CausalLM(reference, cfg), load_hf_model(hf_dir.path, family), vocab_in_use,
+                                thresholds_for(family, hf_dtype, hf_dtype))
+        console.print(f"megadiff convert: check passed: {result.summary()}")
+    _load_parameters(model, params)
+    save_model_weights([model], cfg, out)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+    console.print(f"megadiff convert: {hf_dir.path} ({family}) -> {out} (megadiff {cfg.model.variant}, "
+                  f"{cfg.train.precision})")
+    return out

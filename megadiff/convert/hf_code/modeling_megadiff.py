@@ -1,0 +1,232 @@
+"""megadiff's differential-attention language models for Hugging Face transformers.
+
+DIFF:        head = (A1 - lambda A2) V, A_m = softmax(Q_m K_m^T / sqrt(d)) (causal)
+DINT:        head += lambda * mean over positions <= i of (A1 V)
+Shared DIFF: Q_m = X (W_Q + A_qm B_qm^T), K_m = X (W_K + A_km B_km^T)
+then every head goes through an RMSNorm over its 2d outputs (learned weight) and the
+(1 - lambda_init) multiplier, with lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
+The rest is Llama's (pre-RMSNorm, SwiGLU, RoPE), reused from transformers.
+
+Weights follow DiffLlama's layout: q_proj rows are [Q1 of every head; Q2 of every head],
+k_proj [K1; K2] per key/value head, v_proj [first half of every V; second half]. For
+Shared DIFF, q_proj/k_proj are the shared W_Q/W_K and lowrank_down stacks the four A
+factors (q1, q2, k1, k2). Generation uses transformers' cache: K/V per layer, plus for
+DINT the running sum of A1 V as the "recurrent state" of a hybrid cache layer.
+
+Shipped into exported model directories by `megadiff convert to-hf`; imports only
+torch and transformers.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
+)
+
+from .configuration_megadiff import MegadiffConfig
+
+LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
+
+
+def layer_lambda_init(config: MegadiffConfig, layer_idx: int) -> float:
+    if config.lambda_init == "depth":
+        return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+    return float(config.lambda_init)
+
+
+def attention_mask_4d(attention_mask, batch: int, query_len: int, past_len: int, device) -> torch.Tensor:
+    """[B, 1, Nq, Nk] booleans: causal from the cached positions on, padding keys masked.
+
+    A query always sees itself, so left-padding rows stay finite (their outputs are unused)."""
+    query_pos = torch.arange(past_len, past_len + query_len, device=device)
+    key_pos = torch.arange(past_len + query_len, device=device)
+    allowed = (key_pos[None, :] <= query_pos[:, None])[None, None].expand(batch, 1, -1, -1)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    return allowed | (key_pos[None, :] == query_pos[:, None])[None, None]
+
+
+class MegadiffAttention(nn.Module):
+    def __init__(self, config: MegadiffConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.integral = config.variant == "dint"
+        self.shared = config.variant == "shared_diff"
+        self.lambda_init = layer_lambda_init(config, layer_idx)
+        hidden, d = config.hidden_size, self.head_dim
+        maps = 1 if self.shared else 2  # Shared DIFF projects once and adds low-rank updates per map
+        self.q_proj = nn.Linear(hidden, maps * self.heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, maps * self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, 2 * self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(2 * self.heads * d, hidden, bias=False)
+        if self.shared:
+            rank = config.lowrank_rank
+            self.lowrank_down = nn.Linear(hidden, len(LOWRANK_UPDATES) * rank, bias=False)
+            for name in LOWRANK_UPDATES:
+                width = (self.heads if name.startswith("q") else self.kv_heads) * d
+                setattr(self, f"lowrank_up_{name}", nn.Linear(rank, width, bias=False))
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            nn.Parameter(torch.zeros(d, dtype=torch.float32)) for _ in range(4))
+        self.head_norm = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)
+
+    def _maps(self, x: torch.Tensor):
+        """Q1, Q2 [B, h, N, d] and K1, K2 [B, kv, N, d]."""
+        batch, seq = x.shape[:2]
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.shared:
+            down = self.lowrank_down(x).chunk(len(LOWRANK_UPDATES), dim=-1)
+            up = {name: getattr(self, f"lowrank_up_{name}")(part) for name, part in zip(LOWRANK_UPDATES, down)}
+            q = torch.cat([q + up["q1"], q + up["q2"]], dim=-1)
+            k = torch.cat([k + up["k1"], k + up["k2"]], dim=-1)
+        q = q.view(batch, seq, 2 * self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+        return q[:, :self.heads], q[:, self.heads:], k[:, :self.kv_heads], k[:, self.kv_heads:]
+
+    def _lambda(self) -> torch.Tensor:
+        first = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        second = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return first - second + self.lambda_init
+
+    def _integral(self, first_map: torch.Tensor, attention_mask, past_key_values, past_len: int) -> torch.Tensor:
+        """Running mean of A1 V over the (non-padding) positions up to each query, [B, h, N, 2d]."""
+        batch, _, seq, _ = first_map.shape
+        if attention_mask is not None:
+            valid = attention_mask[:, -seq:].to(first_map.dtype)
+            counts = attention_mask.to(first_map.dtype).cumsum(-1)[:, -seq:]
+        else:
+            valid = first_map.new_ones(batch, seq)
+            counts = torch.arange(past_len + 1, past_len + seq + 1, device=first_map.device,
+                                  dtype=first_map.dtype).expand(batch, -1)
+        sums = (first_map * valid[:, None, :, None]).cumsum(dim=2)
+        if past_key_values is not None:
+            layer = past_key_values.layers[self.layer_idx]
+            if not hasattr(layer, "update_recurrent_state"):
+                raise TypeError("DINT needs a cache with a recurrent state per layer: pass "
+                                "DynamicCache(config=model.config) (what generate() builds), not DynamicCache()")
+            if layer.is_recurrent_states_initialized[0]:
+                sums = sums + layer.recurrent_states[0][:, :, None, :]
+            layer.update_recurrent_state(sums[:, :, -1].contiguous(), state_idx=0)
+        return sums / counts.clamp(min=1)[:, None, :, None]
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        batch, seq = hidden_states.shape[:2]
+        d = self.head_dim
+        q1, q2, k1, k2 = self._maps(hidden_states)
+        cos, sin = position_embeddings
+        q1, k1 = apply_rotary_pos_emb(q1, k1, cos, sin)
+        q2, k2 = apply_rotary_pos_emb(q2, k2, cos, sin)
+        # V of key/value head j is [first half j | second half j], width 2d
+        v = self.v_proj(hidden_states).view(batch, seq, 2, self.kv_heads, d).permute(0, 3, 1, 2, 4)
+        v = v.reshape(batch, self.kv_heads, seq, 2 * d)
+        past_len = 0
+        if past_key_values is not None:
+            past_len = past_key_values.get_seq_length(self.layer_idx)
+            keys, v = past_key_values.update(torch.cat([k1, k2], dim=1), v, self.layer_idx)
+            k1, k2 = keys[:, :self.kv_heads], keys[:, self.kv_heads:]
+        group = self.heads // self.kv_heads
+        k1, k2, v = (t.repeat_interleave(group, dim=1) for t in (k1, k2, v))
+        mask = attention_mask_4d(attention_mask, batch, seq, past_len, hidden_states.device)
+        scale = 1.0 / math.sqrt(d)
+        first = F.scaled_dot_product_attention(q1, k1, v, attn_mask=mask, scale=scale)
+        second = F.scaled_dot_product_attention(q2, k2, v, attn_mask=mask, scale=scale)
+        lam = self._lambda()
+        out = first.float() - lam * second.float()
+        if self.integral:
+            out = out + lam * self._integral(first.float(), attention_mask, past_key_values, past_len)
+        out = self.head_norm(out.to(hidden_states.dtype)) * (1.0 - self.lambda_init)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, 2 * self.heads * d))
+
+
+class MegadiffDecoderLayer(nn.Module):
+    def __init__(self, config: MegadiffConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = MegadiffAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None):
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
+                                                       attention_mask, past_key_values)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class MegadiffPreTrainedModel(PreTrainedModel):
+    config_class = MegadiffConfig
+    config: MegadiffConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["MegadiffDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, MegadiffAttention):
+            for vector in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
+                init.normal_(vector, 0.0, self.config.lambda_std)
+
+
+class MegadiffModel(MegadiffPreTrainedModel):
+    def __init__(self, config: MegadiffConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(MegadiffDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a [batch, past + new tokens] padding mask")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask,
+                                  past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
+                                       past_key_values=past_key_values if use_cache else None)
+
+
+class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MegadiffConfig):
+        super().__init__(config)
+        self.model = MegadiffModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values: Cache | None = None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+
+__all__ = ["MegadiffForCausalLM", "MegadiffModel", "MegadiffPreTrainedModel"]

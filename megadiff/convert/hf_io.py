@@ -1,0 +1,110 @@
+"""Reading and writing Hugging Face model directories.
+
+An export holds what transformers reads (config.json, generation_config.json,
+safetensors shards, tokenizer files, and for remote-code models the two .py files of
+hf_code/) plus two megadiff sidecars that transformers ignores:
+  megadiff_config.yaml           the source checkpoint's config, so from-hf restores
+                                 what Hugging Face configs have no field for
+  megadiff_unfolded.safetensors  DiffLlama exports only: the head-norm weights and
+                                 output projections before folding, so from-hf gives
+                                 back identical tensors (used only while o_proj still
+                                 equals their fold, i.e. the model was not changed since)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megadiff.config import Config, dump_config, load_config
+from megadiff.convert.hf_layout import ConversionError
+
+SIDECAR_CONFIG = "megadiff_config.yaml"
+SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
+CODE_DIR = Path(__file__).resolve().parent / "hf_code"
+CODE_FILES = ("configuration_megadiff.py", "modeling_megadiff.py")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _owned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # split views share storage, which safetensors would treat as tied weights
+    return {name: t.detach().cpu().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
+
+
+def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
+                 tokenizer, source_cfg: Config) -> None:
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in (SIDECAR_UNFOLDED, *CODE_FILES):  # from an earlier export into the same directory
+        (directory / stale).unlink(missing_ok=True)
+    config.save_pretrained(str(directory))
+    GenerationConfig.from_model_config(config).save_pretrained(str(directory))
+    save_torch_state_dict(_owned_copies(state), directory)  # removes shards of an earlier export
+    tokenizer.save_hf(directory)
+    dump_config(source_cfg, directory / SIDECAR_CONFIG)
+    if extras:
+        save_file(_owned_copies(extras), str(directory / SIDECAR_UNFOLDED), metadata={"format": "pt"})
+    if config.model_type == "megadiff":
+        for name in CODE_FILES:
+            shutil.copyfile(CODE_DIR / name, directory / name)
+
+
+@dataclass
+class HFDirectory:
+    path: Path
+    config_dict: dict
+    state: dict[str, torch.Tensor]
+    extras: dict[str, torch.Tensor]
+    source_cfg: Config | None  # megadiff_config.yaml, when the directory is a megadiff export
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        return sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    for pattern in ("model.safetensors", "pytorch_model.bin"):
+        if (directory / pattern).is_file():
+            return [directory / pattern]
+    raise ConversionError(f"{directory}: no weights (model.safetensors, {SAFETENSORS_INDEX} or pytorch_model.bin)")
+
+
+def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        part = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu",
+                                                                                      weights_only=True)
+        state.update(part)
+    return state
+
+
+def read_hf_dir(path: str | Path) -> HFDirectory:
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ConversionError(f"{directory} is not a Hugging Face model directory (no config.json)")
+    extras_file = directory / SIDECAR_UNFOLDED
+    config_file = directory / SIDECAR_CONFIG
+    return HFDirectory(
+        path=directory,
+        config_dict=json.loads((directory / "config.json").read_text()),
+        state=_read_weights(_weight_files(directory)),
+        extras=_read_weights([extras_file]) if extras_file.is_file() else {},
+        source_cfg=load_config(config_file) if config_file.is_file() else None,
+    )
+
+
+def load_hf_model(directory: Path, model_type: str, dtype: torch.dtype = torch.float32):
+    """The Hugging Face model of a directory; megadiff's own class for remote-code exports,
+    so conversion never runs code found in a directory."""
+    if model_type == "megadiff":
+        from megadiff.convert.hf_code.modeling_megadiff import MegadiffForCausalLM as model_class
+    else:
+        from transformers import AutoModelForCausalLM as model_class
+    return model_class.from_pretrained(str(directory), dtype=dtype).eval()

@@ -1,0 +1,52 @@
+"""`megadiff convert to-hf`: a megadiff checkpoint (any TP/PP layout) -> a complete Hugging Face directory.
+
+softmax -> LlamaForCausalLM, DIFF -> DiffLlamaForCausalLM (both stock transformers),
+Shared DIFF, DINT (and DIFF with --remote-code) -> MegadiffForCausalLM, whose code is
+copied into the directory (trust_remote_code=True). The tokenizer goes along.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from megadiff.checkpoint.format import resolve_checkpoint_dir
+from megadiff.convert.check import compare_logits, thresholds_for
+from megadiff.convert.hf_config import build_hf_config, choose_family
+from megadiff.convert.hf_io import load_hf_model, write_hf_dir
+from megadiff.convert.hf_layout import Dims, megatron_to_hf
+from megadiff.inference.loader import load_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# megadiff keeps lambda's vectors in fp32 whatever the precision (exp of their dot products is sensitive)
+FP32_SUFFIXES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {name: t if name.endswith(FP32_SUFFIXES) else t.to(dtype) for name, t in state.items()}
+
+
+def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
+                  remote_code: bool = False) -> Path:
+    console = Console()
+    checkpoint_dir = resolve_checkpoint_dir(load)
+    source = load_checkpoint(checkpoint_dir)
+    cfg = source.cfg
+    family = choose_family(cfg.model, remote_code)
+    params = source.parameters_by_name()
+    source_dtype = params["embedding.word_embeddings.weight"].dtype
+    target_dtype = DTYPES[dtype] if dtype else source_dtype
+    state, extras = megatron_to_hf(params, Dims.of(cfg.model, family))
+    tokenizer = source.tokenizer
+    hf_config = build_hf_config(cfg.model, family, source.vocab_size, tokenizer.eod, target_dtype)
+    out = Path(save)
+    write_hf_dir(out, hf_config, cast_weights(state, target_dtype), cast_weights(extras, target_dtype), tokenizer, cfg)
+    console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "
+                  f"({hf_config.architectures[0]}, {str(target_dtype).removeprefix('torch.')})")
+    if check:
+        reference = source if source_dtype == torch.float32 else load_checkpoint(checkpoint_dir, dtype=torch.float32)
+        result = compare_logits(reference, load_hf_model(out, hf_config.model_type), tokenizer.vocab_size,
+                                thresholds_for(family, source_dtype, target_dtype))
+        console.print(f"megadiff convert: check passed: {result.summary()}")
+    return out

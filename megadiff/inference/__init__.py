@@ -1,0 +1,4 @@
+"""Inference: a checkpoint of any layout as one module in one process, and text generation."""
+from megadiff.inference.loader import CausalLM, load_checkpoint
+
+__all__ = ["CausalLM", "load_checkpoint"]

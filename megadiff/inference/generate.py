@@ -1,0 +1,55 @@
+"""Text generation from a megadiff checkpoint: greedy, or sampling with temperature / top-k.
+
+Each step runs the whole (windowed) sequence through the model: megatron's local
+layers keep no KV cache. For fast generation, convert to Hugging Face and use
+`generate()` there (the exports cache keys and values).
+"""
+from __future__ import annotations
+
+import torch
+
+from megadiff.inference.loader import CausalLM, load_checkpoint
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """logits [V] (fp32) -> one id: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, vocab_in_use: int | None = None, stop_id: int | None = None) -> list[int]:
+    """The new token ids after `prompt_ids`; ids >= vocab_in_use (embedding padding) are never produced."""
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens")
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    window = model.cfg.model.seq_length
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-window:]], device=device)
+        logits = model(context)[0, -1].float().cpu()
+        if vocab_in_use is not None:
+            logits[vocab_in_use:] = float("-inf")
+        token = next_token(logits, temperature, top_k, generator)
+        ids.append(token)
+        if token == stop_id:
+            break
+    return ids[len(prompt_ids):]
+
+
+def generate_cli(load: str, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 seed: int = 0) -> int:
+    """`megadiff generate`: print the prompt followed by its continuation."""
+    model = load_checkpoint(load)
+    tokenizer = model.tokenizer
+    new_ids = generate(model, tokenizer.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod)
+    print(prompt + tokenizer.decode([i for i in new_ids if i != tokenizer.eod]), flush=True)
+    return 0

@@ -1,0 +1,127 @@
+"""A megadiff checkpoint as one module in one process, whatever TP/PP layout saved it.
+
+`load_checkpoint(path)` builds the model with tensor/pipeline/context size 1 and lets
+dist_checkpointing reshard the saved tensors into it. The returned `CausalLM` maps
+input ids [B, N] to logits [B, N, V], V being the padded vocabulary (the Hugging Face
+export's vocab_size).
+"""
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+
+from megadiff.checkpoint.format import CheckpointError, checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.gather import model_sharded_tensors
+from megadiff.checkpoint.weights import load_model_weights
+from megadiff.config import Config, ParallelConfig
+from megadiff.data.tokenizers import Tokenizer, load_tokenizer
+from megadiff.models import build_model, to_transformer_config
+from megadiff.parallel import initialize
+
+# a checkpoint may carry its own Hugging Face tokenizer files here (from-hf writes them)
+TOKENIZER_DIR = "tokenizer"
+PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def single_process_config(cfg: Config, precision: str | None = None) -> Config:
+    """`cfg` for one process: no model parallelism, megatron's local layers, the same padded
+    vocabulary as the layout that saved it (padding grows with the tensor-parallel size)."""
+    model = cfg.model.model_copy(update={
+        "make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor,
+        "transformer_impl": "local", "attention_backend": "auto"})
+    precision = precision or cfg.train.precision
+    train = cfg.train.model_copy(update={"precision": "bf16" if precision == "fp8" else precision})
+    return cfg.model_copy(update={"model": model, "parallel": ParallelConfig(), "train": train})
+
+
+@contextmanager
+def _preserved_rng():
+    """Building a model seeds and draws from the global generators; leave the caller's alone."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+
+
+def build_single_process_model(cfg: Config):
+    """An uninitialised TP1/PP1 GPTModel for `cfg` (already passed through single_process_config)."""
+    if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_tensor_model_parallel_world_size() > 1
+            or parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        raise RuntimeError("megadiff.inference builds single-process models; this process already runs model "
+                           "parallelism")
+    with _preserved_rng():
+        initialize(ParallelConfig(), seed=cfg.train.seed)
+        config = to_transformer_config(cfg)
+        config.perform_initialization = False  # every weight is loaded next
+        (model,) = build_model(cfg, config)
+    return model.eval()
+
+
+def check_checkpoint_tensors(model, checkpoint_dir: Path) -> None:
+    """Refuse a checkpoint whose model tensors are missing, unknown or shaped differently from
+    what its config.yaml describes, naming them (before dist_checkpointing's own errors)."""
+    expected = {shard.key: tuple(shard.global_shape) for shard in model_sharded_tensors([model])}
+    saved = {key: tuple(meta.global_shape) for key, meta in dist_checkpointing.load_tensors_metadata(
+        str(checkpoint_dir)).items() if key.startswith(MODEL_KEY_PREFIXES)}
+    problems = [f"missing tensor {key}" for key in sorted(set(expected) - set(saved))]
+    problems += [f"unknown tensor {key} {saved[key]}" for key in sorted(set(saved) - set(expected))]
+    problems += [f"tensor {key} has shape {saved[key]}, the config gives {expected[key]}"
+                 for key in sorted(set(saved) & set(expected)) if saved[key] != expected[key]]
+    if problems:
+        raise CheckpointError(f"{checkpoint_dir} does not match its config.yaml:\n  " + "\n  ".join(problems))
+
+
+def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
+    local = Path(checkpoint_dir) / TOKENIZER_DIR
+    return load_tokenizer(str(local) if local.is_dir() else cfg.data.tokenizer)
+
+
+class CausalLM(torch.nn.Module):
+    """model(input_ids [B, N]) -> logits [B, N, V] (batch first, V = padded vocabulary)."""
+
+    def __init__(self, gpt, cfg: Config, checkpoint_dir: Path | None = None):
+        """cfg: the checkpoint's own config (its training layout included)."""
+        super().__init__()
+        self.gpt = gpt
+        self.cfg = cfg
+        self.checkpoint_dir = checkpoint_dir
+
+    @property
+    def vocab_size(self) -> int:
+        return self.gpt.vocab_size
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.checkpoint_dir is None:
+            return load_tokenizer(self.cfg.data.tokenizer)
+        return checkpoint_tokenizer(self.checkpoint_dir, self.cfg)
+
+    def parameters_by_name(self) -> dict[str, torch.Tensor]:
+        return {name: param.detach() for name, param in self.gpt.named_parameters()}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        return self.gpt(input_ids, positions, None)
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
+    """A run's output_dir, its checkpoints/ directory (latest) or an iter_* directory -> CausalLM.
+
+    dtype: the weights' dtype (default: the checkpoint's training precision)."""
+    checkpoint_dir = resolve_checkpoint_dir(path)
+    saved_cfg = checkpoint_config(checkpoint_dir)
+    if dtype is not None and dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype}")
+    model = build_single_process_model(single_process_config(saved_cfg, PRECISIONS.get(dtype)))
+    check_checkpoint_tensors(model, checkpoint_dir)
+    load_model_weights([model], checkpoint_dir)
+    return CausalLM(model, saved_cfg, checkpoint_dir).to(device)

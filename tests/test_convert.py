@@ -1,0 +1,165 @@
+"""to-hf / from-hf for every variant from checkpoints written by 2 real ranks (TP=2 and PP=2):
+the Hugging Face models give the logits of the same weights in a single-process megadiff model,
+the stock classes load without trust_remote_code, the round trip gives identical tensors, and
+bad inputs are refused by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from megadiff.checkpoint.format import CheckpointError, checkpoint_config
+from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf
+from megadiff.inference import load_checkpoint
+from tests.convert_worker import VARIANTS, build_tokenizer, reference_model, save_checkpoints
+from tests.distributed import run_ranks
+
+PADDED_VOCAB = {"tp2": 512, "pp2": 384}  # 300 ids padded to 128 x TP
+CASES = [(variant, layout) for layout in ("tp2", "pp2") for variant in ("softmax", "diff", "dint", "shared_diff")]
+STOCK_CLASSES = {"softmax": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    tokenizer = str(build_tokenizer(root / "tokenizer"))
+    run_ranks(2, save_checkpoints, str(root), tokenizer,
+              {"tp2": list(VARIANTS), "pp2": ["softmax", "diff", "dint", "shared_diff"]})
+    return root
+
+
+@pytest.fixture(scope="module")
+def export(root):
+    """export(variant, layout) -> the HF directory, converted (and self-checked) once."""
+    done = {}
+
+    def convert(variant: str, layout: str):
+        if (variant, layout) not in done:
+            done[variant, layout] = convert_to_hf(root / layout / variant, root / "hf" / layout / variant)
+        return done[variant, layout]
+    return convert
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    return lambda variant, layout: reference_model(checkpoint_config(root / layout / variant))
+
+
+def tokens(count: int = 20) -> torch.Tensor:
+    return torch.randint(0, 300, (2, count), generator=torch.Generator().manual_seed(11))
+
+
+def load_export(directory, variant: str):
+    if variant in STOCK_CLASSES:  # stock transformers classes: no code from the directory
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        assert type(model).__name__ == STOCK_CLASSES[variant]
+        assert type(model).__module__.startswith("transformers.models.")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+        assert type(model).__name__ == "MegadiffForCausalLM"
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant,layout", CASES)
+def test_checkpoint_reshards_into_one_process(root, reference, variant, layout):
+    loaded = load_checkpoint(root / layout / variant).parameters_by_name()
+    expected = reference(variant, layout).parameters_by_name()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("variant,layout", CASES)
+def test_hf_export_gives_megadiff_logits(export, reference, variant, layout):
+    model = load_export(export(variant, layout), variant)
+    ours = reference(variant, layout)
+    assert model.config.vocab_size == ours.vocab_size == PADDED_VOCAB[layout]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens()).logits, ours(tokens()), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant,layout", CASES)
+def test_round_trip_gives_identical_tensors(root, export, tmp_path, variant, layout):
+    back = convert_from_hf(export(variant, layout), tmp_path / "back")
+    original = load_checkpoint(root / layout / variant).parameters_by_name()
+    restored = load_checkpoint(back).parameters_by_name()
+    assert restored.keys() == original.keys()
+    for name, tensor in original.items():
+        assert tensor.dtype == restored[name].dtype and torch.equal(tensor, restored[name]), name
+    assert checkpoint_config(back).model == checkpoint_config(root / layout / variant).model
+
+
+def test_diffllama_holds_head_norm_weight_folded_into_o_proj(root, export, reference, tmp_path):
+    hf_dir = export("diff", "tp2")
+    params = reference("diff", "tp2").parameters_by_name()
+    state = load_file(str(hf_dir / "model.safetensors"))
+    prefix = "decoder.layers.1.self_attention."
+    norm, proj = params[prefix + "core_attention.head_norm_weight"], params[prefix + "linear_proj.weight"]
+    heads = 4
+    expected = torch.stack([proj[:, 2 * 8 * h:2 * 8 * (h + 1)] * norm for h in range(heads)], 1).reshape(proj.shape)
+    torch.testing.assert_close(state["model.layers.1.self_attn.o_proj.weight"], expected, rtol=1e-6, atol=0)
+    # without the sidecar (e.g. a fine-tuned DiffLlama): unit head-norm weights, o_proj as the projection
+    bare = shutil.copytree(hf_dir, tmp_path / "bare")
+    (bare / "megadiff_unfolded.safetensors").unlink()
+    back = load_checkpoint(convert_from_hf(bare, tmp_path / "back"))
+    restored = back.parameters_by_name()
+    assert torch.equal(restored[prefix + "core_attention.head_norm_weight"], torch.ones(16))
+    assert torch.equal(restored[prefix + "linear_proj.weight"], state["model.layers.1.self_attn.o_proj.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens()), reference("diff", "tp2")(tokens()), rtol=1e-4, atol=2e-5)
+
+
+def test_constant_lambda_diff_is_refused_as_diffllama_and_exports_with_remote_code(root, reference, tmp_path):
+    checkpoint = root / "tp2" / "diff_constant_lambda"
+    with pytest.raises(ConversionError, match="constant 0.8.*DiffLlama.*--remote-code"):
+        convert_to_hf(checkpoint, tmp_path / "stock")
+    model = load_export(convert_to_hf(checkpoint, tmp_path / "hf", remote_code=True), "diff_constant_lambda")
+    assert model.config.lambda_init == 0.8
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens()).logits, reference("diff_constant_lambda", "tp2")(tokens()),
+                                   rtol=1e-4, atol=2e-5)
+
+
+def _rewrite_weights(directory, edit) -> None:
+    path = str(directory / "model.safetensors")
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def _rewrite_config(directory, **changes) -> None:
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("mutation,message", [
+    (lambda d: _rewrite_weights(d, lambda s: s.update({"model.layers.0.self_attn.extra": torch.zeros(3)})),
+     r"unknown tensor model\.layers\.0\.self_attn\.extra"),
+    (lambda d: _rewrite_weights(d, lambda s: s.pop("model.layers.1.mlp.up_proj.weight")),
+     r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"),
+    (lambda d: _rewrite_config(d, intermediate_size=64),
+     r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \(96, 64\), expected \(64, 64\)"),
+    (lambda d: _rewrite_config(d, model_type="gpt2"), r"model_type 'gpt2' is not convertible"),
+], ids=["unknown", "missing", "shape", "model_type"])
+def test_from_hf_refuses_mismatched_directories(export, tmp_path, mutation, message):
+    broken = shutil.copytree(export("diff", "tp2"), tmp_path / "broken")
+    mutation(broken)
+    with pytest.raises(ConversionError, match=message):
+        convert_from_hf(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_refuses_checkpoint_that_does_not_match_its_config(root, tmp_path):
+    broken = shutil.copytree(root / "tp2" / "softmax", tmp_path / "broken")
+    config = yaml.safe_load((broken / "config.yaml").read_text())
+    config["model"]["ffn_hidden_size"] = 64
+    (broken / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(CheckpointError, match=r"linear_fc2\.weight has shape \(2, 64, 96\), the config gives "
+                                               r"\(2, 64, 64\)"):
+        convert_to_hf(broken, tmp_path / "hf")
+

@@ -1,0 +1,75 @@
+"""generate() on the Hugging Face exports: the remote-code models' KV cache (and DINT's running
+sum in it) gives the tokens of cache-free generation, left-padded batches the tokens of single
+prompts, and every export generates what megadiff's own (cache-free) generation gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megadiff.convert import convert_to_hf
+from megadiff.inference import load_checkpoint
+from megadiff.inference.generate import generate
+from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+
+NEW_TOKENS = 8
+PROMPT = [5, 17, 42, 99, 7]
+EXPORTS = {  # name: (variant, export with megadiff's modeling code)
+    "softmax": ("softmax", False), "diff": ("diff", False), "diff_remote_code": ("diff", True),
+    "dint": ("dint", True), "shared_diff": ("shared_diff", True),
+}
+REMOTE = [name for name, (_, remote) in EXPORTS.items() if remote]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (megadiff checkpoint dir, HF export dir, HF model)."""
+    root = tmp_path_factory.mktemp("generate")
+    tokenizer = str(build_tokenizer(root / "tokenizer"))
+    out = {}
+    for name, (variant, remote_code) in EXPORTS.items():
+        checkpoint = root / name / "checkpoint"
+        save_in_process(variant_config(variant, "single", tokenizer), checkpoint)
+        hf_dir = convert_to_hf(checkpoint, root / name / "hf", remote_code=remote_code)
+        out[name] = checkpoint, hf_dir, AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=remote_code)
+    return out
+
+
+def hf_greedy(model, input_ids, attention_mask=None, use_cache=True) -> torch.Tensor:
+    with torch.no_grad():
+        output = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
+                                do_sample=False, use_cache=use_cache, pad_token_id=0)
+    return output[:, input_ids.shape[1]:]
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_export_generates_what_megadiff_generates(models, name):
+    checkpoint, _, model = models[name]
+    eod = model.generation_config.eos_token_id
+    ours = generate(load_checkpoint(checkpoint), PROMPT, max_new_tokens=NEW_TOKENS, stop_id=eod)
+    theirs = hf_greedy(model, torch.tensor([PROMPT]))[0].tolist()
+    assert theirs[:len(ours)] == ours
+
+
+@pytest.mark.parametrize("name", REMOTE)
+def test_remote_code_cache_gives_the_tokens_of_full_recomputation(models, name):
+    model = models[name][2]
+    prompt = torch.tensor([PROMPT, [3, 1, 4, 1, 5]])
+    assert torch.equal(hf_greedy(model, prompt, use_cache=True), hf_greedy(model, prompt, use_cache=False))
+    with torch.no_grad():  # one decoding step against the cache vs the whole sequence at once
+        full = model(input_ids=prompt).logits[:, -1]
+        prefill = model(input_ids=prompt[:, :-1], use_cache=True)
+        step = model(input_ids=prompt[:, -1:], past_key_values=prefill.past_key_values).logits[:, -1]
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", REMOTE)
+def test_left_padded_batch_generates_like_single_prompts(models, name):
+    model = models[name][2]
+    short = [11, 12, 13]
+    batch = torch.tensor([PROMPT, [0, 0] + short])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    together = hf_greedy(model, batch, attention_mask=mask)
+    for row, prompt in enumerate((PROMPT, short)):
+        alone = hf_greedy(model, torch.tensor([prompt]))[0]
+        assert torch.equal(together[row, :len(alone)], alone)

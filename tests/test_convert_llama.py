@@ -1,0 +1,57 @@
+"""from-hf of a stock transformers LlamaForCausalLM (random, built here): a megadiff softmax
+checkpoint for continued pre-training whose logits are the Llama's, whose config is derived
+from config.json, whose tokenizer travels with it, and which exports back to the same tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from megadiff.checkpoint.format import checkpoint_config
+from megadiff.convert import convert_from_hf, convert_to_hf
+from megadiff.data.tokenizers import load_tokenizer
+from megadiff.inference import load_checkpoint
+from tests.convert_worker import TEXT, build_tokenizer
+
+
+def stock_llama(directory, tied: bool):
+    build_tokenizer(directory)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from 1 so that each one matters
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_stock_llama_becomes_a_megadiff_softmax_checkpoint(tmp_path, tied):
+    llama = stock_llama(tmp_path / "llama", tied)
+    checkpoint = convert_from_hf(tmp_path / "llama", tmp_path / "megadiff")
+
+    cfg = checkpoint_config(checkpoint)
+    assert (cfg.model.variant, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads,
+            cfg.model.num_kv_heads, cfg.model.ffn_hidden_size, cfg.model.seq_length, cfg.model.rope_theta,
+            cfg.model.tie_embeddings) == ("softmax", 2, 64, 4, 2, 96, 64, 500.0, tied)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    assert tokenizer.encode(TEXT) == load_tokenizer(str(tmp_path / "llama")).encode(TEXT)
+
+    ours = load_checkpoint(checkpoint)
+    assert ours.vocab_size == 300  # the Llama's vocabulary, not padded further
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+
+    exported = convert_to_hf(checkpoint, tmp_path / "back")
+    assert type(AutoModelForCausalLM.from_pretrained(exported)).__name__ == "LlamaForCausalLM"
+    original, back = load_file(str(tmp_path / "llama" / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name

@@ -1,0 +1,26 @@
+#!/usr/bin/env python
+"""Convert checkpoints between megadiff and Hugging Face: the same as `megadiff convert`.
+
+    python tools/convert_checkpoint.py to-hf   --load runs/x --save hf/x [--dtype bf16] [--no-check] [--remote-code]
+    python tools/convert_checkpoint.py from-hf --load hf/x --save checkpoints/x [--dtype bf16] [--no-check]
+
+--load of to-hf takes a run's output_dir, its checkpoints/ directory (latest iteration) or an
+iter_* directory, saved with any tensor/pipeline-parallel layout. See docs/conversion.md.
+"""
+import sys
+
+from megadiff.checkpoint.format import CheckpointError
+from megadiff.cli import main as megadiff_main
+from megadiff.convert import ConversionError
+
+
+def main() -> int:
+    try:
+        return megadiff_main(["convert", *sys.argv[1:]])
+    except (ConversionError, CheckpointError) as err:
+        print(f"convert_checkpoint: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
