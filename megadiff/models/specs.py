@@ -1,13 +1,14 @@
 """Layer specs: megatron's GPT layer with the attention variant swapped in.
 
-softmax      megatron's own SelfAttention + core attention (the baseline)
+softmax      megatron's own SelfAttention + SDPA core attention (TE: TE's), the baseline
 diff         SelfAttention + DifferentialCoreAttention
 dint         same, the core attention adds the integral term
 shared_diff  SelfAttention whose linear_qkv is SharedDiffQKV, + DifferentialCoreAttention
 
 Backends (model.transformer_impl): "local" (megatron-core modules, runs anywhere)
 or "te" (TransformerEngine linear/norm layers, BF16/FP8, following megatron's own
-TE spec; the differential core attention stays ours).
+TE spec; the differential core attention stays ours). With train.fp8_backend=torchao
+the local layers' parallel linears compute in float8 (models/float8.py).
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megadiff.models.differential_attention import DifferentialCoreAttention
+from megadiff.models.float8 import use_float8_linears
 from megadiff.models.norms import RMSNorm
 from megadiff.models.shared_diff import SharedDiffQKV
+from megadiff.models.softmax_attention import SoftmaxCoreAttention
 
 DIFFERENTIAL = ("diff", "dint", "shared_diff")
 
@@ -43,10 +46,14 @@ def layer_spec(config) -> ModuleSpec:
     attention = layer.self_attention.submodules
     if config.variant in DIFFERENTIAL:
         attention.core_attention = DifferentialCoreAttention
+    elif not te:  # megatron's local core attention materialises the N x N scores; SDPA's is fused
+        attention.core_attention = SoftmaxCoreAttention
     if config.variant == "shared_diff":
         attention.linear_qkv = SharedDiffQKV
         if te:  # TE fuses the input norm into linear_qkv; Shared DIFF's projection needs it separately
             layer.input_layernorm = _te_norm()
+    if config.float8_linears:
+        use_float8_linears(layer)
     return spec
 
 

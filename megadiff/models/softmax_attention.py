@@ -1,0 +1,35 @@
+"""Core attention of the softmax baseline through torch's fused SDPA (flash / cuDNN / memory-efficient).
+
+megatron-core's local DotProductAttention materialises the N x N scores (baddbmm + softmax), so
+without TransformerEngine the baseline would train slower and in O(N^2) memory while the
+differential variants run fused kernels: comparisons between them would measure that, not the
+attention variant. This module is the same computation through `megadiff.ops.softmax_attention`,
+with causal masking like the differential core attention.
+"""
+from __future__ import annotations
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from megadiff.ops import softmax_attention
+
+
+class SoftmaxCoreAttention(MegatronModule):
+    """softmax(q k^T / sqrt(d)) v per head, causal; GQA through SDPA itself."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 cp_comm_type: str | None = None, softmax_scale: float | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"the softmax core attention supports causal masking only, got {attn_mask_type}")
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences and attention_bias are not supported")
+        seq, batch = query.shape[:2]
+        # megatron's [s, b, heads, d] -> [b, s, heads, d]
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+        return out.transpose(0, 1).reshape(seq, batch, -1)
