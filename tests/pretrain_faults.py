@@ -1,0 +1,57 @@
+"""Runs inside a spawned rank: `megadiff pretrain` with a fault injected (a test-only patch)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import torch
+
+import megadiff.checkpoint.training_checkpoint as training_checkpoint
+import megadiff.training.pretrain as pretrain
+import megadiff.training.step as step
+from megadiff.config import load_config
+from tests.pretrain_runs import DEMO_CONFIG
+
+
+def poisoned_run(rank: int, world_size: int, overrides: list[str], nan_iterations: list[int], report: str) -> None:
+    """Losses of the listed iterations become NaN (so do their gradients); records what the
+    parameters did around every step and the run's exit code."""
+    original_forward, original_step = step.forward_step, pretrain.train_step
+    current = {"iteration": 0}
+
+    def forward_step(data_iterator, model):
+        per_token_loss, loss_func = original_forward(data_iterator, model)
+        if current["iteration"] in nan_iterations:
+            per_token_loss = per_token_loss * float("nan")
+        return per_token_loss, loss_func
+
+    def train_step(engine, *args, **kwargs):
+        current["iteration"] += 1
+        before = [p.detach().clone() for chunk in engine.unwrapped() for p in chunk.parameters()]
+        result = original_step(engine, *args, **kwargs)
+        after = [p.detach() for chunk in engine.unwrapped() for p in chunk.parameters()]
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+        events.append({"iteration": current["iteration"], "updated": result.updated, "params_changed": changed})
+        return result
+
+    events: list[dict] = []
+    step.forward_step, pretrain.train_step = forward_step, train_step
+    exit_code = pretrain.pretrain_from_config(str(DEMO_CONFIG), overrides)
+    with open(report, "w") as handle:
+        json.dump({"exit_code": exit_code, "events": events}, handle)
+
+
+def killed_while_saving(rank: int, world_size: int, overrides: list[str], doomed_iteration: int) -> None:
+    """SIGKILL (nothing can be cleaned up) in the middle of writing the checkpoint of one iteration."""
+    original_save = training_checkpoint.dist_checkpointing.save
+
+    def save(state, directory, *args, **kwargs):
+        if f"iter_{doomed_iteration:07d}" in str(directory):
+            with open(os.path.join(directory, "half_written.distcp"), "wb") as handle:
+                handle.write(b"\0" * 1024)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_save(state, directory, *args, **kwargs)
+
+    training_checkpoint.dist_checkpointing.save = save
+    pretrain.pretrain(load_config(DEMO_CONFIG, overrides, world_size=world_size))

@@ -1,0 +1,117 @@
+"""What goes wrong in long runs: preemption signals, NaN losses, a crash in the middle of a save."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
+from megadiff.observability.metrics import read_metrics
+from tests.distributed import run_ranks
+from tests.pretrain_faults import killed_while_saving, poisoned_run
+from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
+
+LONG = 10_000  # iterations: far more than a test runs before its signal arrives
+
+
+@pytest.fixture(scope="module")
+def base(small_tokenizer_dir, tmp_path_factory) -> list[str]:
+    return tiny_overrides(small_tokenizer_dir, tmp_path_factory.mktemp("data-cache"))
+
+
+def _start(overrides: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(pretrain_command(2, overrides), env=environment(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_iteration(output_dir, iteration: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+        path = output_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= iteration:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"iteration {iteration} not reached")
+
+
+def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if child.environ().get("RANK") == str(rank) and "megadiff" in " ".join(child.cmdline()):
+            return child
+    raise LookupError(f"no worker with RANK={rank}")
+
+
+def _stopped_at(proc: subprocess.Popen, output_dir) -> int:
+    output = proc.communicate(timeout=120)[0]
+    stopped = read_latest_iteration(output_dir / CHECKPOINTS_DIR)
+    assert f"checkpointing at iteration {stopped}" in output, output[-3000:]
+    assert len(read_metrics(output_dir)) == stopped  # no rank ran ahead and logged more
+    return stopped
+
+
+@pytest.mark.slow
+def test_preemption_under_torchrun_checkpoints_and_resumes_exactly(base, tmp_path):
+    run = base + [f"train.iters={LONG}", "train.lr_decay_style=constant"]
+    out = tmp_path / "preempted"
+    # SIGUSR1 to one worker only: the flag is all-reduced, so both ranks stop after the same iteration
+    first = _start(run + [f"output_dir={out}"])
+    _wait_for_iteration(out, 2, first)
+    _worker_of_rank(first, 1).send_signal(signal.SIGUSR1)
+    stopped = _stopped_at(first, out)
+    # SIGTERM to torchrun itself, which forwards it to every worker (as Slurm's scancel does)
+    second = _start(run + [f"output_dir={out}"])
+    _wait_for_iteration(out, stopped + 2, second)
+    second.send_signal(signal.SIGTERM)
+    stopped_again = _stopped_at(second, out)
+    assert stopped_again > stopped
+    end = stopped_again + 2
+    run_pretrain(2, run + [f"output_dir={out}", f"train.exit_interval={end}"])
+    reference = tmp_path / "uninterrupted"
+    run_pretrain(2, run + [f"output_dir={reference}", f"train.exit_interval={end}"])
+    assert losses(out) == losses(reference)
+    assert len(losses(out)) == end
+
+
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
+    report = tmp_path / "report.json"
+    run_ranks(1, poisoned_run, base + ["train.iters=6", f"output_dir={tmp_path / 'skips'}"], [2, 4], str(report))
+    result = json.loads(report.read_text())
+    assert result["exit_code"] == 0
+    for event in result["events"]:
+        poisoned = event["iteration"] in (2, 4)
+        assert event["updated"] is not poisoned and event["params_changed"] is not poisoned, event
+    records = read_metrics(tmp_path / "skips")
+    assert [r["skipped_iterations"] for r in records] == [0, 1, 1, 2, 2, 2]
+    assert math.isnan(records[1]["lm_loss"]) and math.isfinite(records[-1]["lm_loss"])
+
+    run_ranks(1, poisoned_run, base + ["train.iters=20", "train.max_skipped_nan_iters=2",
+                                       f"output_dir={tmp_path / 'stops'}"], list(range(3, 21)), str(report))
+    result = json.loads(report.read_text())
+    assert result["exit_code"] == 3
+    assert [e["iteration"] for e in result["events"]] == [1, 2, 3, 4, 5]  # stopped at the third skip
+
+
+@pytest.mark.slow
+def test_kill_during_save_leaves_the_previous_checkpoint_usable(base, tmp_path):
+    out = tmp_path / "crashed"
+    run = base + ["train.iters=4", "checkpoint.save_interval=2"]
+    with pytest.raises(RuntimeError, match="exit codes"):
+        run_ranks(1, killed_while_saving, run + [f"output_dir={out}"], 4)
+    checkpoints = out / CHECKPOINTS_DIR
+    assert read_latest_iteration(checkpoints) == 2
+    assert (checkpoints / "iter_0000004.partial" / "half_written.distcp").exists()
+    assert not (checkpoints / "iter_0000004").exists()
+    rerun = run_pretrain(1, run + [f"output_dir={out}"])
+    assert f"resumed from {checkpoints / 'iter_0000002'}" in rerun.stdout
+    assert not list(checkpoints.glob("*.partial"))
+    reference = tmp_path / "reference"
+    run_pretrain(1, run + [f"output_dir={reference}"])
+    assert losses(out) == losses(reference)
