@@ -265,3 +265,12 @@ def test_text_files_directories_and_globs_keep_source_order(tmp_path):
     globbed = tmp_path / "globbed"
     prepare(data_config(tmp_path, f"data.sources=['{folder}/*.txt']", f"data.prefix={globbed}"))
     assert read_back(globbed) == read_back(prefix)[1:3]
+
+
+def test_a_small_hugging_face_tokenizer_gets_uint16_tokens(corpus, small_tokenizer_dir, tmp_path):
+    prefix = tmp_path / "small"
+    stats = prepare(data_config(tmp_path, f"data.sources=[{corpus[0]}]", f"data.prefix={prefix}",
+                                f"data.tokenizer={small_tokenizer_dir}"))
+    tokenizer = load_tokenizer(str(small_tokenizer_dir))
+    assert read_back(prefix) == [tokenizer.encode(d) + [tokenizer.eod] for d in corpus[1]]
+    assert stats["dtype"] == "uint16" and Path(f"{prefix}.bin").stat().st_size == 2 * stats["tokens"]

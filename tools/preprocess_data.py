@@ -2,26 +2,15 @@
 """Tokenize text into a megatron indexed dataset: the same as `megadiff prepare-data`.
 
     python tools/preprocess_data.py CONFIG [key=value ...]
-    python tools/preprocess_data.py configs/x.yaml data.sources=[corpus.jsonl] data.prefix=data/prepared/x data.workers=8
+    python tools/preprocess_data.py configs/diff-3b.yaml 'data.sources=[corpus/*.jsonl]' \\
+        data.prefix=data/prepared/corpus data.workers=16
+
+Writes <data.prefix>.bin/.idx (one document per sequence, EOD after each) and a manifest;
+running it again with unchanged sources and tokenizer does nothing. See docs/data.md.
 """
-import argparse
 import sys
 
-from megadiff.config import ConfigError
-from megadiff.data.prepare import prepare_from_config
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML config file (its data section is used)")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = parser.parse_args()
-    try:
-        return prepare_from_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"preprocess_data: {err}", file=sys.stderr)
-        return 2
-
+from megadiff.cli import main as megadiff_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(megadiff_main(["prepare-data", *sys.argv[1:]]))

@@ -65,7 +65,7 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
                           f"{stats['tokens']:,} tokens); nothing to do", soft_wrap=True)
             return stats
         remove_manifest(prefix)
-        stats = _tokenize(prefix, sources, data, tokenizer, console)
+        stats = _tokenize(prefix, sources, data, tokenizer)
         write_manifest(prefix, fingerprint, stats)
     _print_summary(console, prefix, stats)
     return stats
@@ -87,7 +87,7 @@ class _TokensPerSecond(ProgressColumn):
         return Text(f"{task.fields['tokens']:,} tokens  {rate:,.0f} tokens/s")
 
 
-def _tokenize(prefix: str, sources: list[Source], data: DataConfig, tokenizer: Tokenizer, console: Console) -> dict:
+def _tokenize(prefix: str, sources: list[Source], data: DataConfig, tokenizer: Tokenizer) -> dict:
     dtype = token_dtype(tokenizer.vocab_size)
     # datasets converts the sources to Arrow first; keep that copy beside the output, and only for this run
     work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=Path(prefix).parent)
@@ -96,8 +96,8 @@ def _tokenize(prefix: str, sources: list[Source], data: DataConfig, tokenizer: T
         if len(texts) == 0:
             raise DataError(f"data.sources: no documents in {', '.join(s.describe() for s in sources)}")
         documents, tokens = 0, 0
-        progress = Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(), _TokensPerSecond(),
-                            TimeElapsedColumn(), console=Console(stderr=True))
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            _TokensPerSecond(), TimeElapsedColumn(), console=Console(stderr=True))
         with AtomicIndexedWriter(prefix, dtype) as writer, progress:
             task = progress.add_task("tokenizing", total=len(texts), tokens=0)
             start = time.perf_counter()
