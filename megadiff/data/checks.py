@@ -1,0 +1,65 @@
+"""Checks pre-training runs on its data before any compute; each error names the file or key.
+
+Call after `ensure_prepared` (and its barrier) and before `build_datasets`: megatron's own
+builder would otherwise assert deep inside, misread the files, or loop forever on a split
+without tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix, parse_and_normalize_split,
+)
+
+from megadiff.config import Config
+from megadiff.data.errors import DataError
+from megadiff.data.indexed import IndexSummary, read_index, token_dtype
+from megadiff.data.locations import training_blend
+from megadiff.data.manifest import read_manifest
+from megadiff.data.tokenizers import Tokenizer
+
+SPLITS = ("train", "valid", "test")
+
+
+def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of data.tokenizer "
+                        f"{cfg.data.tokenizer!r} ({tokenizer.vocab_size} ids); set model.vocab_size >= "
+                        f"{tokenizer.vocab_size}")
+    key = "data.blend" if cfg.data.blend else "data.prefix"
+    for prefix in training_blend(cfg.data)[0]:
+        summary = read_index(prefix, key)
+        _check_tokenizer(prefix, summary, tokenizer, cfg.data.tokenizer)
+        _check_splits(prefix, summary, cfg, key)
+
+
+def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, spec: str) -> None:
+    manifest = read_manifest(prefix)
+    prepared = manifest["fingerprint"]["tokenizer"] if manifest else None
+    if prepared is not None and (prepared["vocab_size"], prepared["eod"]) != (tokenizer.vocab_size, tokenizer.eod):
+        raise DataError(f"data.tokenizer: {prefix} was prepared with tokenizer {prepared['spec']!r} "
+                        f"({prepared['vocab_size']} ids), not {spec!r} ({tokenizer.vocab_size} ids); "
+                        "prepare it again with this tokenizer")
+    if summary.dtype.itemsize < token_dtype(tokenizer.vocab_size).itemsize:
+        raise DataError(f"data.tokenizer: {prefix}.bin stores {summary.dtype} ids, too narrow for {spec!r} "
+                        f"({tokenizer.vocab_size} ids): it was prepared with another tokenizer")
+
+
+def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str) -> None:
+    """Every split data.split gives a share must hold at least one sample (seq_length + 1 tokens)."""
+    lengths, count = summary.sequence_lengths, len(summary.sequence_lengths)
+    if summary.tokens == 0:
+        raise DataError(f"{key}: {prefix} holds no tokens ({count} documents); prepare it from non-empty text")
+    needed = cfg.model.seq_length + 1
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
+    for name, bounds in zip(SPLITS, matrix):
+        if bounds is None:
+            continue
+        # the same document ranges megatron's BlendedMegatronDatasetBuilder cuts
+        begin, end = int(round(bounds[0] * count)), int(round(bounds[1] * count))
+        tokens = int(np.sum(lengths[begin:end]))
+        if tokens < needed:
+            raise DataError(f"model.seq_length: the {name} split of {prefix} (documents {begin}..{end} of {count}, "
+                            f"data.split={cfg.data.split}) holds {tokens} tokens, fewer than one sample of "
+                            f"model.seq_length + 1 = {needed}; lower model.seq_length, add data, or give that "
+                            "split weight 0 in data.split")

@@ -1,0 +1,261 @@
+"""Training datasets (megatron's GPTDataset over prepared data): windows, seeds, splits, blends,
+length up-sampling, and the bad-data checks pre-training runs first.
+
+Indexed datasets are written directly from synthetic token ids, so every expectation is
+computed naively in the test from the same ids.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from megadiff.config import ConfigError, build_config
+from megadiff.data.checks import check_training_data
+from megadiff.data.datasets import build_datasets
+from megadiff.data.errors import DataError
+from megadiff.data.indexed import AtomicIndexedWriter, token_dtype
+from megadiff.data.manifest import write_manifest
+from megadiff.data.upsampling import length_repeats
+from tests.distributed import run_ranks
+
+SEQ = 16
+EOD = 1000
+TOKENIZER = SimpleNamespace(name="synthetic", vocab_size=EOD + 1, eod=EOD)
+
+
+def write_documents(prefix: Path, documents: list[np.ndarray]) -> None:
+    with AtomicIndexedWriter(prefix, token_dtype(TOKENIZER.vocab_size)) as writer:
+        for doc in documents:
+            writer.add_documents(doc, np.array([len(doc)]))
+        writer.commit()
+
+
+def synthetic_documents(count: int, seed: int, low: int = 0, high: int = EOD, max_len: int = 60) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.append(rng.integers(low, high, rng.integers(1, max_len)), EOD) for _ in range(count)]
+
+
+def config(tmp_path: Path, *overrides: str):
+    return build_config({}, [f"model.seq_length={SEQ}", "model.vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}",
+                             *overrides])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic")
+    documents = synthetic_documents(200, seed=0)
+    write_documents(root / "docs", documents)
+    return root / "docs", documents
+
+
+def split_range(count: int, split: list[float], index: int) -> range:
+    """The documents of split `index`, computed from the split weights like megatron's builder cuts them."""
+    bounds = np.concatenate([[0], np.cumsum(split)]) / sum(split)
+    return range(int(round(bounds[index] * count)), int(round(bounds[index + 1] * count)))
+
+
+def test_samples_are_consecutive_windows_of_the_shuffled_document_stream(corpus, tmp_path):
+    prefix, documents = corpus
+    cfg = config(tmp_path, f"data.prefix={prefix}", "data.split=80,10,10")
+    train, valid, test = build_datasets(cfg, TOKENIZER, (300, 20, 10), seed=3)
+    for dataset, index in ((train, 0), (valid, 1), (test, 2)):
+        docs = split_range(len(documents), [80, 10, 10], index)
+        epochs = len(dataset.document_index) // len(docs)
+        assert sorted(dataset.document_index) == sorted(list(docs) * epochs)
+        stream = np.concatenate([documents[d] for d in dataset.document_index])
+        assert len(dataset) >= (300, 20, 10)[index]
+        for j in range(min(len(dataset), 60)):
+            sample, k = dataset[j], int(dataset.shuffle_index[j])
+            assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
+            assert sample["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()
+            assert sample["labels"].tolist() == stream[k * SEQ + 1:(k + 1) * SEQ + 1].tolist()
+            assert sample["loss_mask"].tolist() == [1.0] * SEQ
+            assert sample["position_ids"].tolist() == list(range(SEQ))
+
+
+def test_a_split_with_zero_weight_is_none(corpus, tmp_path):
+    cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=9,1,0")
+    train, valid, test = build_datasets(cfg, TOKENIZER, (10, 10, 0), seed=0)
+    assert test is None
+    assert set(valid.document_index) == set(split_range(len(corpus[1]), [9, 1, 0], 1))
+
+
+def test_same_seed_same_samples_other_seed_other_order(corpus, tmp_path):
+    def samples(seed, cache):
+        train = build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", f"data.cache_dir={tmp_path / cache}",
+                                      "data.split=80,10,10"),
+                               TOKENIZER, (200, 10, 10), seed)[0]
+        return [tuple(train[i]["tokens"].tolist()) for i in range(len(train))]
+
+    first, again, other = samples(5, "a"), samples(5, "b"), samples(6, "c")
+    assert first == again
+    assert first != other
+    assert collections.Counter(first[:100]) != collections.Counter(other[:100])  # not a mere re-labelling
+
+
+def test_blend_weights_are_respected(tmp_path):
+    # two sources told apart by their ids: A uses ids < 500, B ids >= 500
+    write_documents(tmp_path / "a", synthetic_documents(100, seed=1, high=500))
+    write_documents(tmp_path / "b", synthetic_documents(100, seed=2, low=500))
+    cfg = config(tmp_path, f"data.blend=[1,{tmp_path / 'a'},3,{tmp_path / 'b'}]", "data.split=1,0,0")
+    train = build_datasets(cfg, TOKENIZER, (800, 0, 0), seed=0)[0]
+    from_a = [bool((train[i]["tokens"][train[i]["tokens"] != EOD] < 500).all()) for i in range(len(train))]
+    assert len(train) >= 800
+    assert abs(np.mean(from_a) - 0.25) < 0.02
+
+
+def test_length_upsampling_repeats_documents_in_proportion_to_length(tmp_path):
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 20 * SEQ, 120)
+    documents = [np.append(rng.integers(0, EOD, n - 1), EOD) for n in lengths]
+    write_documents(tmp_path / "docs", documents)
+
+    def counts(*overrides):
+        cfg = config(tmp_path, f"data.prefix={tmp_path / 'docs'}", "data.split=1,0,0", *overrides)
+        train = build_datasets(cfg, TOKENIZER, (500, 0, 0), seed=0)[0]
+        return np.bincount(train.document_index, minlength=len(documents)), train
+
+    plain, _ = counts()
+    assert (plain == plain[0]).all()  # without up-sampling every document appears once per epoch
+
+    for unit in (SEQ, 3 * SEQ):
+        overrides = ["data.length_upsampling=true"] + ([f"data.length_upsampling_unit={unit}"] if unit != SEQ else [])
+        seen, train = counts(*overrides)
+        naive = np.array([max(1, int(n / unit + 0.5)) for n in lengths])  # round half up, never below once
+        epochs = seen.sum() // naive.sum()
+        assert (seen == epochs * naive).all()
+        long = lengths >= unit
+        per_token = seen[long] / (epochs * lengths[long])
+        assert np.allclose(per_token, 1 / unit, rtol=0.5)  # frequency proportional to length
+        # samples are still windows of the (now up-sampled) document stream
+        stream = np.concatenate([documents[d] for d in train.document_index])
+        k = int(train.shuffle_index[7])
+        assert train[7]["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()
+    assert (length_repeats(lengths, SEQ) == np.maximum(1, np.floor(lengths / SEQ + 0.5))).all()
+
+
+def _build_on_rank(rank: int, world_size: int, prefix: str, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        cfg = config(Path(cache), f"data.prefix={prefix}", "data.split=80,10,10")
+        train = build_datasets(cfg, TOKENIZER, (100, 10, 10), seed=9)[0]
+        Path(out, f"{rank}.json").write_text(json.dumps([train[i]["tokens"].tolist() for i in range(len(train))]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_share_one_index_cache_and_see_the_same_samples(corpus, tmp_path):
+    run_ranks(2, _build_on_rank, str(corpus[0]), str(tmp_path), str(tmp_path), timeout=240)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    alone = build_datasets(config(tmp_path / "alone", f"data.prefix={corpus[0]}", "data.split=80,10,10"), TOKENIZER,
+                           (100, 10, 10), 9)[0]
+    assert ranks[0] == ranks[1] == [alone[i]["tokens"].tolist() for i in range(len(alone))]
+    assert len(list((tmp_path / "cache" / "indices").glob("*-GPTDataset-train-shuffle_index.npy"))) == 1
+
+
+# ---- bad data, caught before any compute -------------------------------------------------------
+
+def test_good_data_passes_the_checks(corpus, tmp_path):
+    check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=80,10,10"), TOKENIZER)
+
+
+def test_build_datasets_refuses_a_split_without_tokens_instead_of_hanging(corpus, tmp_path):
+    # 200 documents, split 949,50,1: the test split gets round(0.999 * 200) .. 200, no document
+    with pytest.raises(DataError, match="the test split .* holds 0 tokens"):
+        build_datasets(config(tmp_path, f"data.prefix={corpus[0]}"), TOKENIZER, (10, 10, 0), seed=0)
+
+
+def test_a_missing_prefix_suggests_prepare_data(tmp_path):
+    with pytest.raises(DataError, match=r"data.prefix: .*nothing.bin and .*nothing.idx not found; prepare the data "
+                                        r"first: megadiff prepare-data"):
+        check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'nothing'}"), TOKENIZER)
+    with pytest.raises(DataError, match="data.prefix: not set"):
+        check_training_data(config(tmp_path), TOKENIZER)
+
+
+def test_an_idx_that_does_not_match_its_bin(corpus, tmp_path):
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{corpus[0]}{ext}", tmp_path / f"docs{ext}")
+    with open(tmp_path / "docs.bin", "ab") as extra:
+        extra.write(b"\0\0")
+    with pytest.raises(DataError, match=r"data.prefix: .*docs.idx describes \d+ bytes of tokens but .*docs.bin holds"):
+        check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
+    (tmp_path / "docs.idx").write_bytes(b"not an index")
+    with pytest.raises(DataError, match="docs.idx is not a readable megatron index"):
+        check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary(corpus, tmp_path):
+    with pytest.raises(DataError, match=r"model.vocab_size: 512 is smaller than the vocabulary of data.tokenizer "
+                                        r"'cl100k_base' \(1001 ids\)"):
+        check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "model.vocab_size=512"), TOKENIZER)
+
+
+def test_data_prepared_with_another_tokenizer(corpus, tmp_path):
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{corpus[0]}{ext}", tmp_path / f"docs{ext}")
+    prepared_with = {"spec": "o200k_base", "vocab_size": 200019, "eod": 199999}
+    write_manifest(tmp_path / "docs", {"tokenizer": prepared_with}, {})
+    with pytest.raises(DataError, match="data.tokenizer: .*docs was prepared with tokenizer 'o200k_base'"):
+        check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
+    (tmp_path / "docs.manifest.json").unlink()
+    wide = SimpleNamespace(name="wide", vocab_size=100277, eod=100257)  # uint16 files cannot hold its ids
+    with pytest.raises(DataError, match="data.tokenizer: .*docs.bin stores uint16 ids, too narrow"):
+        check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}", "model.vocab_size=100352"), wide)
+
+
+def test_a_sequence_longer_than_a_split_can_supply(corpus, tmp_path):
+    prefix, documents = corpus
+    tokens = {name: sum(len(documents[d]) for d in split_range(len(documents), [80, 10, 10], i))
+              for i, name in enumerate(("train", "valid", "test"))}
+    smallest = min(tokens, key=tokens.get)
+
+    def check(seq_length, split="80,10,10"):
+        check_training_data(config(tmp_path, f"data.prefix={prefix}", f"model.seq_length={seq_length}",
+                                   f"data.split={split}"), TOKENIZER)
+
+    with pytest.raises(DataError, match=rf"model.seq_length: the {smallest} split of .*docs .* holds "
+                                        rf"{tokens[smallest]} tokens, fewer than one sample of "
+                                        rf"model.seq_length \+ 1 = {tokens[smallest] + 1}"):
+        check(tokens[smallest])
+    check(tokens[smallest] - 1)
+    with pytest.raises(DataError, match="the train split"):
+        check(sum(map(len, documents)), split="1,0,0")
+
+
+def test_an_empty_prefix(tmp_path):
+    write_documents(tmp_path / "empty", [])
+    with pytest.raises(DataError, match=r"data.blend: .*empty holds no tokens \(0 documents\)"):
+        check_training_data(config(tmp_path, f"data.blend=[{tmp_path / 'empty'}]"), TOKENIZER)
+
+
+@pytest.mark.parametrize("blend,message", [
+    ("[1,a,2]", "pairs or only prefixes"),
+    ("[a,1]", "item 0 should be a weight and item 1 a prefix"),
+    ("[0,a,1,b]", "weight 0.0 of a must be a positive number"),
+    ("[-1,a,1,b]", "weight -1.0 of a must be a positive number"),
+])
+def test_malformed_blends_are_config_errors(blend, message):
+    with pytest.raises(ConfigError, match=f"data.blend: .*{message}"):
+        build_config({}, [f"data.blend={blend}"])
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["data.split=0,1,1"], "data.split"),
+    (["data.split=90,5,5,1"], "data.split"),
+    (["data.split=a,b"], "data.split"),
+    (["data.bundled_corpus=kjv", "data.sources=[x.jsonl]"], "data.bundled_corpus"),
+    (["data.length_upsampling_unit=64"], "data.length_upsampling_unit"),
+])
+def test_data_config_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        build_config({}, overrides)
