@@ -1,0 +1,90 @@
+"""The adaptation config: one typed object (or a plain dict of the same keys).
+
+`AdaptationConfig()` is the papers' defaults: Dex on the half of each layer's heads with the
+highest attention entropy, lambda_init from the depth schedule, lambda_learn starting at 0.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from megadiff.adapt.modeling_adapted import INPUT_METHODS
+from megadiff.config import ConfigError
+from megadiff.config.loader import _format_validation_error as format_validation_error
+
+Method = Literal["dex", "daa", "diff_q", "diff_k", "diff_v"]
+DAA_METHODS = ("daa",) + INPUT_METHODS
+
+# Parameters trained by default (fnmatch patterns on parameter names)
+PAPER_TRAINABLE = {
+    # Dex section 3.4: W_K, W_V, W_O, W_D and lambda_learn; W_Q, FFN, norms, embeddings frozen
+    "dex": ["*.self_attn.k_proj.*", "*.self_attn.v_proj.*", "*.self_attn.o_proj.*",
+            "*.self_attn.dex_weight", "*.self_attn.lambda_learn"],
+    # DAA appendix E: every parameter of the attention modules, the rest frozen
+    **{method: ["*.self_attn.*"] for method in DAA_METHODS},
+}
+
+
+class AdaptationError(ConfigError):
+    """A bad adaptation config or an unsupported model, found before any compute."""
+
+
+class AdaptationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: Method = Field("dex", description="dex | daa, or DAA's ablations diff_q | diff_k | diff_v")
+    selection: Optional[Literal["entropy", "importance", "all"]] = Field(
+        None, description="which heads of each layer to adapt: 'entropy' (highest first), 'importance' "
+        "(lowest first, Michel et al. 2019) on calibration batches, or 'all'. Default: entropy for dex, "
+        "all for daa; diff_q/k/v always adapt whole layers")
+    heads_fraction: float = Field(0.5, gt=0, le=1, description="share of each layer's heads to adapt "
+                                  "(k = max(1, floor(fraction x heads)))")
+    selected_heads: Optional[list[list[int]]] = Field(
+        None, description="explicit adapted heads per layer (skips calibration)")
+    lambda_init: Union[Literal["depth"], float] = Field(
+        "depth", description="'depth': 0.8 - 0.6 exp(-0.3 (l - 1)) for layer l = 1..L, or a constant")
+    lambda_learn_init: float = Field(0.0, description="initial value of the learnable lambda")
+    anneal_steps: int = Field(1000, ge=0, description="T of lambda(t); 0 = lambda_learn from the start")
+    calibration_batches: int = Field(4, ge=1, description="batches measured for entropy/importance")
+    trainable: Optional[list[str]] = Field(
+        None, description="fnmatch patterns of trained parameter names; default: the paper's freeze policy; "
+        "['*'] trains everything")
+
+    @model_validator(mode="after")
+    def _check_selection(self):
+        if self.method in INPUT_METHODS and self.selection not in (None, "all"):
+            raise ValueError(f"selection: {self.method} adapts whole layers (one D x D matrix), so only 'all' "
+                             f"is possible, not {self.selection!r}")
+        if self.method in INPUT_METHODS and self.selected_heads is not None:
+            raise ValueError(f"selected_heads: {self.method} adapts whole layers")
+        return self
+
+    @property
+    def resolved_selection(self) -> str:
+        if self.selected_heads is not None:
+            return "given"
+        if self.selection is not None:
+            return self.selection
+        return "entropy" if self.method == "dex" else "all"
+
+    @property
+    def resolved_trainable(self) -> list[str]:
+        return list(self.trainable) if self.trainable is not None else PAPER_TRAINABLE[self.method]
+
+
+def coerce_config(config: AdaptationConfig | dict | None, methods: tuple[str, ...]) -> AdaptationConfig:
+    """A config object or dict for one of `methods` (the first is the default)."""
+    if config is None:
+        config = {}
+    if isinstance(config, AdaptationConfig):
+        config = config.model_dump(exclude_unset=True)
+    config = {"method": methods[0], **config}
+    try:
+        parsed = AdaptationConfig.model_validate(config)
+    except ValidationError as err:
+        raise AdaptationError(format_validation_error(err)) from None
+    if parsed.method not in methods:
+        raise AdaptationError(f"adaptation.method: {parsed.method!r} is not one of {methods} for this function")
+    return parsed
+

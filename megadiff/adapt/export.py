@@ -1,0 +1,53 @@
+"""Save an adapted model as a Hugging Face directory that loads with
+`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`: safetensors weights, a
+config.json whose `model_type`/`auto_map` point at the bundled model code
+(modeling_megadiff_adapted.py, a copy of megadiff/adapt/modeling_adapted.py), the `adaptation`
+dict (method, heads, lambda_init, T and the step t the weights belong to), and the tokenizer.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from megadiff.adapt import modeling_adapted
+from megadiff.adapt.config import AdaptationError
+from megadiff.adapt.modeling_adapted import EXPORT_CLASSES, describe_adapters
+
+MODEL_CODE_MODULE = "modeling_megadiff_adapted"
+
+
+def adapted_classes(model: nn.Module) -> tuple[type, type]:
+    for base, classes in EXPORT_CLASSES.items():
+        if isinstance(model, base):
+            return classes
+    raise AdaptationError(f"cannot export {type(model).__name__}: not a Dex/DAA-adapted Llama/Qwen2/Mistral")
+
+
+def adapted_config(model: nn.Module):
+    """The exportable config: the base model's fields + adaptation + auto_map."""
+    config_cls, model_cls = adapted_classes(model)
+    try:
+        adaptation = describe_adapters(model)
+    except ValueError as err:
+        raise AdaptationError(f"{err} (apply_dex/apply_daa first)") from None
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "architectures", "auto_map")}
+    config = config_cls.from_dict({**fields, "adaptation": adaptation})
+    config.architectures = [model_cls.__name__]
+    config.auto_map = {"AutoConfig": f"{MODEL_CODE_MODULE}.{config_cls.__name__}",
+                       "AutoModelForCausalLM": f"{MODEL_CODE_MODULE}.{model_cls.__name__}"}
+    return config
+
+
+def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[dict] = None, tokenizer=None) -> Path:
+    """Write the HF directory. `state_dict`: the full weights when the model's own are partitioned (ZeRO-3)."""
+    directory = Path(directory)
+    config = adapted_config(model)
+    model.save_pretrained(directory, state_dict=state_dict)
+    config.save_pretrained(directory)  # replaces the base model's config.json
+    shutil.copyfile(modeling_adapted.__file__, directory / f"{MODEL_CODE_MODULE}.py")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory

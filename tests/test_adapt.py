@@ -1,0 +1,349 @@
+"""Dex / DAA on tiny random Llama, Qwen2 and Mistral models: step-0 identity, the SPEC formulas
+against a naive per-head implementation written here, head selection against naive scores,
+lambda(t), the freeze policy, refusals, KV-cache generation and the exported HF directory."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+)
+
+from megadiff.adapt import (
+    AdaptationError, annealed_lambda, apply_daa, apply_dex, current_lambdas, plan_adaptation, set_step,
+)
+from megadiff.adapt.config import AdaptationConfig
+from megadiff.adapt.export import save_adapted
+from megadiff.adapt.selection import attention_entropy, head_importance
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+         "mistral": (MistralConfig, MistralForCausalLM)}
+VOCAB, HEADS, KV_HEADS, LAYERS = 96, 4, 2, 2
+# (apply function, config) for every method and both Dex selections
+VARIANTS = {
+    "dex-entropy": (apply_dex, {}),
+    "dex-importance": (apply_dex, {"selection": "importance"}),
+    "daa": (apply_daa, {}),
+    "daa-half-heads": (apply_daa, {"selection": "entropy"}),
+    "diff_q": (apply_daa, {"method": "diff_q"}),
+    "diff_k": (apply_daa, {"method": "diff_k"}),
+    "diff_v": (apply_daa, {"method": "diff_v"}),
+}
+
+
+def tiny_model(arch: str, init: float = 0.02, seed: int = 0):
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, initializer_range=init,
+                        max_position_embeddings=128)
+    return model_cls(config).eval()
+
+
+def tokens(batch=2, length=12, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb_adapters(model, t: int, anneal_steps: int) -> None:
+    """Move every adapter parameter away from its identity start, and lambda_learn off zero."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dex_weight", "daa_weight", "input_weight", "lambda_learn")):
+                param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+        for layer in model.model.layers:
+            layer.self_attn.anneal_steps = anneal_steps
+    set_step(model, t)
+
+
+# ---------------------------------------------------------------- a naive reading of the SPEC
+
+def naive_lambda(t, T, lambda_init, lambda_learn):
+    """SPEC section 6."""
+    if T == 0:
+        return lambda_learn
+    alpha = min(1.0, t / T)
+    return (1 - alpha) * (t / T) * lambda_init + alpha * lambda_learn
+
+
+def naive_rope(x, theta):
+    """x [N, d] for one head; rotate-half RoPE with positions 0..N-1."""
+    n, d = x.shape
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rotated = torch.cat([-x[:, d // 2:], x[:, :d // 2]], -1)
+    return x * cos + rotated * sin
+
+
+def naive_softmax_map(q, k):
+    n, d = q.shape
+    scores = q @ k.T / math.sqrt(d)
+    scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    return torch.softmax(scores, -1)
+
+
+def linear(x, module):
+    y = x @ module.weight.T
+    return y + module.bias if module.bias is not None else y
+
+
+def naive_attention(attn, x, theta):
+    """The adapted attention of one sequence x [N, D], head by head (SPEC sections 4-5)."""
+    method, heads = attn.adapter_method, attn.adapter_heads
+    d, n_heads = attn.head_dim, attn.config.num_attention_heads
+    group = n_heads // attn.config.num_key_value_heads
+    lam = naive_lambda(attn.step, attn.anneal_steps, attn.lambda_init, attn.lambda_learn.item())
+
+    def split(y, h):
+        return y[:, h * d:(h + 1) * d]
+
+    q, k, v = linear(x, attn.q_proj), linear(x, attn.k_proj), linear(x, attn.v_proj)
+    shifted = x @ attn.input_weight if method in ("diff_q", "diff_k", "diff_v") else None
+    outputs = []
+    for h in range(n_heads):
+        g = h // group
+        q_h, k_g, v_g = naive_rope(split(q, h), theta), naive_rope(split(k, g), theta), split(v, g)
+        a1 = naive_softmax_map(q_h, k_g)
+        if h not in heads:
+            out = a1 @ v_g
+        elif method == "dex":
+            o = a1 @ v_g
+            out = o - lam * o @ attn.dex_weight[heads.index(h)]
+        elif method == "daa":
+            out = (a1 - lam * naive_softmax_map(q_h @ attn.daa_weight[heads.index(h)], k_g)) @ v_g
+        elif method == "diff_q":
+            q2 = naive_rope(split(linear(shifted, attn.q_proj), h), theta)
+            out = (a1 - lam * naive_softmax_map(q2, k_g)) @ v_g
+        elif method == "diff_k":
+            k2 = naive_rope(split(linear(shifted, attn.k_proj), g), theta)
+            out = (a1 - lam * naive_softmax_map(q_h, k2)) @ v_g
+        else:  # diff_v
+            out = a1 @ (v_g - lam * split(linear(shifted, attn.v_proj), g))
+        outputs.append(out)
+    return linear(torch.cat(outputs, -1), attn.o_proj)
+
+
+# ---------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_at_step_zero_equal_the_original(arch, variant):
+    apply, config = VARIANTS[variant]
+    model = tiny_model(arch, init=0.2)
+    x = tokens()
+    with torch.no_grad():
+        expected = model(x).logits
+        adapted = apply(copy.deepcopy(model), config, calibration=[tokens(seed=5)])
+        assert torch.equal(adapted(x).logits, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_adapted_attention_matches_naive_per_head_formula(arch, variant):
+    apply, config = VARIANTS[variant]
+    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)]).double()
+    x = tokens(batch=2, length=10)
+    captured = {}
+
+    def capture(index):
+        def hook(_module, args, kwargs, output):
+            captured[index] = (kwargs.get("hidden_states", args[0] if args else None), output[0])
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_hook(capture(i), with_kwargs=True)
+    theta = model.config.rope_parameters["rope_theta"]
+    for step in (3, 25):  # during the annealing (T = 10) and after it
+        perturb_adapters(model, step, anneal_steps=10)
+        with torch.no_grad():
+            model(x)
+            for i, layer in enumerate(model.model.layers):
+                hidden, output = captured[i]
+                for b in range(x.shape[0]):
+                    torch.testing.assert_close(output[b], naive_attention(layer.self_attn, hidden[b], theta),
+                                               rtol=1e-6, atol=1e-6)
+
+
+def naive_entropy(model, batches):
+    """Mean row entropy per head from transformers' own returned attention maps."""
+    model.set_attn_implementation("eager")
+    totals, rows = torch.zeros(LAYERS, HEADS, dtype=torch.float64), 0
+    with torch.no_grad():
+        for x in batches:
+            for layer, maps in enumerate(model(x, output_attentions=True).attentions):
+                p = maps.double()
+                logp = torch.where(p > 0, p.log(), torch.zeros_like(p))
+                totals[layer] += -(p * logp).sum(-1).sum((0, 2))
+            rows += x.numel()
+    model.set_attn_implementation("sdpa")
+    return totals / rows
+
+
+def naive_importance(model, batches, eps=3e-3):
+    """Mean over examples of |dL_example/d gate_h| by central differences of a head gate on o_proj's input.
+    (transformers' RMSNorm computes in float32 even in a float64 model, so eps cannot be tiny.)"""
+    model = copy.deepcopy(model).double()
+    gate = {}
+
+    def gate_input(layer):
+        def pre_hook(_module, args):
+            y = args[0].clone()
+            if gate.get("layer") == layer:
+                h, value = gate["head"], gate["value"]
+                y[..., h * 8:(h + 1) * 8] *= value  # head_dim = 32 / 4
+            return (y,)
+        return pre_hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.o_proj.register_forward_pre_hook(gate_input(i))
+
+    def example_losses(x):
+        logits = model(x).logits
+        return torch.stack([F.cross_entropy(logits[b, :-1], x[b, 1:]) for b in range(x.shape[0])])
+
+    totals, examples = torch.zeros(LAYERS, HEADS, dtype=torch.float64), 0
+    with torch.no_grad():
+        for x in batches:
+            for layer in range(LAYERS):
+                for head in range(HEADS):
+                    gate.update(layer=layer, head=head, value=1 + eps)
+                    up = example_losses(x)
+                    gate.update(value=1 - eps)
+                    down = example_losses(x)
+                    totals[layer, head] += ((up - down) / (2 * eps)).abs().sum()
+            examples += x.shape[0]
+    return totals / examples
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_entropy_selection_matches_naive_entropy(arch):
+    model = tiny_model(arch, init=0.3)
+    batches = [tokens(seed=s) for s in (2, 3)]
+    expected = naive_entropy(copy.deepcopy(model), batches)
+    torch.testing.assert_close(attention_entropy(model, batches).double(), expected, rtol=1e-5, atol=1e-6)
+    plan = plan_adaptation(model, AdaptationConfig(), batches)
+    for layer, row in enumerate(expected):
+        assert plan["layers"][layer]["heads"] == sorted(row.argsort(descending=True)[:HEADS // 2].tolist())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_importance_selection_matches_finite_differences(arch):
+    model = tiny_model(arch, init=0.3)
+    batches = [tokens(seed=s) for s in (2, 3)]
+    expected = naive_importance(model, batches)
+    torch.testing.assert_close(head_importance(model, batches).double(), expected, rtol=2e-3, atol=1e-5)
+    plan = plan_adaptation(model, AdaptationConfig(selection="importance", heads_fraction=0.25), batches)
+    for layer, row in enumerate(expected):
+        assert plan["layers"][layer]["heads"] == [int(row.argmin())]
+
+
+def test_lambda_schedule_follows_spec():
+    for T in (0, 1, 10, 1000):
+        for t in (0, 1, 3, 5, 10, 11, 2000):
+            for lambda_init, lambda_learn in ((0.2, 0.0), (0.8, -0.35), (0.5, 1.7)):
+                assert annealed_lambda(t, T, lambda_init, lambda_learn) == pytest.approx(
+                    naive_lambda(t, T, lambda_init, lambda_learn), abs=1e-12)
+    model = apply_dex(tiny_model("llama"), {"anneal_steps": 8}, calibration=[tokens()])
+    perturb_adapters(model, 0, anneal_steps=8)
+    for t in (0, 2, 4, 8, 30):
+        set_step(model, t)
+        with torch.no_grad():
+            model(tokens())
+        for layer, value in enumerate(current_lambdas(model).values()):
+            attn = model.model.layers[layer].self_attn
+            depth_init = 0.8 - 0.6 * math.exp(-0.3 * layer)  # SPEC section 0, l = layer + 1
+            assert attn.lambda_init == pytest.approx(depth_init)
+            assert value == pytest.approx(naive_lambda(t, 8, depth_init, attn.lambda_learn.item()), abs=1e-6)
+    assert current_lambdas(apply_dex(tiny_model("llama"), {"selection": "all"})) == {"layer_0": 0.0, "layer_1": 0.0}
+
+
+def trained(model) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_freeze_policy(arch):
+    dex = apply_dex(tiny_model(arch), {"selection": "all"})
+    expected = set()
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}.self_attn."
+        expected |= {prefix + n for n in ("k_proj.weight", "v_proj.weight", "o_proj.weight", "dex_weight",
+                                          "lambda_learn")}
+        if arch == "qwen2":  # Qwen2's K/V projections have biases
+            expected |= {prefix + "k_proj.bias", prefix + "v_proj.bias"}
+    assert trained(dex) == expected
+    for method, extra in (("daa", "daa_weight"), ("diff_k", "input_weight")):
+        daa = apply_daa(tiny_model(arch), {"method": method})
+        attention = {n for n, _ in daa.named_parameters() if ".self_attn." in n}
+        assert trained(daa) == attention and any(n.endswith(extra) for n in attention)
+    everything = apply_dex(tiny_model(arch), {"selection": "all", "trainable": ["*"]})
+    assert trained(everything) == {n for n, _ in everything.named_parameters()}
+    with pytest.raises(AdaptationError, match="trainable"):
+        apply_dex(tiny_model(arch), {"selection": "all", "trainable": ["*.no_such_param"]})
+
+
+def test_refusals_name_the_problem():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(AdaptationError, match="LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
+        apply_dex(gpt2)
+    model = apply_dex(tiny_model("llama"), {"selection": "all"})
+    with pytest.raises(AdaptationError, match="already adapted"):
+        apply_daa(model)
+    with pytest.raises(AdaptationError, match="selection"):
+        apply_daa(tiny_model("llama"), {"method": "diff_v", "selection": "entropy"})
+    with pytest.raises(AdaptationError, match="unknown key"):
+        apply_dex(tiny_model("llama"), {"lambda": 0.5})
+    with pytest.raises(AdaptationError, match="method"):
+        apply_dex(tiny_model("llama"), {"method": "daa"})
+    with pytest.raises(AdaptationError, match=r"selected_heads\[1\]"):
+        apply_dex(tiny_model("llama"), {"selected_heads": [[0], [4]]})
+    with pytest.raises(AdaptationError, match="no Dex/DAA layers"):
+        set_step(tiny_model("llama"), 3)
+
+
+def test_default_config_is_the_papers():
+    model = tiny_model("llama", init=0.3)
+    with pytest.warns(UserWarning, match="random tokens"):
+        apply_dex(model)
+    for i, layer in enumerate(model.model.layers):
+        assert len(layer.self_attn.adapter_heads) == HEADS // 2
+        assert layer.self_attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * i))
+        assert layer.self_attn.adapter_method == "dex"
+    assert trained(model) and not any("q_proj" in n or "mlp" in n for n in trained(model))
+
+
+@pytest.mark.parametrize("arch,variant", [("llama", "dex-entropy"), ("qwen2", "daa-half-heads"), ("mistral", "diff_q"),
+                                          ("llama", "diff_k"), ("qwen2", "diff_v"), ("mistral", "dex-importance")])
+def test_generate_with_kv_cache_equals_without(arch, variant):
+    apply, config = VARIANTS[variant]
+    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
+    perturb_adapters(model, 4, anneal_steps=10)
+    prompt = tokens(batch=2, length=5, seed=9)
+    runs = [model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=cache, output_scores=True,
+                           return_dict_in_generate=True, pad_token_id=0) for cache in (True, False)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for cached, uncached in zip(runs[0].scores, runs[1].scores):
+        torch.testing.assert_close(cached, uncached, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,variant", [("llama", "dex-entropy"), ("qwen2", "diff_k"), ("mistral", "daa")])
+def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    apply, config = VARIANTS[variant]
+    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
+    perturb_adapters(model, 6, anneal_steps=10)
+    save_adapted(model, tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert type(loaded).__name__.startswith("Adapted") and loaded.config.adaptation["step"] == 6
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+    prompt = tokens(batch=1, length=4)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0),
+                       model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0))
