@@ -29,6 +29,7 @@ from megadiff.checkpoint.format import (
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from megadiff.config import Config, dump_config
+from megadiff.files import write_atomically
 
 PARTIAL_SUFFIX = ".partial"
 TRAIN_STATE_KEY = "train_state"
@@ -66,22 +67,13 @@ def _rng_sharded_object(states: dict | None) -> ShardedObject:
     return ShardedObject(RNG_KEY, states, (world,), (_rank(),), replica_id=0)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> None:
     """Rank 0, after every rank's files are complete: rename into place, then move the marker."""
     final = iteration_dir(checkpoints_dir, iteration)
     if final.exists():  # the same iteration saved again (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.replace(final.with_name(final.name + PARTIAL_SUFFIX), final)
-    _write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n")
+    write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n".encode())
     if keep_last:
         saved = sorted(p for p in checkpoints_dir.glob("iter_*") if p.is_dir() and p.suffix != PARTIAL_SUFFIX)
         for old in saved[:-keep_last]:

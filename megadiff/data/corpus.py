@@ -11,7 +11,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from megadiff.data.errors import DataError
-from megadiff.data.files import write_atomically
+from megadiff.files import write_atomically
 
 
 def kjv_source() -> Path:

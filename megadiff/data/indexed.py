@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from megadiff.data.errors import DataError
-from megadiff.data.files import temporary_name
+from megadiff.files import temporary_name
 
 UINT16_IDS = np.iinfo(np.uint16).max + 1
 

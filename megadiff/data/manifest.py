@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from megadiff.data.files import write_atomically
+from megadiff.files import write_atomically
 from megadiff.data.indexed import bin_path, idx_path
 
 FORMAT = 1

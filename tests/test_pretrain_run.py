@@ -1,0 +1,107 @@
+"""One pre-training run seen from outside: its LR schedule, logs, evaluation, checkpoint rotation;
+the 64K length extension from a shorter run; the demo config on a fresh checkout."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, read_latest_iteration
+from megadiff.config import build_config
+from megadiff.observability.metrics import read_metrics
+from megadiff.training.pretrain import build_scheduler
+from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def base(small_tokenizer_dir, tmp_path_factory) -> list[str]:
+    return tiny_overrides(small_tokenizer_dir, tmp_path_factory.mktemp("data-cache"))
+
+
+def paper_lr(it: int, peak: float, low: float, warmup: int, total: int, style: str) -> float:
+    """Linear warmup from 0 to the peak, then linear or cosine decay to the minimum at `total`."""
+    if it <= warmup:
+        return peak * it / warmup
+    progress = (it - warmup) / (total - warmup)
+    factor = 1 - progress if style == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return low + (peak - low) * factor
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_schedule_follows_the_papers_formula(style):
+    cfg = build_config({}, ["train.lr=3e-4", "train.min_lr=1e-5", "train.lr_warmup_iters=10", "train.iters=100",
+                            f"train.lr_decay_style={style}"])
+    optimizer = SimpleNamespace(param_groups=[{}])
+    scheduler = build_scheduler(cfg, optimizer)
+    for it in range(1, 101):
+        scheduler.step(1)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(paper_lr(it, 3e-4, 1e-5, 10, 100, style))
+
+
+@pytest.fixture(scope="module")
+def logged_run(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "logged"
+    proc = run_pretrain(1, base + [f"output_dir={out}", "train.iters=6", "train.min_lr=1e-4", "train.eval_interval=3",
+                                   "train.eval_iters=2", "checkpoint.save_interval=2", "checkpoint.keep_last=2",
+                                   "logging.tensorboard=true"])
+    return out, proc
+
+
+@pytest.mark.slow
+def test_metrics_console_and_tensorboard(logged_run):
+    out, proc = logged_run
+    records = read_metrics(out)
+    train = [r for r in records if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for r in train:
+        assert r["lr"] == pytest.approx(paper_lr(r["iteration"], 5e-3, 1e-4, 2, 6, "linear"))
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["tflops_per_device"] > 0
+        assert r["consumed_samples"] == 8 * r["iteration"]
+        assert set(r["lambda"]) == {"layer_1", "layer_2"}
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"]
+    assert [r["iteration"] for r in records if "valid_loss" in r] == [3, 6]
+    assert "iteration 6/6 | lm_loss" in proc.stdout
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert {"lm_loss", "lr", "grad_norm", "lambda/layer_1", "valid_loss"} <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("lm_loss")] == pytest.approx([r["lm_loss"] for r in train])
+
+
+@pytest.mark.slow
+def test_checkpoints_rotate_and_carry_their_config(logged_run):
+    out, _ = logged_run
+    checkpoints = out / CHECKPOINTS_DIR
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+    assert read_latest_iteration(checkpoints) == 6
+    assert checkpoint_config(checkpoints / "iter_0000006").model.hidden_size == 64
+    assert (out / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_64k_style_extension_from_a_shorter_run(base, logged_run, tmp_path):
+    """The extension recipe's mechanics at toy scale: load the short run, then longer sequences,
+    RoPE theta 640,000, length up-sampled data and context parallelism, with a fresh schedule."""
+    short, _ = logged_run
+    out = tmp_path / "extended"
+    proc = run_pretrain(2, base + [f"output_dir={out}", f"checkpoint.load={short}", "checkpoint.reset_iteration=true",
+                                   "model.seq_length=64", "model.rope_theta=640000", "data.length_upsampling=true",
+                                   "parallel.context=2", "train.iters=2", "train.lr=8e-4"])
+    assert f"initialised from {short / CHECKPOINTS_DIR / 'iter_0000006'}" in proc.stdout
+    extended = losses(out)
+    assert len(extended) == 2 and all(math.isfinite(x) for x in extended)
+    # the trained weights were loaded: far below a fresh model's loss (about ln 512 = 6.24)
+    fresh = losses(short)[0]
+    assert extended[0] < fresh - 0.3
+    saved = checkpoint_config(out / CHECKPOINTS_DIR / "iter_0000002")
+    assert (saved.model.seq_length, saved.model.rope_theta) == (64, 640000)
+
+
+@pytest.mark.slow
+def test_demo_config_prepares_its_corpus_and_trains(tmp_path):
+    """The demo's own config (cl100k_base, bundled KJV) from nothing, overridden as users do."""
+    out = tmp_path / "demo"
+    run_pretrain(1, [f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "train.iters=2",
+                     "train.exit_interval=1", "train.eval_interval=null"])
+    assert read_latest_iteration(out / CHECKPOINTS_DIR) == 1
+    assert list((tmp_path / "cache").rglob("*.bin"))
