@@ -1,0 +1,79 @@
+"""Parameter counts without allocating: the recipes against the papers' sizes, and the formula
+against real megatron models."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megadiff.config import build_config, load_config
+from megadiff.models.param_count import count_parameters, training_flops_per_token
+from tests.distributed import run_ranks
+from tests.pretrain_runs import ROOT
+
+CONFIGS = ROOT / "configs"
+# DIFF paper table 10 (and its softmax baselines, which double the heads). The paper's sizes count
+# the layers plus one vocabulary matrix.
+SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
+THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml"]
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+@pytest.mark.parametrize("size", list(SCALING))
+def test_scaling_recipes_have_the_papers_sizes(variant, size):
+    counts = count_parameters(load_config(CONFIGS / "scaling" / f"{variant}-{size}.yaml").model)
+    assert counts.non_embedding + counts.embedding == pytest.approx(SCALING[size], rel=0.02)
+
+
+@pytest.mark.parametrize("recipe", THREE_B)
+def test_3b_recipes_are_3b(recipe):
+    """DIFF-3B (table 9) and Shared DIFF-3B (its table 1): about 3B parameters in the layers."""
+    assert count_parameters(load_config(CONFIGS / recipe).model).non_embedding == pytest.approx(3e9, rel=0.07)
+
+
+def test_differential_and_softmax_recipes_match():
+    """Half the heads of twice the width: the same parameters (up to lambda and head norms) and 1.5x
+    the attention-score FLOPs."""
+    diff, softmax = (load_config(CONFIGS / name).model for name in ("diff-3b.yaml", "softmax-3b.yaml"))
+    assert count_parameters(diff).total == pytest.approx(count_parameters(softmax).total, rel=1e-5)
+    assert training_flops_per_token(diff) > training_flops_per_token(softmax)
+
+
+def test_shared_diff_saves_parameters_over_diff():
+    diff = build_config({}, ["model.hidden_size=256", "model.num_attention_heads=4"]).model
+    shared = build_config({}, ["model.hidden_size=256", "model.num_attention_heads=4", "model.variant=shared_diff",
+                               "model.lowrank_rank=8"]).model
+    assert count_parameters(shared).attention < count_parameters(diff).attention
+
+
+MODELS = {
+    "diff": ["model.variant=diff"],
+    "diff_gqa_tied": ["model.variant=diff", "model.num_kv_heads=2", "model.tie_embeddings=true"],
+    "dint": ["model.variant=dint"],
+    "shared_diff_gqa": ["model.variant=shared_diff", "model.lowrank_rank=5", "model.num_kv_heads=2"],
+    "softmax_gqa": ["model.variant=softmax", "model.num_attention_heads=8", "model.num_kv_heads=2"],
+}
+SMALL = ["model.num_layers=3", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=96",
+         "model.vocab_size=300", "model.make_vocab_size_divisible_by=64", "model.seq_length=16"]
+
+
+def _count_built(rank: int, world_size: int, out: str) -> None:
+    from megadiff.models import build_model
+    from megadiff.parallel import initialize, shutdown
+
+    counted = {}
+    for name, overrides in MODELS.items():
+        cfg = build_config({}, SMALL + overrides)
+        initialize(cfg.parallel, seed=0)
+        counted[name] = sum(p.numel() for chunk in build_model(cfg) for p in chunk.parameters())
+    shutdown()
+    with open(out, "w") as handle:
+        json.dump(counted, handle)
+
+
+def test_formula_equals_the_built_models(tmp_path):
+    out = tmp_path / "counts.json"
+    run_ranks(1, _count_built, str(out))
+    built = json.loads(out.read_text())
+    for name, overrides in MODELS.items():
+        assert count_parameters(build_config({}, SMALL + overrides).model).total == built[name], name
