@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from megadiff.files import write_atomically
 from megadiff.data.indexed import bin_path, idx_path
+from megadiff.files import write_atomically
 
 FORMAT = 1
 

@@ -21,13 +21,13 @@ from rich.text import Text
 from megadiff.config import Config, DataConfig, load_config
 from megadiff.data.corpus import write_bundled_corpus
 from megadiff.data.errors import DataError
-from megadiff.files import exclusive_lock
 from megadiff.data.indexed import AtomicIndexedWriter, bin_path, idx_path, token_dtype
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.manifest import is_up_to_date, read_manifest, remove_manifest, write_manifest
 from megadiff.data.sources import Source, load_texts, resolve_sources
 from megadiff.data.tokenize_workers import encode_in_order
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, load_tokenizer
+from megadiff.files import exclusive_lock
 
 DOCUMENTS_PER_BATCH = 256
 
