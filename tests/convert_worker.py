@@ -29,7 +29,10 @@ VARIANTS = {
     "shared_diff": ["model.variant=shared_diff", "model.lowrank_rank=4", "model.lowrank_zero_init=false"],
     "diff_constant_lambda": ["model.variant=diff", "model.lambda_init=0.8"],
 }
-LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"], "single": []}
+LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"], "single": [],
+           # interleaved: two model chunks per rank, saved as model0/model1
+           "pp2_vpp2": ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4",
+                        "train.global_batch_size=2"]}
 TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
         "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.")
 EOD = "<|endoftext|>"

@@ -1,4 +1,5 @@
-"""to-hf / from-hf for every variant from checkpoints written by 2 real ranks (TP=2 and PP=2):
+"""to-hf / from-hf for every variant from checkpoints written by 2 real ranks (TP=2, PP=2, and
+PP=2 interleaved for DIFF):
 the Hugging Face models give the logits of the same weights in a single-process megadiff model,
 the stock classes load without trust_remote_code, the round trip gives identical tensors, and
 bad inputs are refused by name."""
@@ -19,8 +20,9 @@ from megadiff.inference import load_checkpoint
 from tests.convert_worker import VARIANTS, build_tokenizer, reference_model, save_checkpoints
 from tests.distributed import run_ranks
 
-PADDED_VOCAB = {"tp2": 512, "pp2": 384}  # 300 ids padded to 128 x TP
+PADDED_VOCAB = {"tp2": 512, "pp2": 384, "pp2_vpp2": 384}  # 300 ids padded to 128 x TP
 CASES = [(variant, layout) for layout in ("tp2", "pp2") for variant in ("softmax", "diff", "dint", "shared_diff")]
+CASES.append(("diff", "pp2_vpp2"))
 STOCK_CLASSES = {"softmax": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}
 
 
@@ -29,7 +31,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     tokenizer = str(build_tokenizer(root / "tokenizer"))
     run_ranks(2, save_checkpoints, str(root), tokenizer,
-              {"tp2": list(VARIANTS), "pp2": ["softmax", "diff", "dint", "shared_diff"]})
+              {"tp2": list(VARIANTS), "pp2": ["softmax", "diff", "dint", "shared_diff"], "pp2_vpp2": ["diff"]})
     return root
 
 

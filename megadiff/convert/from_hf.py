@@ -3,10 +3,10 @@
 Reads megadiff's own exports (Llama, DiffLlama, MegadiffForCausalLM) back into
 identical tensors, and any stock LlamaForCausalLM into a softmax checkpoint for
 continued pre-training (its config derived from config.json). The checkpoint
-directory (usable as `--load`, `checkpoint.load` or `data.tokenizer`'s source) holds
-config.yaml, the weights in megatron's dist-checkpoint format (loadable into any
-layout) and, unless the model uses a packaged tiktoken encoding, its tokenizer
-under tokenizer/.
+directory (for `--load` and `checkpoint.load`) holds config.yaml, the weights in
+megatron's dist-checkpoint format (loadable into any layout) and, unless the model
+uses a packaged tiktoken encoding, its tokenizer under tokenizer/ (where
+`data.tokenizer` points).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
 
 
 def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True) -> Path:
-    console = Console()
+    console = Console(soft_wrap=True, markup=False, highlight=False)  # paths print whole, as written
     out = Path(save)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
@@ -94,13 +94,15 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     expected = {name: p for name, p in model.named_parameters()}
     check_tensors(state, expected_hf_shapes(expected, dims), f"{hf_dir.path} (config.json)")
     params = hf_to_megatron(state, dims, hf_dir.extras)
+    _load_parameters(model, params)
     if check:  # before anything is written
-        reference = build_single_process_model(single_process_config(cfg, "fp32"))
-        _load_parameters(reference, params)
+        reference = model
+        if precision != "fp32":
+            reference = build_single_process_model(single_process_config(cfg, "fp32"))
+            _load_parameters(reference, params)
         result = compare_logits(CausalLM(reference, cfg), load_hf_model(hf_dir.path, family), vocab_in_use,
                                 thresholds_for(family, hf_dtype, hf_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
-    _load_parameters(model, params)
     save_model_weights([model], cfg, out)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(str(out / TOKENIZER_DIR))

@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from megadiff.checkpoint.format import resolve_checkpoint_dir
+from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
+from megadiff.config import padded_vocab_size
 from megadiff.convert.check import compare_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
 from megadiff.convert.hf_layout import Dims, megatron_to_hf
-from megadiff.inference.loader import load_checkpoint
+from megadiff.inference.loader import checkpoint_tokenizer, load_checkpoint, single_process_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # megadiff keeps lambda's vectors in fp32 whatever the precision (exp of their dot products is sensitive)
@@ -29,17 +30,17 @@ def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                   remote_code: bool = False) -> Path:
-    console = Console()
+    console = Console(soft_wrap=True, markup=False, highlight=False)  # paths print whole, as written
     checkpoint_dir = resolve_checkpoint_dir(load)
-    source = load_checkpoint(checkpoint_dir)
-    cfg = source.cfg
-    family = choose_family(cfg.model, remote_code)
-    params = source.parameters_by_name()
-    source_dtype = params["embedding.word_embeddings.weight"].dtype
+    cfg = checkpoint_config(checkpoint_dir)
+    family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read
+    tokenizer = checkpoint_tokenizer(checkpoint_dir, cfg)
+    vocab_size = padded_vocab_size(cfg.model, cfg.parallel.tensor)
+    source_dtype = DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds
     target_dtype = DTYPES[dtype] if dtype else source_dtype
-    state, extras = megatron_to_hf(params, Dims.of(cfg.model, family))
-    tokenizer = source.tokenizer
-    hf_config = build_hf_config(cfg.model, family, source.vocab_size, tokenizer.eod, target_dtype)
+    hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.eod, target_dtype)
+    source = load_checkpoint(checkpoint_dir)
+    state, extras = megatron_to_hf(source.parameters_by_name(), Dims.of(cfg.model, family))
     out = Path(save)
     write_hf_dir(out, hf_config, cast_weights(state, target_dtype), cast_weights(extras, target_dtype), tokenizer, cfg)
     console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "

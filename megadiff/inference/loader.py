@@ -44,10 +44,12 @@ def single_process_config(cfg: Config, precision: str | None = None) -> Config:
 def _preserved_rng():
     """Building a model seeds and draws from the global generators; leave the caller's alone."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def build_single_process_model(cfg: Config):
