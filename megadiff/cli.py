@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from typing import Callable
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="prepare the bundled corpus, pre-train a tiny DIFF model, convert, sample")
     demo.add_argument("--output-dir", default="runs/demo")
-    demo.set_defaults(run=lambda a: _target("megadiff.demo:run_demo")(a.output_dir))
+    demo.add_argument("overrides", nargs="*", help="key.sub=value overrides of configs/demo/diff-tiny.yaml")
+    demo.set_defaults(run=lambda a: _target("megadiff.demo:run_demo")(a.output_dir, a.overrides))
     return parser
 
 
@@ -81,15 +83,28 @@ def build_parser() -> argparse.ArgumentParser:
 QUIET_IMPORT_WARNINGS = r".*(Transformer Engine|Apex)( and Apex)? (is|are) not installed.*"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _quiet_library_warnings() -> None:
+    """Deprecation notices between torch, megatron-core and transformers address their developers,
+    not ours; subprocesses (dist_checkpointing's workers) inherit the setting."""
     warnings.filterwarnings("ignore", message=QUIET_IMPORT_WARNINGS)
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_library_warnings()
     args = build_parser().parse_args(argv)
     from megadiff.config import ConfigError
+    from megadiff.errors import MegadiffError
     try:
         result = args.run(args)
     except ConfigError as err:
         print(f"megadiff: config error: {err}", file=sys.stderr)
         return 2
+    except MegadiffError as err:  # a checkpoint, conversion or run that cannot go on, explained
+        print(f"megadiff {args.command}: {err}", file=sys.stderr)
+        return 3
     return result if isinstance(result, int) else 0
 
 

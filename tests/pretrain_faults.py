@@ -10,6 +10,7 @@ import torch
 import megadiff.checkpoint.training_checkpoint as training_checkpoint
 import megadiff.training.pretrain as pretrain
 import megadiff.training.step as step
+from megadiff.cli import main
 from megadiff.config import load_config
 from tests.pretrain_runs import DEMO_CONFIG
 
@@ -37,7 +38,7 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], nan_iteration
 
     events: list[dict] = []
     step.forward_step, pretrain.train_step = forward_step, train_step
-    exit_code = pretrain.pretrain_from_config(str(DEMO_CONFIG), overrides)
+    exit_code = main(["pretrain", str(DEMO_CONFIG), *overrides])
     with open(report, "w") as handle:
         json.dump({"exit_code": exit_code, "events": events}, handle)
 

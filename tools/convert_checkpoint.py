@@ -9,18 +9,7 @@ iter_* directory, saved with any tensor/pipeline-parallel layout. See docs/conve
 """
 import sys
 
-from megadiff.checkpoint.format import CheckpointError
 from megadiff.cli import main as megadiff_main
-from megadiff.convert import ConversionError
-
-
-def main() -> int:
-    try:
-        return megadiff_main(["convert", *sys.argv[1:]])
-    except (ConversionError, CheckpointError) as err:
-        print(f"convert_checkpoint: {err}", file=sys.stderr)
-        return 2
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(megadiff_main(["convert", *sys.argv[1:]]))

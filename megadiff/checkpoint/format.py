@@ -16,13 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from megadiff.config import Config, load_config
+from megadiff.errors import MegadiffError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "config.yaml"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegadiffError, RuntimeError):
     """A checkpoint path that cannot be used."""
 
 

@@ -6,9 +6,10 @@ import re
 from typing import Optional
 
 from megadiff.config.schema import DIFFERENTIAL_VARIANTS, Config, DataConfig, ModelConfig, ParallelConfig
+from megadiff.errors import MegadiffError
 
 
-class ConfigError(ValueError):
+class ConfigError(MegadiffError, ValueError):
     """A config that cannot work; raised before any compute."""
 
 

