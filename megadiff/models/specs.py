@@ -50,8 +50,10 @@ def layer_spec(config) -> ModuleSpec:
         attention.core_attention = SoftmaxCoreAttention
     if config.variant == "shared_diff":
         attention.linear_qkv = SharedDiffQKV
-        if te:  # TE fuses the input norm into linear_qkv; Shared DIFF's projection needs it separately
-            layer.input_layernorm = _te_norm()
+        if te:  # TE fuses the input norm into linear_qkv; Shared DIFF's projection needs it separately,
+            layer.input_layernorm = _te_norm()  # saved under the fused key, as the local spec does
+            layer.sharded_state_dict_keys_map = {**layer.sharded_state_dict_keys_map,
+                                                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if config.float8_linears:
         use_float8_linears(layer)
     return spec
