@@ -44,7 +44,7 @@ def test_schedule_follows_the_papers_formula(style):
 def logged_run(base, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "logged"
     proc = run_pretrain(1, base + [f"output_dir={out}", "train.iters=6", "train.min_lr=1e-4", "train.eval_interval=3",
-                                   "train.eval_iters=2", "checkpoint.save_interval=2", "checkpoint.keep_last=2",
+                                   "train.eval_iters=2", "checkpoint.save_interval=2", "checkpoint.keep_last=2", "checkpoint.async_save=true",
                                    "logging.tensorboard=true"])
     return out, proc
 
