@@ -1,0 +1,81 @@
+"""launch/: the torchrun launchers run `megadiff pretrain` on one node and across nodes.
+
+The multi-node launcher runs as two "nodes" on this machine (two invocations, node ranks 0 and 1,
+rendezvous on localhost). Its run is preempted through one node's torchrun only and rerun: the
+resumed curve must equal the uninterrupted single-node run's.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR
+from megadiff.observability.metrics import read_metrics
+from tests.distributed import free_port
+from tests.pretrain_runs import DEMO_CONFIG, losses
+from tests.slurm_launch_runs import (ITERS, LAUNCH, data_cache, finish, launch, launch_environment, reference_losses,
+                                     run_overrides, single_node_run)
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def _logged_iterations(output_dir) -> int:
+    try:
+        return len(read_metrics(output_dir))
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for_iterations(output_dir, count: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while _logged_iterations(output_dir) < count:
+        ended = [p.args for p in procs if p.poll() is not None]
+        assert not ended and time.monotonic() < deadline, (
+            f"no iteration {count} in {output_dir} (ended: {ended}):\n" +
+            "\n".join(p.communicate()[0][-3000:] for p in procs if p.poll() is not None))
+        time.sleep(0.2)
+
+
+def test_single_node_launcher_trains_two_processes(tmp_path_factory, small_tokenizer_dir):
+    output_dir, output = single_node_run(tmp_path_factory, small_tokenizer_dir)
+    assert "2 ranks" in output
+    assert [r["iteration"] for r in read_metrics(output_dir)] == list(range(1, ITERS + 1))
+    assert (output_dir / CHECKPOINTS_DIR / LATEST).read_text().strip() == str(ITERS)
+
+
+def test_two_node_launch_preempted_on_one_node_resumes_the_single_node_curve(tmp_path, tmp_path_factory,
+                                                                           small_tokenizer_dir):
+    reference = reference_losses(tmp_path_factory, small_tokenizer_dir)
+    output_dir = tmp_path / "run"
+    args = [str(DEMO_CONFIG), *run_overrides(small_tokenizer_dir, data_cache(tmp_path_factory), output_dir)]
+
+    def start_nodes() -> list[subprocess.Popen]:
+        env = launch_environment(NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        return [launch("pretrain_multi_node.sh", args, {**env, "NODE_RANK": str(rank)}) for rank in (1, 0)]
+
+    node1, node0 = start_nodes()
+    _wait_for_iterations(output_dir, 2, [node0, node1])
+    node1.send_signal(signal.SIGUSR1)  # torchrun of node 1 only: it forwards to its worker, the ranks agree
+    outputs = [finish(node, expect=1) for node in (node0, node1)]  # torchrun exits 1 when a worker exits 75
+    stopped = int((output_dir / CHECKPOINTS_DIR / LATEST).read_text())
+    assert 2 <= stopped < ITERS, f"stopped at iteration {stopped}"
+    # rank 0 (node 0) never saw the signal itself: it stops because the ranks agree
+    assert re.search(rf"on another rank received: checkpointing at iteration {stopped}\b", outputs[0])
+
+    node1, node0 = start_nodes()
+    output = finish(node0)
+    finish(node1)
+    assert re.search(rf"resumed from \S+ at iteration {stopped}\b", output)
+    assert losses(output_dir) == reference
+
+
+def test_launchers_explain_missing_arguments():
+    usage = subprocess.run([str(LAUNCH / "pretrain_single_node.sh")], capture_output=True, text=True)
+    assert usage.returncode == 2 and "pretrain_single_node.sh CONFIG" in usage.stderr
+    env = launch_environment(GPUS_PER_NODE="1", NNODES="2", NODE_RANK="0")
+    env.pop("MASTER_ADDR", None)
+    missing = subprocess.run([str(LAUNCH / "pretrain_multi_node.sh"), str(DEMO_CONFIG)], env=env,
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "MASTER_ADDR" in missing.stderr
