@@ -63,6 +63,7 @@ def _grid() -> dict[str, Case]:
         "strided-inputs": Case(strided=True, per_head_lam=True),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
         "bf16": Case(dtype=torch.bfloat16, per_head_lam=True, n_q=64, n_k=64, d=32, dv=64, batch=1),
+        "fp16-dint": Case(dtype=torch.float16, integral=True, n_q=40, n_k=40, d=32, dv=64, batch=1),
     })
     return cases
 
@@ -185,6 +186,33 @@ def test_refusals():
             triton_kernel.differential_attention_triton(q1, k1, q2, k2, v, lam)
 
 
+def test_long_sequence_views_get_int32_safe_layouts():
+    """Row offsets are int32 in the kernels: a view whose sequence stride would overflow them
+    (N = 64K rows of a [N, B, 3 x hidden] projection, B = 4) is made dense; a small one is kept."""
+    triton_fwd = pytest.importorskip("megadiff.ops.triton_fwd")
+    n, batch, width = 65536, 4, 3 * 3072
+    fused = torch.empty(n, batch, width, device="meta")
+    q = fused[..., :1536].view(n, batch, 12, 128).transpose(0, 1)  # [B, N, H, d], sequence stride B x width
+    (dense,) = triton_fwd.shared_layout(q)
+    assert q.stride(1) * (n - 1) >= 2 ** 31 and dense.is_contiguous()
+    small = fused[:1024, ..., :1536].view(1024, batch, 12, 128).transpose(0, 1)
+    assert triton_fwd.shared_layout(small)[0] is small
+
+
+@pytest.mark.parametrize("kind,causal,flags", [("fwd", True, {}), ("dkdv", True, {"TIED": False}),
+                                               ("dq", False, {})])
+def test_compiles_for_hopper(kind, causal, flags):
+    """The interpreter forgives what the compiler refuses (types, tile shapes): compile for sm_90 (no GPU
+    needed) at a small head shape, in modes the interpreter cases above exercise."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 replaces the compiler")
+    from bench.kernel_resources import compile_candidate
+
+    compiled = compile_candidate(kind, 32, 32, 4, 2, d=32, dv=64, arch=90, causal=causal, **flags)
+    assert compiled.asm["cubin"] and compiled.metadata.shared > 0
+
+
 def _upcast_bf16_dots_in_interpreter() -> None:
     """triton 3.9's interpreter feeds bf16 tl.dot operands to numpy as their raw uint16 bits.
 
@@ -205,12 +233,27 @@ def _upcast_bf16_dots_in_interpreter() -> None:
     InterpreterBuilder.create_dot = create_dot_in_fp32
 
 
+def _scalar_loop_bounds_in_old_interpreters() -> None:
+    """triton < 3.9's interpreter converts a scalar tensor used as a loop bound with int() on a
+    1-element array, which NumPy 2 refuses: convert its single element instead (as 3.9 does)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
 def _interpreter_main(path: str) -> None:
     """Child process: every case through the interpreted kernel; errors are recorded per case."""
     from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton_maps
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _upcast_bf16_dots_in_interpreter()
+    _scalar_loop_bounds_in_old_interpreters()
     results = {}
     for name, case in CASES.items():
         try:

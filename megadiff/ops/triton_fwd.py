@@ -35,12 +35,18 @@ class KernelConfig:
     num_stages: int = 1
 
 
-# Untuned candidates (block_m, block_n, num_warps, num_stages) for triton.autotune on CUDA;
-# those whose fp32 accumulators would not fit in registers are pruned first.
-_CANDIDATES = {
-    "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 2), (32, 64, 4, 2)],
-    "dkdv": [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2), (64, 128, 8, 2)],
-    "dq": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2)],
+# Candidates (block_m, block_n, num_warps, num_stages) for triton.autotune on CUDA; those whose fp32
+# accumulators would not fit in registers are pruned first. At the 3B head shape (d=128, dv=256)
+# every candidate holds 128 fp32 accumulators per thread and ptxas spills some registers; the
+# small-tile ones spill least (bench/kernel_resources.py prints each one's registers, spills and
+# shared memory for sm_90 without a GPU). Which is fastest is for the autotuner to measure.
+CANDIDATES = {
+    "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 2), (32, 64, 4, 2),
+            (32, 64, 8, 2), (32, 32, 8, 2)],
+    "dkdv": [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2), (64, 128, 8, 2),
+             (64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)],
+    "dq": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2),
+           (64, 32, 8, 2), (32, 32, 4, 2)],
 }
 # fp32 accumulator elements a program holds, per kernel (block_m, block_n, padded d, padded dv)
 _ACCUMULATORS = {
@@ -190,29 +196,54 @@ def bnh_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _row_offsets_fit_int32(t: torch.Tensor) -> bool:
+    """The kernels index within one (batch, head) slice in int32: row * sequence stride + column."""
+    return (t.shape[1] - 1) * t.stride(1) + t.shape[-1] < 2 ** 31
+
+
 def shared_layout(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels take one set of strides for q1/q2 (and k1/k2, do1/do2): make them agree."""
+    """The kernels take one set of strides for q1/q2 (and k1/k2, do1/do2): make them agree.
+
+    Views whose sequence stride is too large for int32 offsets (a long sequence in a fused
+    [N, B, ...] projection) are copied to a dense layout, where N x H x dim fits.
+    """
     first = tensors[0]
-    if all(t.stride() == first.stride() and t.stride(-1) == 1 for t in tensors):
+    if all(t.stride() == first.stride() and t.stride(-1) == 1 and _row_offsets_fit_int32(t) for t in tensors):
         return tensors
     return tuple(t.contiguous() for t in tensors)
 
 
+def _fitting(kind: str, candidates: list, block_d: int, block_dv: int, tiles) -> list:
+    """The candidates whose fp32 accumulators fit the per-thread budget, else the one needing fewest.
+
+    tiles(candidate) -> (block_m, block_n, num_warps).
+    """
+    def per_thread(candidate):
+        block_m, block_n, num_warps = tiles(candidate)
+        return _ACCUMULATORS[kind](block_m, block_n, block_d, block_dv) / (32 * num_warps)
+    fitting = [c for c in candidates if per_thread(c) <= _MAX_ACC_PER_THREAD]
+    return fitting or [min(candidates, key=per_thread)]
+
+
+def fitting_candidates(kind: str, d: int, dv: int) -> list[tuple]:
+    """Which of CANDIDATES[kind] the autotuner measures for head dims d and dv."""
+    return _fitting(kind, CANDIDATES[kind], padded_dim(d), padded_dim(dv), lambda c: (c[0], c[1], c[2]))
+
+
 def _prune(kind: str):
     def prune(configs, named_args, **meta):
-        def per_thread(c):
-            acc = _ACCUMULATORS[kind](c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], meta["BLOCK_D"], meta["BLOCK_DV"])
-            return acc / (32 * c.num_warps)
-        fitting = [c for c in configs if per_thread(c) <= _MAX_ACC_PER_THREAD]
-        return fitting or [min(configs, key=per_thread)]
+        return _fitting(kind, configs, meta["BLOCK_D"], meta["BLOCK_DV"],
+                        lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps))
     return prune
 
 
 @functools.cache
 def _autotuned(kernel, kind: str):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in _CANDIDATES[kind]]
-    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL"],
+               for m, n, w, s in CANDIDATES[kind]]
+    # TIED (backward only) changes what a program holds; cache_results keeps the choice on disk
+    # for the next process (benchmarks, then training) on the same GPU and Triton version
+    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", "TIED"], cache_results=True,
                            prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
 
 

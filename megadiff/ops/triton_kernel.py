@@ -45,7 +45,8 @@ def _kernel_layout(q1, k1, q2, k2, v):
     """One set of strides per pair (q1/q2, k1/k2) and a dense last dim everywhere; copies only if needed."""
     q1, q2 = shared_layout(q1, q2)
     k1, k2 = shared_layout(k1, k2)
-    return q1, k1, q2, k2, (v if v.stride(-1) == 1 else v.contiguous())
+    (v,) = shared_layout(v)
+    return q1, k1, q2, k2, v
 
 
 def _rowsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
