@@ -12,10 +12,6 @@ FLOP formulas: see `attention_flops` and bench/README.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import re
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -28,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from bench.report import RESULTS_DIR, cuda_missing, environment, markdown_table, timed_ms, write  # noqa: E402
 from megadiff.ops import differential_attention  # noqa: E402
 
 
@@ -98,20 +95,7 @@ def _inputs(shape: Shape, baseline: bool, device, dtype) -> tuple[torch.Tensor, 
 def _mean_ms(fn: Callable, device: torch.device, warmup: int, reps: int) -> float:
     for _ in range(warmup):  # includes Triton's compilation and autotuning on first use
         fn()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-    import time
-    begin = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - begin) * 1e3 / reps
+    return timed_ms(fn, device, reps)
 
 
 def _peak_mib(fn: Callable, device: torch.device) -> float | None:
@@ -195,22 +179,11 @@ def _add_ratios(rows: list[dict]) -> None:
                 row[f"{pass_}_vs_baseline"] = row[f"{pass_}_ms"] / best[f"{pass_}_ms"]
 
 
-def environment(device: torch.device) -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
-    return dict(device=name, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
-                date=datetime.date.today().isoformat(), python=platform.python_version())
-
-
 COLUMNS = (("method", "method", "{}"), ("fwd+bwd FLOPs x baseline", "fwd_bwd_flop_vs_baseline", "{:.2f}"),
            ("fwd ms", "fwd_ms", "{:.3f}"), ("fwd+bwd ms", "fwd_bwd_ms", "{:.3f}"),
            ("fwd TFLOP/s", "fwd_tflops", "{:.3g}"), ("fwd+bwd TFLOP/s", "fwd_bwd_tflops", "{:.3g}"),
            ("peak fwd+bwd MiB", "peak_fwd_bwd_mib", "{:.0f}"), ("fwd x baseline", "fwd_vs_baseline", "{:.2f}"),
-           ("fwd+bwd x baseline", "fwd_bwd_vs_baseline", "{:.2f}"))
+           ("fwd+bwd x baseline", "fwd_bwd_vs_baseline", "{:.2f}"), ("status", "status", "{}"))
 
 
 def _shape_of(row: dict) -> Shape:
@@ -226,23 +199,10 @@ def markdown(report: dict) -> str:
     for shape in dict.fromkeys(_shape_of(r) for r in report["rows"]):
         lines += [f"## B={shape.batch}, N={shape.seq}, {shape.heads} differential heads (baseline "
                   f"{2 * shape.heads}), d={shape.d}, dv={shape.dv}, {'causal' if shape.causal else 'non-causal'}",
-                  "", "| " + " | ".join(title for title, _, _ in COLUMNS) + " | status |",
-                  "|" + "---|" * (len(COLUMNS) + 1)]
-        for row in (r for r in report["rows"] if _shape_of(r) == shape):
-            cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for _, key, fmt in COLUMNS]
-            lines.append("| " + " | ".join(cells) + f" | {row['status']} |")
+                  ""]
+        lines += markdown_table(COLUMNS, [r for r in report["rows"] if _shape_of(r) == shape])
         lines.append("")
     return "\n".join(lines)
-
-
-def write(report: dict, out_dir: Path) -> Path:
-    env = report["environment"]
-    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
-    path = out_dir / f"attention-{slug}-{env['date']}.json"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    path.with_suffix(".md").write_text(markdown(report))
-    return path
 
 
 def parse_args(argv):
@@ -256,7 +216,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     on_cuda = args.device == "cuda"
     args.backends = args.backends or (["triton", "sdpa", "sdpa_split_v"] if on_cuda
@@ -268,9 +228,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench/attention.py: no CUDA device here, nothing to measure. "
-              "Run it on a GPU machine, or `--device cpu --small` to check the script.")
+    if cuda_missing(args.device, "bench/attention.py"):
         return 0
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -280,7 +238,7 @@ def main(argv=None) -> int:
         shape = replace(shape, causal=args.causal)
         print(f"{shape}", flush=True)
         report["rows"] += run_shape(shape, args, device, dtype)
-    path = write(report, args.out_dir)
+        path = write("attention", report, markdown(report), args.out_dir)  # after each shape: kept if cut short
     print(f"wrote {path} and {path.with_suffix('.md').name}")
     return 0
 

@@ -1,26 +1,17 @@
 """bench/attention.py runs end to end: its CPU smoke mode, and a clean exit where CUDA is missing."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    import bench.attention as module  # the repository root is on pytest's path
+    return module
 
 
 def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):

@@ -1,0 +1,93 @@
+"""Registers, spills and shared memory of the fused kernels' autotune candidates, compiled for a GPU
+architecture without needing that GPU (Triton's compiler and ptxas run anywhere).
+
+    python bench/kernel_resources.py                  # sm_90 (H100/H200), the 3B head shape d=128, dv=256
+    python bench/kernel_resources.py --d 64 --dv 128 --arch 80
+
+A candidate that spills many bytes per thread ("stack") or needs more shared memory than the GPU
+has is a poor tile choice; the autotuner measures the rest. Compiling takes seconds per candidate.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from megadiff.ops import triton_bwd, triton_fwd  # noqa: E402
+
+KERNELS = {"fwd": (triton_fwd._fwd_kernel, {"COMBINE": True}),
+           "dkdv": (triton_bwd._dkdv_kernel, {"TIED": True}),
+           "dq": (triton_bwd._dq_kernel, {"TIED": True})}
+FP32_POINTERS = {"LSE1", "LSE2", "DELTA1", "DELTA2", "LAM"}
+SCALARS = {"qk_scale": "fp32", "scale": "fp32"}  # every other lower-case argument is an int32 size or stride
+
+
+def signature(kernel, constexprs: dict, dtype: str) -> dict[str, str]:
+    """Triton types of the kernel's arguments: tensors are the upper-case names."""
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name.isupper() or name[0].isupper():
+            return "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+        return SCALARS.get(name, "i32")
+    return {name: kind(name) for name in kernel.arg_names}
+
+
+def compile_candidate(kind: str, block_m: int, block_n: int, num_warps: int, num_stages: int, *, d: int, dv: int,
+                      arch: int, causal: bool = True, dtype: str = "bf16", **flags):
+    """flags override the kernel's mode constexprs (TIED, COMBINE)."""
+    kernel, modes = KERNELS[kind]
+    constexprs = dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=triton_fwd.padded_dim(d), BLOCK_DV=triton_fwd.padded_dim(dv),
+                      CAUSAL=causal, DOT_PREC="tf32", BLOCK_M=block_m, BLOCK_N=block_n, **{**modes, **flags})
+    source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resource_usage(compiled, workdir: Path) -> dict:
+    """Registers and spill stack per thread from the cubin (cuobjdump ships with Triton)."""
+    cubin = workdir / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    text = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", text, re.S)
+    return dict(registers=int(found[1]), stack_bytes=int(found[2]), shared_bytes=compiled.metadata.shared)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--dv", type=int, default=256)
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--all", action="store_true", help="also the candidates the autotuner prunes")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"sm_{args.arch}, d={args.d}, dv={args.dv}, bf16, causal")
+        print(f"{'kernel':<6} {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'regs':>5} "
+              f"{'stack B':>8} {'smem KiB':>8}  autotuned")
+        for kind in args.kernels:
+            fits = triton_fwd.fitting_candidates(kind, args.d, args.dv)
+            for candidate in triton_fwd.CANDIDATES[kind] if args.all else fits:
+                usage = resource_usage(compile_candidate(kind, *candidate, d=args.d, dv=args.dv, arch=args.arch),
+                                       Path(tmp))
+                print(f"{kind:<6} {candidate[0]:>7} {candidate[1]:>7} {candidate[2]:>5} {candidate[3]:>6} "
+                      f"{usage['registers']:>5} {usage['stack_bytes']:>8} {usage['shared_bytes'] / 1024:>8.0f}  "
+                      f"{'yes' if candidate in fits else 'pruned'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""What every benchmark script shares: the run's environment, timing, and writing its results.
+
+Results go to bench/results/<benchmark>-<device>-<date>.json with a Markdown twin (.md).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return dict(device=name, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
+                date=datetime.date.today().isoformat(), python=platform.python_version())
+
+
+def cuda_missing(device: str, script: str) -> bool:
+    """True, after saying so, when CUDA is asked for and there is none: nothing to measure."""
+    if device != "cuda" or torch.cuda.is_available():
+        return False
+    print(f"{script}: no CUDA device here, nothing to measure. "
+          "Run it on a GPU machine, or `--device cpu --small` to check the script.")
+    return True
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn: Callable, device: torch.device, reps: int) -> float:
+    """Mean wall time of fn over reps, in ms (CUDA events on a GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+    begin = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - begin) * 1e3 / reps
+
+
+def markdown_table(columns, rows: list[dict]) -> list[str]:
+    """columns: (title, key, format) triples; a missing value prints as '-'."""
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for _, key, fmt in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write(benchmark: str, report: dict, markdown: str, out_dir: Path) -> Path:
+    """<out_dir>/<benchmark>-<device>-<date>.json and .md; returns the JSON path."""
+    env = report["environment"]
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    path = out_dir / f"{benchmark}-{slug}-{env['date']}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown)
+    return path

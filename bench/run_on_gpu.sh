@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Run ON THE GPU MACHINE, from the repository root, in one call (under 10 minutes: stage limits 150+180+240 s):
+#   bash bench/run_on_gpu.sh                    # GPU tests, attention benchmark, whole-model benchmark
+#   bash bench/run_on_gpu.sh attention model    # chosen stages only: tests | attention | model
+# Installs the wheels carried in .whl/ (made here by bench/fetch_wheels.sh), then writes the results
+# (bench JSON + Markdown, one log) to $OUT, or to bench/results when OUT is unset.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/results}
+wheels=${WHEEL_DIR:-.whl}
+stages=${*:-tests attention model}
+mkdir -p "$out"
+log="$out/run_on_gpu.log"
+if compgen -G "$wheels/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+python3 - <<'PY' 2>&1 | tee "$log"
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+for name in ("triton", "megatron.core", "torchao", "pydantic", "omegaconf"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as error:  # noqa: BLE001 -- report every missing piece at once
+        print(name, "MISSING:", error)
+PY
+status=0
+run() {  # run <seconds> <command...>: one stage, its output appended to the log
+  echo "== $*" | tee -a "$log"
+  timeout "$1" "${@:2}" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "== exit $rc: $*" | tee -a "$log"; status=1; }
+}
+for stage in $stages; do
+  case $stage in
+    tests) run 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernel.py \
+             tests/test_float8.py tests/test_transformer_engine.py ;;
+    attention) run 180 python3 bench/attention.py --integral --out-dir "$out" ;;
+    model) run 240 python3 bench/model.py --out-dir "$out" ;;
+    *) echo "unknown stage $stage (tests | attention | model)"; exit 2 ;;
+  esac
+done
+exit $status

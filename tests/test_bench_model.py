@@ -1,0 +1,66 @@
+"""bench/model.py runs end to end: its CPU smoke mode, the equal-size softmax twin, a clean exit without CUDA."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "model.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import bench.model as module  # the repository root is on pytest's path
+    return module
+
+
+def test_cpu_smoke_writes_json_and_markdown(tmp_path):
+    """In a subprocess: the benchmark initialises megatron's CPU mode, which must not leak into pytest."""
+    precisions = ["bf16", "fp8"] if importlib.util.find_spec("torchao") else ["bf16"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--precisions", *precisions,
+                           "--out-dir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("model-*.json")
+    report = json.loads(path.read_text())
+    rows = {row["run"]: row for row in report["rows"]}
+    assert set(rows) == {f"{v}-{p}" for v in ("softmax", "diff") for p in precisions}
+    steps = report["setup"]["warmup"] + report["setup"]["steps"]
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert len(row["losses"]) == steps and all(map(math.isfinite, row["losses"]))
+        assert row["tokens_per_s"] > 0 and row["tflops_per_device"] > 0
+    assert "diff-bf16 / softmax-bf16 tokens/s" in report["ratios"]
+    if "fp8" in precisions:  # the same initial weights and data: float8 starts from BF16's loss
+        assert rows["diff-fp8"]["first_loss"] == pytest.approx(rows["diff-bf16"]["first_loss"], rel=2e-2)
+        assert rows["diff-fp8"]["vs_bf16"] > 0
+    markdown = path.with_suffix(".md").read_text()
+    assert markdown.count("| diff-") == len(precisions) and "## Ratios" in markdown
+
+
+def test_softmax_twin_has_the_same_widths(bench):
+    args = bench.parse_args(["--device", "cpu", "--small"])
+    diff = bench.run_config(args, bench.Run("diff", "bf16")).model
+    twin = bench.run_config(args, bench.Run("softmax", "bf16")).model
+    assert (twin.variant, twin.num_attention_heads) == ("softmax", 2 * diff.num_attention_heads)
+    assert (twin.hidden_size, twin.num_layers, twin.ffn_hidden_size) == (diff.hidden_size, diff.num_layers,
+                                                                         diff.ffn_hidden_size)
+    counts = [bench.count_parameters(m) for m in (diff, twin)]
+    # equal up to DIFF's lambda vectors and head-norm weight (6 d per layer)
+    assert counts[0].total - counts[1].total == diff.num_layers * 6 * bench.resolved_head_dim(diff)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_exits_cleanly_without_cuda(bench, capsys, tmp_path):
+    assert bench.main(["--out-dir", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
