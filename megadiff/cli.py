@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import warnings
@@ -90,6 +91,9 @@ def _quiet_library_warnings() -> None:
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+    # torchao (imported by transformers when installed) reports CUDA-only extensions it cannot load on a CPU
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
