@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from megadiff.adapt.modeling_adapted import INPUT_METHODS
 from megadiff.config import ConfigError
@@ -51,14 +51,13 @@ class AdaptationConfig(BaseModel):
         None, description="fnmatch patterns of trained parameter names; default: the paper's freeze policy; "
         "['*'] trains everything")
 
-    @model_validator(mode="after")
-    def _check_selection(self):
-        if self.method in INPUT_METHODS and self.selection not in (None, "all"):
-            raise ValueError(f"selection: {self.method} adapts whole layers (one D x D matrix), so only 'all' "
-                             f"is possible, not {self.selection!r}")
-        if self.method in INPUT_METHODS and self.selected_heads is not None:
-            raise ValueError(f"selected_heads: {self.method} adapts whole layers")
-        return self
+    @field_validator("selection", "selected_heads")
+    @classmethod
+    def _whole_layer_methods_adapt_all_heads(cls, value, info: ValidationInfo):
+        method = info.data.get("method")
+        if method in INPUT_METHODS and value not in (None, "all"):
+            raise ValueError(f"{method} adapts whole layers (one D x D matrix): only 'all' heads")
+        return value
 
     @property
     def resolved_selection(self) -> str:

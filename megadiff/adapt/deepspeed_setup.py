@@ -1,0 +1,122 @@
+"""DeepSpeed for adaptation: the JSON config with its "auto" values filled from the adapt config,
+process-group start-up, and the ZeRO-3 specifics.
+
+The JSON files under configs/deepspeed/ hold what is DeepSpeed's own (ZeRO stage, optimizer type
+and its options); batch sizes, learning rate, Adam's hyperparameters, clipping and precision are
+"auto" and come from the adapt YAML, so one YAML drives every stage. The learning-rate schedule
+is megadiff's (schedule.py), handed to deepspeed.initialize. A JSON value that is set and
+disagrees with the YAML is a config error.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import torch
+
+from megadiff.adapt.settings import FinetuneConfig, read_deepspeed_json
+from megadiff.config import ConfigError
+
+AUTO = "auto"
+
+
+def _fill(section: dict, key: str, value, where: str) -> None:
+    current = section.get(key, AUTO)
+    if current == AUTO:
+        section[key] = value
+    elif current != value:
+        raise ConfigError(f"deepspeed: {where}{key} = {current!r} disagrees with the adapt config ({value!r}); "
+                          f'set it to "auto" or change the adapt config')
+
+
+def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
+    ds = copy.deepcopy(read_deepspeed_json(cfg.deepspeed))
+    train = cfg.train
+    _fill(ds, "train_micro_batch_size_per_gpu", train.micro_batch_size, "")
+    _fill(ds, "gradient_accumulation_steps", train.grad_accum, "")
+    _fill(ds, "train_batch_size", train.micro_batch_size * train.grad_accum * world_size, "")
+    _fill(ds, "gradient_clipping", train.grad_clip, "")
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
+    params = optimizer.setdefault("params", {})
+    _fill(params, "lr", train.lr, "optimizer.params.")
+    _fill(params, "betas", list(train.adam_betas), "optimizer.params.")
+    _fill(params, "eps", train.adam_eps, "optimizer.params.")
+    _fill(params, "weight_decay", train.weight_decay, "optimizer.params.")
+    if "scheduler" in ds:
+        raise ConfigError(f"deepspeed: {cfg.deepspeed} has a scheduler section; the schedule is megadiff's "
+                          "(train.lr, train.warmup_ratio, train.min_lr_ratio): remove it")
+    for precision in ("bf16", "fp16"):
+        _fill(ds.setdefault(precision, {}), "enabled", train.precision == precision, f"{precision}.")
+    ds.setdefault("steps_per_print", 2**31 - 1)  # megadiff logs; keep DeepSpeed's own step log quiet
+    return ds
+
+
+def zero_stage(ds: dict) -> int:
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
+def model_dtype(cfg: FinetuneConfig) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+
+
+def skip_cpu_shm_comm_build() -> None:
+    """On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce op (~30 s) when its
+    communication backend starts. Only inference all-reduce (AutoTP) uses it, never ZeRO training,
+    and there is no switch for it: marking the op incompatible in `deepspeed.ops.__compatible_ops__`
+    (which DeepSpeed reads for exactly this decision) skips the build. MEGADIFF_DS_SHM_COMM=1 keeps it."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or os.environ.get("MEGADIFF_DS_SHM_COMM") == "1":
+        return
+    import deepspeed.ops
+
+    if "__compatible_ops__" in vars(deepspeed.ops):
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:  # not probed yet: probing runs compilers (~2 s); nothing else reads the table
+        deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+
+
+def launcher_world_size() -> int:
+    """The world size the launcher (torchrun, deepspeed, Slurm via torchrun) announces; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed() -> tuple[int, int]:
+    """Start (or join) the process group: torchrun / the deepspeed launcher / Slurm set the env;
+    a plain `python -m megadiff adapt` runs as a world of one. Returns (rank, world_size)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, default)
+    if "MASTER_PORT" not in os.environ:
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        os.environ["MASTER_PORT"] = str(get_free_port())
+    skip_cpu_shm_comm_build()
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        # before any collective or zero.Init: each local rank owns its own device
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(auto_mpi_discovery=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+@contextlib.contextmanager
+def full_parameters(model: torch.nn.Module, stage: int):
+    """ZeRO-3 params are partitioned at load; gather them for a whole-model pass (calibration)."""
+    if stage != 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield

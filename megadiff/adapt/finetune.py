@@ -1,0 +1,238 @@
+"""`megadiff adapt CONFIG [key=value ...]`: Dex/DAA adaptation of a pretrained HF model with
+DeepSpeed ZeRO 1/2/3, under torchrun, the deepspeed launcher, Slurm, or as one plain process.
+
+1. the config is checked (settings.validate_finetune) before anything is loaded;
+2. the model is loaded (ZeRO-3: partitioned at load via HfDeepSpeedConfig), the data packed;
+3. head selection runs on the first calibration batches of the training order, on the unmodified
+   model; the plan (heads, lambda_init per layer) is written to <output_dir>/adaptation.json, so a
+   resumed run rebuilds exactly the same modules without measuring again;
+4. DeepSpeed trains the parameters the freeze policy leaves trainable, logging lm_loss, lr,
+   grad_norm, tokens_per_s and each layer's lambda(t) to metrics.jsonl, TensorBoard and the console;
+5. checkpoints (DeepSpeed's, under <output_dir>/checkpoints) every checkpoint.save_interval, at
+   checkpoint.exit_interval (then it stops), on SIGTERM/SIGUSR1 (then it stops) and at the end;
+   rerunning the same command continues from the latest one with the same data order;
+6. at the end the HF directory (export_dir) is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from megadiff.adapt import deepspeed_setup as dss
+from megadiff.adapt.apply import adapt_with_plan, current_lambdas, plan_adaptation, set_step
+from megadiff.adapt.data import BatchReader, build_packed_dataset
+from megadiff.adapt.export import save_adapted
+from megadiff.adapt.schedule import warmup_cosine
+from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
+from megadiff.config import ConfigError
+
+PLAN_FILE = "adaptation.json"
+CHECKPOINT_DIR = "checkpoints"
+# "stopped for preemption: requeue me" (EX_TEMPFAIL), the code slurm/job.sh turns into a requeue;
+# the same as megadiff.training.signals.REQUEUE_EXIT_CODE
+REQUEUE_EXIT_CODE = 75
+
+
+class StopRequest:
+    """SIGTERM (preemption, scancel; torchrun forwards it) or SIGUSR1 (Slurm's warning before the
+    time limit) ask for a checkpoint and a stop at the end of the current iteration. The flag is
+    all-reduced every iteration, so all ranks stop after the same one."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._request)
+
+    def _request(self, signum, _frame):
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, device) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)  # NCCL reduces device tensors only
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _load_model(cfg: FinetuneConfig, ds_config: dict):
+    from transformers import AutoModelForCausalLM
+
+    hf_ds_config = None
+    if dss.zero_stage(ds_config) == 3:
+        # must exist (and stay alive) before from_pretrained so the weights are partitioned at load
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)
+    kwargs = {"dtype": dss.model_dtype(cfg)}
+    if cfg.model.attn_implementation:
+        kwargs["attn_implementation"] = cfg.model.attn_implementation
+    return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs), hf_ds_config
+
+
+def _rank0_first(rank: int, build):
+    """Rank 0 builds (and fills the datasets cache) before the others read it."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.barrier()
+    result = build()
+    if rank == 0:
+        dist.barrier()
+    return result
+
+
+def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int, rank: int) -> dict:
+    """The saved plan of this output_dir, or a new one measured on calibration batches."""
+    import torch.distributed as dist
+
+    plan_file = Path(cfg.output_dir) / PLAN_FILE
+    if plan_file.is_file():
+        plan = json.loads(plan_file.read_text())
+        if plan["method"] != cfg.adaptation.method:
+            raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
+                              f"{plan['method']!r} run; use another output_dir")
+        return plan
+    with dss.full_parameters(model, stage):
+        plan = plan_adaptation(model, cfg.adaptation, reader.calibration_batches(cfg.adaptation.calibration_batches))
+    shared = [plan]
+    dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
+    if rank == 0:
+        plan_file.write_text(json.dumps(shared[0], indent=1))
+    return shared[0]
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    import torch.distributed as dist
+
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: int) -> tuple[float, float]:
+    """One optimizer step (grad_accum micro-steps); returns (mean loss over ranks, lr used)."""
+    losses = []
+    lr = engine.get_lr()[0]
+    for micro_step in range(grad_accum):
+        input_ids = reader.micro_batch_at(iteration - 1, micro_step).to(engine.device)
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return _mean_over_ranks(torch.stack(losses).mean()), lr
+
+
+def _export(cfg: FinetuneConfig, engine, tokenizer, stage: int, rank: int) -> None:
+    import torch.distributed as dist
+
+    state_dict = engine._consolidated_16bit_state_dict() if stage == 3 else None
+    if rank == 0:
+        path = save_adapted(engine.module, cfg.resolved_export_dir, state_dict=state_dict, tokenizer=tokenizer)
+        print(f"saved the adapted model to {path} (load with trust_remote_code=True)", flush=True)
+    dist.barrier()
+
+
+def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
+    """Tokenizer, adapted model (plan measured or reloaded) and batch reader."""
+    from transformers import AutoTokenizer
+
+    stage = dss.zero_stage(ds_config)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    model, hf_ds_config = _load_model(cfg, ds_config)
+    if stage != 3:  # ZeRO-3 weights are already placed (partitioned) on the accelerator
+        model.to(dss.device())
+    dataset = _rank0_first(rank, lambda: build_packed_dataset(cfg.data, tokenizer))
+    reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world)
+    plan = _adaptation_plan(cfg, model, reader, stage, rank)
+    adapt_with_plan(model, plan, cfg.adaptation.resolved_trainable)
+    return tokenizer, model, reader, plan, hf_ds_config
+
+
+def finetune(cfg: FinetuneConfig) -> int:
+    """Run (or continue) the adaptation. Returns the process exit code: 0 when finished or stopped at
+    checkpoint.exit_interval, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
+    import deepspeed
+
+    from megadiff.observability.metrics import MetricsWriter
+
+    ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
+    rank, world = dss.init_distributed()
+    # DeepSpeed's ZeRO collectives call an API torch deprecates, once per call: keep the console readable
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
+    stage = dss.zero_stage(ds_config)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.train.seed)
+    tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
+
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    checkpoint_dir = output_dir / CHECKPOINT_DIR
+    start = 0
+    if (checkpoint_dir / "latest").is_file():
+        _, client_state = engine.load_checkpoint(str(checkpoint_dir))
+        start = client_state["iteration"]
+    writer = None
+    if rank == 0:
+        writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
+                               total_iterations=cfg.train.iters,
+                               console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"))
+        writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
+                     f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
+                     + (f"resuming after iteration {start}" if start else "starting"))
+    stop = StopRequest()
+    tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
+    iteration, exit_code = start, 0
+    while iteration < cfg.train.iters:
+        iteration += 1
+        set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
+        torch.manual_seed(cfg.train.seed + iteration)
+        began = time.perf_counter()
+        loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
+        elapsed = time.perf_counter() - began
+        if writer is not None and iteration % cfg.logging.log_interval == 0:
+            grad_norm = engine.get_global_grad_norm()
+            writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
+                        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                        "tokens_per_s": tokens_per_iteration / elapsed, "lambda": current_lambdas(engine.module)})
+        preempted = stop.agreed(engine.device)
+        exit_now = preempted or (cfg.checkpoint.exit_interval is not None
+                                 and iteration % cfg.checkpoint.exit_interval == 0)
+        if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
+            engine.save_checkpoint(str(checkpoint_dir), tag=f"iter_{iteration:07d}",
+                                   client_state={"iteration": iteration})
+        if exit_now and iteration < cfg.train.iters:
+            exit_code = REQUEUE_EXIT_CODE if preempted else 0
+            if writer is not None:
+                reason = f"{stop.received or 'a signal on another rank'}" if preempted else "checkpoint.exit_interval"
+                writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; "
+                             f"rerun the same command to resume" + (f" (exit code {exit_code})" if preempted else ""))
+            break
+    else:
+        set_step(engine.module, iteration)
+        _export(cfg, engine, tokenizer, stage, rank)
+    if writer is not None:
+        writer.close()
+    return exit_code
+
+
+def finetune_from_config(config_path: str, overrides: list[str]) -> int:
+    """CLI entry: config errors surface before any process group or model exists. After a run the
+    process group is destroyed and the process ends with os._exit, which avoids a rare SIGABRT of
+    ZeRO-3 processes at interpreter exit."""
+    cfg = load_finetune_config(config_path, overrides)
+    exit_code = finetune(cfg)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

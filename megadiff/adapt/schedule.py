@@ -1,0 +1,31 @@
+"""The learning-rate schedule of adaptation: linear warmup, then cosine decay (Dex appendix F.1:
+cosine, warmup ratio 0.03), as a multiplier of train.lr per optimizer step."""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+from torch.optim.lr_scheduler import LambdaLR
+
+from megadiff.adapt.settings import TrainSection
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier for optimizer step `step` (0-based): (step + 1) / warmup during warmup (the first
+    step already trains), then cosine from 1 down to min_ratio at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_cosine(train: TrainSection):
+    """A DeepSpeed `lr_scheduler` callable: optimizer -> LambdaLR (its state is in DeepSpeed checkpoints)."""
+    warmup = round(train.warmup_ratio * train.iters)
+    return partial(_scheduler, multiplier=partial(lr_multiplier, warmup_steps=warmup, total_steps=train.iters,
+                                                  min_ratio=train.min_lr_ratio))
+
+
+def _scheduler(optimizer, multiplier):
+    return LambdaLR(optimizer, multiplier)

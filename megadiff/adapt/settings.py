@@ -1,0 +1,162 @@
+"""The `megadiff adapt` config: YAML (`base: other.yaml` inherits) + `key.sub=value` overrides,
+checked before any compute; every failure names its key.
+
+    model:       the pretrained HF model directory (local; no hub), tokenizer, attention implementation
+    adaptation:  AdaptationConfig (method, head selection, lambda, freeze policy)
+    data:        local text/jsonl files, packed into seq_length tokens
+    train:       iterations, batch sizes, AdamW + warmup/cosine schedule, precision, seed
+    checkpoint:  DeepSpeed checkpoint interval, exit interval
+    logging:     log interval, TensorBoard
+    deepspeed:   a DeepSpeed JSON (configs/deepspeed/); its "auto" values are filled from `train`
+    output_dir:  checkpoints/, metrics.jsonl, tensorboard/, adaptation.json, hf/ (the export)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+from omegaconf import OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from megadiff.adapt.apply import validate_given_heads
+from megadiff.adapt.config import AdaptationConfig
+from megadiff.config import ConfigError
+from megadiff.config.loader import _format_validation_error as format_validation_error
+from megadiff.config.loader import _load_yaml_tree as load_yaml_tree
+
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".json", ".jsonl")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(Section):
+    path: str = Field(..., description="local Hugging Face model directory (config.json + weights)")
+    tokenizer: Optional[str] = Field(None, description="tokenizer directory; default: model.path")
+    attn_implementation: Optional[str] = Field(None, description="transformers attention implementation "
+                                               "(sdpa, eager, flash_attention_2, ...); default: transformers'")
+
+
+class DataSection(Section):
+    files: list[str] = Field(..., min_length=1, description="text files (.txt/.md: one document per file) or "
+                             "JSON lines (.json/.jsonl: one document per record)")
+    text_key: str = Field("text", description="the text field of JSON records")
+    seq_length: int = Field(1024, ge=2, description="tokens per packed training sequence")
+    seed: int = Field(1234, description="seed of the sample order (one permutation per epoch)")
+    cache_dir: Optional[str] = Field(None, description="datasets cache; default: the datasets library's")
+
+
+class TrainSection(Section):
+    iters: int = Field(..., ge=1, description="optimizer steps")
+    micro_batch_size: int = Field(1, ge=1, description="sequences per rank per micro-step")
+    grad_accum: int = Field(1, ge=1, description="micro-steps per optimizer step")
+    lr: float = Field(1e-4, gt=0, description="peak learning rate (Dex: 1e-4)")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="linear warmup, share of iters")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay ends at lr x this")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = Field(1234, description="seeds torch every iteration (seed + iteration): dropout is resumable")
+
+
+class CheckpointSection(Section):
+    save_interval: int = Field(500, ge=1, description="save a DeepSpeed checkpoint every N iterations")
+    exit_interval: Optional[int] = Field(None, ge=1, description="save and stop at iterations divisible by N "
+                                         "(rerunning the command resumes)")
+
+
+class LoggingSection(Section):
+    log_interval: int = Field(1, ge=1)
+    tensorboard: bool = True
+
+
+class FinetuneConfig(Section):
+    model: ModelSection
+    adaptation: AdaptationConfig = Field(default_factory=AdaptationConfig)
+    data: DataSection
+    train: TrainSection
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    deepspeed: str = Field(..., description="DeepSpeed JSON; relative paths: from the working directory, "
+                           "else from the YAML file's directory")
+    output_dir: str
+    export_dir: Optional[str] = Field(None, description="the final HF directory; default: <output_dir>/hf")
+
+    @property
+    def resolved_export_dir(self) -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "hf"
+
+
+def _resolve(path: str, config_dir: Optional[Path]) -> str:
+    candidate = Path(path)
+    if not candidate.is_absolute() and not candidate.exists() and config_dir is not None:
+        if (config_dir / candidate).exists():
+            return str((config_dir / candidate).resolve())
+    return path
+
+
+def load_finetune_config(path: str | Path | None, overrides: list[str] = ()) -> FinetuneConfig:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+    data = load_yaml_tree(Path(path)) if path is not None else {}
+    merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+    try:
+        cfg = FinetuneConfig.model_validate(OmegaConf.to_container(merged, resolve=True))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+    cfg.deepspeed = _resolve(cfg.deepspeed, Path(path).resolve().parent if path is not None else None)
+    validate_finetune(cfg)
+    return cfg
+
+
+def read_model_config(model_dir: str) -> dict:
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.path: {model_dir} is not a Hugging Face model directory (no config.json)")
+    hf_config = json.loads(config_file.read_text())
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model.path: model_type {model_type!r} is not supported; Dex/DAA adapt "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES.values())}")
+    return hf_config
+
+
+def read_deepspeed_json(path: str) -> dict:
+    if not Path(path).is_file():
+        raise ConfigError(f"deepspeed: {path} does not exist")
+    try:
+        ds = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"deepspeed: {path} is not valid JSON ({err})") from None
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed: {path}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    return ds
+
+
+def _check_data_files(data: DataSection) -> None:
+    for i, name in enumerate(data.files):
+        if not Path(name).is_file():
+            raise ConfigError(f"data.files[{i}]: {name} does not exist")
+        if not name.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
+            raise ConfigError(f"data.files[{i}]: {name}: expected one of {TEXT_SUFFIXES + JSON_SUFFIXES}")
+
+
+def validate_finetune(cfg: FinetuneConfig) -> None:
+    """Everything that can be checked without loading weights."""
+    hf_config = read_model_config(cfg.model.path)
+    tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
+    if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"model.tokenizer: no tokenizer files in {tokenizer_dir}")
+    if cfg.adaptation.selected_heads is not None:
+        validate_given_heads(cfg.adaptation.selected_heads, hf_config["num_hidden_layers"],
+                             hf_config["num_attention_heads"])
+    _check_data_files(cfg.data)
+    read_deepspeed_json(cfg.deepspeed)

@@ -1,0 +1,230 @@
+"""`megadiff adapt` end to end: 2 real gloo ranks under torchrun / the deepspeed launcher for ZeRO
+1, 2 and 3 on a tiny Llama (with its own trained BPE tokenizer and KJV text), the stages against
+each other, exact resume against an uninterrupted run, the exported HF directory, config errors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from megadiff.adapt.deepspeed_setup import deepspeed_config
+from megadiff.adapt.schedule import lr_multiplier
+from megadiff.adapt.settings import load_finetune_config
+from megadiff.config import ConfigError
+from megadiff.observability.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+ITERS = 4
+
+
+def _write_tiny_llama(directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    kjv = Path(list(find_spec("bible").submodule_search_locations)[0]) / "data" / "kjv.jsonl"
+    with open(kjv) as lines:
+        verses = [json.loads(line)["text"] for line, _ in zip(lines, range(1200))]
+    documents = ["\n".join(verses[i:i + 20]) for i in range(0, len(verses), 20)]
+    (directory / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(documents, trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                         max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapt")
+    _write_tiny_llama(root)
+    zero3 = json.loads((REPO / "configs/deepspeed/zero3.json").read_text())
+    zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny tensors
+    (root / "zero3_all.json").write_text(json.dumps(zero3))
+    config = {
+        "model": {"path": str(root / "model")},
+        "adaptation": {"method": "dex", "anneal_steps": 3, "calibration_batches": 2},
+        "data": {"files": [str(root / "train.jsonl")], "seq_length": 32},
+        "train": {"iters": ITERS, "micro_batch_size": 2, "grad_accum": 2, "lr": 3e-3, "warmup_ratio": 0.25},
+        "checkpoint": {"save_interval": 2},
+        "deepspeed": str(REPO / "configs/deepspeed/zero2.json"),
+        "output_dir": str(root / "unused"),
+    }
+    (root / "adapt.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+def _env(workspace: Path) -> dict:
+    return {**os.environ, "HF_HOME": str(workspace / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(workspace / "torch_extensions"),
+            "PYTHONPATH": str(REPO)}
+
+
+def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    bin_dir = Path(sys.executable).parent
+    if launcher == "torchrun":
+        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "megadiff"]
+    else:
+        command = [str(bin_dir / "deepspeed"), "--num_gpus=2", "--no_local_rank", "--module", "megadiff"]
+    result = subprocess.run(command + ["adapt", str(workspace / "adapt.yaml"), *overrides], env=_env(workspace),
+                            capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+STAGES = {1: ("configs/deepspeed/zero1.json", "deepspeed"), 2: ("configs/deepspeed/zero2.json", "torchrun"),
+          3: (None, "torchrun")}
+
+
+@pytest.fixture(scope="module")
+def stage_runs(workspace):
+    """One uninterrupted run per ZeRO stage (stage 1 through the deepspeed launcher), made on demand."""
+    done = {}
+
+    def get(stage: int) -> Path:
+        if stage not in done:
+            ds_json, launcher = STAGES[stage]
+            ds_json = str(REPO / ds_json) if ds_json else str(workspace / "zero3_all.json")
+            output = workspace / f"zero{stage}"
+            run_adapt(workspace, f"deepspeed={ds_json}", f"output_dir={output}", launcher=launcher)
+            done[stage] = output
+        return done[stage]
+
+    return get
+
+
+def _load_exported(directory: Path, workspace: Path):
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("HF_MODULES_CACHE", str(workspace / "modules"))
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_trains_logs_and_exports(stage, stage_runs, workspace):
+    output = stage_runs(stage)
+    records = read_metrics(output)
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    for record in records:
+        assert {"lm_loss", "lr", "grad_norm", "tokens_per_s", "lambda"} <= set(record)
+        assert math.isfinite(record["lm_loss"]) and record["grad_norm"] > 0 and record["tokens_per_s"] > 0
+        assert set(record["lambda"]) == {"layer_0", "layer_1"}
+    assert all(v == 0.0 for v in records[0]["lambda"].values())  # lambda(0) = 0: the pretrained model
+    assert all(v != 0.0 for v in records[1]["lambda"].values())
+    assert (output / "tensorboard").is_dir() and (output / "checkpoints" / "latest").is_file()
+    plan = json.loads((output / "adaptation.json").read_text())
+    assert [len(layer["heads"]) for layer in plan["layers"]] == [2, 2]
+
+    model = _load_exported(output / "hf", workspace)
+    assert model.config.adaptation["step"] == ITERS and model.config.adaptation["layers"] == plan["layers"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(output / "hf")
+    prompt = tokenizer("In the beginning", return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape[1] == prompt.shape[1] + 6
+
+
+@pytest.mark.slow
+def test_zero_stages_agree(stage_runs, workspace):
+    """Same data, same weights: ZeRO 1, 2 and 3 only partition differently."""
+    from safetensors.torch import load_file
+
+    curves = {stage: [r["lm_loss"] for r in read_metrics(stage_runs(stage))] for stage in (1, 2, 3)}
+    for stage in (2, 3):
+        assert curves[stage] == pytest.approx(curves[1], rel=1e-5)
+    weights = {stage: load_file(stage_runs(stage) / "hf" / "model.safetensors") for stage in (1, 3)}
+    assert weights[1].keys() == weights[3].keys()
+    for name, tensor in weights[1].items():
+        torch.testing.assert_close(weights[3][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_is_exact(stage_runs, workspace):
+    """Stop at iteration 2 (exit_interval), rerun the same command: the whole curve equals the
+    uninterrupted run's (ZeRO-3, the stage with partitioned weights and optimizer)."""
+    output = workspace / "resumed"
+    command = (f"deepspeed={workspace / 'zero3_all.json'}", f"output_dir={output}", "checkpoint.exit_interval=2")
+    run_adapt(workspace, *command)
+    assert [r["iteration"] for r in read_metrics(output)] == [1, 2] and not (output / "hf").exists()
+    second = run_adapt(workspace, *command)
+    assert "resuming after iteration 2" in second.stdout
+    resumed, uninterrupted = read_metrics(output), read_metrics(stage_runs(3))
+    keys = ("iteration", "lm_loss", "lr", "grad_norm", "lambda")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in uninterrupted]
+
+
+@pytest.mark.slow
+def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
+    """One plain process (world of one): SIGUSR1 mid-run -> checkpoint at the iteration it was in,
+    exit code 75 (slurm/job.sh requeues on it), and a rerun would resume from there."""
+    import signal
+    import time
+
+    output = workspace / "preempted"
+    process = subprocess.Popen([sys.executable, "-m", "megadiff", "adapt", str(workspace / "adapt.yaml"),
+                                f"output_dir={output}", "train.iters=100000", "checkpoint.save_interval=100000"],
+                               env=_env(workspace), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    deadline = time.time() + 300
+    while not ((output / "metrics.jsonl").is_file() and read_metrics(output)) and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    log, _ = process.communicate(timeout=300)
+    assert process.returncode == 75, log[-3000:]
+    stopped_at = read_metrics(output)[-1]["iteration"]
+    assert f"stopped after iteration {stopped_at} (SIGUSR1)" in log
+    assert (output / "checkpoints" / "latest").read_text().strip() == f"iter_{stopped_at:07d}"
+    assert not (output / "hf").exists()
+
+
+def test_config_errors_name_their_key(workspace, tmp_path):
+    yaml_file = str(workspace / "adapt.yaml")
+    with pytest.raises(ConfigError, match=r"data.files\[0\]"):
+        load_finetune_config(yaml_file, [f"data.files=[{tmp_path / 'missing.jsonl'}]"])
+    with pytest.raises(ConfigError, match="train.lr_max: unknown key"):
+        load_finetune_config(yaml_file, ["train.lr_max=1"])
+    with pytest.raises(ConfigError, match="adaptation.selection"):
+        load_finetune_config(yaml_file, ["adaptation.method=diff_v", "adaptation.selection=entropy"])
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model.path: model_type 'gpt2' is not supported"):
+        load_finetune_config(yaml_file, [f"model.path={gpt2}"])
+    with pytest.raises(ConfigError, match=r"adaptation.selected_heads\[0\]"):
+        load_finetune_config(yaml_file, ["adaptation.selected_heads=[[7],[0]]"])
+    conflicting = tmp_path / "ds.json"
+    conflicting.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"params": {"lr": 0.1}}}))
+    cfg = load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
+    with pytest.raises(ConfigError, match="optimizer.params.lr"):
+        deepspeed_config(cfg, world_size=2)
+    from megadiff.cli import main
+
+    assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
+
+
+def test_deepspeed_auto_values_and_schedule(workspace):
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), ["train.grad_accum=3", "train.precision=bf16"])
+    ds = deepspeed_config(cfg, world_size=4)
+    assert ds["train_batch_size"] == 2 * 3 * 4 and ds["gradient_accumulation_steps"] == 3
+    assert ds["optimizer"]["params"]["lr"] == 3e-3 and ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    # linear warmup (the first step already trains), then cosine to min_ratio at the last step
+    steps = [lr_multiplier(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(20)]
+    assert steps[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and steps[4] == pytest.approx(1.0)
+    assert steps[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(steps[4:], steps[5:]))
