@@ -218,6 +218,13 @@ def test_config_errors_name_their_key(workspace, tmp_path):
     assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
 
 
+@pytest.mark.parametrize("recipe", sorted((REPO / "configs/adapt").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipes_load(recipe, workspace):
+    cfg = load_finetune_config(str(recipe), [f"model.path={workspace / 'model'}",
+                                             f"data.files=[{workspace / 'train.jsonl'}]"])
+    assert deepspeed_config(cfg, world_size=8)["train_batch_size"] == 8 * cfg.train.grad_accum
+
+
 def test_deepspeed_auto_values_and_schedule(workspace):
     cfg = load_finetune_config(str(workspace / "adapt.yaml"), ["train.grad_accum=3", "train.precision=bf16"])
     ds = deepspeed_config(cfg, world_size=4)

@@ -9,9 +9,10 @@ DeepSpeed ZeRO 1/2/3, under torchrun, the deepspeed launcher, Slurm, or as one p
 4. DeepSpeed trains the parameters the freeze policy leaves trainable, logging lm_loss, lr,
    grad_norm, tokens_per_s and each layer's lambda(t) to metrics.jsonl, TensorBoard and the console;
 5. checkpoints (DeepSpeed's, under <output_dir>/checkpoints) every checkpoint.save_interval, at
-   checkpoint.exit_interval (then it stops), on SIGTERM/SIGUSR1 (then it stops) and at the end;
-   rerunning the same command continues from the latest one with the same data order;
-6. at the end the HF directory (export_dir) is written.
+   checkpoint.exit_interval (then it stops, exit code 0), on SIGTERM/SIGUSR1 (then it stops, exit
+   code 75: requeue me) and at the end; rerunning the same command continues from the latest one
+   with the same data order;
+6. at the end the HF directory (export_dir) is written. <output_dir>/config.yaml is the resolved config.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 
 from megadiff.adapt import deepspeed_setup as dss
 from megadiff.adapt.apply import adapt_with_plan, current_lambdas, plan_adaptation, set_step
@@ -76,14 +78,16 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
     return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs), hf_ds_config
 
 
-def _rank0_first(rank: int, build):
-    """Rank 0 builds (and fills the datasets cache) before the others read it."""
+def _node_leader_first(build):
+    """Local rank 0 of each node builds first (filling the node's datasets cache); the others
+    then read that cache instead of tokenizing concurrently."""
     import torch.distributed as dist
 
-    if rank != 0:
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not leader:
         dist.barrier()
     result = build()
-    if rank == 0:
+    if leader:
         dist.barrier()
     return result
 
@@ -148,7 +152,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     model, hf_ds_config = _load_model(cfg, ds_config)
     if stage != 3:  # ZeRO-3 weights are already placed (partitioned) on the accelerator
         model.to(dss.device())
-    dataset = _rank0_first(rank, lambda: build_packed_dataset(cfg.data, tokenizer))
+    dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
     adapt_with_plan(model, plan, cfg.adaptation.resolved_trainable)
@@ -169,6 +173,8 @@ def finetune(cfg: FinetuneConfig) -> int:
     stage = dss.zero_stage(ds_config)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     torch.manual_seed(cfg.train.seed)
     tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
 
