@@ -218,6 +218,14 @@ def test_config_errors_name_their_key(workspace, tmp_path):
     assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
 
 
+def test_adapt_imports_no_megatron():
+    """adapt works on HF models alone: neither megatron-core nor megadiff's megatron layers load."""
+    probe = ("import sys, megadiff.adapt.finetune, megadiff.adapt.export; print(sorted(m for m in sys.modules "
+             "if m.split('.')[0] == 'megatron' or m.startswith(('megadiff.models', 'megadiff.training'))))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "[]", result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("recipe", sorted((REPO / "configs/adapt").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipes_load(recipe, workspace):
     cfg = load_finetune_config(str(recipe), [f"model.path={workspace / 'model'}",

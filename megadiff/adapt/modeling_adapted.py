@@ -5,7 +5,7 @@ This file is copied verbatim next to exported weights, so it imports only torch 
 
 An adapted attention module is the pretrained attention module itself (same projections, same
 rotary embedding, same attention interface, same KV cache), with its class swapped for a subclass
-that adds the adapter parameters and the differential step (../../docs/SPEC.md sections 4-6):
+that adds the adapter parameters and the differential step (megadiff docs/SPEC.md, sections 4-6):
 
 - dex:    O = softmax(s Q K^T) V;  O' = O - lambda(t) O W_D          (per selected head, W_D: d x d)
 - daa:    O' = (softmax(s Q K^T) - lambda(t) softmax(s (Q W_DAA) K^T)) V   (per selected head)
