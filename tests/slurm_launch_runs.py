@@ -15,7 +15,7 @@ from tests.pretrain_runs import DEMO_CONFIG, ROOT, losses, tiny_overrides
 
 LAUNCH = ROOT / "launch"
 SLURM = ROOT / "slurm"
-ITERS = 24
+ITERS = 40
 # 8 micro-batches per rank and iteration: long enough iterations that a preemption signal sent
 # after iteration 2 lands well before the last one.
 BATCH = ["train.micro_batch_size=2", "train.global_batch_size=32", f"train.iters={ITERS}"]

@@ -1,0 +1,79 @@
+# shellcheck shell=bash
+# Sourced by the megadiff sbatch scripts (not run on its own): the arguments check, the
+# rendezvous address, `run_step_requeue_on_preemption srun ...` and `run_torchrun_per_node LAUNCHER ...`.
+#
+# Preemption: SIGUSR1 to the batch script (`#SBATCH --signal=B:USR1@SECONDS` before the time
+# limit, or `scancel --batch --signal=USR1 JOBID`) is forwarded to every process of the job's
+# steps: the training checkpoints after its current iteration and stops with exit code 75. The
+# job is then requeued (it needs `#SBATCH --requeue`) and reruns the same command, which resumes
+# from that checkpoint. A step that exits 75 on its own (its tasks were signalled directly) is
+# requeued too. SIGTERM (scancel, the time limit) reaches the step from Slurm as well: the script
+# waits while the training checkpoints and does not requeue. Otherwise the job ends with the
+# step's exit code.
+
+REQUEUE_EXIT_CODE=75   # megadiff.training.signals.REQUEUE_EXIT_CODE
+
+say() { echo "$(date '+%F %T') [slurm job ${SLURM_JOB_ID}] $*"; }
+
+if [[ $# -lt 1 ]]; then
+    echo "usage: sbatch slurm/<script>.sbatch CONFIG [key=value ...] (see the script's header)" >&2
+    exit 2
+fi
+
+# The first node hosts the rendezvous (whatever MASTER_ADDR the submitting shell had); a port
+# from the job id keeps two jobs sharing a node apart.
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR
+export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+say "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} nodes ($SLURM_JOB_NODELIST), rendezvous at" \
+    "$MASTER_ADDR:$MASTER_PORT, arguments: $*"
+
+_megadiff_preempted=0
+_megadiff_terminated=0
+
+_forward_preemption() {
+    _megadiff_preempted=1
+    say "SIGUSR1: asking the training to checkpoint and stop; the job will be requeued"
+    # without --batch/--full, scancel signals the processes of the job's steps, not this shell
+    scancel --signal=USR1 "$SLURM_JOB_ID"
+}
+
+_note_termination() {
+    _megadiff_terminated=1
+    say "SIGTERM: the training checkpoints and stops; the job is not requeued"
+}
+
+run_step_requeue_on_preemption() {
+    trap _forward_preemption USR1
+    trap _note_termination TERM
+    "$@" &
+    local step=$! status
+    while true; do
+        wait "$step"
+        status=$?
+        # a trapped signal interrupts `wait` (status > 128) while the step still runs
+        if (( status > 128 )) && kill -0 "$step" 2>/dev/null; then continue; fi
+        break
+    done
+    if (( !_megadiff_terminated )) && { (( status == REQUEUE_EXIT_CODE )) || (( _megadiff_preempted && status != 0 )); }; then
+        say "the step stopped for preemption (exit code $status): requeueing (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    say "the step finished with exit code $status"
+    exit "$status"
+}
+
+# run_torchrun_per_node LAUNCHER ARGS...: one task per node running a launch/ script (torchrun over
+# the node's GPUs; --gpus-per-node, "a100:8" -> 8, unless GPUS_PER_NODE is set), requeued on
+# preemption. Each task gets all of its node's CPUs (srun no longer inherits sbatch's
+# --cpus-per-task). --wait: once one node's torchrun has ended, the others get 5 minutes (e.g. to
+# finish writing a checkpoint) before they are killed, rather than hanging in a collective.
+run_torchrun_per_node() {
+    local gpus=${SLURM_GPUS_PER_NODE:-0}
+    gpus=${gpus##*:}
+    if [[ -z ${GPUS_PER_NODE:-} && $gpus != 0 ]]; then
+        export GPUS_PER_NODE=$gpus
+    fi
+    run_step_requeue_on_preemption srun --label --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --wait=300 "$@"
+}

@@ -1,0 +1,260 @@
+"""A real Slurm cluster on this machine, two emulated nodes, for the tests of slurm/*.sbatch.
+
+Debian's slurm-wlm (installed with apt-get when missing and we are root): a private munged, a
+slurmctld and one slurmd per node, all on 127.0.0.1 with their own ports, state and logs in a
+temporary directory. Measured facts behind the settings: ../shared/notes/slurm-on-one-machine.md.
+Anything that prevents the cluster from starting raises SlurmUnavailable, which the fixture turns
+into a skip; what Slurm does with a job once it runs is the test's business.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+NODES = ("megadiff-n1", "megadiff-n2")
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
+HOSTS_FILE = Path("/etc/hosts")
+HOSTS_MARK = "# megadiff test Slurm cluster"
+# A requeued job may start again only once the credentials of its previous run have expired
+# (slurm.conf: "AuthInfo ... cred_expire: this also controls how long a requeued job must wait
+# before starting again", default 120 s). A few seconds are plenty on one machine.
+CRED_EXPIRE_S = 5
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm cannot be installed or started here."""
+
+
+def _run(args: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def ensure_installed() -> None:
+    if all(shutil.which(b) for b in BINARIES):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise SlurmUnavailable("Slurm is not installed, and installing it needs root and apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for args in (["apt-get", "update", "-qq"],
+                 ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+        try:
+            proc = _run(args, timeout=600, env=env)
+        except subprocess.TimeoutExpired:
+            raise SlurmUnavailable(f"`{' '.join(args)}` timed out") from None
+        if proc.returncode != 0:
+            raise SlurmUnavailable(f"`{' '.join(args)}` failed: {proc.stderr[-2000:]}")
+    if not all(shutil.which(b) for b in BINARIES):
+        raise SlurmUnavailable(f"installed {PACKAGES} but some of {BINARIES} are still missing")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.gethostbyname(name)
+        return True
+    except OSError:
+        return False
+
+
+class NodeNames:
+    """Job scripts take MASTER_ADDR from the node list, so the emulated node names must resolve."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.added = False
+
+    def __enter__(self):
+        if not all(_resolves(n) for n in self.names):
+            if os.geteuid() != 0:
+                raise SlurmUnavailable(f"the node names {self.names} do not resolve and /etc/hosts is not writable")
+            with HOSTS_FILE.open("a") as hosts:  # in place: /etc/hosts may be a bind mount
+                hosts.write(f"127.0.0.1 {' '.join(self.names)} {HOSTS_MARK}\n")
+            self.added = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.added:
+            kept = [line for line in HOSTS_FILE.read_text().splitlines(keepends=True) if HOSTS_MARK not in line]
+            HOSTS_FILE.write_text("".join(kept))
+
+
+def slurm_conf(root: Path, ctld_port: int, node_ports: list[int], munge_socket: Path) -> str:
+    host = socket.gethostname()
+    cpus = os.cpu_count() or 1
+    nodes = "\n".join(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
+                      "RealMemory=1000 State=UNKNOWN" for name, port in zip(NODES, node_ports))
+    return f"""\
+ClusterName=megadiff-test
+SlurmctldHost={host}
+SlurmctldPort={ctld_port}
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket},cred_expire={CRED_EXPIRE_S}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmdParameters=config_overrides
+# Pending jobs (the requeued one) are looked at every second, not every minute.
+SchedulerParameters=sched_interval=1
+MinJobAge=600
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+{nodes}
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmCluster:
+    """Start with `start()`, always `stop()`. Commands run with SLURM_CONF pointing at this cluster."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.munge_socket = root / "munge" / "munge.sock"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.daemons: list[subprocess.Popen] = []
+        self.munged_pid: int | None = None
+
+    def _start_munge(self) -> None:
+        munge = self.munge_socket.parent
+        for directory in (self.root, munge):  # munged insists that everyone may traverse the socket's directories
+            directory.mkdir(exist_ok=True)
+            directory.chmod(0o755)
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        proc = _run(["munged", f"--key-file={key}", f"--socket={self.munge_socket}", f"--pid-file={munge}/munged.pid",
+                     f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
+        if proc.returncode != 0:
+            raise SlurmUnavailable(f"munged did not start: {proc.stderr.strip()}")
+        self.munged_pid = int((munge / "munged.pid").read_text())
+
+    def _daemon(self, args: list[str], log_name: str) -> None:
+        log = open(self.root / log_name, "w")
+        self.daemons.append(subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+
+    def start(self, timeout: float = 60) -> None:
+        self._start_munge()
+        ctld_port, *node_ports = _free_ports(1 + len(NODES))
+        for sub in ("state", *(f"spool/{node}" for node in NODES)):
+            (self.root / sub).mkdir(parents=True)
+        self.conf.write_text(slurm_conf(self.root, ctld_port, node_ports, self.munge_socket))
+        self._daemon(["slurmctld", "-D"], "slurmctld.out")
+        for node in NODES:
+            self._daemon(["slurmd", "-D", "-N", node], f"slurmd-{node}.out")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [d.args for d in self.daemons if d.poll() is not None]
+            if dead:
+                raise SlurmUnavailable(f"{dead} exited at start; logs: {self.logs()}")
+            states = self.scontrol("show", "nodes", "-o", check=False)
+            if states.returncode == 0 and states.stdout.count("State=IDLE") == len(NODES):
+                return
+            time.sleep(0.5)
+        raise SlurmUnavailable(f"the nodes did not become idle within {timeout} s; logs: {self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
+
+    def command(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+        proc = _run(list(args), timeout=timeout, env=self.env)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr}")
+        return proc
+
+    def scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.command("scontrol", *args, check=check)
+
+    def sbatch(self, *args: str, env: dict | None = None) -> str:
+        """Submit; returns the job id. `env` is the job's environment (sbatch exports it)."""
+        proc = _run(["sbatch", "--parsable", *args], env={**(env or os.environ), "SLURM_CONF": str(self.conf)})
+        if proc.returncode != 0:
+            raise RuntimeError(f"sbatch {args} failed: {proc.stderr}")
+        return proc.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
+        text = self.scontrol("show", "job", "-o", job_id).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait_for(self, condition, timeout: float, what: str, poll: float = 0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = condition()
+            if result:
+                return result
+            time.sleep(poll)
+        raise TimeoutError(f"waited {timeout} s for {what}")
+
+    def stop(self) -> None:
+        if self.daemons:
+            self.command("scancel", "--partition=test", check=False)
+            try:
+                self.wait_for(lambda: not self.command("squeue", "-h", check=False).stdout.strip(), 30, "jobs to end")
+            except TimeoutError:
+                pass
+        for daemon in self.daemons:
+            daemon.terminate()
+        for daemon in self.daemons:
+            try:
+                daemon.wait(15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        if self.munged_pid:
+            try:
+                os.kill(self.munged_pid, 15)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running two-node Slurm cluster (skips the test where Slurm cannot be set up)."""
+    try:
+        ensure_installed()
+    except SlurmUnavailable as err:
+        pytest.skip(str(err))
+    # not pytest's tmp_path: munged refuses a socket below a directory that others cannot traverse
+    root = Path(tempfile.mkdtemp(prefix="megadiff-slurm-"))
+    cluster = SlurmCluster(root)
+    try:
+        with NodeNames(NODES):
+            try:
+                cluster.start()
+            except (SlurmUnavailable, OSError, subprocess.SubprocessError) as err:
+                pytest.skip(f"Slurm could not be started: {err}")
+            yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)

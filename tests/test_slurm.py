@@ -1,0 +1,67 @@
+"""slurm/: the real sbatch scripts on a real Slurm cluster of two emulated nodes (tests/slurm_cluster.py).
+
+Each job trains the tiny config across the two nodes (one CPU process per node, gloo), is
+preempted with SIGUSR1 once a few iterations ran, must be requeued, resume from its preemption
+checkpoint and finish with exactly the uninterrupted single-node run's loss curve.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megadiff.observability.metrics import read_metrics
+from tests.pretrain_runs import DEMO_CONFIG, ROOT, losses
+from tests.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
+from tests.slurm_launch_runs import ITERS, SLURM, data_cache, launch_environment, reference_losses, run_overrides
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
+
+# (script, how the preemption signal is sent, what the log then says)
+PREEMPTIONS = {
+    # Slurm's --signal=B:USR1@... path: the batch script's trap forwards to the torchrun tasks
+    "torchrun per node, signal to the batch script": (
+        "pretrain.sbatch", ["--batch"], "SIGUSR1: asking the training to checkpoint and stop"),
+    # the training processes are the tasks: they exit 75 and srun passes it on
+    "task per GPU, signal to the tasks": (
+        "pretrain_per_gpu.sbatch", [], "stopped for preemption (exit code 75)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PREEMPTIONS)
+def test_preempted_job_is_requeued_and_resumes_the_uninterrupted_curve(case, slurm_cluster, tmp_path,  # noqa: F811
+                                                                      tmp_path_factory, small_tokenizer_dir):
+    script, scancel_options, preemption_message = PREEMPTIONS[case]
+    reference = reference_losses(tmp_path_factory, small_tokenizer_dir)
+    output_dir = tmp_path / "run"
+    job = slurm_cluster.sbatch(
+        "--gpus-per-node=0", "--ntasks-per-node=1", "--time=10", f"--output={tmp_path}/%x-%j.out", f"--chdir={ROOT}",
+        str(SLURM / script), str(DEMO_CONFIG),
+        *run_overrides(small_tokenizer_dir, data_cache(tmp_path_factory), output_dir),
+        env=launch_environment(GPUS_PER_NODE="1"))
+    log_file = tmp_path / f"megadiff-pretrain-{job}.out"
+
+    def log() -> str:
+        return log_file.read_text() if log_file.exists() else "(no log yet)"
+
+    def state() -> dict:
+        return slurm_cluster.job(job)
+
+    def trained(count: int) -> bool:
+        assert state()["JobState"] not in ENDED, f"job ended before iteration {count}:\n{log()[-5000:]}"
+        return (output_dir / "metrics.jsonl").exists() and len(read_metrics(output_dir)) >= count
+
+    slurm_cluster.wait_for(lambda: trained(2), 300, "iteration 2", poll=0.2)
+    slurm_cluster.command("scancel", *scancel_options, "--signal=USR1", job)
+    slurm_cluster.wait_for(lambda: state()["Restarts"] == "1", 120, f"the requeue ({log()[-3000:]})")
+    slurm_cluster.wait_for(lambda: state()["JobState"] in ENDED, 300, f"the job's end ({log()[-3000:]})")
+
+    final, text = state(), log()
+    assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), text[-5000:]
+    assert preemption_message in text
+    assert "requeueing (restart 1)" in text
+    assert "restart 0 on 2 nodes" in text and "restart 1 on 2 nodes" in text
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)", text)
+    assert resumed and 2 <= int(resumed.group(1)) < ITERS, text[-5000:]
+    assert losses(output_dir) == reference
