@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -233,7 +234,7 @@ class SlurmCluster:
                 daemon.wait()
         if self.munged_pid:
             try:
-                os.kill(self.munged_pid, 15)
+                os.kill(self.munged_pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
 
