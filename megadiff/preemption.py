@@ -1,5 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 ask for a checkpoint and a clean exit at the next iteration boundary.
 
+Shared by pre-training and adaptation (torch only, no megatron).
+
 The flag is all-reduced (MAX) over every rank each iteration, so all ranks stop after the same
 iteration even when the signal reached only some of them. The process then exits with
 REQUEUE_EXIT_CODE, which the Slurm scripts turn into a requeue.
@@ -25,12 +27,10 @@ class PreemptionHandler:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank received a signal (collective)."""
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
+    def agreed(self, device: torch.device | str = "cpu") -> bool:
+        """True on every rank if any rank received a signal (collective; NCCL needs a CUDA `device`)."""
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=device)
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -11,7 +11,7 @@
 # waits while the training checkpoints and does not requeue. Otherwise the job ends with the
 # step's exit code.
 
-REQUEUE_EXIT_CODE=75   # megadiff.training.signals.REQUEUE_EXIT_CODE
+REQUEUE_EXIT_CODE=75   # megadiff.preemption.REQUEUE_EXIT_CODE
 
 say() { echo "$(date '+%F %T') [slurm job ${SLURM_JOB_ID}] $*"; }
 

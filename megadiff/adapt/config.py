@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from megadiff.adapt.modeling_adapted import INPUT_METHODS
 from megadiff.config import ConfigError
-from megadiff.config.loader import _format_validation_error as format_validation_error
+from megadiff.config.loader import format_validation_error
 
 Method = Literal["dex", "daa", "diff_q", "diff_k", "diff_v"]
 DAA_METHODS = ("daa",) + INPUT_METHODS

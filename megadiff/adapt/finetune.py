@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 import warnings
@@ -34,35 +33,10 @@ from megadiff.adapt.export import save_adapted
 from megadiff.adapt.schedule import warmup_cosine
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
+from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 
 PLAN_FILE = "adaptation.json"
 CHECKPOINT_DIR = "checkpoints"
-# "stopped for preemption: requeue me" (EX_TEMPFAIL), the code slurm/job.sh turns into a requeue;
-# the same as megadiff.training.signals.REQUEUE_EXIT_CODE
-REQUEUE_EXIT_CODE = 75
-
-
-class StopRequest:
-    """SIGTERM (preemption, scancel; torchrun forwards it) or SIGUSR1 (Slurm's warning before the
-    time limit) ask for a checkpoint and a stop at the end of the current iteration. The flag is
-    all-reduced every iteration, so all ranks stop after the same one."""
-
-    def __init__(self):
-        self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._request)
-
-    def _request(self, signum, _frame):
-        self.received = signal.Signals(signum).name
-
-    def agreed(self, device) -> bool:
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)  # NCCL reduces device tensors only
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
 def _load_model(cfg: FinetuneConfig, ds_config: dict):
     from transformers import AutoModelForCausalLM
 
@@ -193,7 +167,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))
-    stop = StopRequest()
+    stop = PreemptionHandler()
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
     iteration, exit_code = start, 0
     while iteration < cfg.train.iters:
@@ -217,7 +191,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         if exit_now and iteration < cfg.train.iters:
             exit_code = REQUEUE_EXIT_CODE if preempted else 0
             if writer is not None:
-                reason = f"{stop.received or 'a signal on another rank'}" if preempted else "checkpoint.exit_interval"
+                reason = signal_name(stop.received) if preempted else "checkpoint.exit_interval"
                 writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; "
                              f"rerun the same command to resume" + (f" (exit code {exit_code})" if preempted else ""))
             break

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.config import ConfigError
-from megadiff.config.loader import _format_validation_error as format_validation_error
-from megadiff.config.loader import _load_yaml_tree as load_yaml_tree
+from megadiff.config.loader import format_validation_error
+from megadiff.config.loader import load_yaml_tree
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TEXT_SUFFIXES = (".txt", ".text", ".md")

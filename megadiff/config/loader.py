@@ -17,7 +17,7 @@ from megadiff.config.validate import ConfigError, validate_config
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"base: circular inheritance through {path}")
@@ -29,11 +29,11 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     base = data.pop("base", None)
     if base is None:
         return data
-    parent = _load_yaml_tree((path.parent / base), seen + (path,))
+    parent = load_yaml_tree((path.parent / base), seen + (path,))
     return OmegaConf.to_container(OmegaConf.merge(parent, data))
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"])
@@ -51,13 +51,13 @@ def build_config(data: dict, overrides: Iterable[str] = (), world_size: int | No
     try:
         cfg = Config.model_validate(OmegaConf.to_container(merged, resolve=True))
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
     validate_config(cfg, world_size)
     return cfg
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:
-    data = _load_yaml_tree(Path(path)) if path is not None else {}
+    data = load_yaml_tree(Path(path)) if path is not None else {}
     return build_config(data, overrides, world_size)
 
 
