@@ -10,6 +10,8 @@ from megadiff.observability.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo" / "diff-tiny.yaml"
+# torchrun forwards these to its workers (torch 2.13 reads PET_*, older ones TORCHELASTIC_*)
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
@@ -23,7 +25,7 @@ def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
 
 def environment() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS, "PET_SIGNALS_TO_HANDLE": SIGNALS}
 
 
 def pretrain_command(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG) -> list[str]:
