@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo" / "diff-tiny.yaml"
 # torchrun forwards these to its workers (torch 2.13 reads PET_*, older ones TORCHELASTIC_*)
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
@@ -24,7 +25,9 @@ def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
 
 
 def environment() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    """This process's environment without the rendezvous variables a test rank may have set."""
+    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    return {**inherited, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
             "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS, "PET_SIGNALS_TO_HANDLE": SIGNALS}
 
 

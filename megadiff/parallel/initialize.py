@@ -23,12 +23,13 @@ def _free_port() -> int:
 def _init_process_group() -> None:
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # a plain `python` run: a group of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" in os.environ:  # torchrun, Slurm tasks, spawned test ranks
+        dist.init_process_group(backend)
+    else:  # a plain `python` run: a group of one, leaving the environment of child processes alone
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def set_seed(seed: int) -> None:
