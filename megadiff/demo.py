@@ -25,13 +25,16 @@ def _run(stage: str, *args: str) -> None:
     print(f"==> {stage} done in {time.time() - started:.0f} s", flush=True)
 
 
-def sample_from_hf(hf_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 40) -> str:
+def sample_from_hf(hf_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 40, seed: int = 0) -> str:
+    """A seeded top-k sample: a model this small repeats itself under greedy decoding."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     inputs = tokenizer(prompt, return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    torch.manual_seed(seed)
+    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=40)
     return tokenizer.decode(output[0], skip_special_tokens=True)
 
 
@@ -40,7 +43,7 @@ def run_demo(output_dir: str = "runs/demo", overrides: list[str] = ()) -> int:
     _run("pre-train", "pretrain", str(DEMO_CONFIG), f"output_dir={out}", *overrides)
     hf_dir = out / "hf"
     _run("convert to Hugging Face", "convert", "to-hf", "--load", str(out), "--save", str(hf_dir))
-    print(f"\n==> greedy sample from the Hugging Face model in {hf_dir}:")
+    print(f"\n==> a sample from the Hugging Face model in {hf_dir} (temperature 0.8, top-k 40):")
     print(sample_from_hf(hf_dir))
     print(f"\nTensorBoard logs: {out / 'tensorboard'}  metrics: {out / 'metrics.jsonl'}  HF model: {hf_dir}")
     return 0

@@ -2,7 +2,10 @@
 the 64K length extension from a shorter run; the demo config on a fresh checkout."""
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, read_
 from megadiff.config import build_config
 from megadiff.observability.metrics import read_metrics
 from megadiff.training.pretrain import build_scheduler
-from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+from tests.pretrain_runs import ROOT, environment, losses, run_pretrain, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +101,16 @@ def test_64k_style_extension_from_a_shorter_run(base, logged_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_config_prepares_its_corpus_and_trains(tmp_path):
-    """The demo's own config (cl100k_base, bundled KJV) from nothing, overridden as users do."""
+def test_demo_end_to_end_from_nothing(tmp_path):
+    """`megadiff demo` (what `make demo` runs), shortened: its own config (cl100k_base, the bundled
+    KJV corpus prepared on first use), pre-training, conversion to stock DiffLlama, a sample."""
     out = tmp_path / "demo"
-    run_pretrain(1, [f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "train.iters=2",
-                     "train.exit_interval=1", "train.eval_interval=null"])
-    assert read_latest_iteration(out / CHECKPOINTS_DIR) == 1
+    proc = subprocess.run([sys.executable, "-m", "megadiff", "demo", "--output-dir", str(out),
+                           f"data.cache_dir={tmp_path / 'cache'}", "train.iters=2", "train.eval_interval=null"],
+                          env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert read_latest_iteration(out / CHECKPOINTS_DIR) == 2
     assert list((tmp_path / "cache").rglob("*.bin"))
+    assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "diffllama"
+    sample = proc.stdout.split("a sample from the Hugging Face model")[1]
+    assert "In the beginning God" in sample and "check passed" in proc.stdout
