@@ -8,8 +8,7 @@ document/sample/shuffle indices are cached under <data.cache_dir>/indices.
 
 Under torch.distributed every rank must call it: megatron builds the index cache on rank 0,
 then the other ranks load it after a barrier (so data.cache_dir must be shared by all nodes).
-It runs `check_training_data` first (also exported here, for pre-training to call before
-anything else).
+It runs `check_training_data` first, so bad data fails before any index is built.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from megadiff.data.locations import index_cache_dir, training_blend
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
 
-__all__ = ["MegatronTokenizerView", "build_datasets", "check_training_data", "megatron_tokenizer"]
+__all__ = ["MegatronTokenizerView", "build_datasets", "megatron_tokenizer"]
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class Pretraining:
         self.dp = data_parallel_size(cfg.parallel, self.world)
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
         self.output = Path(cfg.output_dir)
-        self.tokenizer, self.datasets = _prepare_data(cfg)
+        self.datasets = _prepare_data(cfg)
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, self.engine, self.scheduler)
@@ -165,19 +165,19 @@ class Pretraining:
 
 
 def _prepare_data(cfg: Config):
-    """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build datasets."""
-    from megadiff.data.datasets import build_datasets, check_training_data
+    """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build
+    (train, valid, test)."""
+    from megadiff.data.datasets import build_datasets
     from megadiff.data.prepare import ensure_prepared
     from megadiff.data.tokenizers import load_tokenizer
 
     if dist.get_rank() == 0:
         ensure_prepared(cfg)
     dist.barrier()
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_training_data(cfg, tokenizer)
     t = cfg.train
     num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
-    return tokenizer, build_datasets(cfg, tokenizer, num_samples, t.seed)
+    # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
+    return build_datasets(cfg, load_tokenizer(cfg.data.tokenizer), num_samples, t.seed)
 
 
 def pretrain(cfg: Config) -> int:
