@@ -67,12 +67,18 @@ def _rng_sharded_object(states: dict | None) -> ShardedObject:
     return ShardedObject(RNG_KEY, states, (world,), (_rank(),), replica_id=0)
 
 
+def _staging_dir(checkpoints_dir: Path, iteration: int) -> Path:
+    """Where a save writes before its commit renames it to iteration_dir(...)."""
+    final = iteration_dir(checkpoints_dir, iteration)
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
 def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> None:
     """Rank 0, after every rank's files are complete: rename into place, then move the marker."""
     final = iteration_dir(checkpoints_dir, iteration)
     if final.exists():  # the same iteration saved again (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
-    os.replace(final.with_name(final.name + PARTIAL_SUFFIX), final)
+    os.replace(_staging_dir(checkpoints_dir, iteration), final)
     write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n".encode())
     if keep_last:
         saved = sorted(p for p in checkpoints_dir.glob("iter_*") if p.is_dir() and p.suffix != PARTIAL_SUFFIX)
@@ -92,7 +98,7 @@ class CheckpointWriter:
 
     def save(self, iteration: int, chunks: list, optimizer, train_state: dict) -> None:
         self.wait()  # one save in flight at a time: its commit must precede the next one's
-        staging = iteration_dir(self.dir, iteration).with_name(f"iter_{iteration:07d}{PARTIAL_SUFFIX}")
+        staging = _staging_dir(self.dir, iteration)
         if _rank() == 0:
             for leftover in self.dir.glob(f"*{PARTIAL_SUFFIX}"):  # from a crashed save
                 shutil.rmtree(leftover)
@@ -116,8 +122,7 @@ class CheckpointWriter:
     def _commit_fn(self, iteration: int):
         def commit() -> None:
             if _rank() == 0:
-                dump_config(self.cfg, iteration_dir(self.dir, iteration).with_name(
-                    f"iter_{iteration:07d}{PARTIAL_SUFFIX}") / CONFIG_FILE)
+                dump_config(self.cfg, _staging_dir(self.dir, iteration) / CONFIG_FILE)
                 _commit(self.dir, iteration, self.keep_last)
         return commit
 
