@@ -8,10 +8,12 @@ the fp64 reference computed here.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
 import sys
+import time
 import traceback
 import zlib
 from dataclasses import dataclass, replace
@@ -38,6 +40,7 @@ class Case:
     batch: int = 2
     dtype: torch.dtype = torch.float32
     blocks: tuple[int, int] | None = (16, 32)  # (block_m, block_n); None: the default config
+    autotuned: bool = False  # the CUDA path: the autotuner measures every candidate (timed on CPU here)
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
 
     @property
@@ -62,6 +65,8 @@ def _grid() -> dict[str, Case]:
         "odd-head-dims": Case(d=24, dv=40, n_q=29, n_k=29, integral=True),
         "strided-inputs": Case(strided=True, per_head_lam=True),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
+        "autotuned-dint": Case(blocks=None, autotuned=True, integral=True, per_head_lam=True, batch=1),
+        "autotuned-full-diff": Case(blocks=None, autotuned=True, causal=False, n_q=20, n_k=45, batch=1),
         "bf16": Case(dtype=torch.bfloat16, per_head_lam=True, n_q=64, n_k=64, d=32, dv=64, batch=1),
         "fp16-dint": Case(dtype=torch.float16, integral=True, n_q=40, n_k=40, d=32, dv=64, batch=1),
     })
@@ -150,6 +155,8 @@ def test_matches_reference(interpreted, name):
     if isinstance(got, str):
         pytest.fail(f"kernel raised:\n{got}")
     assert_matches(got, reference_results(name, CASES[name]), CASES[name].dtype, name)
+    if CASES[name].autotuned:
+        assert all(choice != "None" for choice in got["tuned"].values()), f"not every kernel was tuned: {got['tuned']}"
 
 
 MAPS_CASE = Case(n_q=21, n_k=40)
@@ -247,6 +254,35 @@ def _scalar_loop_bounds_in_old_interpreters() -> None:
     interpreter._patch_lang_tensor = patch_with_scalar_index
 
 
+@contextlib.contextmanager
+def _autotuning_on_cpu():
+    """Take the CUDA launch path (triton.autotune over the pruned candidates) in the interpreter,
+    timing each candidate with a wall clock where Triton's benchmarker needs a GPU driver."""
+    from triton.runtime.autotuner import Autotuner
+
+    from megadiff.ops import triton_bwd, triton_fwd
+
+    def wall_clock(kernel_call, quantiles):
+        start = time.perf_counter()
+        kernel_call()
+        return [time.perf_counter() - start] * len(quantiles)
+
+    def tuned() -> dict[str, str]:
+        """The tiles the autotuner chose for each kernel (none if it never ran)."""
+        kernels = {"fwd": triton_fwd._fwd_kernel, "dkdv": triton_bwd._dkdv_kernel, "dq": triton_bwd._dq_kernel}
+        return {kind: str(getattr(triton_fwd._autotuned(kernel, kind), "best_config", None))
+                for kind, kernel in kernels.items()}
+
+    saved = Autotuner.__dict__["do_bench"]
+    Autotuner.do_bench = property(lambda self: wall_clock)
+    triton_fwd.INTERPRETED = False
+    try:
+        yield tuned
+    finally:
+        triton_fwd.INTERPRETED = True
+        Autotuner.do_bench = saved
+
+
 def _interpreter_main(path: str) -> None:
     """Child process: every case through the interpreted kernel; errors are recorded per case."""
     from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton_maps
@@ -257,7 +293,11 @@ def _interpreter_main(path: str) -> None:
     results = {}
     for name, case in CASES.items():
         try:
-            results[name] = kernel_results(name, case)
+            if case.autotuned:
+                with _autotuning_on_cpu() as tuned:
+                    results[name] = {**kernel_results(name, case), "tuned": tuned()}
+            else:
+                results[name] = kernel_results(name, case)
         except Exception:  # noqa: BLE001 -- reported by the matching test
             results[name] = traceback.format_exc()
     try:

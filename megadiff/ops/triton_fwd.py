@@ -243,7 +243,8 @@ def _autotuned(kernel, kind: str):
                for m, n, w, s in CANDIDATES[kind]]
     # TIED (backward only) changes what a program holds; cache_results keeps the choice on disk
     # for the next process (benchmarks, then training) on the same GPU and Triton version
-    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", "TIED"], cache_results=True,
+    modes = [name for name in ("COMBINE", "TIED") if name in kernel.arg_names]
+    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", *modes], cache_results=True,
                            prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
 
 
