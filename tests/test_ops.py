@@ -72,6 +72,24 @@ def test_matches_paper_formula_with_gradients(impl, causal, integral, shape):
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("integral", [False, True])
+def test_first_map_output_with_gradients(impl, integral):
+    """return_first_map adds A1 V (the paper formula with lam = 0); gradients flow through both outputs."""
+    inputs = make_inputs(per_head=True)
+    out, first_map = IMPLEMENTATIONS[impl](*inputs, causal=True, integral=integral, return_first_map=True)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    expected_out = paper_formula(*leaves, True, integral)
+    expected_first = paper_formula(*leaves[:5], torch.zeros_like(leaves[5]), True, False)
+    torch.testing.assert_close(out.double(), expected_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(first_map.double(), expected_first, rtol=1e-9, atol=1e-9)
+    grad_out, grad_first = torch.randn_like(expected_out), torch.randn_like(expected_first)
+    got = torch.autograd.grad((out, first_map), inputs, (grad_out, grad_first))
+    want = torch.autograd.grad((expected_out, expected_first), leaves, (grad_out, grad_first))
+    for name, g, w in zip(("q1", "k1", "q2", "k2", "v", "lam"), got, want):
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-6, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 def test_fewer_queries_than_keys_is_bottom_right_causal(impl):
     inputs = make_inputs(n=3, n_k=7)
     expected = paper_formula(*inputs, causal=True, integral=False)

@@ -41,6 +41,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     blocks: tuple[int, int] | None = (16, 32)  # (block_m, block_n); None: the default config
     autotuned: bool = False  # the CUDA path: the autotuner measures every candidate (timed on CPU here)
+    first_map: bool = False  # also return A1 V, with an upstream gradient of its own
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
 
     @property
@@ -64,6 +65,8 @@ def _grid() -> dict[str, Case]:
         "fewer-queries-full": Case(causal=False, n_q=20, n_k=45),
         "odd-head-dims": Case(d=24, dv=40, n_q=29, n_k=29, integral=True),
         "strided-inputs": Case(strided=True, per_head_lam=True),
+        "first-map-diff": Case(first_map=True, per_head_lam=True),
+        "first-map-dint": Case(first_map=True, integral=True, causal=False),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
         "autotuned-dint": Case(blocks=None, autotuned=True, integral=True, per_head_lam=True, batch=1),
         "autotuned-full-diff": Case(blocks=None, autotuned=True, causal=False, n_q=20, n_k=45, batch=1),
@@ -102,9 +105,13 @@ def make_inputs(name: str, case: Case, device="cpu"):
 
 
 def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tensor]:
-    out = fn(*inputs, causal=case.causal, integral=case.integral)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    return {name: t.detach() for name, t in zip(NAMES, (out, *grads))}
+    if not case.first_map:
+        out = fn(*inputs, causal=case.causal, integral=case.integral)
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        return {name: t.detach() for name, t in zip(NAMES, (out, *grads))}
+    out, first_map = fn(*inputs, causal=case.causal, integral=case.integral, return_first_map=True)
+    grads = torch.autograd.grad((out, first_map), inputs, (grad_out, grad_out.flip(1)))
+    return {name: t.detach() for name, t in zip(NAMES + ("first_map",), (out, *grads, first_map))}
 
 
 def reference_results(name: str, case: Case) -> dict[str, torch.Tensor]:
@@ -128,7 +135,8 @@ def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
 
 
 def assert_matches(got: dict, want: dict, dtype: torch.dtype, label: str) -> None:
-    for key in NAMES:
+    assert want.keys() <= got.keys(), f"{label}: the kernel returned no {sorted(want.keys() - got.keys())}"
+    for key in want:
         a, b = got[key].double().cpu(), want[key].double().cpu()
         assert a.shape == b.shape, f"{label}: {key} shape {tuple(a.shape)} != {tuple(b.shape)}"
         if dtype == torch.float32:

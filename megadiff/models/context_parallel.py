@@ -12,7 +12,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from megadiff.ops import differential_attention, softmax_attention
+from megadiff.ops import differential_attention
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -41,11 +41,13 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
         rows = slice(local * chunk, (local + 1) * chunk)
         end = (global_chunk + 1) * chunk
         q1_c, q2_c = q1[rows].transpose(0, 1), q2[rows].transpose(0, 1)
-        outputs.append(differential_attention(q1_c, k1[:, :end], q2_c, k2[:, :end], v[:, :end], lam,
-                                              causal=True, softmax_scale=softmax_scale, backend=backend))
+        # DINT: the integral term needs A1 V of every chunk, which the attention computes anyway
+        result = differential_attention(q1_c, k1[:, :end], q2_c, k2[:, :end], v[:, :end], lam, causal=True,
+                                        softmax_scale=softmax_scale, backend=backend, return_first_map=integral)
         if integral:
-            first_map_outputs.append(softmax_attention(q1_c, k1[:, :end], v[:, :end], causal=True,
-                                                       softmax_scale=softmax_scale).float())
+            result, first_map = result
+            first_map_outputs.append(first_map.float())
+        outputs.append(result)
     if integral:
         outputs = _add_integral_term(outputs, first_map_outputs, lam, group, cp_size, cp_rank, chunk)
     return torch.cat(outputs, dim=1)

@@ -39,13 +39,16 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integral: bool = False,
-                           softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                           softmax_scale: float | None = None, backend: str = "auto",
+                           return_first_map: bool = False):
     """(A1 - lam A2) V, plus lam * running-mean(A1 V) when `integral` (DINT).
 
     q1, q2: [B, N, Hq, d]; k1, k2: [B, Nk, Hkv, d]; v: [B, Nk, Hkv, dv]; lam: [] or [Hq].
-    Returns [B, N, Hq, dv], before the head-wise norm.
+    Returns [B, N, Hq, dv], before the head-wise norm; with `return_first_map`, also the first
+    map's output A1 V (same shape and dtype, differentiable), which every backend computes anyway:
+    context parallelism continues the integral term across sequence chunks from it.
     """
-    kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale)
+    kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale, return_first_map=return_first_map)
     chosen = resolve_backend(backend, q1)
     if chosen == "triton":
         return _triton_impl()(q1, k1, q2, k2, v, lam, **kwargs)

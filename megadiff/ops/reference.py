@@ -23,7 +23,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool
     return torch.softmax(scores, dim=-1)
 
 
-def differential_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None):
+def differential_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
+                                     return_first_map=False):
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     out_dtype = q1.dtype
     work = compute_dtype(q1.dtype)
@@ -36,7 +37,9 @@ def differential_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, int
     a2 = attention_probs(q2, k2, scale, causal)
     lam_h = lambda_per_head(lam, q1.shape[2]).to(work).view(1, -1, 1, 1)
     out = torch.einsum("bhqk,bkhe->bqhe", a1 - lam_h * a2, v)
+    first_map_out = torch.einsum("bhqk,bkhe->bqhe", a1, v) if integral or return_first_map else None
     if integral:
-        first_map_out = torch.einsum("bhqk,bkhe->bqhe", a1, v)
         out = out + lam_h.view(1, 1, -1, 1) * running_mean(first_map_out, causal)
+    if return_first_map:
+        return out.to(out_dtype), first_map_out.to(out_dtype)
     return out.to(out_dtype)

@@ -36,7 +36,7 @@ def _one_map(q, k, v, causal, scale, split_v):
 
 
 def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
-                                split_v=False):
+                                split_v=False, return_first_map=False):
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     if split_v and v.shape[-1] % 2:
         raise ValueError(f"split_v needs an even V head width, got {v.shape[-1]}")
@@ -48,6 +48,8 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
     out = o1 - lam_h * o2
     if integral:
         out = out + lam_h * running_mean(o1, causal)
+    if return_first_map:
+        return out.to(q1.dtype), o1.to(q1.dtype)
     return out.to(q1.dtype)
 
 

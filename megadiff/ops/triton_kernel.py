@@ -3,8 +3,9 @@
 The kernels (triton_fwd, triton_bwd) compute both maps per query tile in one
 pass over K/V. What is linear in O1 and O2 happens here, in torch:
     out = O1 - lam O2 + [integral] lam R(O1),   R = running mean over positions
-(the kernel fuses O1 - lam O2 into its epilogue). Backward, with G = dL/dout:
-    dO1 = G + [integral] lam R^T(G),   dO2 = -lam G,
+(the kernel fuses O1 - lam O2 into its epilogue); O1 itself can be returned too.
+Backward, with G = dL/dout and G1 = dL/dO1 (when O1 was returned):
+    dO1 = G + [integral] lam R^T(G) + G1,   dO2 = -lam G,
     dlam_h = sum_{b,n,e} G * (-O2 + [integral] R(O1)) = sum(-G O2) + [integral] sum(R^T(G) O1),
 where R^T(G)_k = sum_{i >= k} G_i / i (causal) or mean_i G_i (non-causal).
 
@@ -69,7 +70,7 @@ def _running_mean_adjoint(g: torch.Tensor, causal: bool) -> torch.Tensor:
 
 class _DifferentialAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config):
+    def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map):
         q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
         lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
         out, o1, o2, lse1, lse2 = attention_maps_forward(
@@ -79,30 +80,35 @@ class _DifferentialAttention(torch.autograd.Function):
         ctx.save_for_backward(q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h)
         ctx.causal, ctx.integral, ctx.scale, ctx.config = causal, integral, scale, config
         ctx.lam_meta = (lam.dim(), lam.dtype)
-        return out
+        ctx.tied = not (integral or return_first_map)
+        return (out, o1) if return_first_map else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_first_map=None):
         q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h = ctx.saved_tensors
         lam = lam_h.view(1, 1, -1, 1)
         g, o1f, o2f = grad_out.float(), o1.float(), o2.float()
         g_o2 = _rowsum(g, o2f)
         grad_lam = -g_o2.sum(dim=(0, 1))
-        if ctx.integral:
-            g_mean = _running_mean_adjoint(g, ctx.causal)
-            grad_lam = grad_lam + _rowsum(g_mean, o1f).sum(dim=(0, 1))
-            do1, do2 = g + lam * g_mean, -lam * g
-            delta1, delta2 = _rowsum(do1, o1f), _rowsum(do2, o2f)
-            do1, do2 = (t.to(q1.dtype) for t in (do1, do2))
-        else:  # dO2 = -lam G: the kernels derive it, "tied" mode
+        if ctx.tied:  # dO1 = G, dO2 = -lam G: the kernels derive dO2, two matmuls fewer
             do1, do2 = grad_out.contiguous(), None
             delta1, delta2 = _rowsum(g, o1f), -lam_h.view(1, 1, -1) * g_o2
+        else:
+            do1, do2 = g, -lam * g
+            if ctx.integral:
+                g_mean = _running_mean_adjoint(g, ctx.causal)
+                grad_lam = grad_lam + _rowsum(g_mean, o1f).sum(dim=(0, 1))
+                do1 = do1 + lam * g_mean
+            if grad_first_map is not None:
+                do1 = do1 + grad_first_map.float()
+            delta1, delta2 = _rowsum(do1, o1f), _rowsum(do2, o2f)
+            do1, do2 = (t.to(q1.dtype) for t in (do1, do2))
         dq1, dk1, dq2, dk2, dv = attention_maps_backward(
             q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, _rows_last(delta1), _rows_last(delta2),
             causal=ctx.causal, scale=ctx.scale, config=ctx.config)
         lam_dim, lam_dtype = ctx.lam_meta
         grad_lam = (grad_lam.sum() if lam_dim == 0 else grad_lam).to(lam_dtype)
-        return dq1, dk1, dq2, dk2, dv, grad_lam, None, None, None, None
+        return dq1, dk1, dq2, dk2, dv, grad_lam, None, None, None, None, None
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -110,14 +116,16 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def differential_attention_triton(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
-                                  config: KernelConfig | None = None):
+                                  return_first_map=False, config: KernelConfig | None = None):
     """(A1 - lam A2) V (+ lam running-mean(A1 V) when `integral`), differentiable in all inputs and lam.
 
-    Shapes as `megadiff.ops.differential_attention`. config fixes the tiles (else autotuned on CUDA).
+    Shapes and `return_first_map` as `megadiff.ops.differential_attention`. config fixes the tiles
+    (else autotuned on CUDA).
     """
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     _check_supported(q1, k1, q2, k2, v)
-    return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config)
+    return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config,
+                                        return_first_map)
 
 
 def differential_attention_triton_maps(q1, k1, q2, k2, v, *, causal=True, softmax_scale=None,
