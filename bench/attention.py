@@ -186,6 +186,33 @@ COLUMNS = (("method", "method", "{}"), ("fwd+bwd FLOPs x baseline", "fwd_bwd_flo
            ("fwd+bwd x baseline", "fwd_bwd_vs_baseline", "{:.2f}"), ("status", "status", "{}"))
 
 
+TIME_TARGET = 1.5      # fused fwd+bwd at the first shape (the 3B one) over the baseline's time
+MEMORY_SPREAD = 1.25   # "linear in N": peak MiB per token may vary this much across N
+
+
+def target_checks(rows: list[dict], method: str = "diff-triton") -> list[dict]:
+    """Issue 6's targets for `method`, from this run's rows: the time ratio at the first shape,
+    and whether its peak fwd+bwd memory per token stays flat as N grows (linear in N)."""
+    mine = [r for r in rows if r["method"] == method and r["status"] == "ok"]
+    if not mine:
+        return []
+    first = mine[0]
+    checks = []
+    if first.get("fwd_bwd_vs_baseline") is not None:
+        checks.append(dict(target=f"{method} fwd+bwd time / baseline at N={first['seq']}",
+                           measured=first["fwd_bwd_vs_baseline"], bound=f"<= {TIME_TARGET}",
+                           met=first["fwd_bwd_vs_baseline"] <= TIME_TARGET))
+    per_token = {r["seq"]: r["peak_fwd_bwd_mib"] / (r["batch"] * r["seq"]) * 1024
+                 for r in mine if r.get("peak_fwd_bwd_mib")}
+    if len(per_token) > 1:
+        spread = max(per_token.values()) / min(per_token.values())
+        checks.append(dict(target=f"{method} peak fwd+bwd MiB per 1K tokens, N = "
+                                  + ", ".join(f"{n}: {v:.1f}" for n, v in per_token.items()),
+                           measured=spread, bound=f"max/min <= {MEMORY_SPREAD} (linear in N)",
+                           met=spread <= MEMORY_SPREAD))
+    return checks
+
+
 def _shape_of(row: dict) -> Shape:
     return Shape(**{f.name: row[f.name] for f in fields(Shape)})
 
@@ -201,6 +228,11 @@ def markdown(report: dict) -> str:
                   f"{2 * shape.heads}), d={shape.d}, dv={shape.dv}, {'causal' if shape.causal else 'non-causal'}",
                   ""]
         lines += markdown_table(COLUMNS, [r for r in report["rows"] if _shape_of(r) == shape])
+        lines.append("")
+    if report.get("targets"):
+        lines += ["## Targets (issue 6)", ""]
+        lines += [f"- {c['target']}: **{c['measured']:.3f}** ({c['bound']}): {'met' if c['met'] else 'MISSED'}"
+                  for c in report["targets"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -238,6 +270,7 @@ def main(argv=None) -> int:
         shape = replace(shape, causal=args.causal)
         print(f"{shape}", flush=True)
         report["rows"] += run_shape(shape, args, device, dtype)
+        report["targets"] = target_checks(report["rows"])
         path = write("attention", report, markdown(report), args.out_dir)  # after each shape: kept if cut short
     print(f"wrote {path} and {path.with_suffix('.md').name}")
     return 0

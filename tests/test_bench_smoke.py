@@ -41,3 +41,20 @@ def test_exits_cleanly_without_cuda(bench, capsys, tmp_path):
     assert bench.main(["--out-dir", str(tmp_path)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def _row(method, seq, batch=1, ratio=None, peak=None):
+    return dict(method=method, seq=seq, batch=batch, status="ok", fwd_bwd_vs_baseline=ratio, peak_fwd_bwd_mib=peak)
+
+
+def test_target_checks_judge_time_and_memory_growth(bench):
+    rows = [_row("baseline-sdpa-cudnn", 4096, 2, 1.0, 100.0),
+            _row("diff-triton", 4096, 2, 1.4, 96.0), _row("diff-triton", 16384, 1, 1.3, 200.0),
+            _row("diff-triton", 65536, 1, 1.3, 800.0)]
+    time_check, memory_check = bench.target_checks(rows)
+    assert time_check["met"] and time_check["measured"] == 1.4  # the first (3B) shape's ratio
+    assert memory_check["met"] and memory_check["measured"] == pytest.approx(800 / 65536 / (96 / 8192))
+    rows[-1]["peak_fwd_bwd_mib"] = 3200.0  # quadratic growth from 16K to 64K
+    rows[1]["fwd_bwd_vs_baseline"] = 1.6
+    assert [c["met"] for c in bench.target_checks(rows)] == [False, False]
+    assert bench.target_checks(rows, method="diff-sdpa") == []
