@@ -105,13 +105,11 @@ def make_inputs(name: str, case: Case, device="cpu"):
 
 
 def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tensor]:
-    if not case.first_map:
-        out = fn(*inputs, causal=case.causal, integral=case.integral)
-        grads = torch.autograd.grad(out, inputs, grad_out)
-        return {name: t.detach() for name, t in zip(NAMES, (out, *grads))}
-    out, first_map = fn(*inputs, causal=case.causal, integral=case.integral, return_first_map=True)
-    grads = torch.autograd.grad((out, first_map), inputs, (grad_out, grad_out.flip(1)))
-    return {name: t.detach() for name, t in zip(NAMES + ("first_map",), (out, *grads, first_map))}
+    result = fn(*inputs, causal=case.causal, integral=case.integral, return_first_map=case.first_map)
+    outputs = result if case.first_map else (result,)
+    grads = torch.autograd.grad(outputs, inputs, (grad_out, grad_out.flip(1))[:len(outputs)])
+    names = NAMES + ("first_map",) if case.first_map else NAMES
+    return {name: t.detach() for name, t in zip(names, (outputs[0], *grads, *outputs[1:]))}
 
 
 def reference_results(name: str, case: Case) -> dict[str, torch.Tensor]:

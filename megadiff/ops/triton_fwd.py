@@ -241,7 +241,8 @@ def _prune(kind: str):
 def _autotuned(kernel, kind: str):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                for m, n, w, s in CANDIDATES[kind]]
-    # TIED (backward only) changes what a program holds; cache_results keeps the choice on disk
+    # the mode flags a kernel takes (COMBINE: the forward's epilogue, TIED: the backward's inputs)
+    # change what a program holds, so each mode is tuned apart; cache_results keeps the choice on disk
     # for the next process (benchmarks, then training) on the same GPU and Triton version
     modes = [name for name in ("COMBINE", "TIED") if name in kernel.arg_names]
     return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", *modes], cache_results=True,
