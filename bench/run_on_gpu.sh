@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run ON THE GPU MACHINE, from the repository root, in two device calls of under 10 minutes each:
+# Run ON THE GPU MACHINE, from the repository root, in device calls of under 10 minutes each:
 #   bash bench/run_on_gpu.sh attention tests    # 320 + 230 s: attention benchmark, then the GPU tests
 #   bash bench/run_on_gpu.sh model              # 560 s: the whole-model benchmark
-# (no argument runs all three, which can pass the 10-minute limit of one call). The attention stage
+#   bash bench/run_on_gpu.sh training           # 300 s: pretrain/resume/convert/generate as commands
+# (no argument runs all four, which passes the 10-minute limit of one call). The attention stage
 # goes first: it autotunes the kernels (some 40 compilations of a few seconds each) and Triton's
 # on-disk caches then serve the tests on the same machine.
 # Installs the wheels carried in .whl/ (made here by bench/fetch_wheels.sh), then writes the results
@@ -11,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
 wheels=${WHEEL_DIR:-.whl}
-stages=${*:-attention tests model}
+stages=${*:-attention tests model training}
 mkdir -p "$out"
 log="$out/run_on_gpu.log"
 if compgen -G "$wheels/*.whl" > /dev/null; then
@@ -24,7 +25,7 @@ python3 - <<'PY' 2>&1 | tee "$log"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
-for name in ("triton", "megatron.core", "torchao", "pydantic", "omegaconf"):
+for name in ("triton", "megatron.core", "torchao", "pydantic", "omegaconf", "datasets", "bible"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as error:  # noqa: BLE001 -- report every missing piece at once
@@ -43,7 +44,8 @@ for stage in $stages; do
              tests/test_float8.py tests/test_transformer_engine.py ;;
     attention) run 320 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
-    *) echo "unknown stage $stage (tests | attention | model)"; exit 2 ;;
+    training) run 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_training.py ;;
+    *) echo "unknown stage $stage (attention | tests | model | training)"; exit 2 ;;
   esac
 done
 exit $status

@@ -27,7 +27,9 @@ def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
 def environment() -> dict:
     """This process's environment without the rendezvous variables a test rank may have set."""
     inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
-    return {**inherited, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    # keep what PYTHONPATH already holds (the GPU machine's carried wheels live there)
+    python_path = os.pathsep.join(p for p in (str(ROOT), inherited.get("PYTHONPATH")) if p)
+    return {**inherited, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
             "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS, "PET_SIGNALS_TO_HANDLE": SIGNALS}
 
 

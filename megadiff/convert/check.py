@@ -53,10 +53,10 @@ def check_tokens(vocab_in_use: int) -> torch.Tensor:
 
 @torch.no_grad()
 def compare_logits(megadiff_model, hf_model, vocab_in_use: int, thresholds: Thresholds) -> CheckResult:
-    """megadiff_model(ids) -> logits; hf_model(input_ids=ids).logits; both fp32."""
+    """megadiff_model(ids) -> logits; hf_model(input_ids=ids).logits; both fp32, each on its own device."""
     ids = check_tokens(vocab_in_use)
-    ours = megadiff_model(ids).float()
-    theirs = hf_model(input_ids=ids).logits.float()
+    ours = megadiff_model(ids).float().cpu()
+    theirs = hf_model(input_ids=ids.to(hf_model.device)).logits.float().cpu()
     if ours.shape != theirs.shape:
         raise ConversionError(f"check failed: megadiff logits {tuple(ours.shape)} vs Hugging Face "
                               f"{tuple(theirs.shape)}")

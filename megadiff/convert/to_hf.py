@@ -46,8 +46,10 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "
                   f"({hf_config.architectures[0]}, {str(target_dtype).removeprefix('torch.')})")
     if check:
-        reference = source if source_dtype == torch.float32 else load_checkpoint(checkpoint_dir, dtype=torch.float32)
-        result = compare_logits(reference, load_hf_model(out, hf_config.model_type), tokenizer.vocab_size,
+        if source_dtype != torch.float32:
+            del source  # free its (GPU) memory before the check's fp32 copy is loaded
+            source = load_checkpoint(checkpoint_dir, dtype=torch.float32)
+        result = compare_logits(source, load_hf_model(out, hf_config.model_type), tokenizer.vocab_size,
                                 thresholds_for(family, source_dtype, target_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
     return out

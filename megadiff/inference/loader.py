@@ -107,18 +107,27 @@ class CausalLM(torch.nn.Module):
         return checkpoint_tokenizer(self.checkpoint_dir, self.cfg)
 
     def parameters_by_name(self) -> dict[str, torch.Tensor]:
-        return {name: param.detach() for name, param in self.gpt.named_parameters()}
+        """Host copies (conversion works in host memory, whatever device the model is on)."""
+        return {name: param.detach().cpu() for name, param in self.gpt.named_parameters()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.gpt.parameters()).device
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits on the model's device, wherever `input_ids` are."""
+        input_ids = input_ids.to(self.device)
         batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        positions = torch.arange(seq, device=self.device).expand(batch, seq)
         return self.gpt(input_ids, positions, None)
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> CausalLM:
     """A run's output_dir, its checkpoints/ directory (latest) or an iter_* directory -> CausalLM.
 
-    dtype: the weights' dtype (default: the checkpoint's training precision)."""
+    dtype: the weights' dtype (default: the checkpoint's training precision). The model sits where
+    megatron computes (megadiff.parallel.compute_device): the current CUDA device when one is
+    visible, since megatron-core's RoPE moves there whatever the weights' device, else the CPU."""
     checkpoint_dir = resolve_checkpoint_dir(path)
     saved_cfg = checkpoint_config(checkpoint_dir)
     if dtype is not None and dtype not in PRECISIONS:
@@ -126,4 +135,4 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     model = build_single_process_model(single_process_config(saved_cfg, PRECISIONS.get(dtype)))
     check_checkpoint_tensors(model, checkpoint_dir)
     load_model_weights([model], checkpoint_dir)
-    return CausalLM(model, saved_cfg, checkpoint_dir).to(device)
+    return CausalLM(model, saved_cfg, checkpoint_dir)

@@ -1,6 +1,7 @@
 """Build the GPT model (one chunk per virtual pipeline stage) from megadiff's config."""
 from __future__ import annotations
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
@@ -27,7 +28,8 @@ def build_model_chunk(cfg: Config, config: MegadiffTransformerConfig, pre_proces
 
 
 def build_model(cfg: Config, config: MegadiffTransformerConfig | None = None) -> list[GPTModel]:
-    """This rank's model chunks (more than one under the interleaved pipeline schedule).
+    """This rank's model chunks (more than one under the interleaved pipeline schedule), on the
+    device megatron computes on.
 
     Model-parallel groups must be initialised (megadiff.parallel.initialize).
     """
@@ -41,4 +43,9 @@ def build_model(cfg: Config, config: MegadiffTransformerConfig | None = None) ->
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage))
+    if not config.use_cpu_initialization:
+        # megatron's layers allocate on the current CUDA device, megadiff's own parameters (lambda,
+        # norms, low-rank factors) on the CPU: one move, as megatron's training loop does
+        device = torch.cuda.current_device()
+        chunks = [chunk.to(device) for chunk in chunks]
     return chunks

@@ -32,6 +32,15 @@ def _init_process_group() -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
+def compute_device() -> torch.device:
+    """Where megatron computes and where NCCL collectives need their tensors: this process's CUDA
+    device when there is one (megatron's own layers and RoPE go there whatever else asks), else
+    the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def set_seed(seed: int) -> None:
     """Same seed on tensor/data-parallel ranks (replicated weights agree); offset per pipeline stage."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

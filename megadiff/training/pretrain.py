@@ -11,7 +11,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -21,7 +20,7 @@ from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import Config, data_parallel_size, dump_config, load_config
 from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import MetricsWriter
-from megadiff.parallel import initialize, shutdown
+from megadiff.parallel import compute_device, initialize, shutdown
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
@@ -142,7 +141,7 @@ class Pretraining:
                 if interval and state.iteration % interval == 0:
                     self._save()
                     saved_at = state.iteration
-                stop_signal = preemption.agreed("cuda" if torch.cuda.is_available() else "cpu")
+                stop_signal = preemption.agreed(compute_device())
                 if stop_signal or (t.exit_interval and state.iteration % t.exit_interval == 0):
                     if stop_signal:
                         exit_code = REQUEUE_EXIT_CODE

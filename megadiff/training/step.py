@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megadiff.parallel import compute_device
 from megadiff.training.engine import Engine
 
 
@@ -48,7 +49,7 @@ class StepResult:
 
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int) -> float:
     """The schedules return losses on the last pipeline stage only: average over DP, send to all stages."""
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(1, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         value[0] = sum(float(item["lm_loss"]) for item in reduced) / num_microbatches
         dist.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))

@@ -1,0 +1,47 @@
+"""The user's path on a GPU, as commands: pre-train (NCCL, bf16, checkpoints, evaluation), stop and
+resume, convert to Hugging Face with its logits check, generate. Everything CUDA-only that the CPU
+suite cannot reach runs here: the NCCL collectives on the loss and the stop flag, the model's move
+to the GPU, CUDA RNG states in checkpoints, the fused kernel inside the model, and inference and
+conversion on a machine where megatron computes on the GPU."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megadiff.checkpoint.format import read_latest_iteration
+from tests.pretrain_runs import ROOT, environment, losses, run_pretrain, tiny_overrides
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ITERS, STOP_AT = 6, 3
+
+
+def _megadiff(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "megadiff", *args], env=environment(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"megadiff {args[0]}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, tmp_path):
+    out = tmp_path / variant
+    overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + [
+        f"model.variant={variant}", "train.precision=bf16", f"train.iters={ITERS}", "train.eval_interval=2",
+        "train.eval_iters=1", "checkpoint.save_interval=2", f"output_dir={out}"]
+    run_pretrain(1, overrides + [f"train.exit_interval={STOP_AT}"])
+    assert read_latest_iteration(out / "checkpoints") == STOP_AT
+    run_pretrain(1, overrides)
+    assert read_latest_iteration(out / "checkpoints") == ITERS
+    curve = losses(out)
+    assert len(curve) == ITERS and all(math.isfinite(loss) for loss in curve)
+
+    hf_dir = tmp_path / f"{variant}-hf"
+    converted = _megadiff("convert", "to-hf", "--load", str(out), "--save", str(hf_dir))
+    assert "check passed" in converted.stdout
+    sample = _megadiff("generate", "--load", str(out), "--prompt", "In the beginning", "--max-new-tokens", "8")
+    assert sample.stdout.startswith("In the beginning")
