@@ -31,6 +31,7 @@ from megadiff.adapt.apply import adapt_with_plan, current_lambdas, plan_adaptati
 from megadiff.adapt.data import BatchReader, build_packed_dataset
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.schedule import warmup_cosine
+from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
@@ -71,14 +72,21 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
     import torch.distributed as dist
 
     plan_file = Path(cfg.output_dir) / PLAN_FILE
-    if plan_file.is_file():
+    # Rank 0 decides for all whether the plan is saved: under NCCL its broadcast below returns
+    # before the others receive it, so a slower rank could otherwise find the file rank 0 has just
+    # written, skip the broadcast and pair its next collective with it.
+    saved = [plan_file.is_file()]
+    dist.broadcast_object_list(saved, src=0)
+    if saved[0]:
         plan = json.loads(plan_file.read_text())
         if plan["method"] != cfg.adaptation.method:
             raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                               f"{plan['method']!r} run; use another output_dir")
         return plan
-    with dss.full_parameters(model, stage):
-        plan = plan_adaptation(model, cfg.adaptation, reader.calibration_batches(cfg.adaptation.calibration_batches))
+    measuring = cfg.adaptation.resolved_selection in MEASURED_SELECTIONS
+    with dss.full_parameters(model, stage if measuring else 0):  # the other selections run no forward pass
+        plan = plan_adaptation(model, cfg.adaptation, reader.calibration_batches(cfg.adaptation.calibration_batches)
+                               if measuring else None)
     shared = [plan]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:

@@ -99,6 +99,9 @@ def head_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> torch.
     return (totals / examples).float()
 
 
+MEASURED_SELECTIONS = ("entropy", "importance")  # the selections that run the model on calibration batches
+
+
 def select_heads(model: nn.Module, selection: str, fraction: float, batches: list[torch.Tensor]) -> list[list[int]]:
     """Per layer, the adapted heads for `selection` ('entropy' | 'importance' | 'all')."""
     num_layers, num_heads = len(model.model.layers), model.config.num_attention_heads

@@ -22,6 +22,16 @@ class Engine:
     model: list            # DDP-wrapped chunks, one per virtual pipeline stage
     optimizer: object      # megatron MegatronOptimizer (ChainedOptimizer)
 
+    def gather_updated_params(self) -> None:
+        """Under parallel.overlap_param_gather the optimizer step leaves the all-gather of the
+        updated weights to the next forward's pre-hooks, so each data-parallel rank holds its own
+        shard updated and the rest one step old. Whatever reads weights before that forward (a
+        checkpoint, the logged lambdas) gathers them first, as megatron's training loop does
+        before saving; the next forward then finds them gathered. Collective."""
+        if self.cfg.parallel.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
     def unwrapped(self) -> list:
         """The GPTModel chunks inside DDP / Float16Module."""
         chunks = []
@@ -40,6 +50,9 @@ def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> 
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
         use_distributed_optimizer=parallel.distributed_optimizer,
+        # the schedules dispatch each chunk's gather (config.param_sync_func below); without this
+        # the forward pre-hooks would dispatch the next bucket's again
+        align_param_gather=parallel.overlap_param_gather,
     )
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                        # megatron buckets only the first chunk when overlapping

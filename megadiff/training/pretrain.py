@@ -84,6 +84,7 @@ class Pretraining:
                                 len(self.engine.model))
 
     def _log(self, record: dict) -> None:
+        self.engine.gather_updated_params()
         lambdas = layer_lambdas(self.engine.unwrapped())  # collective over pipeline stages
         if self.metrics is not None:
             if lambdas:
@@ -92,6 +93,7 @@ class Pretraining:
 
     def _save(self) -> None:
         self.state.scheduler = self.scheduler.state_dict()
+        self.engine.gather_updated_params()
         self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
                               self.state.to_dict())
 
