@@ -15,6 +15,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, read_
 from megadiff.config import build_config
 from megadiff.observability.metrics import read_metrics
 from megadiff.training.pretrain import build_scheduler
+from megadiff.training.throughput import peak_tflops_of
 from tests.pretrain_runs import ROOT, environment, losses, run_pretrain, tiny_overrides
 
 
@@ -114,3 +115,11 @@ def test_demo_end_to_end_from_nothing(tmp_path):
     assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "diffllama"
     sample = proc.stdout.split("a sample from the Hugging Face model")[1]
     assert "In the beginning God" in sample and "check passed" in proc.stdout
+
+
+@pytest.mark.parametrize("device_name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA GeForce RTX 4090", None)])
+def test_mfu_peak_is_the_most_specific_known_device(device_name, peak):
+    assert peak_tflops_of(device_name) == peak

@@ -330,8 +330,11 @@ GPU_CASES = {
 class TestOnGPU:
     """Compiled kernels at the 3B head shape (d=128, dv=256, bf16), autotuned tiles.
 
-    The bound is relative to SDPA's bf16 error on the same inputs: the fused kernel must be as
-    accurate as the library path it replaces, within a factor of 2.
+    The bound: twice SDPA's error on the same inputs, plus a few bf16 ulps (1e-2) of the largest
+    value. SDPA alone is no floor here: with GQA and dv = 2d it falls back to its math backend,
+    which computes in fp32 and matches the oracle almost exactly, while a bf16 kernel that rounds
+    dS before its matmuls (FlashAttention's scheme) is 4-8e-3 of the scale off in dq and dk
+    (emulated on CPU). A wrong kernel is off by the scale itself.
     """
 
     @staticmethod
@@ -352,7 +355,7 @@ class TestOnGPU:
             err = (got[key].float() - want[key].float()).abs().max().item()
             sdpa_err = (sdpa[key].float() - want[key].float()).abs().max().item()
             scale = want[key].float().abs().max().item()
-            assert err <= 2 * sdpa_err + 1e-3 * scale, f"{name}: {key} error {err:.3e} vs SDPA's {sdpa_err:.3e}"
+            assert err <= 2 * sdpa_err + 1e-2 * scale, f"{name}: {key} error {err:.3e} vs SDPA's {sdpa_err:.3e}"
 
     def test_deterministic_backward(self):
         case = Case(n_q=1024, n_k=1024, d=128, dv=256, dtype=torch.bfloat16, blocks=None)

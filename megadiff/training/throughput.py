@@ -8,8 +8,10 @@ from megatron.core import parallel_state
 from megadiff.config import Config
 from megadiff.models.param_count import training_flops_per_token
 
-# dense bf16 tensor-core peaks (TFLOP/s) used for MFU when logging.peak_tflops is not set
-KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
+# dense bf16 tensor-core peaks (TFLOP/s) used for MFU when logging.peak_tflops is not set; the most
+# specific name in the device's name wins ("NVIDIA GB200" holds "B200", "NVIDIA H100 PCIe" "H100")
+KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H800": 989.0,
+                     "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
 
 
 def device_peak_tflops(configured: float | None) -> float | None:
@@ -17,8 +19,12 @@ def device_peak_tflops(configured: float | None) -> float | None:
         return configured
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name())
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    matches = [key for key in KNOWN_PEAK_TFLOPS if key in device_name]
+    return KNOWN_PEAK_TFLOPS[max(matches, key=len)] if matches else None
 
 
 class Throughput:
