@@ -25,9 +25,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, LATEST_FILE, iteration_dir, model_keys, model_sharded_state, read_latest_iteration,
+    CONFIG_FILE, LATEST_FILE, iteration_dir, model_sharded_state, read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
+from megadiff.checkpoint.weights import load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
 from megadiff.files import write_atomically
 
@@ -163,9 +164,8 @@ def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer
         request["optimizer"] = optimizer_sharded_state(optimizer, request, is_loading=True)
     if restore_rng:
         request[RNG_KEY] = _rng_sharded_object(None)
-    loaded = dist_checkpointing.load(request, str(checkpoint_dir))
-    for key, chunk in zip(model_keys(len(chunks)), chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
+    loaded = load_sharded(request, checkpoint_dir)
+    load_into_chunks(chunks, loaded)
     if load_optimizer:
         load_optimizer_state(optimizer, loaded["optimizer"])
     else:  # the optimizer's fp32 copies must follow the loaded weights

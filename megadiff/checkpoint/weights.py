@@ -5,16 +5,44 @@ from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
-from megadiff.checkpoint.format import CONFIG_FILE, model_keys, model_sharded_state
+from megadiff.checkpoint.format import CONFIG_FILE, CheckpointError, model_keys, model_sharded_state
 from megadiff.config import Config, dump_config
 
+# TransformerEngine layers keep their FP8 scaling history as `_extra_state`. Checkpoints of
+# megatron's local layers, which every conversion writes, have none: a TE model loaded from one
+# starts that history afresh, as at initialisation.
+EXTRA_STATE = "_extra_state"
 
-def load_model_weights(chunks: list, checkpoint_dir: str | Path, strict: bool = True) -> None:
-    """Load a checkpoint's model weights into unwrapped GPTModel chunks of any TP/PP layout."""
-    state = dist_checkpointing.load(model_sharded_state(chunks), str(checkpoint_dir))
+
+def _named(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def load_sharded(request: dict, checkpoint_dir: str | Path) -> dict:
+    """dist_checkpointing.load of `request`; only TE's `_extra_state` may be absent from the checkpoint."""
+    loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
+                                                strict=StrictHandling.RETURN_UNEXPECTED)
+    required = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
+    if required:
+        raise CheckpointError(f"{checkpoint_dir} lacks {len(required)} saved tensors this run needs: "
+                              f"{_named(required)}")
+    return loaded
+
+
+def load_into_chunks(chunks: list, loaded: dict) -> None:
+    """Loaded model state into its chunks: every weight, TE's `_extra_state` where it was saved."""
     for key, chunk in zip(model_keys(len(chunks)), chunks):
-        chunk.load_state_dict(state[key], strict=strict)
+        result = chunk.load_state_dict(loaded[key], strict=False)
+        problems = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)] + list(result.unexpected_keys)
+        if problems:
+            raise CheckpointError(f"{key} does not match the checkpoint: {_named(problems)}")
+
+
+def load_model_weights(chunks: list, checkpoint_dir: str | Path) -> None:
+    """Load a checkpoint's model weights into unwrapped GPTModel chunks of any TP/PP layout."""
+    load_into_chunks(chunks, load_sharded(model_sharded_state(chunks), checkpoint_dir))
 
 
 def save_model_weights(chunks: list, cfg: Config, checkpoint_dir: str | Path) -> None:
