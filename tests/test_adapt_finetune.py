@@ -243,3 +243,18 @@ def test_deepspeed_auto_values_and_schedule(workspace):
     steps = [lr_multiplier(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(20)]
     assert steps[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and steps[4] == pytest.approx(1.0)
     assert steps[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(steps[4:], steps[5:]))
+
+
+def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megadiff.adapt.data import build_packed_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "model")
+    packed = {}
+    for workers in (1, 2):
+        cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"data.workers={workers}",
+                                                                   f"data.cache_dir={tmp_path / str(workers)}"])
+        packed[workers] = build_packed_dataset(cfg.data, tokenizer)[:]["input_ids"]
+    assert len(packed[1]) > 10
+    assert torch.equal(packed[1], packed[2])

@@ -55,7 +55,8 @@ def build_packed_dataset(data: DataSection, tokenizer):
         return {"input_ids": [stream[i:i + seq_length] for i in range(0, usable, seq_length)]}
 
     documents = _load_documents(data.files, data.text_key, data.cache_dir)
-    tokens = documents.map(tokenize, batched=True, remove_columns=["text"], desc="tokenizing")
+    tokens = documents.map(tokenize, batched=True, remove_columns=["text"], desc="tokenizing",
+                           num_proc=data.workers if data.workers > 1 else None)  # rows keep their order
     packed = tokens.map(pack, batched=True, desc=f"packing into {seq_length}-token sequences")
     if len(packed) == 0:
         raise ConfigError(f"data.files: fewer than data.seq_length={seq_length} tokens in {data.files}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from datetime import timedelta
 
 import torch
 
@@ -82,7 +83,7 @@ def launcher_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     """Start (or join) the process group: torchrun / the deepspeed launcher / Slurm set the env;
     a plain `python -m megadiff adapt` runs as a world of one. Returns (rank, world_size)."""
     import deepspeed
@@ -100,7 +101,7 @@ def init_distributed() -> tuple[int, int]:
     if get_accelerator().device_name() != "cpu":
         # before any collective or zero.Init: each local rank owns its own device
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(auto_mpi_discovery=False)
+    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
 
 

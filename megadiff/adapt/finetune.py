@@ -149,7 +149,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     from megadiff.observability.metrics import MetricsWriter
 
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
-    rank, world = dss.init_distributed()
+    rank, world = dss.init_distributed(cfg.train.timeout_minutes)
     # DeepSpeed's ZeRO collectives call an API torch deprecates, once per call: keep the console readable
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     stage = dss.zero_stage(ds_config)

@@ -48,6 +48,8 @@ class DataSection(Section):
     seq_length: int = Field(1024, ge=2, description="tokens per packed training sequence")
     seed: int = Field(1234, description="seed of the sample order (one permutation per epoch)")
     cache_dir: Optional[str] = Field(None, description="datasets cache; default: the datasets library's")
+    workers: int = Field(1, ge=1, description="processes tokenizing the files, on each node's first rank (the "
+                         "other ranks read its cache); the packed sequences are the same for any number")
 
 
 class TrainSection(Section):
@@ -63,6 +65,9 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = Field(1234, description="seeds torch every iteration (seed + iteration): dropout is resumable")
+    timeout_minutes: float = Field(60, gt=0, description="how long a rank waits in a collective before the job "
+                                   "fails, e.g. while its node's first rank tokenizes data.files (torch's "
+                                   "default, 10, is short for a large corpus)")
 
 
 class CheckpointSection(Section):

@@ -52,6 +52,9 @@ class ParallelConfig(Section):
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    timeout_minutes: float = Field(30, gt=0, description="how long a rank waits in a collective before the job "
+                                   "fails, e.g. while rank 0 builds dataset indices (megatron-core's default; "
+                                   "torch's own is 10)")
 
 
 class DataConfig(Section):

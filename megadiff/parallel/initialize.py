@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -20,16 +21,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group() -> None:
+def _init_process_group(timeout: timedelta) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:  # torchrun, Slurm tasks, spawned test ranks
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python` run: a group of one, leaving the environment of child processes alone
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
 
 
 def compute_device() -> torch.device:
@@ -54,13 +56,14 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
     """Idempotent per process: call once before building models."""
     if not torch.cuda.is_available():
         cpu_mode.enable()
-    _init_process_group()
+    _init_process_group(timedelta(minutes=parallel.timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor,
             pipeline_model_parallel_size=parallel.pipeline,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
             context_parallel_size=parallel.context,
+            distributed_timeout_minutes=parallel.timeout_minutes,
         )
     set_seed(seed)
 
