@@ -170,6 +170,21 @@ def test_resume_is_exact(stage_runs, workspace):
 
 
 @pytest.mark.slow
+def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
+    """ZeRO-1 in bf16 with the shipped fp32 gradient accumulation (DeepSpeed's BF16 optimizer then,
+    another code path than fp32's), stopped at iteration 2 and rerun, against an uninterrupted run."""
+    bf16 = (f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}", "train.precision=bf16")
+    run_adapt(workspace, *bf16, f"output_dir={workspace / 'bf16'}")
+    resumed = workspace / "bf16-resumed"
+    run_adapt(workspace, *bf16, f"output_dir={resumed}", "checkpoint.exit_interval=2")
+    run_adapt(workspace, *bf16, f"output_dir={resumed}")
+    keys = ("iteration", "lm_loss", "grad_norm")
+    uninterrupted = [{k: r[k] for k in keys} for r in read_metrics(workspace / "bf16")]
+    assert len(uninterrupted) == ITERS
+    assert [{k: r[k] for k in keys} for r in read_metrics(resumed)] == uninterrupted
+
+
+@pytest.mark.slow
 def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
     """One plain process (world of one): SIGUSR1 mid-run -> checkpoint at the iteration it was in,
     exit code 75 (slurm/job.sh requeues on it), and a rerun would resume from there."""
@@ -239,6 +254,7 @@ def test_deepspeed_auto_values_and_schedule(workspace):
     assert ds["train_batch_size"] == 2 * 3 * 4 and ds["gradient_accumulation_steps"] == 3
     assert ds["optimizer"]["params"]["lr"] == 3e-3 and ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["data_types"]["grad_accum_dtype"] == "fp32"  # not summed in bf16 over the micro-steps
     # linear warmup (the first step already trains), then cosine to min_ratio at the last step
     steps = [lr_multiplier(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(20)]
     assert steps[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and steps[4] == pytest.approx(1.0)
