@@ -20,7 +20,7 @@ from megadiff.convert.hf_layout import Dims, megatron_to_hf
 from megadiff.inference.loader import checkpoint_tokenizer, load_checkpoint, single_process_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# megadiff keeps lambda's vectors in fp32 whatever the precision (exp of their dot products is sensitive)
+# lambda's vectors are exported in fp32 whatever --dtype (exp of their dot products is sensitive)
 FP32_SUFFIXES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
 

@@ -35,7 +35,8 @@ class DifferentialCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.backend = config.attention_backend_name
         self.lambda_init = layer_lambda_init(config.lambda_init, layer_number)
-        # lambda's vectors stay fp32 whatever the model's dtype: exp() of their dot products is sensitive
+        # lambda's vectors are made fp32 (exp() of their dot products is sensitive); in bf16/fp16 training
+        # megatron's Float16Module casts them with every weight, the optimizer keeping fp32 master copies
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             torch.nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32)) for _ in range(4))
         self.head_norm_weight = torch.nn.Parameter(torch.ones(2 * self.head_dim, dtype=config.params_dtype))
