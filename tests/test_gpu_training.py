@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megadiff.checkpoint.format import read_latest_iteration
-from tests.pretrain_runs import ROOT, environment, losses, run_pretrain, tiny_overrides
+from megadiff.observability.metrics import read_metrics
+from tests.pretrain_runs import ROOT, environment, run_pretrain, tiny_overrides
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -37,8 +38,9 @@ def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, t
     assert read_latest_iteration(out / "checkpoints") == STOP_AT
     run_pretrain(1, overrides)
     assert read_latest_iteration(out / "checkpoints") == ITERS
-    curve = losses(out)
-    assert len(curve) == ITERS and all(math.isfinite(loss) for loss in curve)
+    steps = [record for record in read_metrics(out) if "lm_loss" in record]
+    assert len(steps) == ITERS and all(math.isfinite(record["lm_loss"]) for record in steps)
+    assert all(0 < record["max_memory_allocated_gib"] <= record["max_memory_reserved_gib"] for record in steps)
 
     hf_dir = tmp_path / f"{variant}-hf"
     converted = _megadiff("convert", "to-hf", "--load", str(out), "--save", str(hf_dir))

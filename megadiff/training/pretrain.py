@@ -28,7 +28,8 @@ from megadiff.training.state import TrainState, restore
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
 
-CONSOLE_KEYS = ("lm_loss", "valid_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "skipped_iterations")
+CONSOLE_KEYS = ("lm_loss", "valid_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+                "max_memory_allocated_gib", "skipped_iterations")
 
 
 class TrainingError(MegadiffError, RuntimeError):

@@ -40,6 +40,9 @@ class Throughput:
                   "tflops_per_device": tflops}
         if self.peak:
             record["mfu"] = tflops / self.peak
+        if torch.cuda.is_available():  # this rank's high-water marks since the start of the run
+            record["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            record["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
         return record
 
 
