@@ -9,6 +9,7 @@ which fails on any CPU tensor mixed into the computation (as it fails on a GPU).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -26,6 +27,9 @@ CASES = {
     "shared_diff": ["model.variant=shared_diff", "model.lowrank_rank=4"],
     "diff_full_recompute": ["model.variant=diff", "train.recompute=full"],
 }
+if importlib.util.find_spec("torchao"):  # float8 linear layers (emulated off CUDA)
+    CASES["diff_fp8_torchao"] = ["model.variant=diff", "model.hidden_size=128", "train.precision=fp8",
+                                 "train.fp8_backend=torchao"]
 
 
 def _placement(chunk) -> dict:
