@@ -99,8 +99,9 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
-        # before any collective or zero.Init: each local rank owns its own device
-        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+        # before any collective or zero.Init: each local rank owns its own device (modulo: where
+        # Slurm binds one GPU to each task, that GPU is device 0 whatever the local rank)
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]) % get_accelerator().device_count())
     deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
 

@@ -26,7 +26,8 @@ def _init_process_group(timeout: timedelta) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # modulo: where Slurm binds one GPU to each task, that GPU is device 0 whatever the local rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if "RANK" in os.environ:  # torchrun, Slurm tasks, spawned test ranks
         dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python` run: a group of one, leaving the environment of child processes alone
