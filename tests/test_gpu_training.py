@@ -14,11 +14,29 @@ import torch
 
 from megadiff.checkpoint.format import read_latest_iteration
 from megadiff.observability.metrics import read_metrics
+from tests.conftest import kjv_verses
 from tests.pretrain_runs import ROOT, environment, run_pretrain, tiny_overrides
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 ITERS, STOP_AT = 6, 3
+
+
+@pytest.fixture(scope="module")
+def kjv_prefix(small_tokenizer_dir, tmp_path_factory) -> str:
+    """KJV verses as a prepared dataset, written here rather than by prepare-data: the GPU machine
+    lacks `datasets` (and a recent enough pyarrow for it), which prepare-data reads text with."""
+    from megadiff.data.indexed import AtomicIndexedWriter, token_dtype
+    from megadiff.data.tokenize_workers import encode_documents
+    from megadiff.data.tokenizers import load_tokenizer
+
+    dtype = token_dtype(load_tokenizer(str(small_tokenizer_dir)).vocab_size)
+    ids, lengths = encode_documents(kjv_verses()[:4000], str(small_tokenizer_dir), dtype.name)
+    prefix = tmp_path_factory.mktemp("kjv") / "kjv"
+    with AtomicIndexedWriter(prefix, dtype) as writer:
+        writer.add_documents(ids, lengths)
+        writer.commit()
+    return str(prefix)
 
 
 def _megadiff(*args: str) -> subprocess.CompletedProcess:
@@ -29,10 +47,10 @@ def _megadiff(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("variant", ["diff", "softmax"])
-def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, tmp_path):
+def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, kjv_prefix, tmp_path):
     out = tmp_path / variant
     overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + [
-        f"model.variant={variant}", "train.precision=bf16", f"train.iters={ITERS}", "train.eval_interval=2",
+        "data.bundled_corpus=null", f"data.prefix={kjv_prefix}", f"model.variant={variant}", "train.precision=bf16", f"train.iters={ITERS}", "train.eval_interval=2",
         "train.eval_iters=1", "checkpoint.save_interval=2", f"output_dir={out}"]
     run_pretrain(1, overrides + [f"train.exit_interval={STOP_AT}"])
     assert read_latest_iteration(out / "checkpoints") == STOP_AT
