@@ -83,10 +83,12 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
             raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                               f"{plan['method']!r} run; use another output_dir")
         return plan
-    measuring = cfg.adaptation.resolved_selection in MEASURED_SELECTIONS
-    with dss.full_parameters(model, stage if measuring else 0):  # the other selections run no forward pass
-        plan = plan_adaptation(model, cfg.adaptation, reader.calibration_batches(cfg.adaptation.calibration_batches)
-                               if measuring else None)
+    if cfg.adaptation.resolved_selection in MEASURED_SELECTIONS:
+        with dss.full_parameters(model, stage):
+            plan = plan_adaptation(model, cfg.adaptation,
+                                   reader.calibration_batches(cfg.adaptation.calibration_batches))
+    else:  # all heads, or the given ones: nothing to measure, nothing to gather
+        plan = plan_adaptation(model, cfg.adaptation)
     shared = [plan]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:
