@@ -274,3 +274,52 @@ def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):
         packed[workers] = build_packed_dataset(cfg.data, tokenizer)[:]["input_ids"]
     assert len(packed[1]) > 10
     assert torch.equal(packed[1], packed[2])
+
+
+def _calibration_worker(rank: int, world_size: int, workspace: str, out_path: str) -> None:
+    """ZeRO-3 on 2 ranks: attention entropy measured with each block gathered while it runs, against
+    the whole model gathered; and how many weights a rank held at once."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from megadiff.adapt import deepspeed_setup as dss
+    from megadiff.adapt.selection import attention_entropy
+
+    cfg = load_finetune_config(f"{workspace}/adapt.yaml", [f"deepspeed={workspace}/zero3_all.json"])
+    dss.init_distributed(cfg.train.timeout_minutes)
+    ds_config = HfDeepSpeedConfig(dss.deepspeed_config(cfg, world_size))  # noqa: F841 -- partitions at load
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(i))
+               for i in range(2)]
+    params = list(model.parameters())
+    blocks = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+    held = []
+
+    def probe(_module, _args):
+        held.append(sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE))
+
+    with dss.calibration_parameters(model, 3, "entropy"):
+        handles = [block.register_forward_pre_hook(probe) for block in blocks]  # after the gathering hooks
+        per_block = attention_entropy(model, batches)
+        for handle in handles:
+            handle.remove()
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        whole = attention_entropy(model, batches)
+    if rank == 0:
+        torch.save({"per_block": per_block, "whole": whole, "held": held,
+                    "largest_block": max(sum(p.ds_numel for p in b.parameters()) for b in blocks),
+                    "total": sum(p.ds_numel for p in params)}, out_path)
+
+
+@pytest.mark.slow
+def test_zero3_entropy_selection_holds_one_layer_at_a_time(workspace, tmp_path):
+    from tests.distributed import run_ranks
+
+    out = tmp_path / "calibration.pt"
+    run_ranks(2, _calibration_worker, str(workspace), str(out))
+    result = torch.load(out)
+    torch.testing.assert_close(result["per_block"], result["whole"])
+    assert len(result["held"]) == 2 * (2 + 3)  # 2 batches x (embedding, 2 layers, norm, output layer)
+    assert 0 < max(result["held"]) <= result["largest_block"] < result["total"]

@@ -113,12 +113,40 @@ def device() -> torch.device:
 
 
 @contextlib.contextmanager
-def full_parameters(model: torch.nn.Module, stage: int):
-    """ZeRO-3 params are partitioned at load; gather them for a whole-model pass (calibration)."""
+def calibration_parameters(model: torch.nn.Module, stage: int, selection: str):
+    """ZeRO-3 partitions the weights at load; head selection runs the whole model on every rank.
+
+    Entropy runs forward only: each block (embedding, every decoder layer, final norm, output
+    layer) has its weights gathered just while it runs, so a device holds one layer's at a time and
+    models whose replica does not fit on one device can be measured. Importance also runs backward
+    through every layer, so the whole model is gathered once.
+    """
     if stage != 3:
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    if selection != "entropy":
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            yield
+        return
+    blocks = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+    gathered: list = []  # the running block's (blocks run one after another, never nested)
+
+    def gather(module, _args):
+        context = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        context.__enter__()
+        gathered.append(context)
+
+    def release(_module, _args, _output):
+        gathered.pop().__exit__(None, None, None)
+
+    handles = [hook for block in blocks
+               for hook in (block.register_forward_pre_hook(gather), block.register_forward_hook(release))]
+    try:
         yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while gathered:  # a forward that failed midway
+            gathered.pop().__exit__(None, None, None)

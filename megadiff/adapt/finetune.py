@@ -83,8 +83,9 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
             raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                               f"{plan['method']!r} run; use another output_dir")
         return plan
-    if cfg.adaptation.resolved_selection in MEASURED_SELECTIONS:
-        with dss.full_parameters(model, stage):
+    selection = cfg.adaptation.resolved_selection
+    if selection in MEASURED_SELECTIONS:
+        with dss.calibration_parameters(model, stage, selection):
             plan = plan_adaptation(model, cfg.adaptation,
                                    reader.calibration_batches(cfg.adaptation.calibration_batches))
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
