@@ -50,8 +50,9 @@ def _megadiff(*args: str) -> subprocess.CompletedProcess:
 def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, kjv_prefix, tmp_path):
     out = tmp_path / variant
     overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + [
-        "data.bundled_corpus=null", f"data.prefix={kjv_prefix}", f"model.variant={variant}", "train.precision=bf16", f"train.iters={ITERS}", "train.eval_interval=2",
-        "train.eval_iters=1", "checkpoint.save_interval=2", f"output_dir={out}"]
+        "data.bundled_corpus=null", f"data.prefix={kjv_prefix}", f"model.variant={variant}",
+        "train.precision=bf16", f"train.iters={ITERS}", "train.eval_interval=2", "train.eval_iters=1",
+        "checkpoint.save_interval=2", f"output_dir={out}"]
     run_pretrain(1, overrides + [f"train.exit_interval={STOP_AT}"])
     assert read_latest_iteration(out / "checkpoints") == STOP_AT
     run_pretrain(1, overrides)
