@@ -276,17 +276,19 @@ def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):
     assert torch.equal(packed[1], packed[2])
 
 
-def _calibration_worker(rank: int, world_size: int, workspace: str, out_path: str) -> None:
-    """ZeRO-3 on 2 ranks: attention entropy measured with each block gathered while it runs, against
-    the whole model gathered; and how many weights a rank held at once."""
+def _calibration_worker(rank: int, world_size: int, workspace: str, selection: str, out_path: str) -> None:
+    """ZeRO-3 on 2 ranks: head scores measured with each block gathered while it runs (forward, and
+    backward for importance), against the whole model gathered; and how many weights a rank held at
+    once, probed as every block starts its forward and its backward."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     from megadiff.adapt import deepspeed_setup as dss
-    from megadiff.adapt.selection import attention_entropy
+    from megadiff.adapt.selection import attention_entropy, head_importance
 
+    measure = {"entropy": attention_entropy, "importance": head_importance}[selection]
     cfg = load_finetune_config(f"{workspace}/adapt.yaml", [f"deepspeed={workspace}/zero3_all.json"])
     dss.init_distributed(cfg.train.timeout_minutes)
     ds_config = HfDeepSpeedConfig(dss.deepspeed_config(cfg, world_size))  # noqa: F841 -- partitions at load
@@ -295,31 +297,41 @@ def _calibration_worker(rank: int, world_size: int, workspace: str, out_path: st
                for i in range(2)]
     params = list(model.parameters())
     blocks = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
-    held = []
+    held = {"forward": [], "backward": []}
 
-    def probe(_module, _args):
-        held.append(sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE))
+    def probe(phase):
+        def hook(_module, _args):
+            held[phase].append(sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE))
+        return hook
 
-    with dss.calibration_parameters(model, 3, "entropy"):
-        handles = [block.register_forward_pre_hook(probe) for block in blocks]  # after the gathering hooks
-        per_block = attention_entropy(model, batches)
+    with dss.calibration_parameters(model, 3, selection):
+        # registered after the gathering hooks, so they see each block gathered
+        handles = [block.register_forward_pre_hook(probe("forward")) for block in blocks]
+        handles += [block.register_full_backward_pre_hook(probe("backward")) for block in blocks]
+        per_block = measure(model, batches)
         for handle in handles:
             handle.remove()
+    released = sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE)
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        whole = attention_entropy(model, batches)
+        whole = measure(model, batches)
     if rank == 0:
-        torch.save({"per_block": per_block, "whole": whole, "held": held,
+        torch.save({"per_block": per_block, "whole": whole, "held": held, "released": released,
                     "largest_block": max(sum(p.ds_numel for p in b.parameters()) for b in blocks),
                     "total": sum(p.ds_numel for p in params)}, out_path)
 
 
 @pytest.mark.slow
-def test_zero3_entropy_selection_holds_one_layer_at_a_time(workspace, tmp_path):
+@pytest.mark.parametrize("selection", ["entropy", "importance"])
+def test_zero3_head_selection_holds_one_block_at_a_time(selection, workspace, tmp_path):
     from tests.distributed import run_ranks
 
     out = tmp_path / "calibration.pt"
-    run_ranks(2, _calibration_worker, str(workspace), str(out))
+    run_ranks(2, _calibration_worker, str(workspace), selection, str(out))
     result = torch.load(out)
     torch.testing.assert_close(result["per_block"], result["whole"])
-    assert len(result["held"]) == 2 * (2 + 3)  # 2 batches x (embedding, 2 layers, norm, output layer)
-    assert 0 < max(result["held"]) <= result["largest_block"] < result["total"]
+    held = result["held"]
+    assert len(held["forward"]) == 2 * (2 + 3)  # 2 batches x (embedding, 2 layers, norm, output layer)
+    # backward runs through every block but the embedding (no gate lies before it)
+    assert len(held["backward"]) == (2 * (2 + 2) if selection == "importance" else 0)
+    assert 0 < max(held["forward"] + held["backward"]) <= result["largest_block"] < result["total"]
+    assert result["released"] == 0

@@ -116,37 +116,43 @@ def device() -> torch.device:
 def calibration_parameters(model: torch.nn.Module, stage: int, selection: str):
     """ZeRO-3 partitions the weights at load; head selection runs the whole model on every rank.
 
-    Entropy runs forward only: each block (embedding, every decoder layer, final norm, output
-    layer) has its weights gathered just while it runs, so a device holds one layer's at a time and
-    models whose replica does not fit on one device can be measured. Importance also runs backward
-    through every layer, so the whole model is gathered once.
+    Each block (embedding, every decoder layer, final norm, output layer) has its weights gathered
+    just while it runs forward and, for importance, again just while its backward runs (module
+    backward hooks, as DeepSpeed's own engine fetches them), so a device holds one block's weights
+    at a time and models whose replica does not fit on one device can be measured. Autograd keeps
+    the parameters themselves, not copies (DeepSpeed's ZeRO-3 linear saves its weight), so a block
+    released after its forward computes its backward with the weights gathered again.
     """
     if stage != 3:
         yield
         return
     import deepspeed
 
-    if selection != "entropy":
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            yield
-        return
     blocks = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
-    gathered: list = []  # the running block's (blocks run one after another, never nested)
+    gathered: dict[torch.nn.Module, contextlib.AbstractContextManager] = {}
 
-    def gather(module, _args):
-        context = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-        context.__enter__()
-        gathered.append(context)
+    def release(module, *_):
+        if module in gathered:
+            gathered.pop(module).__exit__(None, None, None)
 
-    def release(_module, _args, _output):
-        gathered.pop().__exit__(None, None, None)
+    def gather(module, *_):
+        # blocks never run nested: whatever is still gathered is done (the first layer's backward
+        # stops at its gates, before its input, so its release hook never fires)
+        for other in [m for m in gathered if m is not module]:
+            release(other)
+        if module not in gathered:
+            gathered[module] = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+            gathered[module].__enter__()
 
-    handles = [hook for block in blocks
-               for hook in (block.register_forward_pre_hook(gather), block.register_forward_hook(release))]
+    handles = []
+    for block in blocks:
+        handles += [block.register_forward_pre_hook(gather), block.register_forward_hook(release)]
+        if selection == "importance":
+            handles += [block.register_full_backward_pre_hook(gather), block.register_full_backward_hook(release)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        while gathered:  # a forward that failed midway
-            gathered.pop().__exit__(None, None, None)
+        for module in list(gathered):  # the last backward's first layer, or a failed pass
+            release(module)
