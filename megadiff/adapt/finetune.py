@@ -38,6 +38,8 @@ from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_nam
 
 PLAN_FILE = "adaptation.json"
 CHECKPOINT_DIR = "checkpoints"
+
+
 def _load_model(cfg: FinetuneConfig, ds_config: dict):
     from transformers import AutoModelForCausalLM
 
@@ -48,6 +50,10 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)
     kwargs = {"dtype": dss.model_dtype(cfg)}
+    if hf_ds_config is None:
+        # straight from the (memory-mapped, page-cache shared) safetensors onto this rank's device,
+        # rather than a full host copy per rank first: 8 ranks of a 13B model would hold 200 GB
+        kwargs["device_map"] = {"": dss.device()}
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
     return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs), hf_ds_config
@@ -135,8 +141,6 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     stage = dss.zero_stage(ds_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     model, hf_ds_config = _load_model(cfg, ds_config)
-    if stage != 3:  # ZeRO-3 weights are already placed (partitioned) on the accelerator
-        model.to(dss.device())
     dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
