@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 
@@ -46,11 +47,21 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def format_duration(seconds: float) -> str:
+    """12s, 4m05s, 3h07m, 2d05h: two units at most, enough for a glance at a long run."""
+    seconds = int(round(seconds))
+    for unit, size, sub_unit, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}{seconds % size // sub_size:02d}{sub_unit}"
+    return f"{seconds}s"
+
+
 class MetricsWriter:
     """Write with `log(record)`; `record["iteration"]` is the step axis."""
 
     def __init__(self, run_dir: str | Path, *, resume_from_iteration: int = 0, tensorboard: bool = True,
-                 total_iterations: int | None = None, console_keys: tuple[str, ...] = ()):
+                 total_iterations: int | None = None, console_keys: tuple[str, ...] = (),
+                 clock: Callable[[], float] = time.monotonic):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -58,6 +69,8 @@ class MetricsWriter:
         self._file = open(self.path, "a")
         self.total = total_iterations
         self.console_keys = console_keys
+        self._clock = clock
+        self._first_logged: tuple[float, int] | None = None  # (time, iteration): the rate excludes start-up
         self.console = Console(highlight=False, soft_wrap=True)
         self._tensorboard = None
         if tensorboard:
@@ -87,7 +100,20 @@ class MetricsWriter:
         keys = self.console_keys or tuple(k for k, v in record.items() if k != "iteration" and not isinstance(v, dict))
         parts = [f"iteration {record['iteration']}{total}"]
         parts += [f"{key} {_format(record[key])}" for key in keys if key in record]
+        eta = self._eta(record["iteration"])
+        if eta is not None:
+            parts.append(f"eta {format_duration(eta)}")
         return " | ".join(parts)
+
+    def _eta(self, iteration: int) -> float | None:
+        """Seconds left at the mean pace since the first logged iteration (which start-up delays)."""
+        now = self._clock()
+        if self._first_logged is None:
+            self._first_logged = (now, iteration)
+        start_time, start_iteration = self._first_logged
+        if not self.total or iteration <= start_iteration:
+            return None
+        return (now - start_time) / (iteration - start_iteration) * max(self.total - iteration, 0)
 
     def print(self, message: str) -> None:
         self.console.print(message)

@@ -1,0 +1,48 @@
+"""The metrics writer's console line: the remaining-time estimate and its formatting."""
+from __future__ import annotations
+
+import pytest
+
+from megadiff.observability.metrics import MetricsWriter, format_duration, read_metrics
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (59.6, "1m00s"), (61, "1m01s"), (3600 * 3 + 7 * 60 + 30, "3h07m"),
+                                           (86400 * 2 + 3600 * 5 + 59, "2d05h")])
+def test_durations_read_at_a_glance(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_eta_follows_the_pace_since_the_first_logged_iteration(tmp_path):
+    clock = FakeClock()
+    writer = MetricsWriter(tmp_path, resume_from_iteration=10, tensorboard=False, total_iterations=110,
+                           console_keys=("lm_loss",), clock=clock)
+    lines = []
+    for iteration, seconds_taken in ((11, 500.0), (12, 2.0), (13, 4.0), (13, 1.0)):
+        clock.now += seconds_taken  # the first iteration after a resume also pays for start-up
+        lines.append(writer.progress_line({"iteration": iteration, "lm_loss": 2.0}))
+    writer.close()
+    assert lines[0] == "iteration 11/110 | lm_loss 2.0000"  # no pace known yet
+    # 2 s for one iteration, 98 left
+    assert lines[1] == f"iteration 12/110 | lm_loss 2.0000 | eta {format_duration(2.0 * 98)}"
+    assert lines[2].endswith(f"eta {format_duration((2.0 + 4.0) / 2 * 97)}")
+    # a second record of the same iteration (validation) uses the time of now
+    assert lines[3].endswith(f"eta {format_duration((2.0 + 4.0 + 1.0) / 2 * 97)}")
+
+
+def test_resumed_run_drops_the_iterations_it_runs_again(tmp_path):
+    first = MetricsWriter(tmp_path, tensorboard=False)
+    for iteration in (1, 2, 3, 4):
+        first.log({"iteration": iteration, "lm_loss": float(iteration)})
+    first.close()
+    resumed = MetricsWriter(tmp_path, resume_from_iteration=2, tensorboard=False)
+    resumed.log({"iteration": 3, "lm_loss": 30.0})
+    resumed.close()
+    assert [(r["iteration"], r["lm_loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
