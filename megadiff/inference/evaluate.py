@@ -1,0 +1,121 @@
+"""`megadiff evaluate`: a checkpoint's held-out loss, overall and by position in the sequence.
+
+The samples are the checkpoint's own validation (or test) split, i.e. documents its run never
+trained on, cut as training cuts them (megatron's GPTDataset), or any prepared data named with
+`data.*` overrides. `--seq-length` longer than the run's probes RoPE extrapolation or checks a
+64K extension. Reported: the mean next-token loss and its perplexity, and per position bucket
+the mean loss of the positions in it and the cumulative mean up to its end (the DIFF paper's
+long-context curve: it should keep falling as the context grows). JSON with --output.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from megadiff.config import ConfigError
+from megadiff.config.loader import build_config
+from megadiff.data.datasets import build_datasets
+from megadiff.data.locations import training_blend
+from megadiff.data.prepare import ensure_prepared
+from megadiff.inference.loader import CausalLM, load_checkpoint
+
+SPLITS = ("valid", "test")
+
+
+def evaluation_config(model: CausalLM, seq_length: int | None, overrides: Iterable[str]):
+    """The checkpoint's config with the evaluation's sequence length and data overrides."""
+    overrides = list(overrides)
+    if seq_length is not None:
+        overrides.append(f"model.seq_length={seq_length}")
+    return build_config(model.cfg.model_dump(mode="json"), overrides)
+
+
+@torch.no_grad()
+def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None) -> torch.Tensor:
+    """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples."""
+    rows = []
+    for start in range(0, sequences, batch_size):
+        items = [dataset[i] for i in range(start, min(start + batch_size, sequences))]
+        tokens, labels = (torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long()
+                          for key in ("tokens", "labels"))
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        device = model.device
+        losses = model.gpt(tokens.to(device), positions.to(device), None, labels=labels.to(device))
+        rows.append(losses.float().cpu())
+        if on_batch is not None:
+            on_batch(len(items))
+    return torch.cat(rows)
+
+
+def summarize(losses: torch.Tensor, buckets: int) -> dict:
+    """Mean loss, perplexity and per-bucket (mean, cumulative mean) of [sequences, N] losses."""
+    per_position = losses.double().mean(0)
+    seq_length = per_position.numel()
+    edges = np.linspace(0, seq_length, min(buckets, seq_length) + 1).round().astype(int)
+    cumulative = per_position.cumsum(0) / torch.arange(1, seq_length + 1, dtype=torch.float64)
+    rows = [{"positions": [int(lo), int(hi)], "mean_loss": per_position[lo:hi].mean().item(),
+             "cumulative_loss": cumulative[hi - 1].item()} for lo, hi in zip(edges[:-1], edges[1:])]
+    loss = per_position.mean().item()
+    return {"sequences": losses.shape[0], "seq_length": seq_length, "tokens": losses.numel(), "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)), "by_position": rows}
+
+
+def evaluate(load: str, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
+             batch_size: int = 1, buckets: int = 8, overrides: Iterable[str] = (), output: str | None = None) -> int:
+    """`megadiff evaluate --load RUN`: print (and with `output`, write as JSON) the held-out losses."""
+    if split not in SPLITS:
+        raise ConfigError(f"--split must be one of {SPLITS}, got {split!r}")
+    if min(sequences, batch_size, buckets) < 1:
+        raise ConfigError("--sequences, --batch-size and --buckets must be >= 1")
+    unexpected = [o for o in overrides if not o.startswith("data.")]
+    if unexpected:
+        raise ConfigError(f"evaluate takes data.* overrides only (the model is the checkpoint's), got {unexpected}")
+    console = Console(highlight=False, soft_wrap=True)
+    model = load_checkpoint(load)
+    cfg = evaluation_config(model, seq_length, overrides)
+    ensure_prepared(cfg)
+    wanted = (0, sequences, 0) if split == "valid" else (0, 0, sequences)
+    dataset = build_datasets(cfg, model.tokenizer, wanted, seed=cfg.train.seed)[SPLITS.index(split) + 1]
+    if dataset is None:
+        raise ConfigError(f"data.split {cfg.data.split!r} gives the {split} split no documents; evaluate the other "
+                          "split or set data.split")
+    sequences = min(sequences, len(dataset))
+    progress = Progress(TextColumn("evaluate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                        TimeRemainingColumn(), console=Console(stderr=True))
+    with progress:
+        task = progress.add_task("evaluate", total=sequences, rate="")
+        start = time.perf_counter()
+
+        def advance(batch: int) -> None:
+            progress.advance(task, batch)
+            tokens = progress.tasks[0].completed * cfg.model.seq_length
+            progress.update(task, rate=f"{tokens / (time.perf_counter() - start):,.0f} tokens/s")
+
+        report = summarize(position_losses(model, dataset, sequences, batch_size, advance), buckets)
+    report.update(checkpoint=str(model.checkpoint_dir), split=split, data=training_blend(cfg.data)[0])
+    _print(console, report)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {output}")
+    return 0
+
+
+def _print(console: Console, report: dict) -> None:
+    table = Table(title=f"{report['checkpoint']}: {report['split']} loss {report['loss']:.4f} "
+                        f"(perplexity {report['perplexity']:.2f}) over {report['tokens']:,} tokens")
+    for column in ("positions", "mean loss", "cumulative mean loss"):
+        table.add_column(column, justify="right")
+    for row in report["by_position"]:
+        lo, hi = row["positions"]
+        table.add_row(f"{lo:,}-{hi - 1:,}", f"{row['mean_loss']:.4f}", f"{row['cumulative_loss']:.4f}")
+    console.print(table)

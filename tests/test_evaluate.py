@@ -1,0 +1,102 @@
+"""`megadiff evaluate`: held-out losses equal a naive cross entropy of the model's logits on the
+same samples; the by-position summary equals a naive per-position computation; bad requests are
+config errors."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
+from megadiff.cli import main
+from megadiff.config import ConfigError, build_config
+from megadiff.data.datasets import build_datasets
+from megadiff.data.prepare import prepare
+from megadiff.inference import load_checkpoint
+from megadiff.inference.evaluate import evaluate, summarize
+from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+
+
+def _write_documents(path: Path) -> None:
+    from importlib.util import find_spec
+
+    kjv = Path(list(find_spec("bible").submodule_search_locations)[0]) / "data" / "kjv.jsonl"
+    with open(kjv) as lines:
+        verses = [json.loads(line)["text"] for line, _ in zip(lines, range(1600))]
+    path.write_text("".join(json.dumps({"text": " ".join(verses[i:i + 20])}) + "\n" for i in range(0, 1600, 20)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A DIFF checkpoint (trained on nothing: weights drawn) whose config names prepared KJV data."""
+    root = tmp_path_factory.mktemp("evaluate")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    _write_documents(root / "docs.jsonl")
+    data = [f"data.sources=[{root / 'docs.jsonl'}]", f"data.prefix={root / 'prepared' / 'docs'}",
+            f"data.cache_dir={root / 'cache'}", "data.split=80,20,0", f"data.tokenizer={tokenizer}"]
+    cfg = build_config(variant_config("diff", "single", str(tokenizer)).model_dump(mode="json"), data)
+    prepare(cfg.data)
+    output_dir = root / "run"
+    save_in_process(cfg, iteration_dir(output_dir / CHECKPOINTS_DIR, 3))
+    (output_dir / CHECKPOINTS_DIR / LATEST_FILE).write_text("3")
+    return output_dir, cfg
+
+
+def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int) -> torch.Tensor:
+    """Cross entropy of the logits, per token, on the first samples of the valid split."""
+    model = load_checkpoint(run_dir)
+    cfg = build_config(cfg.model_dump(mode="json"), [f"model.seq_length={seq_length}"])
+    valid = build_datasets(cfg, model.tokenizer, (0, sequences, 0), seed=cfg.train.seed)[1]
+    rows = []
+    with torch.no_grad():
+        for i in range(sequences):
+            tokens, labels = (torch.from_numpy(np.asarray(valid[i][key])).long()[None] for key in ("tokens", "labels"))
+            logits = model(tokens).float()
+            rows.append(F.cross_entropy(logits[0], labels[0], reduction="none"))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("seq_length", [None, 96])  # the run's 32, and three times longer (RoPE extrapolation)
+def test_cli_report_equals_naive_cross_entropy(run, tmp_path, seq_length):
+    run_dir, cfg = run
+    out = tmp_path / "report.json"
+    length = ["--seq-length", str(seq_length)] if seq_length else []
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "5", "--batch-size", "2", "--buckets", "4",
+                 "--output", str(out), *length]) == 0
+    report = json.loads(out.read_text())
+    naive = _naive_losses(run_dir, cfg, seq_length or cfg.model.seq_length, 5)
+    assert (report["sequences"], report["seq_length"], report["tokens"]) == (5, naive.shape[1], naive.numel())
+    assert report["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)
+    assert report["perplexity"] == pytest.approx(math.exp(naive.mean().item()), rel=1e-5)
+    for row in report["by_position"]:
+        lo, hi = row["positions"]
+        assert row["mean_loss"] == pytest.approx(naive[:, lo:hi].mean().item(), rel=1e-5)
+
+
+def test_summary_by_position_against_loops():
+    losses = torch.rand(3, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 5
+    report = summarize(losses, buckets=3)
+    rows = report["by_position"]
+    assert rows[0]["positions"][0] == 0 and rows[-1]["positions"][1] == 10 and len(rows) == 3
+    assert all(a["positions"][1] == b["positions"][0] for a, b in zip(rows, rows[1:]))
+    for row in rows:
+        lo, hi = row["positions"]
+        in_bucket = [losses[s, p].item() for s in range(3) for p in range(lo, hi)]
+        so_far = [losses[s, p].item() for s in range(3) for p in range(hi)]
+        assert row["mean_loss"] == pytest.approx(sum(in_bucket) / len(in_bucket))
+        assert row["cumulative_loss"] == pytest.approx(sum(so_far) / len(so_far))
+    assert report["loss"] == pytest.approx(losses.mean().item())
+    assert len(summarize(losses, buckets=50)["by_position"]) == 10  # never more buckets than positions
+
+
+def test_bad_requests_are_config_errors(run, capsys):
+    run_dir, _ = run
+    assert main(["evaluate", "--load", str(run_dir), "model.hidden_size=128"]) == 2
+    assert "data.* overrides only" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="gives the test split no documents"):
+        evaluate(str(run_dir), split="test", sequences=2)
