@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from megadiff.config import ConfigError, build_config, load_config, resolved_head_dim
 
@@ -39,6 +40,9 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.precision=fp8"], "train.precision"),
     (["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather"),
     (["model.transformer_impl=te"], "model.transformer_impl"),
+    (["logging.profile_iterations=[3,2]"], "logging.profile_iterations"),
+    (["logging.profile_iterations=[0,2]"], "logging.profile_iterations"),
+    (["logging.profile_ranks=[-1]"], "logging.profile_ranks"),
 ])
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
@@ -50,6 +54,8 @@ def test_world_size_checks():
         build_config({}, ["parallel.tensor=2"], world_size=3)
     with pytest.raises(ConfigError, match="train.global_batch_size"):
         build_config({}, ["train.global_batch_size=3", "train.micro_batch_size=1"], world_size=2)
+    with pytest.raises(ConfigError, match=r"logging.profile_ranks: \[2\] are not ranks"):
+        build_config({}, ["logging.profile_ranks=[0,2]", "train.global_batch_size=2"], world_size=2)
 
 
 def test_override_without_equals_is_refused():
@@ -60,3 +66,18 @@ def test_override_without_equals_is_refused():
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_checkpoint_configs_with_retired_keys_still_load(tmp_path):
+    from megadiff.checkpoint.format import checkpoint_config
+    from megadiff.config import dump_config
+
+    dump_config(build_config({}, ["model.num_layers=3"]), tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    saved["logging"]["rank0_only"] = True  # what checkpoints written before its removal hold
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert checkpoint_config(tmp_path).model.num_layers == 3
+    saved["logging"]["no_such_key"] = 1  # anything else unknown is still an error
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="logging.no_such_key: unknown key"):
+        checkpoint_config(tmp_path)

@@ -73,6 +73,23 @@ def test_metrics_console_and_tensorboard(logged_run):
 
 
 @pytest.mark.slow
+def test_profile_window_traces_each_profiling_rank(base, tmp_path):
+    out = tmp_path / "profiled"
+    proc = run_pretrain(2, base + [f"output_dir={out}", "train.iters=4", "logging.profile_iterations=[2,3]",
+                                   "logging.profile_ranks=[0,1]"])
+    for rank in (0, 1):
+        trace = json.loads((out / "profile" / f"trace-rank{rank}-iters2-3.json").read_text())
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert {name for name in names if name.startswith("megadiff iteration")} == {
+            "megadiff iteration 2", "megadiff iteration 3"}
+        assert "aten::scaled_dot_product_attention" in names  # the differential core attention (SDPA on CPU)
+        ops = (out / "profile" / f"ops-rank{rank}-iters2-3.txt").read_text()
+        assert "megadiff iteration 3" in ops and "aten::mm" in ops
+        assert f"rank {rank}: profile written" in proc.stdout
+    assert [r["iteration"] for r in read_metrics(out) if "lm_loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_checkpoints_rotate_and_carry_their_config(logged_run):
     out, _ = logged_run
     checkpoints = out / CHECKPOINTS_DIR

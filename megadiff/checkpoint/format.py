@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megadiff.config import Config, load_config
+from megadiff.config import Config, build_config
+from megadiff.config.loader import load_yaml_tree
 from megadiff.errors import MegadiffError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -59,8 +60,17 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
+# keys that earlier megadiff versions wrote into checkpoints' config.yaml and that no longer
+# exist: dropped on reading, so checkpoints saved before their removal still load
+RETIRED_CONFIG_KEYS = {"logging": ("rank0_only",)}
+
+
 def checkpoint_config(checkpoint_dir: str | Path) -> Config:
-    return load_config(Path(checkpoint_dir) / CONFIG_FILE)
+    saved = load_yaml_tree(Path(checkpoint_dir) / CONFIG_FILE)
+    for section, keys in RETIRED_CONFIG_KEYS.items():
+        for key in keys:
+            (saved.get(section) or {}).pop(key, None)
+    return build_config(saved)
 
 
 def model_keys(num_chunks: int) -> list[str]:

@@ -119,7 +119,12 @@ class LoggingConfig(Section):
     peak_tflops: Optional[float] = Field(None, gt=0, description="per-device peak for MFU; default: known GPUs' "
                                          "dense bf16 peak, none on CPU")
     tensorboard: bool = True
-    rank0_only: bool = True
+    profile_iterations: Optional[tuple[int, int]] = Field(
+        None, description="[first, last]: a torch.profiler trace of these iterations (1-based, inclusive, as "
+        "logged) per profiling rank in <output_dir>/profile/ (Chrome/Perfetto JSON and an op table)")
+    profile_ranks: list[int] = Field(default_factory=lambda: [0], description="global ranks that profile")
+    profile_memory: bool = Field(False, description="with profile_iterations on CUDA: also a CUDA memory "
+                                 "snapshot of the same iterations (open it at pytorch.org/memory_viz)")
 
 
 class Config(Section):

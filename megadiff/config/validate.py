@@ -5,7 +5,9 @@ import math
 import re
 from typing import Optional
 
-from megadiff.config.schema import DIFFERENTIAL_VARIANTS, Config, DataConfig, ModelConfig, ParallelConfig
+from megadiff.config.schema import (
+    DIFFERENTIAL_VARIANTS, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
+)
 from megadiff.errors import MegadiffError
 
 
@@ -146,10 +148,21 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             if micro_batches % cfg.parallel.pipeline:
                 _fail("train.global_batch_size", f"the interleaved schedule needs the number of micro-batches "
                       f"({micro_batches}) to be a multiple of parallel.pipeline ({cfg.parallel.pipeline})")
+    _validate_profiling(cfg.logging, world_size)
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
     if train.precision == "fp8":
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
+
+
+def _validate_profiling(logging: LoggingConfig, world_size: int | None) -> None:
+    if logging.profile_iterations is not None:
+        first, last = logging.profile_iterations
+        if not 1 <= first <= last:
+            _fail("logging.profile_iterations", f"[{first}, {last}] must be [first, last] with 1 <= first <= last")
+    outside = [rank for rank in logging.profile_ranks if rank < 0 or (world_size is not None and rank >= world_size)]
+    if outside:
+        _fail("logging.profile_ranks", f"{outside} are not ranks of this run (world size {world_size})")
 
 
 def _validate_fp8(backend: str, transformer_impl: str) -> None:

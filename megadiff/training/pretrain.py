@@ -20,6 +20,7 @@ from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import Config, data_parallel_size, dump_config, load_config
 from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import MetricsWriter
+from megadiff.observability.profiling import IterationProfiler
 from megadiff.parallel import compute_device, initialize, shutdown
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
@@ -66,6 +67,8 @@ class Pretraining:
         self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
                                             cfg.checkpoint.async_save)
         self.throughput = Throughput(cfg, self.world)
+        self.profiler = IterationProfiler(self.output, self.rank, cfg.logging.profile_iterations,
+                                          cfg.logging.profile_ranks, cfg.logging.profile_memory)
         self.metrics = None
         if self.rank == 0:
             self.output.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,7 @@ class Pretraining:
         try:
             while state.iteration < t.iters:
                 started = time.perf_counter()
+                self.profiler.start(state.iteration + 1)
                 self.scheduler.step(1)
                 result = train_step(self.engine, batches.next_iteration(), self.num_microbatches)
                 state.iteration += 1
@@ -131,6 +135,7 @@ class Pretraining:
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
                               "skipped_iterations": state.skipped_iterations, **self.throughput.metrics(elapsed)}
                     self._log({k: v for k, v in record.items() if v is not None})
+                self._report_profile(self.profiler.stop(state.iteration))
                 if not result.updated and state.skipped_iterations > t.max_skipped_nan_iters:
                     raise TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a "
                                         f"non-finite loss or gradient (train.max_skipped_nan_iters = "
@@ -151,6 +156,7 @@ class Pretraining:
                         self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
                                   f"{state.iteration}, then exiting with code {exit_code} (requeue)")
                     break
+            self._report_profile(self.profiler.stop(state.iteration, final=True))
             if saved_at != state.iteration:
                 self._save()
             self.checkpoints.close()
@@ -160,6 +166,10 @@ class Pretraining:
                 self.metrics.close()
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
         return exit_code
+
+    def _report_profile(self, written: list[Path]) -> None:
+        if written:  # every profiling rank says so, not only the logging one
+            print(f"rank {self.rank}: profile written: {', '.join(str(path) for path in written)}", flush=True)
 
     def _say(self, message: str) -> None:
         if self.metrics is not None:
