@@ -20,6 +20,7 @@ from megadiff.adapt.schedule import lr_multiplier
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.observability.metrics import read_metrics
+from tests.wandb_log import logged_history_and_config
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS = 4
@@ -71,7 +72,7 @@ def workspace(tmp_path_factory):
 def _env(workspace: Path) -> dict:
     return {**os.environ, "HF_HOME": str(workspace / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(workspace / "torch_extensions"),
-            "PYTHONPATH": str(REPO)}
+            "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 
 def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
@@ -88,6 +89,7 @@ def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> s
 
 STAGES = {1: ("configs/deepspeed/zero1.json", "deepspeed"), 2: ("configs/deepspeed/zero2.json", "torchrun"),
           3: (None, "torchrun")}
+WANDB_STAGE = 2  # this stage's run also logs to W&B (offline)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,8 @@ def stage_runs(workspace):
             ds_json, launcher = STAGES[stage]
             ds_json = str(REPO / ds_json) if ds_json else str(workspace / "zero3_all.json")
             output = workspace / f"zero{stage}"
-            run_adapt(workspace, f"deepspeed={ds_json}", f"output_dir={output}", launcher=launcher)
+            wandb = ["logging.wandb_project=megadiff-tests"] if stage == WANDB_STAGE else []
+            run_adapt(workspace, f"deepspeed={ds_json}", f"output_dir={output}", *wandb, launcher=launcher)
             done[stage] = output
         return done[stage]
 
@@ -127,6 +130,11 @@ def test_zero_stage_trains_logs_and_exports(stage, stage_runs, workspace):
     assert all(v == 0.0 for v in records[0]["lambda"].values())  # lambda(0) = 0: the pretrained model
     assert all(v != 0.0 for v in records[1]["lambda"].values())
     assert (output / "tensorboard").is_dir() and (output / "checkpoints" / "latest").is_file()
+    if stage == WANDB_STAGE:
+        history, config = logged_history_and_config(sorted((output / "wandb").glob("offline-run-*")))
+        assert {r["iteration"]: r["lm_loss"] for r in history} == pytest.approx(
+            {r["iteration"]: r["lm_loss"] for r in records})
+        assert config["adaptation"]["method"] == "dex"
     plan = json.loads((output / "adaptation.json").read_text())
     assert [len(layer["heads"]) for layer in plan["layers"]] == [2, 2]
 

@@ -34,6 +34,7 @@ from megadiff.adapt.schedule import warmup_cosine
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
+from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 
 PLAN_FILE = "adaptation.json"
@@ -178,7 +179,8 @@ def finetune(cfg: FinetuneConfig) -> int:
     if rank == 0:
         writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
                                total_iterations=cfg.train.iters,
-                               console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"))
+                               console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
+                               wandb=wandb_sink(output_dir, cfg.logging, cfg.model_dump(mode="json")))
         writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))

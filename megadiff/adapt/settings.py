@@ -6,7 +6,7 @@ checked before any compute; every failure names its key.
     data:        local text/jsonl files, packed into seq_length tokens
     train:       iterations, batch sizes, AdamW + warmup/cosine schedule, precision, seed
     checkpoint:  DeepSpeed checkpoint interval, exit interval
-    logging:     log interval, TensorBoard
+    logging:     log interval, TensorBoard, Weights & Biases
     deepspeed:   a DeepSpeed JSON (configs/deepspeed/); its "auto" values are filled from `train`
     output_dir:  checkpoints/, metrics.jsonl, tensorboard/, adaptation.json, hf/ (the export)
 """
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
-from megadiff.config import ConfigError
+from megadiff.config import ConfigError, WandbFields, validate_wandb
 from megadiff.config.loader import format_validation_error
 from megadiff.config.loader import load_yaml_tree
 
@@ -76,7 +76,7 @@ class CheckpointSection(Section):
                                          "(rerunning the command resumes)")
 
 
-class LoggingSection(Section):
+class LoggingSection(Section, WandbFields):
     log_interval: int = Field(1, ge=1)
     tensorboard: bool = True
 
@@ -165,3 +165,4 @@ def validate_finetune(cfg: FinetuneConfig) -> None:
                              hf_config["num_attention_heads"])
     _check_data_files(cfg.data)
     read_deepspeed_json(cfg.deepspeed)
+    validate_wandb(cfg.logging)

@@ -1,16 +1,16 @@
 from megadiff.config.loader import build_config, dump_config, load_config
 from megadiff.config.schema import (
     DIFFERENTIAL_VARIANTS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
-    TrainConfig,
+    TrainConfig, WandbFields,
 )
 from megadiff.config.validate import (
     ConfigError, data_parallel_size, padded_vocab_size, resolved_ffn_hidden_size, resolved_head_dim,
-    resolved_kv_heads, validate_config, validate_model, validate_parallel,
+    resolved_kv_heads, validate_config, validate_model, validate_parallel, validate_wandb,
 )
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DIFFERENTIAL_VARIANTS", "DataConfig", "LoggingConfig",
-    "ModelConfig", "ParallelConfig", "TrainConfig", "build_config", "data_parallel_size", "dump_config",
+    "ModelConfig", "ParallelConfig", "TrainConfig", "WandbFields", "build_config", "data_parallel_size", "dump_config",
     "load_config", "padded_vocab_size", "resolved_ffn_hidden_size", "resolved_head_dim", "resolved_kv_heads",
-    "validate_config", "validate_model", "validate_parallel",
+    "validate_config", "validate_model", "validate_parallel", "validate_wandb",
 ]

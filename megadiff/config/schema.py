@@ -114,7 +114,15 @@ class CheckpointConfig(Section):
     reset_iteration: bool = Field(False, description="with `load`: start counting iterations and data from 0")
 
 
-class LoggingConfig(Section):
+class WandbFields(BaseModel):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (pre-training and adaptation)."""
+    wandb_project: Optional[str] = Field(None, description="also log to this W&B project (pip install wandb; "
+                                         "WANDB_MODE=offline where nodes have no internet, then `wandb sync`)")
+    wandb_entity: Optional[str] = Field(None, description="W&B team or user; default: the logged-in user's")
+    wandb_run_name: Optional[str] = Field(None, description="default: the output_dir's name")
+
+
+class LoggingConfig(Section, WandbFields):
     log_interval: int = Field(1, ge=1)
     peak_tflops: Optional[float] = Field(None, gt=0, description="per-device peak for MFU; default: known GPUs' "
                                          "dense bf16 peak, none on CPU")

@@ -6,7 +6,7 @@ import re
 from typing import Optional
 
 from megadiff.config.schema import (
-    DIFFERENTIAL_VARIANTS, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
+    DIFFERENTIAL_VARIANTS, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, WandbFields,
 )
 from megadiff.errors import MegadiffError
 
@@ -149,10 +149,18 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
                 _fail("train.global_batch_size", f"the interleaved schedule needs the number of micro-batches "
                       f"({micro_batches}) to be a multiple of parallel.pipeline ({cfg.parallel.pipeline})")
     _validate_profiling(cfg.logging, world_size)
+    validate_wandb(cfg.logging)
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
     if train.precision == "fp8":
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
+
+
+def validate_wandb(logging: WandbFields) -> None:
+    from importlib.util import find_spec
+
+    if logging.wandb_project and find_spec("wandb") is None:
+        _fail("logging.wandb_project", "W&B logging needs wandb, which is not installed (pip install wandb)")
 
 
 def _validate_profiling(logging: LoggingConfig, world_size: int | None) -> None:

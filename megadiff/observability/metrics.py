@@ -1,7 +1,7 @@
 """Where training metrics go: metrics.jsonl, TensorBoard scalars and a console progress line.
 
 Shared by pre-training and adaptation, so both runs read the same way. Pure Python + torch's
-TensorBoard writer: no megatron here. Only the logging rank creates a writer.
+TensorBoard writer (+ W&B when asked): no megatron here. Only the logging rank creates a writer.
 
 metrics.jsonl holds one JSON object per logged iteration. Its keys are the caller's: numbers,
 and dicts of numbers (e.g. {"lambda": {"layer_1": 0.2}}), which TensorBoard gets as
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
+
+from megadiff.observability.wandb_sink import WandbSink
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -61,7 +63,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: str | Path, *, resume_from_iteration: int = 0, tensorboard: bool = True,
                  total_iterations: int | None = None, console_keys: tuple[str, ...] = (),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wandb: WandbSink | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -77,6 +79,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
             self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR),
                                               purge_step=resume_from_iteration + 1 if resume_from_iteration else None)
+        self._wandb = wandb
 
     def _truncate_after(self, iteration: int) -> None:
         """Keep the lines of iterations <= `iteration` (the checkpoint this run resumed from)."""
@@ -89,10 +92,13 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         step = record["iteration"]
+        flat = _flatten(record)
         if self._tensorboard is not None:
-            for key, value in _flatten(record).items():
+            for key, value in flat.items():
                 if key != "iteration":
                     self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(flat)
         self.console.print(self.progress_line(record))
 
     def progress_line(self, record: dict) -> str:
@@ -122,3 +128,5 @@ class MetricsWriter:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.close()

@@ -21,6 +21,7 @@ from megadiff.config import Config, data_parallel_size, dump_config, load_config
 from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import MetricsWriter
 from megadiff.observability.profiling import IterationProfiler
+from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.parallel import compute_device, initialize, shutdown
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
@@ -75,7 +76,8 @@ class Pretraining:
             dump_config(cfg, self.output / CONFIG_FILE)
             self.metrics = MetricsWriter(self.output, resume_from_iteration=self.state.iteration,
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
-                                         console_keys=CONSOLE_KEYS)
+                                         console_keys=CONSOLE_KEYS,
+                                         wandb=wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")))
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} ranks "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
                                f"DP {self.dp}); {how}")
