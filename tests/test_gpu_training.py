@@ -1,10 +1,12 @@
 """The user's path on a GPU, as commands: pre-train (NCCL, bf16, checkpoints, evaluation), stop and
-resume, convert to Hugging Face with its logits check, generate. Everything CUDA-only that the CPU
+resume (profiling an iteration), convert to Hugging Face with its logits check, generate,
+evaluate. Everything CUDA-only that the CPU
 suite cannot reach runs here: the NCCL collectives on the loss and the stop flag, the model's move
 to the GPU, CUDA RNG states in checkpoints, the fused kernel inside the model, and inference and
 conversion on a machine where megatron computes on the GPU."""
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -42,7 +44,8 @@ def kjv_prefix(small_tokenizer_dir, tmp_path_factory) -> str:
 def _megadiff(*args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "megadiff", *args], env=environment(), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"megadiff {args[0]}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (f"megadiff {args[0]}: exit {proc.returncode}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
@@ -55,7 +58,9 @@ def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, k
         "checkpoint.save_interval=2", f"output_dir={out}"]
     run_pretrain(1, overrides + [f"train.exit_interval={STOP_AT}"])
     assert read_latest_iteration(out / "checkpoints") == STOP_AT
-    run_pretrain(1, overrides)
+    # the resumed run also profiles one iteration, with a CUDA memory snapshot
+    profiled = ITERS - 1
+    run_pretrain(1, overrides + [f"logging.profile_iterations=[{profiled},{profiled}]", "logging.profile_memory=true"])
     assert read_latest_iteration(out / "checkpoints") == ITERS
     steps = [record for record in read_metrics(out) if "lm_loss" in record]
     assert len(steps) == ITERS and all(math.isfinite(record["lm_loss"]) for record in steps)
@@ -66,3 +71,15 @@ def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, k
     assert "check passed" in converted.stdout
     sample = _megadiff("generate", "--load", str(out), "--prompt", "In the beginning", "--max-new-tokens", "8")
     assert sample.stdout.startswith("In the beginning")
+    report_file = tmp_path / f"{variant}-evaluation.json"
+    _megadiff("evaluate", "--load", str(out), "--sequences", "4", "--batch-size", "2", "--output", str(report_file))
+    report = json.loads(report_file.read_text())
+    assert math.isfinite(report["loss"]) and report["tokens"] == 4 * report["seq_length"]
+
+    window = f"rank0-iters{profiled}-{profiled}"
+    trace = json.loads((out / "profile" / f"trace-{window}.json").read_text())["traceEvents"]
+    kernels = {event["name"] for event in trace if event.get("cat") == "kernel"}
+    assert kernels  # CUDA kernels were recorded
+    if variant == "diff":  # the fused differential attention runs inside the model
+        assert all(any(name.startswith(kernel) for name in kernels) for kernel in ("_fwd_kernel", "_dq_kernel"))
+    assert (out / "profile" / f"memory-{window}.pickle").stat().st_size > 0
