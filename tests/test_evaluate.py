@@ -100,3 +100,21 @@ def test_bad_requests_are_config_errors(run, capsys):
     assert "data.* overrides only" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="gives the test split no documents"):
         evaluate(str(run_dir), split="test", sequences=2)
+
+
+def test_more_sequences_than_the_split_holds_evaluates_each_once(run):
+    from megadiff.inference.evaluate import evaluation_config, held_out_dataset
+    from rich.console import Console
+
+    run_dir, cfg = run
+    model = load_checkpoint(run_dir)
+    long_cfg = evaluation_config(model, 256, [])
+    asked = 10_000
+    dataset = held_out_dataset(long_cfg, model.tokenizer, "valid", asked, Console(quiet=True))
+    split_tokens = int(dataset.dataset.sequence_lengths[dataset.indices].sum())
+    assert len(dataset) == (split_tokens - 1) // 256 < asked
+    rows = {tuple(np.asarray(dataset[i]["tokens"]).tolist()) for i in range(len(dataset))}
+    assert len(rows) == len(dataset)  # no sample twice
+    repeated = build_datasets(long_cfg, model.tokenizer, (0, asked, 0), seed=long_cfg.train.seed)[1]
+    first = [tuple(np.asarray(repeated[i]["tokens"]).tolist()) for i in range(len(dataset))]
+    assert len(set(first)) < len(first)  # what megatron gives when asked for more: repeats among them

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import numpy as np
 import torch
+from megatron.core.datasets.gpt_dataset import GPTDataset
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -37,6 +38,35 @@ def evaluation_config(model: CausalLM, seq_length: int | None, overrides: Iterab
     if seq_length is not None:
         overrides.append(f"model.seq_length={seq_length}")
     return build_config(model.cfg.model_dump(mode="json"), overrides)
+
+
+def distinct_samples(dataset) -> int | None:
+    """How many samples one pass over the split's documents gives (megatron's GPTDataset starts
+    another epoch, i.e. repeats documents, to make more); None for a blend, which cannot say."""
+    if not isinstance(dataset, GPTDataset):
+        return None
+    tokens = int(np.sum(dataset.dataset.sequence_lengths[dataset.indices]))
+    return max((tokens - dataset.config.add_extra_token_to_sequence) // dataset.config.sequence_length, 0)
+
+
+def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Console):
+    """`split`'s samples as training cuts them: at most `sequences`, and no document twice."""
+
+    def build(count: int):
+        wanted = (0, count, 0) if split == "valid" else (0, 0, count)
+        return build_datasets(cfg, tokenizer, wanted, seed=cfg.train.seed)[SPLITS.index(split) + 1]
+
+    dataset = build(sequences)
+    if dataset is None:
+        raise ConfigError(f"data.split {cfg.data.split!r} gives the {split} split no documents; evaluate the other "
+                          "split or set data.split")
+    distinct = distinct_samples(dataset)
+    if distinct is not None and sequences > distinct:
+        # more samples than one pass holds: megatron shuffles a second epoch in among the first
+        console.print(f"evaluate: the {split} split holds {distinct} distinct sequences of {cfg.model.seq_length} "
+                      f"tokens; evaluating those")
+        dataset = build(distinct)
+    return dataset
 
 
 @torch.no_grad()
@@ -83,11 +113,7 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     model = load_checkpoint(load)
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
-    wanted = (0, sequences, 0) if split == "valid" else (0, 0, sequences)
-    dataset = build_datasets(cfg, model.tokenizer, wanted, seed=cfg.train.seed)[SPLITS.index(split) + 1]
-    if dataset is None:
-        raise ConfigError(f"data.split {cfg.data.split!r} gives the {split} split no documents; evaluate the other "
-                          "split or set data.split")
+    dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
     sequences = min(sequences, len(dataset))
     progress = Progress(TextColumn("evaluate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                         TimeRemainingColumn(), console=Console(stderr=True))
