@@ -52,7 +52,7 @@ def compile_candidate(kind: str, block_m: int, block_n: int, num_warps: int, num
                       CAUSAL=causal, DOT_PREC="tf32", BLOCK_M=block_m, BLOCK_N=block_n, **{**modes, **flags})
     source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **triton_fwd.COMPILE_OPTIONS))
 
 
 def resource_usage(compiled, workdir: Path) -> dict:

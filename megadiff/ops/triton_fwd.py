@@ -56,6 +56,9 @@ _ACCUMULATORS = {
 }
 _MAX_ACC_PER_THREAD = 128
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32)
+# Fused multiply-adds on: Triton's default until 3.10 turns it off. The kernels' speed and their
+# tested accuracy assume FMAs, so a Triton upgrade must not change them silently.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
 @triton.jit
@@ -257,13 +260,14 @@ def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: di
     """
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     if config is None and not INTERPRETED:
-        _autotuned(kernel, kind)[lambda m: (triton.cdiv(n_tiled, m[tile]), programs)](*args, **meta)
+        _autotuned(kernel, kind)[lambda m: (triton.cdiv(n_tiled, m[tile]), programs)](*args, **meta,
+                                                                                     **COMPILE_OPTIONS)
         return
     config = config or INTERPRETER_CONFIG
     tile_rows = config.block_n if kind == "dkdv" else config.block_m
     kernel[(triton.cdiv(n_tiled, tile_rows), programs)](
         *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
 
 
 def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: float, o_dtype: torch.dtype,
