@@ -9,6 +9,8 @@ import sys
 import warnings
 from typing import Callable
 
+from megadiff import __version__
+
 
 def _target(path: str) -> Callable:
     """'package.module:function' -> the function; a missing module is a clear 'not implemented' error."""
@@ -31,6 +33,7 @@ def _config_command(sub, name: str, target: str, help_text: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megadiff", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"megadiff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     _config_command(sub, "prepare-data", "megadiff.data.prepare:prepare_from_config",
