@@ -163,8 +163,12 @@ def finetune(cfg: FinetuneConfig) -> int:
     stage = dss.zero_stage(ds_config)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    wandb = None
     if rank == 0:
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        resolved = cfg.model_dump(mode="json")
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        # before the model loads: a W&B login or project problem stops the run at once
+        wandb = wandb_sink(output_dir, cfg.logging, resolved)
     torch.manual_seed(cfg.train.seed)
     tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
 
@@ -180,7 +184,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
                                total_iterations=cfg.train.iters,
                                console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
-                               wandb=wandb_sink(output_dir, cfg.logging, cfg.model_dump(mode="json")))
+                               wandb=wandb)
         writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))

@@ -61,6 +61,8 @@ class Pretraining:
         self.dp = data_parallel_size(cfg.parallel, self.world)
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
         self.output = Path(cfg.output_dir)
+        # W&B starts first: a login or project problem should stop the run before data and model
+        self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
         self.datasets = _prepare_data(cfg)
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
@@ -77,7 +79,7 @@ class Pretraining:
             self.metrics = MetricsWriter(self.output, resume_from_iteration=self.state.iteration,
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
-                                         wandb=wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")))
+                                         wandb=self._wandb)
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} ranks "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
                                f"DP {self.dp}); {how}")
