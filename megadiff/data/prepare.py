@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Iterable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -97,7 +99,8 @@ def _tokenize(prefix: str, sources: list[Source], data: DataConfig, tokenizer: T
             raise DataError(f"data.sources: no documents in {', '.join(s.describe() for s in sources)}")
         documents, tokens = 0, 0
         progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            _TokensPerSecond(), TimeElapsedColumn(), console=Console(stderr=True))
+                            _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                            console=Console(stderr=True))
         with AtomicIndexedWriter(prefix, dtype) as writer, progress:
             task = progress.add_task("tokenizing", total=len(texts), tokens=0)
             start = time.perf_counter()
