@@ -43,6 +43,11 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], nan_iteration
         json.dump({"exit_code": exit_code, "events": events}, handle)
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        return [int(child) for child in listing.read().split()]
+
+
 def killed_while_saving(rank: int, world_size: int, overrides: list[str], doomed_iteration: int) -> None:
     """SIGKILL (nothing can be cleaned up) in the middle of writing the checkpoint of one iteration."""
     original_save = training_checkpoint.dist_checkpointing.save
@@ -51,6 +56,10 @@ def killed_while_saving(rank: int, world_size: int, overrides: list[str], doomed
         if f"iter_{doomed_iteration:07d}" in str(directory):
             with open(os.path.join(directory, "half_written.distcp"), "wb") as handle:
                 handle.write(b"\0" * 1024)
+            # with its helper processes (checkpoint writers), as a node failure or a job's cgroup
+            # OOM kill takes them: left behind they would wait on their dead parent for ever
+            for child in _children(os.getpid()):
+                os.kill(child, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return original_save(state, directory, *args, **kwargs)
 
