@@ -5,7 +5,7 @@ on each rank of `logging.profile_ranks` and writes, per rank, into <output_dir>/
 - trace-rank<r>-iters<first>-<last>.json: the Chrome/Perfetto trace (chrome://tracing,
   ui.perfetto.dev), CPU ops and, on GPUs, CUDA kernels (the fused attention kernel included),
   each iteration a "megadiff iteration N" span;
-- ops-rank<r>-iters<first>-<last>.txt: the ops sorted by total device (else CPU) time;
+- ops-rank<r>-iters<first>-<last>.txt: the ops sorted by their own device (else CPU) time;
 - with `logging.profile_memory` on CUDA, memory-rank<r>-iters<first>-<last>.pickle: a CUDA memory
   snapshot of the window for pytorch.org/memory_viz.
 A run resumed after `first` records nothing (the window has passed).
