@@ -72,7 +72,7 @@ def workspace(tmp_path_factory):
 def _env(workspace: Path) -> dict:
     return {**os.environ, "HF_HOME": str(workspace / "hf_home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(workspace / "torch_extensions"),
-            "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+            "PYTHONPATH": str(REPO)}
 
 
 def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
@@ -89,7 +89,7 @@ def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> s
 
 STAGES = {1: ("configs/deepspeed/zero1.json", "deepspeed"), 2: ("configs/deepspeed/zero2.json", "torchrun"),
           3: (None, "torchrun")}
-WANDB_STAGE = 2  # this stage's run also logs to W&B (offline)
+WANDB_STAGE = 2  # this stage's run also logs to W&B (offline: tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ import pytest
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
+from megadiff.observability.wandb_sink import RUN_ID_FILE
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+from tests.wandb_log import logged_history_and_config
 
 ITERS = 6
 STOP = 3
@@ -26,6 +28,7 @@ def _grad_norms(output_dir):
 
 
 LAYOUT = ["parallel.tensor=2", "parallel.distributed_optimizer=true"]  # x DP=2 on 4 ranks
+WANDB = ["logging.wandb_project=megadiff-tests"]  # the stopped run and its rerun also log to W&B (offline)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def runs(base, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("resume")
     full, part = root / "uninterrupted", root / "interrupted"
     run_pretrain(4, base + LAYOUT + [f"output_dir={full}"])
-    run_pretrain(4, base + LAYOUT + [f"output_dir={part}", f"train.exit_interval={STOP}"])
+    run_pretrain(4, base + LAYOUT + WANDB + [f"output_dir={part}", f"train.exit_interval={STOP}"])
     assert read_latest_iteration(part / CHECKPOINTS_DIR) == STOP
     assert len(losses(part)) == STOP
     return {"full": full, "part": part}
@@ -46,11 +49,23 @@ def runs(base, tmp_path_factory) -> dict:
 def test_rerun_continues_bit_for_bit(base, runs, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(runs["part"], resumed)
-    rerun = run_pretrain(4, base + LAYOUT + [f"output_dir={resumed}"])
+    rerun = run_pretrain(4, base + LAYOUT + WANDB + [f"output_dir={resumed}"])
     assert f"resumed from {resumed / CHECKPOINTS_DIR}" in rerun.stdout
     assert losses(resumed) == losses(runs["full"])  # every iteration, bit for bit
     assert _grad_norms(resumed) == _grad_norms(runs["full"])
     assert read_latest_iteration(resumed / CHECKPOINTS_DIR) == ITERS
+
+    # one W&B run across the stop (its id kept in the output_dir), logged by rank 0 only,
+    # holding exactly metrics.jsonl's losses and the resolved config
+    run_id = (resumed / RUN_ID_FILE).read_text().strip()
+    wandb_runs = sorted((resumed / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in wandb_runs)
+    history, config = logged_history_and_config(wandb_runs)
+    assert {r["iteration"]: r["lm_loss"] for r in history if "lm_loss" in r} == pytest.approx(
+        {r["iteration"]: r["lm_loss"] for r in read_metrics(resumed) if "lm_loss" in r})
+    assert len([r for r in history if "lm_loss" in r]) == ITERS
+    assert any("lambda/layer_1" in r for r in history)  # nested metrics keep TensorBoard's names
+    assert config["parallel"]["tensor"] == 2 and config["train"]["iters"] == ITERS
 
 
 @pytest.mark.slow
