@@ -45,19 +45,23 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, s
                         f"({tokenizer.vocab_size} ids): it was prepared with another tokenizer")
 
 
+def split_documents(sequence_lengths: np.ndarray, split: str) -> dict[str, tuple[int, int, int]]:
+    """{split name: (first document, end document, tokens)} for each split `split` (data.split) gives
+    a share: the same document ranges megatron's BlendedMegatronDatasetBuilder cuts."""
+    count = len(sequence_lengths)
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    ranges = {name: (int(round(bounds[0] * count)), int(round(bounds[1] * count)))
+              for name, bounds in zip(SPLITS, matrix) if bounds is not None}
+    return {name: (begin, end, int(np.sum(sequence_lengths[begin:end]))) for name, (begin, end) in ranges.items()}
+
+
 def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str) -> None:
     """Every split data.split gives a share must hold at least one sample (seq_length + 1 tokens)."""
-    lengths, count = summary.sequence_lengths, len(summary.sequence_lengths)
+    count = len(summary.sequence_lengths)
     if summary.tokens == 0:
         raise DataError(f"{key}: {prefix} holds no tokens ({count} documents); prepare it from non-empty text")
     needed = cfg.model.seq_length + 1
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
-    for name, bounds in zip(SPLITS, matrix):
-        if bounds is None:
-            continue
-        # the same document ranges megatron's BlendedMegatronDatasetBuilder cuts
-        begin, end = int(round(bounds[0] * count)), int(round(bounds[1] * count))
-        tokens = int(np.sum(lengths[begin:end]))
+    for name, (begin, end, tokens) in split_documents(summary.sequence_lengths, cfg.data.split).items():
         if tokens < needed:
             raise DataError(f"model.seq_length: the {name} split of {prefix} (documents {begin}..{end} of {count}, "
                             f"data.split={cfg.data.split}) holds {tokens} tokens, fewer than one sample of "

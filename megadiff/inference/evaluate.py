@@ -17,14 +17,15 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from megatron.core.datasets.gpt_dataset import GPTDataset
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.config.loader import build_config
+from megadiff.data.checks import split_documents
 from megadiff.data.datasets import build_datasets
+from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.loader import CausalLM, load_checkpoint
@@ -40,32 +41,32 @@ def evaluation_config(model: CausalLM, seq_length: int | None, overrides: Iterab
     return build_config(model.cfg.model_dump(mode="json"), overrides)
 
 
-def distinct_samples(dataset) -> int | None:
-    """How many samples one pass over the split's documents gives (megatron's GPTDataset starts
-    another epoch, i.e. repeats documents, to make more); None for a blend, which cannot say."""
-    if not isinstance(dataset, GPTDataset):
+def distinct_samples(cfg, split: str) -> int | None:
+    """How many samples one pass over `split`'s documents gives (asked for more, megatron's
+    GPTDataset shuffles a second epoch, i.e. repeats, in among them); None for a blend, whose
+    samples per prefix depend on its weights, or a split data.split gives no share."""
+    prefixes, _ = training_blend(cfg.data)
+    if len(prefixes) != 1:
         return None
-    tokens = int(np.sum(dataset.dataset.sequence_lengths[dataset.indices]))
-    return max((tokens - dataset.config.add_extra_token_to_sequence) // dataset.config.sequence_length, 0)
+    splits = split_documents(read_index(prefixes[0]).sequence_lengths, cfg.data.split)
+    if split not in splits:
+        return None
+    _, _, tokens = splits[split]
+    return max((tokens - 1) // cfg.model.seq_length, 0)  # a sample reads seq_length + 1 tokens
 
 
 def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Console):
     """`split`'s samples as training cuts them: at most `sequences`, and no document twice."""
-
-    def build(count: int):
-        wanted = (0, count, 0) if split == "valid" else (0, 0, count)
-        return build_datasets(cfg, tokenizer, wanted, seed=cfg.train.seed)[SPLITS.index(split) + 1]
-
-    dataset = build(sequences)
+    distinct = distinct_samples(cfg, split)
+    if distinct is not None and sequences > distinct:
+        console.print(f"evaluate: the {split} split holds {distinct} distinct sequences of {cfg.model.seq_length} "
+                      f"tokens; evaluating those")
+        sequences = distinct
+    wanted = (0, sequences, 0) if split == "valid" else (0, 0, sequences)
+    dataset = build_datasets(cfg, tokenizer, wanted, seed=cfg.train.seed)[SPLITS.index(split) + 1]
     if dataset is None:
         raise ConfigError(f"data.split {cfg.data.split!r} gives the {split} split no documents; evaluate the other "
                           "split or set data.split")
-    distinct = distinct_samples(dataset)
-    if distinct is not None and sequences > distinct:
-        # more samples than one pass holds: megatron shuffles a second epoch in among the first
-        console.print(f"evaluate: the {split} split holds {distinct} distinct sequences of {cfg.model.seq_length} "
-                      f"tokens; evaluating those")
-        dataset = build(distinct)
     return dataset
 
 
@@ -77,10 +78,7 @@ def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, o
         items = [dataset[i] for i in range(start, min(start + batch_size, sequences))]
         tokens, labels = (torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long()
                           for key in ("tokens", "labels"))
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        device = model.device
-        losses = model.gpt(tokens.to(device), positions.to(device), None, labels=labels.to(device))
-        rows.append(losses.float().cpu())
+        rows.append(model(tokens, labels).float().cpu())
         if on_batch is not None:
             on_batch(len(items))
     return torch.cat(rows)

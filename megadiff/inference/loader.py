@@ -87,7 +87,8 @@ def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
 
 
 class CausalLM(torch.nn.Module):
-    """model(input_ids [B, N]) -> logits [B, N, V] (batch first, V = padded vocabulary)."""
+    """model(input_ids [B, N]) -> logits [B, N, V] (batch first, V = padded vocabulary);
+    model(input_ids, labels) -> next-token losses [B, N]."""
 
     def __init__(self, gpt, cfg: Config, checkpoint_dir: Path | None = None):
         """cfg: the checkpoint's own config (its training layout included)."""
@@ -114,12 +115,13 @@ class CausalLM(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.gpt.parameters()).device
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits on the model's device, wherever `input_ids` are."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits on the model's device, wherever `input_ids` are; with `labels` [B, N], megatron's
+        per-token cross entropy [B, N] (fp32) instead, never holding more logits than training does."""
         input_ids = input_ids.to(self.device)
         batch, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).expand(batch, seq)
-        return self.gpt(input_ids, positions, None)
+        return self.gpt(input_ids, positions, None, labels=None if labels is None else labels.to(self.device))
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> CausalLM:
