@@ -1,14 +1,18 @@
-"""Preemption: SIGTERM / SIGUSR1 ask for a checkpoint and a clean exit at the next iteration boundary.
+"""Stopping early without losing work: SIGTERM / SIGUSR1, or a wall-clock budget, ask for a
+checkpoint and a clean exit at the next iteration boundary.
 
 Shared by pre-training and adaptation (torch only, no megatron).
 
-The flag is all-reduced (MAX) over every rank each iteration, so all ranks stop after the same
-iteration even when the signal reached only some of them. The process then exits with
-REQUEUE_EXIT_CODE, which the Slurm scripts turn into a requeue.
+Both flags are all-reduced (MAX) over every rank each iteration, so all ranks stop after the same
+iteration even when the signal reached only some of them or their clocks differ. A signal means
+"preempted": the process exits with REQUEUE_EXIT_CODE, which the Slurm scripts turn into a requeue.
+A spent time budget (Megatron's --exit-duration-in-mins) is a planned stop, like an exit interval.
 """
 from __future__ import annotations
 
 import signal
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,8 +22,16 @@ REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 
 
 class PreemptionHandler:
-    def __init__(self, signals=PREEMPTION_SIGNALS):
+    """`started` and `budget_minutes`: stop once `clock()` passes started + budget (None: no budget)."""
+
+    def __init__(self, signals=PREEMPTION_SIGNALS, started: float | None = None,
+                 budget_minutes: float | None = None, clock: Callable[[], float] = time.monotonic):
         self.received: int | None = None
+        self.signalled = False  # agreed: some rank received a signal
+        self.out_of_time = False  # agreed: some rank's budget is spent
+        self._clock = clock
+        start = clock() if started is None else started
+        self._deadline = None if budget_minutes is None else start + 60.0 * budget_minutes
         self._previous = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -28,11 +40,14 @@ class PreemptionHandler:
         self.received = signum
 
     def agreed(self, device: torch.device | str = "cpu") -> bool:
-        """True on every rank if any rank received a signal (collective; NCCL needs a CUDA `device`)."""
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=device)
+        """True on every rank if any rank received a signal or ran out of time (collective; NCCL needs a
+        CUDA `device`). Afterwards `signalled` and `out_of_time` say which, identically on every rank."""
+        spent = self._deadline is not None and self._clock() >= self._deadline
+        flags = torch.tensor([self.received is not None, spent], dtype=torch.int32, device=device)
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.signalled, self.out_of_time = (bool(flag) for flag in flags.tolist())
+        return self.signalled or self.out_of_time
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():

@@ -180,11 +180,14 @@ def test_resume_is_exact(stage_runs, workspace):
 @pytest.mark.slow
 def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     """ZeRO-1 in bf16 with the shipped fp32 gradient accumulation (DeepSpeed's BF16 optimizer then,
-    another code path than fp32's), stopped at iteration 2 and rerun, against an uninterrupted run."""
+    another code path than fp32's), stopped by its time budget after iteration 1 and rerun, against
+    an uninterrupted run."""
     bf16 = (f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}", "train.precision=bf16")
     run_adapt(workspace, *bf16, f"output_dir={workspace / 'bf16'}")
     resumed = workspace / "bf16-resumed"
-    run_adapt(workspace, *bf16, f"output_dir={resumed}", "checkpoint.exit_interval=2")
+    # a budget spent before the first iteration ends: stop after it, exit code 0
+    stopped = run_adapt(workspace, *bf16, f"output_dir={resumed}", "checkpoint.exit_duration_minutes=1e-6")
+    assert "stopped after iteration 1 (checkpoint.exit_duration_minutes)" in stopped.stdout + stopped.stderr
     run_adapt(workspace, *bf16, f"output_dir={resumed}")
     keys = ("iteration", "lm_loss", "grad_norm")
     uninterrupted = [{k: r[k] for k in keys} for r in read_metrics(workspace / "bf16")]

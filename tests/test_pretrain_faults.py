@@ -71,7 +71,11 @@ def test_preemption_under_torchrun_checkpoints_and_resumes_exactly(base, tmp_pat
     second.send_signal(signal.SIGTERM)
     stopped_again = _stopped_at(second, out)
     assert stopped_again > stopped
-    end = stopped_again + 2
+    # a time budget spent before the first iteration ends: a checkpoint after it, exit code 0
+    budget = run_pretrain(2, run + [f"output_dir={out}", "train.exit_duration_minutes=1e-6"])
+    assert f"spent: checkpointing at iteration {stopped_again + 1}," in budget.stdout + budget.stderr
+    assert read_latest_iteration(out / CHECKPOINTS_DIR) == stopped_again + 1
+    end = stopped_again + 3
     run_pretrain(2, run + [f"output_dir={out}", f"train.exit_interval={end}"])
     reference = tmp_path / "uninterrupted"
     run_pretrain(2, run + [f"output_dir={reference}", f"train.exit_interval={end}"])

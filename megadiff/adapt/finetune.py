@@ -9,7 +9,7 @@ DeepSpeed ZeRO 1/2/3, under torchrun, the deepspeed launcher, Slurm, or as one p
 4. DeepSpeed trains the parameters the freeze policy leaves trainable, logging lm_loss, lr,
    grad_norm, tokens_per_s and each layer's lambda(t) to metrics.jsonl, TensorBoard and the console;
 5. checkpoints (DeepSpeed's, under <output_dir>/checkpoints) every checkpoint.save_interval, at
-   checkpoint.exit_interval (then it stops, exit code 0), on SIGTERM/SIGUSR1 (then it stops, exit
+   checkpoint.exit_interval or exit_duration_minutes (then it stops, exit code 0), on SIGTERM/SIGUSR1 (then it stops, exit
    code 75: requeue me) and at the end; rerunning the same command continues from the latest one
    with the same data order;
 6. at the end the HF directory (export_dir) is written. <output_dir>/config.yaml is the resolved config.
@@ -151,11 +151,12 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
 
 def finetune(cfg: FinetuneConfig) -> int:
     """Run (or continue) the adaptation. Returns the process exit code: 0 when finished or stopped at
-    checkpoint.exit_interval, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
+    checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
     import deepspeed
 
     from megadiff.observability.metrics import MetricsWriter
 
+    started = time.monotonic()
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
     rank, world = dss.init_distributed(cfg.train.timeout_minutes)
     # DeepSpeed's ZeRO collectives call an API torch deprecates, once per call: keep the console readable
@@ -188,7 +189,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))
-    stop = PreemptionHandler()
+    stop = PreemptionHandler(started=started, budget_minutes=cfg.checkpoint.exit_duration_minutes)
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
     iteration, exit_code = start, 0
     while iteration < cfg.train.iters:
@@ -203,18 +204,18 @@ def finetune(cfg: FinetuneConfig) -> int:
             writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
                         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                         "tokens_per_s": tokens_per_iteration / elapsed, "lambda": current_lambdas(engine.module)})
-        preempted = stop.agreed(engine.device)
-        exit_now = preempted or (cfg.checkpoint.exit_interval is not None
-                                 and iteration % cfg.checkpoint.exit_interval == 0)
+        exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
+                                                  and iteration % cfg.checkpoint.exit_interval == 0)
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
             engine.save_checkpoint(str(checkpoint_dir), tag=f"iter_{iteration:07d}",
                                    client_state={"iteration": iteration})
         if exit_now and iteration < cfg.train.iters:
-            exit_code = REQUEUE_EXIT_CODE if preempted else 0
+            exit_code = REQUEUE_EXIT_CODE if stop.signalled else 0
             if writer is not None:
-                reason = signal_name(stop.received) if preempted else "checkpoint.exit_interval"
+                reason = (signal_name(stop.received) if stop.signalled else
+                          "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")
                 writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; "
-                             f"rerun the same command to resume" + (f" (exit code {exit_code})" if preempted else ""))
+                             f"rerun the same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
             break
     else:
         set_step(engine.module, iteration)

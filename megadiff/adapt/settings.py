@@ -74,6 +74,9 @@ class CheckpointSection(Section):
     save_interval: int = Field(500, ge=1, description="save a DeepSpeed checkpoint every N iterations")
     exit_interval: Optional[int] = Field(None, ge=1, description="save and stop at iterations divisible by N "
                                          "(rerunning the command resumes)")
+    exit_duration_minutes: Optional[float] = Field(None, gt=0, description="save and stop after the first "
+                                                   "iteration that ends this many minutes after the run started "
+                                                   "(exit code 0; rerunning the command resumes)")
 
 
 class LoggingSection(Section, WandbFields):

@@ -98,6 +98,9 @@ class TrainConfig(Section):
                                                   "torch-native float8 linear layers (torchao)")
     recompute: Literal["none", "selective", "full"] = "none"
     exit_interval: Optional[int] = Field(None, ge=1, description="stop cleanly after this iteration, with a checkpoint")
+    exit_duration_minutes: Optional[float] = Field(None, gt=0, description="stop cleanly, with a checkpoint, after "
+                                                   "the first iteration that ends this many minutes after the run "
+                                                   "started (start-up included); exit code 0, like exit_interval")
     eval_interval: Optional[int] = Field(None, ge=1)
     eval_iters: int = Field(1, ge=1)
     max_skipped_nan_iters: int = Field(10, ge=0, description="stop after this many steps skipped for a "

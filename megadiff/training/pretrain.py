@@ -2,8 +2,8 @@
 
 Rerunning the same command continues from the latest checkpoint in output_dir, reproducing the
 uninterrupted run's losses exactly. The run stops cleanly, with a checkpoint, at
-`train.iters`, after an iteration divisible by `train.exit_interval`, or at the first iteration
-boundary after SIGTERM/SIGUSR1 (exit code 75: requeue me).
+`train.iters`, after an iteration divisible by `train.exit_interval`, at the first iteration
+boundary after `train.exit_duration_minutes`, or after SIGTERM/SIGUSR1 (exit code 75: requeue me).
 """
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
 
 
 class Pretraining:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, started: float):
+        """`started`: time.monotonic() when the run began, for train.exit_duration_minutes."""
         self.cfg = cfg
+        self.started = started
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.dp = data_parallel_size(cfg.parallel, self.world)
@@ -119,7 +121,7 @@ class Pretraining:
     def train(self) -> int:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         batches = self._loader(self.datasets[0], state.consumed_samples, t.iters * t.global_batch_size)
-        preemption = PreemptionHandler()
+        preemption = PreemptionHandler(started=self.started, budget_minutes=t.exit_duration_minutes)
         exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
         try:
             while state.iteration < t.iters:
@@ -153,12 +155,15 @@ class Pretraining:
                 if interval and state.iteration % interval == 0:
                     self._save()
                     saved_at = state.iteration
-                stop_signal = preemption.agreed(compute_device())
-                if stop_signal or (t.exit_interval and state.iteration % t.exit_interval == 0):
-                    if stop_signal:
+                stop_early = preemption.agreed(compute_device())
+                if stop_early or (t.exit_interval and state.iteration % t.exit_interval == 0):
+                    if preemption.signalled:
                         exit_code = REQUEUE_EXIT_CODE
                         self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
                                   f"{state.iteration}, then exiting with code {exit_code} (requeue)")
+                    elif preemption.out_of_time:
+                        self._say(f"train.exit_duration_minutes={t.exit_duration_minutes} spent: checkpointing at "
+                                  f"iteration {state.iteration}, then exiting with code 0")
                     break
             self._report_profile(self.profiler.stop(state.iteration, final=True))
             if saved_at != state.iteration:
@@ -197,9 +202,10 @@ def _prepare_data(cfg: Config):
 
 
 def pretrain(cfg: Config) -> int:
+    started = time.monotonic()
     initialize(cfg.parallel, cfg.train.seed)
     try:
-        return Pretraining(cfg).train()
+        return Pretraining(cfg, started).train()
     finally:
         shutdown()
 

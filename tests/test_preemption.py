@@ -1,0 +1,63 @@
+"""The stop flags every rank agrees on: a preemption signal, or a spent wall-clock budget."""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch.distributed as dist
+
+from megadiff.preemption import PreemptionHandler
+from tests.distributed import run_ranks
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_budget_stops_once_spent_and_counts_from_the_start_given():
+    clock = FakeClock()
+    handler = PreemptionHandler(signals=(), started=clock.now - 30, budget_minutes=1, clock=clock)
+    assert not handler.agreed()
+    clock.now += 29.9
+    assert not handler.agreed()
+    clock.now += 0.1
+    assert handler.agreed() and handler.out_of_time and not handler.signalled
+
+
+def test_a_signal_stops_and_is_told_apart_from_the_budget():
+    previous = signal.getsignal(signal.SIGUSR1)
+    handler = PreemptionHandler(budget_minutes=60)
+    try:
+        assert not handler.agreed()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler.agreed() and handler.signalled and not handler.out_of_time
+        assert handler.received == signal.SIGUSR1
+    finally:
+        handler.restore()
+    assert signal.getsignal(signal.SIGUSR1) == previous
+
+
+def _agree(rank: int, world_size: int) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    clock = FakeClock()
+    start = clock.now
+    handler = PreemptionHandler(signals=(signal.SIGUSR1,), started=start, budget_minutes=1, clock=clock)
+    assert not handler.agreed()
+    if rank == 1:  # this rank's clock runs ahead: the other stops at the same iteration
+        clock.now += 60
+    assert handler.agreed() and handler.out_of_time and not handler.signalled
+    clock.now = start  # every budget fine again; now a signal reaches rank 0 only
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.agreed() and handler.signalled and not handler.out_of_time
+    assert (handler.received is not None) == (rank == 0)
+    handler.restore()
+    dist.destroy_process_group()
+
+
+def test_every_rank_agrees_on_either_flag():
+    run_ranks(2, _agree)
