@@ -20,4 +20,7 @@ export_process_env() {
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
     # A rank whose NCCL collective fails or times out aborts instead of hanging the job.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    # A rank that dies in native code (segfault, abort, a fatal CUDA error) prints every thread's
+    # Python stack first, so the log says where.
+    export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
 }
