@@ -40,6 +40,23 @@ def test_load_checkpoint_gives_in_process_logits(run, form):
         assert torch.equal(logits, reference(ids))
 
 
+def test_chunked_losses_and_last_logits_equal_megatrons_whole_forward(run):
+    """CausalLM's losses (output layer + cross entropy a few positions at a time), logits and
+    next-token logits against GPTModel.forward's own, which holds every position's logits."""
+    model = load_checkpoint(run[0])
+    model.loss_chunk_tokens = 5  # batch 2: 2 positions per chunk, the last of 9 alone
+    generator = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, 300, (2, 9), generator=generator) for _ in range(2))
+    positions = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        whole = model.gpt(ids, positions, None)
+        torch.testing.assert_close(model(ids, labels), model.gpt(ids, positions, None, labels=labels),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model(ids), whole, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.next_token_logits(ids), whole[:, -1], rtol=1e-6, atol=1e-6)
+    assert model.gpt.post_process  # the forward's flag is restored
+
+
 def test_load_checkpoint_in_bf16_keeps_lambda_vectors_fp32(run):
     params = load_checkpoint(run[0], dtype=torch.bfloat16).parameters_by_name()
     assert params["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == torch.bfloat16

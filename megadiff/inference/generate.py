@@ -34,7 +34,7 @@ def generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, t
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-window:]], device=device)
-        logits = model(context)[0, -1].float().cpu()
+        logits = model.next_token_logits(context)[0].float().cpu()
         if vocab_in_use is not None:
             logits[vocab_in_use:] = float("-inf")
         token = next_token(logits, temperature, top_k, generator)

@@ -27,6 +27,8 @@ from megadiff.parallel import initialize
 TOKENIZER_DIR = "tokenizer"
 PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+# tokens whose logits a loss computation holds at once: V x 4096 fp32 is 1.6 GB for a 100K vocabulary
+LOSS_CHUNK_TOKENS = 4096
 
 
 def single_process_config(cfg: Config, precision: str | None = None) -> Config:
@@ -88,14 +90,19 @@ def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
 
 class CausalLM(torch.nn.Module):
     """model(input_ids [B, N]) -> logits [B, N, V] (batch first, V = padded vocabulary);
-    model(input_ids, labels) -> next-token losses [B, N]."""
+    model(input_ids, labels) -> next-token losses [B, N]; model.next_token_logits(input_ids) -> [B, V].
 
-    def __init__(self, gpt, cfg: Config, checkpoint_dir: Path | None = None):
+    With labels, the output layer and cross entropy run over `loss_chunk_tokens` tokens at a time,
+    so evaluating a 64K sequence holds a few thousand rows of logits, not 64K x V of them."""
+
+    def __init__(self, gpt, cfg: Config, checkpoint_dir: Path | None = None,
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS):
         """cfg: the checkpoint's own config (its training layout included)."""
         super().__init__()
         self.gpt = gpt
         self.cfg = cfg
         self.checkpoint_dir = checkpoint_dir
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -115,13 +122,37 @@ class CausalLM(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.gpt.parameters()).device
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits on the model's device, wherever `input_ids` are; with `labels` [B, N], megatron's
-        per-token cross entropy [B, N] (fp32) instead, never holding more logits than training does."""
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N, B, H]: the decoder's output after its final norm, on the model's device."""
         input_ids = input_ids.to(self.device)
         batch, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).expand(batch, seq)
-        return self.gpt(input_ids, positions, None, labels=None if labels is None else labels.to(self.device))
+        # megatron's last-pipeline-stage flag: without it GPTModel.forward returns before the output layer
+        self.gpt.post_process = False
+        try:
+            return self.gpt(input_ids, positions, None)
+        finally:
+            self.gpt.post_process = True
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, B, H] -> [n, B, V] through the output layer (the embedding's weight when tied)."""
+        tied = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        return self.gpt.output_layer(hidden, weight=tied)[0]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits on the model's device, wherever `input_ids` are; with `labels` [B, N], megatron's
+        per-token cross entropy [B, N] (fp32) instead."""
+        hidden = self.hidden_states(input_ids)
+        if labels is None:
+            return self._logits(hidden).transpose(0, 1).contiguous()
+        labels = labels.to(self.device)
+        step = max(1, self.loss_chunk_tokens // labels.shape[0])
+        return torch.cat([self.gpt.compute_language_model_loss(labels[:, i:i + step], self._logits(hidden[i:i + step]))
+                          for i in range(0, labels.shape[1], step)], dim=1)
+
+    def next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, V]: the logits of the last position only (generation needs no others)."""
+        return self._logits(self.hidden_states(input_ids)[-1:])[0]
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> CausalLM:
