@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _config_command(sub, "prepare-data", "megadiff.data.prepare:prepare_from_config",
                     "tokenize text into a megatron indexed dataset (.bin/.idx)")
+    prepare = sub.choices["prepare-data"]
+    prepare.add_argument("--part", metavar="I/N", help="tokenize only every N-th source file, starting at the I-th "
+                         "(0-based), for N processes or nodes sharing the work; then run without --part to merge")
+    prepare.set_defaults(run=lambda a: _target("megadiff.data.prepare:prepare_from_config")(
+        a.config, a.overrides, part=a.part))
     _config_command(sub, "pretrain", "megadiff.training.pretrain:pretrain_from_config",
                     "pre-train (one process or under torchrun)")
     _config_command(sub, "adapt", "megadiff.adapt.finetune:finetune_from_config",

@@ -143,21 +143,90 @@ def test_several_workers_write_the_same_bytes_and_a_rerun_is_skipped(corpus, pre
     assert read_back(other) == [tokenizer.encode("Jesus wept.") + [tokenizer.eod]]
 
 
-def test_a_failure_leaves_no_output_and_no_temporary_files(corpus, tmp_path, monkeypatch):
-    calls = []
+def _split_corpus(corpus, directory: Path, files: int = 3) -> Path:
+    """The corpus's records spread over `files` jsonl files of one directory (sorted = source order)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = corpus[0].read_text(encoding="utf-8").splitlines(keepends=True)
+    size = -(-len(lines) // files)
+    for i in range(files):
+        (directory / f"{i}.jsonl").write_text("".join(lines[i * size:(i + 1) * size]), encoding="utf-8")
+    return directory
 
-    def failing(texts, spec, dtype):
+
+def _count_encodings(monkeypatch, fail_at: int | None = None) -> list[int]:
+    """Calls of the (single-worker) encoder, one per part with the default batch size; the
+    `fail_at`-th call (1-based) raises once, as a dying worker would."""
+    calls, failed = [], []
+    real = tokenize_workers.encode_documents
+
+    def counted(texts, spec, dtype):
         calls.append(len(texts))
-        if len(calls) == 2:
+        if len(calls) == fail_at and not failed:
+            failed.append(len(calls))
             raise RuntimeError("worker died")
         return real(texts, spec, dtype)
 
-    real = tokenize_workers.encode_documents
-    monkeypatch.setattr(tokenize_workers, "encode_documents", failing)
+    monkeypatch.setattr(tokenize_workers, "encode_documents", counted)
+    return calls
+
+
+def test_a_failure_keeps_finished_parts_and_a_rerun_tokenizes_only_the_rest(corpus, prepared, tmp_path,
+                                                                           monkeypatch):
+    """Three source files; the second one's tokenizer dies: no output, no half-written part, the
+    first part kept; the rerun tokenizes the other two and writes the bytes a one-file run writes."""
+    sources = [f"data.sources=[{_split_corpus(corpus, tmp_path / 'src')}]", f"data.prefix={tmp_path / 'out' / 'x'}"]
+    calls = _count_encodings(monkeypatch, fail_at=2)
+    with pytest.raises(RuntimeError, match="worker died"):
+        prepare(build_config({}, sources).data)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["x.lock", "x.parts"]
+    assert sorted(p.name for p in (tmp_path / "out" / "x.parts").iterdir()) == [
+        "00000.bin", "00000.idx", "00000.lock", "00000.manifest.json", "00001.lock"]
+
+    calls.clear()
+    prepare(build_config({}, sources).data)
+    assert len(calls) == 2
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path / 'out' / 'x'}{ext}").read_bytes() == Path(f"{prepared[0]}{ext}").read_bytes()
+    outputs_only(tmp_path / "out", "x")
+
+
+def test_a_single_source_failure_leaves_no_output_and_no_temporary_files(corpus, tmp_path, monkeypatch):
+    _count_encodings(monkeypatch, fail_at=2)
     monkeypatch.setattr(prepare_module, "DOCUMENTS_PER_BATCH", 4)
     with pytest.raises(RuntimeError, match="worker died"):
         prepare(build_config({}, [f"data.sources=[{corpus[0]}]", f"data.prefix={tmp_path / 'x'}"]).data)
-    assert [p.name for p in tmp_path.iterdir()] == ["x.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.lock", "x.parts"]
+    assert [p.name for p in (tmp_path / "x.parts").iterdir()] == ["00000.lock"]
+
+
+def test_shares_of_the_parts_then_a_plain_run_that_only_merges(corpus, prepared, tmp_path, monkeypatch, capsys):
+    """`--part 0/2` and `--part 1/2` (as two nodes would run them) tokenize the three files between
+    them; the plain run then tokenizes nothing and writes the one-file run's bytes."""
+    source_dir = _split_corpus(corpus, tmp_path / "src")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  sources: [{source_dir}]\n  prefix: {tmp_path / 'out' / 'x'}\n")
+    calls = _count_encodings(monkeypatch)
+    assert cli_main(["prepare-data", str(config), "--part", "1/2"]) == 0
+    assert len(calls) == 1 and not Path(f"{tmp_path / 'out' / 'x'}.bin").exists()
+    assert "parts 1/2 of" in capsys.readouterr().out
+    assert cli_main(["prepare-data", str(config), "--part", "0/2"]) == 0
+    assert len(calls) == 3
+    assert cli_main(["prepare-data", str(config)]) == 0
+    assert len(calls) == 3
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path / 'out' / 'x'}{ext}").read_bytes() == Path(f"{prepared[0]}{ext}").read_bytes()
+    outputs_only(tmp_path / "out", "x")
+    # once merged, a share has nothing left to do
+    assert cli_main(["prepare-data", str(config), "--part", "0/2"]) == 0
+    assert "up to date" in capsys.readouterr().out and len(calls) == 3
+
+
+@pytest.mark.parametrize("share", ["2/2", "-1/2", "1", "a/b", "0/0"])
+def test_a_bad_share_is_refused(corpus, tmp_path, capsys, share):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  sources: [{corpus[0]}]\n  prefix: {tmp_path / 'x'}\n")
+    assert cli_main(["prepare-data", str(config), f"--part={share}"]) == 2
+    assert "--part: expected I/N with 0 <= I < N" in capsys.readouterr().err
 
 
 def test_ensure_prepared_writes_and_prepares_the_bundled_corpus_once(tmp_path, monkeypatch, capsys):
@@ -219,7 +288,7 @@ def test_cli_reports_bad_data_without_a_traceback(tmp_path, capsys):
     ("empty directory", r"data.sources\[0\]: directory .* holds no json/jsonl/txt/parquet files"),
     ("unsupported", r"data.sources\[0\]: .*notes.md: unsupported file type"),
 ])
-def test_bad_sources_fail_before_tokenizing_naming_the_key(tmp_path, case, message):
+def test_bad_sources_are_refused_naming_the_key(tmp_path, case, message):
     good, empty, blank, bad = (tmp_path / n for n in ("good.jsonl", "empty.jsonl", "blank.jsonl", "bad.jsonl"))
     good.write_text(json.dumps({"text": "In the beginning", "n": 1}) + "\n")
     empty.write_text("")

@@ -48,6 +48,10 @@ class AtomicIndexedWriter:
             self.builder.add_document(ids[offset:offset + length], [int(length)])
             offset += length
 
+    def add_prepared(self, prefix: str | Path) -> None:
+        """Append every document of another indexed dataset of the same dtype (its .bin is copied)."""
+        self.builder.add_index(str(prefix))
+
     def commit(self) -> None:
         self.builder.finalize(str(self.tmp_idx))
         os.replace(self.tmp_bin, bin_path(self.prefix))

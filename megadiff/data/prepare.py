@@ -1,17 +1,24 @@
 """prepare-data: text (data.sources or a bundled corpus) -> tokenizer -> megatron indexed dataset.
 
 Every document becomes one sequence of <prefix>.bin followed by the tokenizer's EOD id
-(documents with no tokens are skipped), in source order whatever data.workers is. Outputs
-appear atomically and <prefix>.manifest.json is written last; a second run with the same
-sources and tokenizer finds it and does nothing, so preparing again is always safe.
+(documents with no tokens are skipped), in source order whatever data.workers is.
+
+Each source file is tokenized on its own first, into a part under <prefix>.parts/ (its own
+.bin/.idx, its manifest written last); then the parts are concatenated into <prefix>.bin/.idx,
+<prefix>.manifest.json is written last and the parts are deleted. A run that stops keeps its
+finished parts, so running it again tokenizes only the rest; `--part I/N` tokenizes every N-th
+part only, for N processes or nodes sharing the work before one plain run merges. A run with
+the same sources and tokenizer as the manifest's does nothing, so preparing again is always safe.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from rich.console import Console
 from rich.progress import (
@@ -27,17 +34,33 @@ from megadiff.data.indexed import AtomicIndexedWriter, bin_path, idx_path, token
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.manifest import is_up_to_date, read_manifest, remove_manifest, write_manifest
 from megadiff.data.sources import Source, load_texts, resolve_sources
-from megadiff.data.tokenize_workers import encode_in_order
+from megadiff.data.tokenize_workers import Encoder
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, load_tokenizer
 from megadiff.files import exclusive_lock
 
 DOCUMENTS_PER_BATCH = 256
+PARTS_SUFFIX = ".parts"
 
 
-def prepare_from_config(config_path: str, overrides: Iterable[str] = ()) -> int:
-    """`megadiff prepare-data CONFIG [key=value ...]`."""
-    prepare(load_config(config_path, overrides).data)
+def prepare_from_config(config_path: str, overrides: Iterable[str] = (), part: Optional[str] = None) -> int:
+    """`megadiff prepare-data CONFIG [key=value ...] [--part I/N]`."""
+    data = load_config(config_path, overrides).data
+    if part is None:
+        prepare(data)
+    else:
+        prepare_share(data, *parse_share(part))
     return 0
+
+
+def parse_share(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 0 <= I < N."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise DataError(f"--part: expected I/N with 0 <= I < N (e.g. 0/4 ... 3/4), got {text!r}")
+    return index, count
 
 
 def ensure_prepared(cfg: Config) -> None:
@@ -51,26 +74,72 @@ def ensure_prepared(cfg: Config) -> None:
         prepare(cfg.data)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    data: DataConfig
+    prefix: str
+    sources: list[Source]
+    parts: list[Source]
+    tokenizer: Tokenizer
+    fingerprint: dict
+
+    def part_prefix(self, index: int) -> Path:
+        return parts_dir(self.prefix) / f"{index:05d}"
+
+    def up_to_date(self, console: Console) -> Optional[dict]:
+        """The manifest's stats when the prepared data matches the sources (and say so), else None."""
+        if not is_up_to_date(self.prefix, self.fingerprint):
+            return None
+        stats = read_manifest(self.prefix)["stats"]
+        console.print(f"prepare-data: {self.prefix} is up to date ({stats['documents']:,} documents, "
+                      f"{stats['tokens']:,} tokens); nothing to do", soft_wrap=True)
+        return stats
+
+
+def parts_dir(prefix: str | Path) -> Path:
+    return Path(f"{prefix}{PARTS_SUFFIX}")
+
+
+def _plan(data: DataConfig) -> _Plan:
+    """Call with the prefix's lock held: a bundled corpus is written here."""
+    prefix = data_prefix(data)
+    entries = [str(write_bundled_corpus(data.bundled_corpus, corpus_dir(data)))] if data.bundled_corpus \
+        else data.sources
+    sources = resolve_sources(entries)
+    tokenizer = load_tokenizer(data.tokenizer)
+    parts = [part for source in sources for part in source.parts()]
+    return _Plan(data, prefix, sources, parts, tokenizer, _fingerprint(sources, data, tokenizer))
+
+
 def prepare(data: DataConfig, console: Console | None = None) -> dict:
     """Prepare data.sources (or data.bundled_corpus) at data_prefix(data); returns the manifest's stats."""
     console = console or Console()
-    prefix = data_prefix(data)
-    with exclusive_lock(f"{prefix}.lock"):
-        entries = ([str(write_bundled_corpus(data.bundled_corpus, corpus_dir(data)))] if data.bundled_corpus
-                   else data.sources)
-        sources = resolve_sources(entries)
-        tokenizer = load_tokenizer(data.tokenizer)
-        fingerprint = _fingerprint(sources, data, tokenizer)
-        if is_up_to_date(prefix, fingerprint):
-            stats = read_manifest(prefix)["stats"]
-            console.print(f"prepare-data: {prefix} is up to date ({stats['documents']:,} documents, "
-                          f"{stats['tokens']:,} tokens); nothing to do", soft_wrap=True)
+    with exclusive_lock(f"{data_prefix(data)}.lock"):
+        plan = _plan(data)
+        stats = plan.up_to_date(console)
+        if stats is not None:
             return stats
-        remove_manifest(prefix)
-        stats = _tokenize(prefix, sources, data, tokenizer)
-        write_manifest(prefix, fingerprint, stats)
-    _print_summary(console, prefix, stats)
+        remove_manifest(plan.prefix)
+        part_stats = _prepare_parts(plan, range(len(plan.parts)))
+        stats = _merge(plan, part_stats)
+        write_manifest(plan.prefix, plan.fingerprint, stats)
+        shutil.rmtree(parts_dir(plan.prefix))
+    _print_summary(console, plan.prefix, stats)
     return stats
+
+
+def prepare_share(data: DataConfig, index: int, count: int, console: Console | None = None) -> None:
+    """Tokenize parts index, index + count, ... only (one of `count` processes sharing the work);
+    a plain `prepare` afterwards finds them done and merges."""
+    console = console or Console()
+    with exclusive_lock(f"{data_prefix(data)}.lock"):
+        plan = _plan(data)
+    if plan.up_to_date(console) is not None:
+        return
+    mine = range(index, len(plan.parts), count)
+    _prepare_parts(plan, mine)
+    console.print(f"prepare-data: parts {index}/{count} of {plan.prefix} done ({len(mine)} of {len(plan.parts)} "
+                  "parts); once every share is done, run prepare-data without --part to merge them", soft_wrap=True)
 
 
 def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer) -> dict:
@@ -85,40 +154,85 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer) 
 
 class _TokensPerSecond(ProgressColumn):
     def render(self, task) -> Text:
+        if "tokens" not in task.fields:
+            return Text("")
         rate = task.fields["tokens"] / task.elapsed if task.elapsed else 0.0
         return Text(f"{task.fields['tokens']:,} tokens  {rate:,.0f} tokens/s")
 
 
-def _tokenize(prefix: str, sources: list[Source], data: DataConfig, tokenizer: Tokenizer) -> dict:
-    dtype = token_dtype(tokenizer.vocab_size)
-    # datasets converts the sources to Arrow first; keep that copy beside the output, and only for this run
-    work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=Path(prefix).parent)
+def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
+    """{part index: its stats}: parts already prepared from the same file are kept, the others tokenized."""
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                        console=Console(stderr=True))
+    stats = {}
+    dtype = token_dtype(plan.tokenizer.vocab_size)
+    with Encoder(plan.data.tokenizer, dtype.name, plan.data.workers) as encoder, progress:
+        overall = progress.add_task("parts", total=len(indices))
+        for index in indices:
+            stats[index] = _prepare_part(plan, index, encoder, progress)
+            progress.advance(overall)
+    return stats
+
+
+def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress) -> dict:
+    prefix, source = plan.part_prefix(index), plan.parts[index]
+    fingerprint = _fingerprint([source], plan.data, plan.tokenizer)
+    with exclusive_lock(f"{prefix}.lock"):  # a plain run and --part runs may reach the same part
+        if is_up_to_date(prefix, fingerprint):
+            return read_manifest(prefix)["stats"]
+        remove_manifest(prefix)
+        stats = _tokenize(prefix, source, plan, encoder, progress, f"part {index + 1}/{len(plan.parts)}")
+        write_manifest(prefix, fingerprint, stats)
+    return stats
+
+
+def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float) -> dict:
+    return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens,
+            "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
+            "dtype": token_dtype(plan.tokenizer.vocab_size).name, "tokenizer": plan.tokenizer.name}
+
+
+def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progress: Progress, label: str) -> dict:
+    # datasets converts the source to Arrow first; keep that copy beside the output, and only for this part
+    work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=prefix.parent)
     try:
-        texts = load_texts(sources, data.text_key, work_dir)
-        if len(texts) == 0:
-            raise DataError(f"data.sources: no documents in {', '.join(s.describe() for s in sources)}")
+        texts = load_texts([source], plan.data.text_key, work_dir)
         documents, tokens = 0, 0
-        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                            console=Console(stderr=True))
-        with AtomicIndexedWriter(prefix, dtype) as writer, progress:
-            task = progress.add_task("tokenizing", total=len(texts), tokens=0)
-            start = time.perf_counter()
+        task = progress.add_task(f"tokenizing {label}", total=len(texts), tokens=0)
+        start = time.perf_counter()
+        with AtomicIndexedWriter(prefix, token_dtype(plan.tokenizer.vocab_size)) as writer:
             batches = (batch["text"] for batch in texts.iter(batch_size=DOCUMENTS_PER_BATCH))
-            for ids, lengths in encode_in_order(batches, data.tokenizer, dtype.name, data.workers):
+            for ids, lengths in encoder.encode_in_order(batches):
                 writer.add_documents(ids, lengths)
                 documents, tokens = documents + int((lengths > 0).sum()), tokens + int(lengths.sum())
                 progress.update(task, advance=len(lengths), tokens=tokens)
-            if documents == 0:
-                raise DataError(f"data.sources: {len(texts):,} documents but no tokens (all texts are empty) in "
-                                f"{', '.join(s.describe() for s in sources)}")
             writer.commit()
+        progress.remove_task(task)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    seconds = time.perf_counter() - start
-    return {"documents": documents, "skipped_empty": len(texts) - documents, "tokens": tokens,
-            "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
-            "dtype": dtype.name, "tokenizer": tokenizer.name}
+    return _stats(plan, len(texts), documents, tokens, time.perf_counter() - start)
+
+
+def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
+    """Concatenate the parts that hold documents, in source order, into <prefix>.bin/.idx."""
+    texts = sum(s["documents"] + s["skipped_empty"] for s in part_stats.values())
+    documents, tokens = (sum(s[key] for s in part_stats.values()) for key in ("documents", "tokens"))
+    described = ", ".join(s.describe() for s in plan.sources)
+    if texts == 0:
+        raise DataError(f"data.sources: no documents in {described}")
+    if documents == 0:
+        raise DataError(f"data.sources: {texts:,} documents but no tokens (all texts are empty) in {described}")
+    filled = [plan.part_prefix(i) for i in sorted(part_stats) if part_stats[i]["documents"]]
+    if len(filled) == 1:  # nothing to concatenate: the part becomes the output
+        os.replace(bin_path(filled[0]), bin_path(plan.prefix))
+        os.replace(idx_path(filled[0]), idx_path(plan.prefix))
+    else:
+        with AtomicIndexedWriter(plan.prefix, token_dtype(plan.tokenizer.vocab_size)) as writer:
+            for part in filled:
+                writer.add_prepared(part)
+            writer.commit()
+    return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()))
 
 
 def _print_summary(console: Console, prefix: str, stats: dict) -> None:

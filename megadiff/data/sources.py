@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -29,6 +29,10 @@ class Source:
 
     def describe(self) -> str:
         return self.name if self.builder == "hub" else ", ".join(str(f) for f in self.files)
+
+    def parts(self) -> list["Source"]:
+        """One source per file (a hub dataset stays one): the unit prepare-data resumes and shares out."""
+        return [self] if self.builder == "hub" else [replace(self, files=(f,)) for f in self.files]
 
     def fingerprint(self) -> list:
         """What decides whether prepared data is still up to date: file paths, sizes and times."""

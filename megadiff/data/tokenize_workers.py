@@ -29,19 +29,35 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype), np.asarray(lengths, dtype=np.int64)
 
 
-def encode_in_order(batches: Iterable[list[Optional[str]]], tokenizer_spec: str, dtype: str,
-                    workers: int) -> Iterator[Encoded]:
-    """Encoded batches in input order; at most a few batches per worker in flight, so memory stays flat."""
-    if workers == 1:
-        for texts in batches:
-            yield encode_documents(texts, tokenizer_spec, dtype)
-        return
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=load_tokenizer,
-                                                   initargs=(tokenizer_spec,)) as pool:
+class Encoder:
+    """Encodes batches of texts in input order: inline for one worker, else on a pool of spawned
+    processes kept for the encoder's life (prepare-data encodes many parts with one pool)."""
+
+    def __init__(self, tokenizer_spec: str, dtype: str, workers: int):
+        self.tokenizer_spec, self.dtype, self.workers = tokenizer_spec, dtype, workers
+        self._pool = None
+
+    def __enter__(self) -> "Encoder":
+        if self.workers > 1:
+            self._pool = multiprocessing.get_context("spawn").Pool(
+                self.workers, initializer=load_tokenizer, initargs=(self.tokenizer_spec,))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+    def encode_in_order(self, batches: Iterable[list[Optional[str]]]) -> Iterator[Encoded]:
+        """At most a few batches per worker in flight, so memory stays flat."""
+        if self._pool is None:
+            for texts in batches:
+                yield encode_documents(texts, self.tokenizer_spec, self.dtype)
+            return
         pending: collections.deque = collections.deque()
         for texts in batches:
-            pending.append(pool.apply_async(encode_documents, (texts, tokenizer_spec, dtype)))
-            if len(pending) >= 4 * workers:
+            pending.append(self._pool.apply_async(encode_documents, (texts, self.tokenizer_spec, self.dtype)))
+            if len(pending) >= 4 * self.workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
