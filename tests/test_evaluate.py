@@ -22,12 +22,13 @@ from megadiff.inference.evaluate import evaluate, summarize
 from tests.convert_worker import build_tokenizer, save_in_process, variant_config
 
 
-def _write_documents(path: Path) -> None:
+def _write_documents(path: Path, first_verse: int = 0) -> None:
+    """80 documents of 20 KJV verses each, from `first_verse` on."""
     from importlib.util import find_spec
 
     kjv = Path(list(find_spec("bible").submodule_search_locations)[0]) / "data" / "kjv.jsonl"
     with open(kjv) as lines:
-        verses = [json.loads(line)["text"] for line, _ in zip(lines, range(1600))]
+        verses = [json.loads(line)["text"] for line, _ in zip(lines, range(first_verse + 1600))][first_verse:]
     path.write_text("".join(json.dumps({"text": " ".join(verses[i:i + 20])}) + "\n" for i in range(0, 1600, 20)))
 
 
@@ -41,16 +42,20 @@ def run(tmp_path_factory):
             f"data.cache_dir={root / 'cache'}", "data.split=80,20,0", f"data.tokenizer={tokenizer}"]
     cfg = build_config(variant_config("diff", "single", str(tokenizer)).model_dump(mode="json"), data)
     prepare(cfg.data)
+    _write_documents(root / "later.jsonl", first_verse=5000)  # a second source, for blends
+    prepare(build_config(cfg.model_dump(mode="json"), [f"data.sources=[{root / 'later.jsonl'}]",
+                                                       f"data.prefix={root / 'prepared' / 'later'}"]).data)
     output_dir = root / "run"
     save_in_process(cfg, iteration_dir(output_dir / CHECKPOINTS_DIR, 3))
     (output_dir / CHECKPOINTS_DIR / LATEST_FILE).write_text("3")
     return output_dir, cfg
 
 
-def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int) -> torch.Tensor:
-    """Cross entropy of the logits, per token, on the first samples of the valid split."""
+def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int, prefix: Path | None = None) -> torch.Tensor:
+    """Cross entropy of the logits, per token, on the first samples of the valid split (of `prefix`)."""
     model = load_checkpoint(run_dir)
-    cfg = build_config(cfg.model_dump(mode="json"), [f"model.seq_length={seq_length}"])
+    cfg = build_config(cfg.model_dump(mode="json"), [f"model.seq_length={seq_length}"] +
+                       ([f"data.prefix={prefix}"] if prefix else []))
     valid = build_datasets(cfg, model.tokenizer, (0, sequences, 0), seed=cfg.train.seed)[1]
     rows = []
     with torch.no_grad():
@@ -76,6 +81,30 @@ def test_cli_report_equals_naive_cross_entropy(run, tmp_path, seq_length):
     for row in report["by_position"]:
         lo, hi = row["positions"]
         assert row["mean_loss"] == pytest.approx(naive[:, lo:hi].mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("weights", [[0.25, 0.75], None])
+def test_a_blend_reports_each_source_and_their_weighted_mean(run, tmp_path, weights):
+    """Each source as if evaluated alone; overall, position by position, the weighted mean (without
+    weights, each sequence counts the same, as megatron concatenates the prefixes then)."""
+    run_dir, cfg = run
+    prefixes = [Path(cfg.data.prefix), Path(cfg.data.prefix).with_name("later")]
+    blend = [str(p) for p in prefixes] if weights is None else \
+        [str(item) for pair in zip(weights, prefixes) for item in pair]
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "3", "--buckets", "2", "--output", str(out),
+                 f"data.blend=[{','.join(blend)}]"]) == 0
+    report = json.loads(out.read_text())
+    naive = [_naive_losses(run_dir, cfg, cfg.model.seq_length, 3, prefix) for prefix in prefixes]
+    shares = [0.25, 0.75] if weights else [0.5, 0.5]
+    for source, prefix, losses, share in zip(report["sources"], prefixes, naive, shares):
+        assert source["prefix"] == str(prefix) and source["sequences"] == 3
+        assert source["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+    assert report["loss"] == pytest.approx(sum(s * losses.mean().item() for s, losses in zip(shares, naive)), rel=1e-5)
+    lo, hi = report["by_position"][1]["positions"]
+    assert report["by_position"][1]["mean_loss"] == pytest.approx(
+        sum(s * losses[:, lo:hi].mean().item() for s, losses in zip(shares, naive)), rel=1e-5)
+    assert report["sequences"] == 6
 
 
 def test_summary_by_position_against_loops():

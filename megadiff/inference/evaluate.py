@@ -41,14 +41,17 @@ def evaluation_config(model: CausalLM, seq_length: int | None, overrides: Iterab
     return build_config(model.cfg.model_dump(mode="json"), overrides)
 
 
+def single_source(cfg, prefix: str):
+    """`cfg` reading only `prefix` (one source of a blend)."""
+    return build_config(cfg.model_dump(mode="json"), [f"data.prefix={prefix}", "data.blend=[]"])
+
+
 def distinct_samples(cfg, split: str) -> int | None:
-    """How many samples one pass over `split`'s documents gives (asked for more, megatron's
-    GPTDataset shuffles a second epoch, i.e. repeats, in among them); None for a blend, whose
-    samples per prefix depend on its weights, or a split data.split gives no share."""
-    prefixes, _ = training_blend(cfg.data)
-    if len(prefixes) != 1:
-        return None
-    splits = split_documents(read_index(prefixes[0]).sequence_lengths, cfg.data.split)
+    """How many samples one pass over `split`'s documents of cfg's one prefix gives (asked for more,
+    megatron's GPTDataset shuffles a second epoch, i.e. repeats, in among them); None for a
+    split data.split gives no share."""
+    (prefix,), _ = training_blend(cfg.data)
+    splits = split_documents(read_index(prefix).sequence_lengths, cfg.data.split)
     if split not in splits:
         return None
     _, _, tokens = splits[split]
@@ -56,11 +59,12 @@ def distinct_samples(cfg, split: str) -> int | None:
 
 
 def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Console):
-    """`split`'s samples as training cuts them: at most `sequences`, and no document twice."""
+    """`split`'s samples of cfg's one prefix (single_source) as training cuts them: at most
+    `sequences`, and no document twice."""
     distinct = distinct_samples(cfg, split)
     if distinct is not None and sequences > distinct:
-        console.print(f"evaluate: the {split} split holds {distinct} distinct sequences of {cfg.model.seq_length} "
-                      f"tokens; evaluating those")
+        console.print(f"evaluate: the {split} split of {cfg.data.prefix} holds {distinct} distinct sequences of "
+                      f"{cfg.model.seq_length} tokens; evaluating those")
         sequences = distinct
     wanted = (0, sequences, 0) if split == "valid" else (0, 0, sequences)
     dataset = build_datasets(cfg, tokenizer, wanted, seed=cfg.train.seed)[SPLITS.index(split) + 1]
@@ -86,15 +90,27 @@ def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, o
 
 def summarize(losses: torch.Tensor, buckets: int) -> dict:
     """Mean loss, perplexity and per-bucket (mean, cumulative mean) of [sequences, N] losses."""
-    per_position = losses.double().mean(0)
+    return summarize_positions(losses.double().mean(0), losses.shape[0], buckets)
+
+
+def summarize_positions(per_position: torch.Tensor, sequences: int, buckets: int) -> dict:
+    """summarize() from the mean loss at each position [N] over `sequences` sequences."""
     seq_length = per_position.numel()
     edges = np.linspace(0, seq_length, min(buckets, seq_length) + 1).round().astype(int)
     cumulative = per_position.cumsum(0) / torch.arange(1, seq_length + 1, dtype=torch.float64)
     rows = [{"positions": [int(lo), int(hi)], "mean_loss": per_position[lo:hi].mean().item(),
              "cumulative_loss": cumulative[hi - 1].item()} for lo, hi in zip(edges[:-1], edges[1:])]
     loss = per_position.mean().item()
-    return {"sequences": losses.shape[0], "seq_length": seq_length, "tokens": losses.numel(), "loss": loss,
+    return {"sequences": sequences, "seq_length": seq_length, "tokens": sequences * seq_length, "loss": loss,
             "perplexity": math.exp(min(loss, 700.0)), "by_position": rows}
+
+
+def blend_summary(sources: list[tuple[torch.Tensor, float]], buckets: int) -> dict:
+    """summarize() of a blend from its sources' [sequences, N] losses and weights (normalised here):
+    the loss a sample of the blend has on average, position by position."""
+    total = sum(weight for _, weight in sources)
+    per_position = sum(losses.double().mean(0) * (weight / total) for losses, weight in sources)
+    return summarize_positions(per_position, sum(losses.shape[0] for losses, _ in sources), buckets)
 
 
 def evaluate(load: str, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
@@ -111,21 +127,33 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     model = load_checkpoint(load)
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
-    dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
-    sequences = min(sequences, len(dataset))
-    progress = Progress(TextColumn("evaluate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                        TimeRemainingColumn(), console=Console(stderr=True))
+    prefixes, weights = training_blend(cfg.data)
+    progress = Progress(TextColumn("evaluate {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True))
+    per_source = []
     with progress:
-        task = progress.add_task("evaluate", total=sequences, rate="")
-        start = time.perf_counter()
+        for prefix in prefixes:
+            source_cfg = single_source(cfg, prefix)
+            dataset = held_out_dataset(source_cfg, model.tokenizer, split, sequences, console)
+            count = min(sequences, len(dataset))
+            task = progress.add_task(prefix, total=count, rate="")
+            start = time.perf_counter()
 
-        def advance(batch: int) -> None:
-            progress.advance(task, batch)
-            tokens = progress.tasks[0].completed * cfg.model.seq_length
-            progress.update(task, rate=f"{tokens / (time.perf_counter() - start):,.0f} tokens/s")
+            def advance(batch: int, task=task, start=start) -> None:
+                progress.advance(task, batch)
+                tokens = progress.tasks[task].completed * cfg.model.seq_length
+                progress.update(task, rate=f"{tokens / (time.perf_counter() - start):,.0f} tokens/s")
 
-        report = summarize(position_losses(model, dataset, sequences, batch_size, advance), buckets)
-    report.update(checkpoint=str(model.checkpoint_dir), split=split, data=training_blend(cfg.data)[0])
+            per_source.append(position_losses(model, dataset, count, batch_size, advance))
+    if len(prefixes) == 1:
+        report = summarize(per_source[0], buckets)
+    else:
+        # without weights megatron concatenates the prefixes: every sequence counts the same
+        weights = weights or [float(losses.shape[0]) for losses in per_source]
+        report = blend_summary(list(zip(per_source, weights)), buckets)
+        report["sources"] = [{"prefix": prefix, "weight": weight, **summarize(losses, buckets)}
+                             for prefix, weight, losses in zip(prefixes, weights, per_source)]
+    report.update(checkpoint=str(model.checkpoint_dir), split=split, data=prefixes)
     _print(console, report)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
@@ -143,3 +171,6 @@ def _print(console: Console, report: dict) -> None:
         lo, hi = row["positions"]
         table.add_row(f"{lo:,}-{hi - 1:,}", f"{row['mean_loss']:.4f}", f"{row['cumulative_loss']:.4f}")
     console.print(table)
+    for source in report.get("sources", ()):
+        console.print(f"  {source['prefix']} (weight {source['weight']:g}): loss {source['loss']:.4f}, perplexity "
+                      f"{source['perplexity']:.2f}, {source['sequences']} sequences")
