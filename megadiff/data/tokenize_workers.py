@@ -31,16 +31,13 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
 
 class Encoder:
     """Encodes batches of texts in input order: inline for one worker, else on a pool of spawned
-    processes kept for the encoder's life (prepare-data encodes many parts with one pool)."""
+    processes kept until the encoder's context ends (prepare-data encodes many parts with one pool)."""
 
     def __init__(self, tokenizer_spec: str, dtype: str, workers: int):
         self.tokenizer_spec, self.dtype, self.workers = tokenizer_spec, dtype, workers
         self._pool = None
 
     def __enter__(self) -> "Encoder":
-        if self.workers > 1:
-            self._pool = multiprocessing.get_context("spawn").Pool(
-                self.workers, initializer=load_tokenizer, initargs=(self.tokenizer_spec,))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -50,10 +47,13 @@ class Encoder:
 
     def encode_in_order(self, batches: Iterable[list[Optional[str]]]) -> Iterator[Encoded]:
         """At most a few batches per worker in flight, so memory stays flat."""
-        if self._pool is None:
+        if self.workers == 1:
             for texts in batches:
                 yield encode_documents(texts, self.tokenizer_spec, self.dtype)
             return
+        if self._pool is None:  # started by the first part that needs tokenizing, not for finished ones
+            self._pool = multiprocessing.get_context("spawn").Pool(
+                self.workers, initializer=load_tokenizer, initargs=(self.tokenizer_spec,))
         pending: collections.deque = collections.deque()
         for texts in batches:
             pending.append(self._pool.apply_async(encode_documents, (texts, self.tokenizer_spec, self.dtype)))
