@@ -43,6 +43,9 @@ def test_softmax_head_dim_uses_all_heads():
     (["logging.profile_iterations=[3,2]"], "logging.profile_iterations"),
     (["logging.profile_iterations=[0,2]"], "logging.profile_iterations"),
     (["logging.profile_ranks=[-1]"], "logging.profile_ranks"),
+    (["train.eval_interval=5", "data.split=100,0,0"], "train.eval_interval: data.split '100,0,0' leaves no valid"),
+    (["train.eval_interval=5", "data.split=100,0"], "train.eval_interval"),
+    (["train.eval_interval=null", "train.eval_each_source=true"], "train.eval_each_source: needs"),
 ])
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):

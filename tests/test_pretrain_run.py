@@ -6,17 +6,21 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, read_latest_iteration
-from megadiff.config import build_config
+from megadiff.config import build_config, load_config
+from megadiff.data.locations import corpus_dir, data_prefix
+from megadiff.data.prepare import ensure_prepared, prepare
+from megadiff.inference.evaluate import evaluate
 from megadiff.observability.metrics import read_metrics
 from megadiff.training.pretrain import build_scheduler
 from megadiff.training.throughput import peak_tflops_of
-from tests.pretrain_runs import ROOT, environment, losses, run_pretrain, tiny_overrides
+from tests.pretrain_runs import DEMO_CONFIG, ROOT, environment, losses, run_pretrain, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +74,32 @@ def test_metrics_console_and_tensorboard(logged_run):
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert {"lm_loss", "lr", "grad_norm", "lambda/layer_1", "valid_loss"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("lm_loss")] == pytest.approx([r["lm_loss"] for r in train])
+
+
+@pytest.mark.slow
+def test_each_blended_source_is_validated_as_evaluate_scores_it(base, tmp_path):
+    """train.eval_each_source: valid_loss/<name> for each prefix of a blend; at the last iteration
+    each equals `megadiff evaluate` of the final checkpoint on that prefix (the same samples)."""
+    cfg = load_config(DEMO_CONFIG, base)
+    ensure_prepared(cfg)
+    kjv = data_prefix(cfg.data)
+    later = tmp_path / "later.jsonl"  # chapters 600-699 of the bundled corpus
+    later.write_text("".join((corpus_dir(cfg.data) / "kjv.jsonl").read_text().splitlines(keepends=True)[600:700]))
+    prepare(build_config(cfg.model_dump(mode="json"), [f"data.sources=[{later}]", f"data.prefix={tmp_path / 'later'}",
+                                                       "data.bundled_corpus=null"]).data)
+    out = tmp_path / "run"
+    run_pretrain(1, base + [f"output_dir={out}", f"data.blend=[1,{kjv},3,{tmp_path / 'later'}]", "train.iters=2",
+                            "train.eval_interval=2", "train.eval_iters=2", "train.eval_each_source=true"])
+    (valid,) = [r for r in read_metrics(out) if "valid_loss" in r]
+    names = (f"valid_loss/{Path(kjv).name}", "valid_loss/later")
+    assert set(valid) == {"iteration", "valid_loss", *names}
+    report = tmp_path / "eval.json"
+    assert evaluate(str(out), sequences=2 * 8, batch_size=4, output=str(report)) == 0
+    sources = json.loads(report.read_text())["sources"]
+    for name, source in zip(names, sources):
+        assert source["sequences"] == 16
+        assert valid[name] == pytest.approx(source["loss"], rel=1e-5)
+    assert valid[names[0]] != pytest.approx(valid[names[1]], rel=1e-3)
 
 
 @pytest.mark.slow

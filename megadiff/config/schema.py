@@ -103,6 +103,8 @@ class TrainConfig(Section):
                                                    "started (start-up included); exit code 0, like exit_interval")
     eval_interval: Optional[int] = Field(None, ge=1)
     eval_iters: int = Field(1, ge=1)
+    eval_each_source: bool = Field(False, description="with a data.blend of several prefixes: also each prefix's "
+                                   "validation loss (valid_loss/<name>), eval_iters batches of each")
     max_skipped_nan_iters: int = Field(10, ge=0, description="stop after this many steps skipped for a "
                                        "non-finite loss or gradient")
     dataloader_workers: int = Field(0, ge=0, description="background processes reading training samples")

@@ -152,6 +152,12 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     validate_wandb(cfg.logging)
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
+    split = cfg.data.split.split(",")
+    if train.eval_interval and (len(split) < 2 or float(split[1]) == 0):
+        _fail("train.eval_interval", f"data.split {cfg.data.split!r} leaves no validation documents; give the "
+              "valid split a share (e.g. 949,50,1) or set train.eval_interval=null")
+    if train.eval_each_source and not train.eval_interval:
+        _fail("train.eval_each_source", "needs train.eval_interval (when to evaluate)")
     if train.precision == "fp8":
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
 

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megadiff.config import Config
+from megadiff.config import Config, build_config
 from megadiff.data.checks import check_training_data
 from megadiff.data.locations import index_cache_dir, training_blend
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
 
-__all__ = ["MegatronTokenizerView", "build_datasets", "megatron_tokenizer"]
+__all__ = ["MegatronTokenizerView", "build_datasets", "megatron_tokenizer", "source_config", "source_names"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,17 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         train, valid, test = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank,
                                                            config).build()
     return train, valid, test
+
+
+def source_config(cfg: Config, prefix: str) -> Config:
+    """`cfg` reading only `prefix` (one source of a blend), split as the blend splits it."""
+    return build_config(cfg.model_dump(mode="json"), [f"data.prefix={prefix}", "data.blend=[]"])
+
+
+def source_names(prefixes: list[str]) -> list[str]:
+    """Short names for a blend's prefixes in metrics: their file names, numbered where two share one."""
+    names = [Path(prefix).name for prefix in prefixes]
+    return [f"{name}-{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
 
 
 @contextlib.contextmanager

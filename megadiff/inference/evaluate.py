@@ -24,7 +24,7 @@ from rich.table import Table
 from megadiff.config import ConfigError
 from megadiff.config.loader import build_config
 from megadiff.data.checks import split_documents
-from megadiff.data.datasets import build_datasets
+from megadiff.data.datasets import build_datasets, source_config
 from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
@@ -41,11 +41,6 @@ def evaluation_config(model: CausalLM, seq_length: int | None, overrides: Iterab
     return build_config(model.cfg.model_dump(mode="json"), overrides)
 
 
-def single_source(cfg, prefix: str):
-    """`cfg` reading only `prefix` (one source of a blend)."""
-    return build_config(cfg.model_dump(mode="json"), [f"data.prefix={prefix}", "data.blend=[]"])
-
-
 def distinct_samples(cfg, split: str) -> int | None:
     """How many samples one pass over `split`'s documents of cfg's one prefix gives (asked for more,
     megatron's GPTDataset shuffles a second epoch, i.e. repeats, in among them); None for a
@@ -59,7 +54,7 @@ def distinct_samples(cfg, split: str) -> int | None:
 
 
 def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Console):
-    """`split`'s samples of cfg's one prefix (single_source) as training cuts them: at most
+    """`split`'s samples of cfg's one prefix (source_config) as training cuts them: at most
     `sequences`, and no document twice."""
     distinct = distinct_samples(cfg, split)
     if distinct is not None and sequences > distinct:
@@ -133,7 +128,7 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     per_source = []
     with progress:
         for prefix in prefixes:
-            source_cfg = single_source(cfg, prefix)
+            source_cfg = source_config(cfg, prefix)
             dataset = held_out_dataset(source_cfg, model.tokenizer, split, sequences, console)
             count = min(sequences, len(dataset))
             task = progress.add_task(prefix, total=count, rate="")

@@ -65,7 +65,7 @@ class Pretraining:
         self.output = Path(cfg.output_dir)
         # W&B starts first: a login or project problem should stop the run before data and model
         self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
-        self.datasets = _prepare_data(cfg)
+        self.datasets, self.valid_sets = _prepare_data(cfg)
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, self.engine, self.scheduler)
@@ -107,16 +107,20 @@ class Pretraining:
         self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
                               self.state.to_dict())
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
+        """{metric: mean loss over eval_iters batches} for each validation set (valid_loss: the blend's)."""
         t = self.cfg.train
-        batches = self._loader(self.datasets[1], 0, t.eval_iters * t.global_batch_size)
         for chunk in self.engine.model:
             chunk.eval()
-        losses = [run_forward_backward(self.engine, batches.next_iteration(), self.num_microbatches,
-                                       forward_only=True) for _ in range(t.eval_iters)]
+        results = {}
+        for metric, dataset in self.valid_sets.items():
+            batches = self._loader(dataset, 0, t.eval_iters * t.global_batch_size)
+            losses = [run_forward_backward(self.engine, batches.next_iteration(), self.num_microbatches,
+                                           forward_only=True) for _ in range(t.eval_iters)]
+            results[metric] = sum(losses) / len(losses)
         for chunk in self.engine.model:
             chunk.train()
-        return sum(losses) / len(losses)
+        return results
 
     def train(self) -> int:
         cfg, t, state = self.cfg, self.cfg.train, self.state
@@ -150,7 +154,7 @@ class Pretraining:
                 if t.eval_interval and state.iteration % t.eval_interval == 0:
                     valid = self.evaluate()
                     if self.metrics is not None:
-                        self.metrics.log({"iteration": state.iteration, "valid_loss": valid})
+                        self.metrics.log({"iteration": state.iteration, **valid})
                 interval = cfg.checkpoint.save_interval
                 if interval and state.iteration % interval == 0:
                     self._save()
@@ -187,8 +191,10 @@ class Pretraining:
 
 def _prepare_data(cfg: Config):
     """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build
-    (train, valid, test)."""
-    from megadiff.data.datasets import build_datasets
+    (train, valid, test) and the validation sets: {"valid_loss": the valid split, and with
+    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}."""
+    from megadiff.data.datasets import build_datasets, source_config, source_names
+    from megadiff.data.locations import training_blend
     from megadiff.data.prepare import ensure_prepared
     from megadiff.data.tokenizers import load_tokenizer
 
@@ -196,9 +202,17 @@ def _prepare_data(cfg: Config):
         ensure_prepared(cfg)
     dist.barrier()
     t = cfg.train
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
     num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
     # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
-    return build_datasets(cfg, load_tokenizer(cfg.data.tokenizer), num_samples, t.seed)
+    datasets = build_datasets(cfg, tokenizer, num_samples, t.seed)
+    valid_sets = {"valid_loss": datasets[1]}
+    prefixes, _ = training_blend(cfg.data)
+    if t.eval_each_source and len(prefixes) > 1:
+        for prefix, name in zip(prefixes, source_names(prefixes)):
+            valid_sets[f"valid_loss/{name}"] = build_datasets(source_config(cfg, prefix), tokenizer,
+                                                              (0, num_samples[1], 0), t.seed)[1]
+    return datasets, valid_sets
 
 
 def pretrain(cfg: Config) -> int:
