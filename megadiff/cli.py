@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser("params", help="print a config's parameter count without allocating it")
     params.add_argument("config")
     params.add_argument("overrides", nargs="*")
-    params.set_defaults(run=lambda a: _target("megadiff.models.param_count:print_param_count")(a.config, a.overrides))
+    params.add_argument("--world-size", type=int, default=None,
+                        help="GPUs of the run, for the per-GPU memory (default: TP x PP x CP, one replica)")
+    params.set_defaults(run=lambda a: _target("megadiff.models.param_count:print_param_count")(
+        a.config, a.overrides, world_size=a.world_size))
 
     convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format")
     conv_sub = convert.add_subparsers(dest="direction", required=True)

@@ -8,14 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megadiff.config import (
-    DIFFERENTIAL_VARIANTS, Config, ModelConfig, load_config, padded_vocab_size, resolved_ffn_hidden_size,
-    resolved_head_dim, resolved_kv_heads,
+    DIFFERENTIAL_VARIANTS, Config, ModelConfig, data_parallel_size, load_config, padded_vocab_size,
+    resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads,
 )
 
 
 @dataclass(frozen=True)
 class ParamCount:
     attention: int       # per layer: QKV (Shared DIFF: shared + low-rank), output projection, lambda, head norm
+    attention_replicated: int  # of which every tensor-parallel rank holds all: lambda, head norm, low-rank A
     mlp: int             # per layer: SwiGLU fc1 (gate + up) and fc2
     norms: int           # per layer: the two RMSNorms
     num_layers: int
@@ -46,9 +47,11 @@ def _qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
 def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount:
     hidden, d = model.hidden_size, resolved_head_dim(model)
     q, k, v = _qkv_widths(model)
+    lowrank_down = 0
     if model.variant == "shared_diff":  # shared W_Q, W_K (half the maps' widths) + four rank-r updates
         r = model.lowrank_rank
-        qkv = hidden * (q // 2 + k // 2 + v) + 4 * r * hidden + 2 * r * (q // 2) + 2 * r * (k // 2)
+        lowrank_down = 4 * r * hidden
+        qkv = hidden * (q // 2 + k // 2 + v) + lowrank_down + 2 * r * (q // 2) + 2 * r * (k // 2)
     else:
         qkv = hidden * (q + k + v)
     differential_extras = 4 * d + 2 * d if model.variant in DIFFERENTIAL_VARIANTS else 0
@@ -56,6 +59,7 @@ def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount
     vocab = padded_vocab_size(model, tensor_parallel)
     return ParamCount(
         attention=qkv + q * hidden + differential_extras,  # linear_proj reads every query head's output
+        attention_replicated=differential_extras + lowrank_down,
         mlp=3 * hidden * ffn,
         norms=2 * hidden,
         num_layers=model.num_layers,
@@ -85,8 +89,12 @@ def _billions(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
 
 
-def print_param_count(config_path: str, overrides: list[str]) -> int:
-    cfg: Config = load_config(config_path, overrides)
+def print_param_count(config_path: str, overrides: list[str], world_size: int | None = None) -> int:
+    """`megadiff params`: the counts, and the model-state memory per GPU of the config's layout
+    on `world_size` ranks (default: one data-parallel replica)."""
+    from megadiff.models.memory import describe, model_state_memory
+
+    cfg: Config = load_config(config_path, overrides, world_size=world_size)
     counts = count_parameters(cfg.model, cfg.parallel.tensor)
     m = cfg.model
     print(f"{config_path}: variant {m.variant}, {m.num_layers} layers, hidden {m.hidden_size}, "
@@ -97,4 +105,11 @@ def print_param_count(config_path: str, overrides: list[str]) -> int:
     for name, value in rows:
         print(f"  {name:<18} {value:>16,d}  ({_billions(value)})")
     print(f"  training FLOPs / token: {training_flops_per_token(m):.3e}")
+    p = cfg.parallel
+    world = world_size or p.tensor * p.pipeline * p.context
+    print(f"per GPU on {world} rank{'s' if world > 1 else ''} (TP {p.tensor}, PP {p.pipeline}, CP {p.context}, DP "
+          f"{data_parallel_size(p, world)}; {cfg.train.precision}"
+          f"{', distributed optimizer' if p.distributed_optimizer else ''}), the most loaded rank:")
+    for name, value in describe(model_state_memory(cfg, world)):
+        print(f"  {name:<18} {value}")
     return 0

@@ -1,0 +1,67 @@
+"""Model-state memory per GPU from the config alone: weights, gradients and optimizer state on
+the most loaded rank of a layout, as megadiff's engine allocates them (megatron DDP with fp32
+gradient buffers, megatron's Adam with fp32 main parameters in mixed precision).
+
+Activations are not included: they depend on micro-batch, sequence, recompute and pipeline
+schedule; a short run's `max_memory_allocated_gib` (metrics.jsonl) or a memory profile
+(`logging.profile_memory`) measures them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megadiff.config import Config, data_parallel_size
+from megadiff.models.param_count import ParamCount, count_parameters
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class ModelStateMemory:
+    parameters: int   # on the most loaded rank
+    weights: int      # bytes
+    gradients: int
+    optimizer: int
+    optimizer_shards: int  # ranks one optimizer state is split over (1 without the distributed optimizer)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def stage_parameters(counts: ParamCount, tensor: int, pipeline: int) -> list[int]:
+    """Parameters one rank of each pipeline stage holds: its layers' (split over tensor-parallel
+    ranks, but for the norms and the replicated attention pieces), the first stage's embedding,
+    the last stage's final norm and output layer (a copy of the embedding when tied across stages)."""
+    split = counts.attention - counts.attention_replicated + counts.mlp
+    per_layer = split // tensor + counts.attention_replicated + counts.norms
+    layers = counts.num_layers // pipeline * per_layer
+    embedding = counts.embedding // tensor
+    output = (counts.output_layer or (counts.embedding if pipeline > 1 else 0)) // tensor
+    if pipeline == 1:
+        return [layers + embedding + output + counts.final_norm]
+    return [layers + embedding] + [layers] * (pipeline - 2) + [layers + output + counts.final_norm]
+
+
+def model_state_memory(cfg: Config, world_size: int) -> ModelStateMemory:
+    parallel, precision = cfg.parallel, cfg.train.precision
+    counts = count_parameters(cfg.model, parallel.tensor)
+    parameters = max(stage_parameters(counts, parallel.tensor, parallel.pipeline))
+    mixed = precision != "fp32"
+    # the distributed optimizer splits its state over the data- and context-parallel ranks
+    shards = data_parallel_size(parallel, world_size) * parallel.context if parallel.distributed_optimizer else 1
+    # Adam's two moments, plus fp32 main copies of the (bf16/fp16) weights in mixed precision
+    optimizer_bytes = (12 if mixed else 8) * parameters
+    return ModelStateMemory(parameters=parameters, weights=(2 if mixed else 4) * parameters,
+                            gradients=4 * parameters,  # fp32 gradient buffers (grad_reduce_in_fp32)
+                            optimizer=-(-optimizer_bytes // shards), optimizer_shards=shards)
+
+
+def describe(memory: ModelStateMemory) -> list[tuple[str, str]]:
+    """Rows for `megadiff params`."""
+    sharded = f", split over {memory.optimizer_shards} ranks" if memory.optimizer_shards > 1 else ""
+    return [("parameters", f"{memory.parameters:,}"),
+            ("weights", f"{memory.weights / GIB:.2f} GiB"),
+            ("gradients", f"{memory.gradients / GIB:.2f} GiB (fp32)"),
+            ("optimizer", f"{memory.optimizer / GIB:.2f} GiB (Adam{sharded})"),
+            ("model states", f"{memory.total / GIB:.2f} GiB, before activations")]
