@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megadiff.cli import main
-from megadiff.config import build_config, load_config
-from megadiff.models.memory import GIB, model_state_memory
+from megadiff.config import ConfigError, build_config, load_config
+from megadiff.models.memory import GIB, check_fits, model_state_memory
 from tests.distributed import run_ranks
 from tests.memory_worker import MODEL, measure
 
@@ -46,3 +46,14 @@ def test_params_prints_the_memory_of_a_layout(capsys):
     # bf16 weights, fp32 gradients, fp32 main weights + two moments split over the 16 data-parallel ranks
     assert memory.total == pytest.approx(memory.parameters * (2 + 4 + 12 / 16), abs=1)
     assert f"model states       {memory.total / GIB:.2f} GiB, before activations" in out
+
+
+def test_a_layout_whose_model_states_exceed_the_gpu_is_refused():
+    config = Path(__file__).resolve().parents[1] / "configs" / "scaling" / "diff-13.1b.yaml"
+    on_8_gpus = model_state_memory(load_config(config, ["train.precision=bf16"], world_size=8), 8)
+    assert on_8_gpus.total > 80 * GIB
+    with pytest.raises(ConfigError, match=rf"parallel: the most loaded GPU needs {on_8_gpus.total / GIB:.1f} GiB "
+                                          r".* than its 80\.0 GiB; raise parallel.tensor"):
+        check_fits(on_8_gpus, 80 * GIB)
+    split = ["train.precision=bf16", "parallel.tensor=4", "parallel.pipeline=2", "parallel.distributed_optimizer=true"]
+    check_fits(model_state_memory(load_config(config, split, world_size=64), 64), 80 * GIB)

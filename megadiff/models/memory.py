@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megadiff.config import Config, data_parallel_size
+from megadiff.config import Config, ConfigError, data_parallel_size
 from megadiff.models.param_count import ParamCount, count_parameters
 
 GIB = 1024 ** 3
@@ -65,3 +65,14 @@ def describe(memory: ModelStateMemory) -> list[tuple[str, str]]:
             ("gradients", f"{memory.gradients / GIB:.2f} GiB (fp32)"),
             ("optimizer", f"{memory.optimizer / GIB:.2f} GiB (Adam{sharded})"),
             ("model states", f"{memory.total / GIB:.2f} GiB, before activations")]
+
+
+def check_fits(memory: ModelStateMemory, device_bytes: int) -> None:
+    """Refuse a layout whose model states alone exceed the device: it could only run out of memory,
+    after the data indices and the model were built."""
+    if memory.total > device_bytes:
+        raise ConfigError(
+            f"parallel: the most loaded GPU needs {memory.total / GIB:.1f} GiB for its weights, gradients and "
+            f"optimizer state alone ({memory.parameters:,} parameters), more than its {device_bytes / GIB:.1f} GiB; "
+            "raise parallel.tensor or parallel.pipeline, or set parallel.distributed_optimizer=true "
+            "(`megadiff params --world-size N CONFIG` shows the effect of each)")

@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -19,6 +20,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import Config, data_parallel_size, dump_config, load_config
 from megadiff.errors import MegadiffError
+from megadiff.models.memory import GIB, check_fits, model_state_memory
 from megadiff.observability.metrics import MetricsWriter
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
@@ -63,6 +65,10 @@ class Pretraining:
         self.dp = data_parallel_size(cfg.parallel, self.world)
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
         self.output = Path(cfg.output_dir)
+        self.model_states = model_state_memory(cfg, self.world)
+        device = compute_device()
+        if device.type == "cuda":
+            check_fits(self.model_states, torch.cuda.get_device_properties(device).total_memory)
         # W&B starts first: a login or project problem should stop the run before data and model
         self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
         self.datasets, self.valid_sets = _prepare_data(cfg)
@@ -84,7 +90,8 @@ class Pretraining:
                                          wandb=self._wandb)
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} ranks "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
-                               f"DP {self.dp}); {how}")
+                               f"DP {self.dp}); model states {self.model_states.total / GIB:.2f} GiB on the most loaded "
+                               f"rank; {how}")
 
     def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
         t = self.cfg.train
