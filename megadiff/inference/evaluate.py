@@ -125,21 +125,9 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     prefixes, weights = training_blend(cfg.data)
     progress = Progress(TextColumn("evaluate {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True))
-    per_source = []
     with progress:
-        for prefix in prefixes:
-            source_cfg = source_config(cfg, prefix)
-            dataset = held_out_dataset(source_cfg, model.tokenizer, split, sequences, console)
-            count = min(sequences, len(dataset))
-            task = progress.add_task(prefix, total=count, rate="")
-            start = time.perf_counter()
-
-            def advance(batch: int, task=task, start=start) -> None:
-                progress.advance(task, batch)
-                tokens = progress.tasks[task].completed * cfg.model.seq_length
-                progress.update(task, rate=f"{tokens / (time.perf_counter() - start):,.0f} tokens/s")
-
-            per_source.append(position_losses(model, dataset, count, batch_size, advance))
+        per_source = [_source_losses(model, source_config(cfg, prefix), split, sequences, batch_size, console,
+                                     progress) for prefix in prefixes]
     if len(prefixes) == 1:
         report = summarize(per_source[0], buckets)
     else:
@@ -155,6 +143,23 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
         Path(output).write_text(json.dumps(report, indent=1))
         console.print(f"wrote {output}")
     return 0
+
+
+def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
+                   progress: Progress) -> torch.Tensor:
+    """position_losses() of cfg's one prefix, with a progress bar of its own."""
+    dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
+    count = min(sequences, len(dataset))
+    task = progress.add_task(cfg.data.prefix, total=count, rate="")
+    start, done = time.perf_counter(), 0
+
+    def advance(batch: int) -> None:
+        nonlocal done
+        done += batch
+        rate = done * cfg.model.seq_length / (time.perf_counter() - start)
+        progress.update(task, advance=batch, rate=f"{rate:,.0f} tokens/s")
+
+    return position_losses(model, dataset, count, batch_size, advance)
 
 
 def _print(console: Console, report: dict) -> None:
