@@ -1,16 +1,23 @@
 """slurm/: the real sbatch scripts on a real Slurm cluster of two emulated nodes (tests/slurm_cluster.py).
 
+Data preparation: an array job shares the files out and a dependent job merges them.
+
 Each job trains the tiny config across the two nodes (one CPU process per node, gloo), is
 preempted with SIGUSR1 once a few iterations ran, must be requeued, resume from its preemption
 checkpoint and finish with exactly the uninterrupted single-node run's loss curve.
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
+from megadiff.config import load_config
+from megadiff.data.prepare import prepare
 from megadiff.observability.metrics import read_metrics
+from tests.conftest import kjv_verses
 from tests.pretrain_runs import DEMO_CONFIG, ROOT, losses
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 from tests.slurm_launch_runs import ITERS, SLURM, data_cache, launch_environment, reference_losses, run_overrides
@@ -66,3 +73,32 @@ def test_preempted_job_is_requeued_and_resumes_the_uninterrupted_curve(case, slu
     resumed = re.search(r"resumed from \S+ at iteration (\d+)", text)
     assert resumed and 2 <= int(resumed.group(1)) < ITERS, context
     assert losses(output_dir) == reference, context
+
+
+@pytest.mark.slow
+def test_an_array_job_shares_the_files_and_a_dependent_job_merges(slurm_cluster, tmp_path,  # noqa: F811
+                                                                  small_tokenizer_dir):
+    """slurm/prepare_data.sbatch: two array tasks tokenize three files between them, a job that
+    waits for them merges, and the result is the bytes a one-process prepare-data writes."""
+    verses = kjv_verses()
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for i in range(3):
+        documents = (" ".join(verses[j:j + 10]) for j in range(i * 300, (i + 1) * 300, 10))
+        (sources / f"{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    config = tmp_path / "prepare.yaml"
+    config.write_text(f"data:\n  sources: [{sources}]\n  prefix: {tmp_path / 'slurm' / 'kjv'}\n"
+                      f"  tokenizer: {small_tokenizer_dir}\n")
+    reference = tmp_path / "reference" / "kjv"
+    prepare(load_config(config, [f"data.prefix={reference}"]).data)
+
+    common = ("--cpus-per-task=1", "--time=10", f"--output={tmp_path}/%x-%j.out", f"--chdir={ROOT}")
+    script = (str(SLURM / "prepare_data.sbatch"), str(config))
+    array = slurm_cluster.sbatch("--array=0-1", *common, *script, env=launch_environment())
+    merge = slurm_cluster.sbatch(f"--dependency=afterok:{array}", *common, *script, env=launch_environment())
+    slurm_cluster.wait_for(lambda: slurm_cluster.job(merge)["JobState"] in ENDED, 300, "the merge job's end")
+    logs = "\n".join(path.read_text() for path in sorted(tmp_path.glob("megadiff-prepare-*.out")))
+    assert slurm_cluster.job(merge)["JobState"] == "COMPLETED", logs[-5000:]
+    assert "parts 0/2 of" in logs and "parts 1/2 of" in logs, logs[-5000:]
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path / 'slurm' / 'kjv'}{ext}").read_bytes() == Path(f"{reference}{ext}").read_bytes()
