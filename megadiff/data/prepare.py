@@ -168,7 +168,7 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
     stats = {}
     dtype = token_dtype(plan.tokenizer.vocab_size)
     with Encoder(plan.data.tokenizer, dtype.name, plan.data.workers) as encoder, progress:
-        overall = progress.add_task("parts", total=len(indices))
+        overall = progress.add_task("parts", total=len(indices), visible=len(indices) > 1)
         for index in indices:
             stats[index] = _prepare_part(plan, index, encoder, progress)
             progress.advance(overall)
@@ -182,7 +182,8 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
         if is_up_to_date(prefix, fingerprint):
             return read_manifest(prefix)["stats"]
         remove_manifest(prefix)
-        stats = _tokenize(prefix, source, plan, encoder, progress, f"part {index + 1}/{len(plan.parts)}")
+        label = f"tokenizing part {index + 1}/{len(plan.parts)}" if len(plan.parts) > 1 else "tokenizing"
+        stats = _tokenize(prefix, source, plan, encoder, progress, label)
         write_manifest(prefix, fingerprint, stats)
     return stats
 
@@ -199,7 +200,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     try:
         texts = load_texts([source], plan.data.text_key, work_dir)
         documents, tokens = 0, 0
-        task = progress.add_task(f"tokenizing {label}", total=len(texts), tokens=0)
+        task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
         with AtomicIndexedWriter(prefix, token_dtype(plan.tokenizer.vocab_size)) as writer:
             batches = (batch["text"] for batch in texts.iter(batch_size=DOCUMENTS_PER_BATCH))

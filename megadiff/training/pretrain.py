@@ -88,7 +88,7 @@ class Pretraining:
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
                                          wandb=self._wandb)
-            self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} ranks "
+            self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
                                f"DP {self.dp}); model states {self.model_states.total / GIB:.2f} GiB on the most loaded "
                                f"rank; {how}")
