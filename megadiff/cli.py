@@ -31,6 +31,19 @@ def _config_command(sub, name: str, target: str, help_text: str) -> None:
     parser.set_defaults(run=lambda a: _target(target)(a.config, a.overrides))
 
 
+def _held_out_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A command that runs a checkpoint over held-out samples (its validation split by default)."""
+    parser = sub.add_parser(name, help=help_text)
+    parser.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
+    parser.add_argument("--split", choices=["valid", "test"], default="valid")
+    parser.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's model.seq_length")
+    parser.add_argument("--sequences", type=int, default=16, help="samples (of each source of a blend)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--output", default=None, help="write the report as JSON here")
+    parser.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... to use other data")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megadiff", description=__doc__)
     parser.add_argument("--version", action="version", version=f"megadiff {__version__}")
@@ -83,18 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
         a.load, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
 
-    evaluate = sub.add_parser("evaluate", help="held-out loss of a checkpoint, overall and by position")
-    evaluate.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
-    evaluate.add_argument("--split", choices=["valid", "test"], default="valid")
-    evaluate.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's model.seq_length")
-    evaluate.add_argument("--sequences", type=int, default=16)
-    evaluate.add_argument("--batch-size", type=int, default=1)
+    evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")
-    evaluate.add_argument("--output", default=None, help="write the report as JSON here")
-    evaluate.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... to use other data")
     evaluate.set_defaults(run=lambda a: _target("megadiff.inference.evaluate:evaluate")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
         buckets=a.buckets, overrides=a.overrides, output=a.output))
+    outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
+                                 "(the DIFF paper's activation outliers)")
+    outliers.set_defaults(run=lambda a: _target("megadiff.inference.outliers:outliers")(
+        a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
+        overrides=a.overrides, output=a.output))
 
     demo = sub.add_parser("demo", help="prepare the bundled corpus, pre-train a tiny DIFF model, convert, sample")
     demo.add_argument("--output-dir", default="runs/demo")

@@ -13,7 +13,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -69,17 +69,22 @@ def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Consol
     return dataset
 
 
+def sample_batches(dataset, sequences: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) [b, N] of the dataset's first `sequences` samples, `batch_size` at a time."""
+    for start in range(0, sequences, batch_size):
+        items = [dataset[i] for i in range(start, min(start + batch_size, sequences))]
+        yield tuple(torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long()
+                    for key in ("tokens", "labels"))
+
+
 @torch.no_grad()
 def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None) -> torch.Tensor:
     """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples."""
     rows = []
-    for start in range(0, sequences, batch_size):
-        items = [dataset[i] for i in range(start, min(start + batch_size, sequences))]
-        tokens, labels = (torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long()
-                          for key in ("tokens", "labels"))
+    for tokens, labels in sample_batches(dataset, sequences, batch_size):
         rows.append(model(tokens, labels).float().cpu())
         if on_batch is not None:
-            on_batch(len(items))
+            on_batch(len(tokens))
     return torch.cat(rows)
 
 
@@ -108,16 +113,22 @@ def blend_summary(sources: list[tuple[torch.Tensor, float]], buckets: int) -> di
     return summarize_positions(per_position, sum(losses.shape[0] for losses, _ in sources), buckets)
 
 
+def check_request(command: str, split: str, overrides: Iterable[str], **counts: int) -> None:
+    """The command line's own mistakes, before a checkpoint is read."""
+    if split not in SPLITS:
+        raise ConfigError(f"--split must be one of {SPLITS}, got {split!r}")
+    too_small = [f"--{name.replace('_', '-')}" for name, value in counts.items() if value < 1]
+    if too_small:
+        raise ConfigError(f"{', '.join(too_small)} must be >= 1")
+    unexpected = [o for o in overrides if not o.startswith("data.")]
+    if unexpected:
+        raise ConfigError(f"{command} takes data.* overrides only (the model is the checkpoint's), got {unexpected}")
+
+
 def evaluate(load: str, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
              batch_size: int = 1, buckets: int = 8, overrides: Iterable[str] = (), output: str | None = None) -> int:
     """`megadiff evaluate --load RUN`: print (and with `output`, write as JSON) the held-out losses."""
-    if split not in SPLITS:
-        raise ConfigError(f"--split must be one of {SPLITS}, got {split!r}")
-    if min(sequences, batch_size, buckets) < 1:
-        raise ConfigError("--sequences, --batch-size and --buckets must be >= 1")
-    unexpected = [o for o in overrides if not o.startswith("data.")]
-    if unexpected:
-        raise ConfigError(f"evaluate takes data.* overrides only (the model is the checkpoint's), got {unexpected}")
+    check_request("evaluate", split, overrides, sequences=sequences, batch_size=batch_size, buckets=buckets)
     console = Console(highlight=False, soft_wrap=True)
     model = load_checkpoint(load)
     cfg = evaluation_config(model, seq_length, overrides)

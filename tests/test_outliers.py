@@ -1,0 +1,125 @@
+"""`megadiff outliers` (the DIFF paper's Table 5): its statistics against a naive computation over
+every value, and its attention logits against the maps the layer itself combines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
+from megadiff.cli import main
+from megadiff.config import build_config
+from megadiff.data.prepare import prepare
+from megadiff.inference import load_checkpoint
+from megadiff.inference.evaluate import evaluation_config, held_out_dataset, sample_batches
+from megadiff.inference.outliers import TOP, AbsStatistics, attention_maps, causal_scores
+from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+from tests.test_evaluate import _write_documents
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{variant: run directory} of DIFF and softmax checkpoints (4 heads over 2 key/value heads)
+    whose config names prepared KJV data."""
+    root = tmp_path_factory.mktemp("outliers")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    _write_documents(root / "docs.jsonl")
+    data = [f"data.sources=[{root / 'docs.jsonl'}]", f"data.prefix={root / 'prepared' / 'docs'}",
+            f"data.cache_dir={root / 'cache'}", "data.split=80,20,0", f"data.tokenizer={tokenizer}"]
+    runs = {}
+    for variant in ("diff", "softmax"):
+        cfg = build_config(variant_config(variant, "single", str(tokenizer)).model_dump(mode="json"), data)
+        prepare(cfg.data)
+        runs[variant] = root / variant
+        save_in_process(cfg, iteration_dir(runs[variant] / CHECKPOINTS_DIR, 1))
+        (runs[variant] / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
+    return runs
+
+
+def test_streamed_statistics_equal_those_of_all_values_at_once():
+    generator = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(n, generator=generator) * scale for n, scale in ((1000, 1.0), (37, 50.0), (5000, 0.01))]
+    pieces.append(torch.zeros(10))
+    stats = AbsStatistics()
+    for piece in pieces:
+        stats.add(piece)
+    everything = torch.cat(pieces).abs()
+    summary = stats.summary()
+    assert summary["values"] == everything.numel()
+    for k in TOP:
+        assert summary[f"top_{k}"] == pytest.approx(torch.topk(everything, k).values[-1].item())
+    assert summary["median"] == pytest.approx(everything.median().item(), rel=2e-3)
+
+
+def _naive_statistics(model, dataset, sequences: int) -> dict[str, torch.Tensor]:
+    """Every attention logit (full score matrices, causal entries) and every layer output, kept."""
+    captured = {"attention_logits": [], "hidden_states": []}
+    checked = []
+
+    def before_attention(module, args):
+        query, key, value = args[:3]
+        maps = attention_maps(module, query, key)
+        scale = module.softmax_scale or query.shape[-1] ** -0.5
+        seq = query.shape[0]
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        scores = [q.float() @ k.float().transpose(-1, -2) * scale for q, k in maps]
+        for (q, k), full in zip(maps, scores):
+            captured["attention_logits"].append(full[:, :, causal].flatten())
+            streamed = torch.cat([chunk.flatten() for chunk in causal_scores(q, k, scale, rows=3)])
+            torch.testing.assert_close(streamed.sort().values, full[:, :, causal].flatten().sort().values)
+        # the maps recombined as the paper's formula: the layer's own output, so the pairing is right
+        probabilities = [torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) for s in scores]
+        checked.append((module, value, probabilities))
+
+    def after_attention(module, args, output):
+        _, value, probabilities = checked[-1]
+        d = args[0].shape[-1]
+        seq, batch = value.shape[:2]
+        heads = probabilities[0].shape[1]
+        if len(probabilities) == 2:  # differential: (A1 - lambda A2) V, head-wise RMSNorm, (1 - lambda_init)
+            v = value.reshape(seq, batch, -1, 2 * d).permute(1, 2, 0, 3).repeat_interleave(
+                heads // (value.shape[2] // 2), dim=1).float()
+            lam = module.current_lambda().float()
+            combined = probabilities[0] @ v - lam * (probabilities[1] @ v)
+            combined = F.rms_norm(combined, (2 * d,), module.head_norm_weight.float(), module.head_norm_eps)
+            combined = combined * (1.0 - module.lambda_init)
+        else:
+            v = value.permute(1, 2, 0, 3).repeat_interleave(heads // value.shape[2], dim=1).float()
+            combined = probabilities[0] @ v
+        expected = combined.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        torch.testing.assert_close(output.float(), expected, rtol=1e-4, atol=1e-5)
+
+    def after_layer(module, args, output):
+        captured["hidden_states"].append(output[0].flatten())
+
+    handles = []
+    for layer in model.gpt.decoder.layers:
+        handles += [layer.self_attention.core_attention.register_forward_pre_hook(before_attention),
+                    layer.self_attention.core_attention.register_forward_hook(after_attention),
+                    layer.register_forward_hook(after_layer)]
+    with torch.no_grad():
+        for tokens, _ in sample_batches(dataset, sequences, 2):
+            model.hidden_states(tokens)
+    for handle in handles:
+        handle.remove()
+    assert len(checked) == 2 * len(model.gpt.decoder.layers)  # two batches
+    return {name: torch.cat(values).abs() for name, values in captured.items()}
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_cli_report_equals_naive_statistics(runs, tmp_path, variant):
+    out = tmp_path / "outliers.json"
+    assert main(["outliers", "--load", str(runs[variant]), "--sequences", "3", "--batch-size", "2",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    model = load_checkpoint(runs[variant])
+    cfg = evaluation_config(model, None, [])
+    naive = _naive_statistics(model, held_out_dataset(cfg, model.tokenizer, "valid", 3, None), 3)
+    assert report["variant"] == variant and report["sequences"] == 3
+    for name, values in naive.items():
+        assert report[name]["values"] == values.numel()
+        for k in TOP:
+            assert report[name][f"top_{k}"] == pytest.approx(torch.topk(values, k).values[-1].item(), rel=1e-5)
+        assert report[name]["median"] == pytest.approx(values.median().item(), rel=2e-3)
