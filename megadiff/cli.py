@@ -103,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
         buckets=a.buckets, overrides=a.overrides, output=a.output))
     outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
                                  "(the DIFF paper's activation outliers)")
+    needles = sub.add_parser("needles", help="multi-needle retrieval accuracy by context length and depth")
+    needles.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
+    needles.add_argument("--lengths", type=int, nargs="+", required=True, help="context lengths in tokens")
+    needles.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                         help="where the queried needle sits: 0 = start, 1 = end")
+    needles.add_argument("--needles", type=int, default=1, help="needles in each context (one is asked for)")
+    needles.add_argument("--trials", type=int, default=5, help="cases per length and depth")
+    needles.add_argument("--seed", type=int, default=0)
+    needles.add_argument("--split", choices=["valid", "test"], default="valid", help="where the haystack comes from")
+    needles.add_argument("--output", default=None, help="write the report as JSON here")
+    needles.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... for other text")
+    needles.set_defaults(run=lambda a: _target("megadiff.inference.needles:needles_cli")(
+        a.load, a.lengths, a.depths, needles=a.needles, trials=a.trials, seed=a.seed, split=a.split,
+        overrides=a.overrides, output=a.output))
     outliers.set_defaults(run=lambda a: _target("megadiff.inference.outliers:outliers")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
         overrides=a.overrides, output=a.output))

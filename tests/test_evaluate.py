@@ -12,42 +12,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
 from megadiff.cli import main
 from megadiff.config import ConfigError, build_config
 from megadiff.data.datasets import build_datasets
 from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluate, summarize
-from tests.convert_worker import build_tokenizer, save_in_process, variant_config
-
-
-def _write_documents(path: Path, first_verse: int = 0) -> None:
-    """80 documents of 20 KJV verses each, from `first_verse` on."""
-    from importlib.util import find_spec
-
-    kjv = Path(list(find_spec("bible").submodule_search_locations)[0]) / "data" / "kjv.jsonl"
-    with open(kjv) as lines:
-        verses = [json.loads(line)["text"] for line, _ in zip(lines, range(first_verse + 1600))][first_verse:]
-    path.write_text("".join(json.dumps({"text": " ".join(verses[i:i + 20])}) + "\n" for i in range(0, 1600, 20)))
+from tests.held_out_runs import held_out_run, write_documents
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A DIFF checkpoint (trained on nothing: weights drawn) whose config names prepared KJV data."""
+    """A DIFF checkpoint whose config names prepared KJV data, and a second prepared source for blends."""
     root = tmp_path_factory.mktemp("evaluate")
-    tokenizer = build_tokenizer(root / "tokenizer")
-    _write_documents(root / "docs.jsonl")
-    data = [f"data.sources=[{root / 'docs.jsonl'}]", f"data.prefix={root / 'prepared' / 'docs'}",
-            f"data.cache_dir={root / 'cache'}", "data.split=80,20,0", f"data.tokenizer={tokenizer}"]
-    cfg = build_config(variant_config("diff", "single", str(tokenizer)).model_dump(mode="json"), data)
-    prepare(cfg.data)
-    _write_documents(root / "later.jsonl", first_verse=5000)  # a second source, for blends
+    output_dir, cfg = held_out_run(root, "diff", iteration=3)
+    write_documents(root / "later.jsonl", first_verse=5000)
     prepare(build_config(cfg.model_dump(mode="json"), [f"data.sources=[{root / 'later.jsonl'}]",
                                                        f"data.prefix={root / 'prepared' / 'later'}"]).data)
-    output_dir = root / "run"
-    save_in_process(cfg, iteration_dir(output_dir / CHECKPOINTS_DIR, 3))
-    (output_dir / CHECKPOINTS_DIR / LATEST_FILE).write_text("3")
     return output_dir, cfg
 
 

@@ -40,7 +40,7 @@ def test_load_checkpoint_gives_in_process_logits(run, form):
         assert torch.equal(logits, reference(ids))
 
 
-def test_chunked_losses_and_last_logits_equal_megatrons_whole_forward(run):
+def test_chunked_losses_and_chosen_logits_equal_megatrons_whole_forward(run):
     """CausalLM's losses (output layer + cross entropy a few positions at a time), logits and
     next-token logits against GPTModel.forward's own, which holds every position's logits."""
     model = load_checkpoint(run[0])
@@ -54,6 +54,7 @@ def test_chunked_losses_and_last_logits_equal_megatrons_whole_forward(run):
                                    rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(model(ids), whole, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(model.next_token_logits(ids), whole[:, -1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.logits_at(ids, [0, 4, 8]), whole[:, [0, 4, 8]], rtol=1e-6, atol=1e-6)
     assert model.gpt.post_process  # the forward's flag is restored
 
 

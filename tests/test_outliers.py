@@ -8,34 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
 from megadiff.cli import main
-from megadiff.config import build_config
-from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluation_config, held_out_dataset, sample_batches
 from megadiff.inference.outliers import TOP, AbsStatistics, attention_maps, causal_scores
-from tests.convert_worker import build_tokenizer, save_in_process, variant_config
-from tests.test_evaluate import _write_documents
+from tests.held_out_runs import held_out_run
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{variant: run directory} of DIFF and softmax checkpoints (4 heads over 2 key/value heads)
-    whose config names prepared KJV data."""
+    """{variant: run directory} of DIFF and softmax checkpoints (4 heads over 2 key/value heads)."""
     root = tmp_path_factory.mktemp("outliers")
-    tokenizer = build_tokenizer(root / "tokenizer")
-    _write_documents(root / "docs.jsonl")
-    data = [f"data.sources=[{root / 'docs.jsonl'}]", f"data.prefix={root / 'prepared' / 'docs'}",
-            f"data.cache_dir={root / 'cache'}", "data.split=80,20,0", f"data.tokenizer={tokenizer}"]
-    runs = {}
-    for variant in ("diff", "softmax"):
-        cfg = build_config(variant_config(variant, "single", str(tokenizer)).model_dump(mode="json"), data)
-        prepare(cfg.data)
-        runs[variant] = root / variant
-        save_in_process(cfg, iteration_dir(runs[variant] / CHECKPOINTS_DIR, 1))
-        (runs[variant] / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
-    return runs
+    return {variant: held_out_run(root, variant)[0] for variant in ("diff", "softmax")}
 
 
 def test_streamed_statistics_equal_those_of_all_values_at_once():

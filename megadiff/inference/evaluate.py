@@ -113,6 +113,14 @@ def blend_summary(sources: list[tuple[torch.Tensor, float]], buckets: int) -> di
     return summarize_positions(per_position, sum(losses.shape[0] for losses, _ in sources), buckets)
 
 
+def write_report(console: Console, report: dict, output: str | None) -> None:
+    """The report as JSON at `output`, when asked for."""
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {output}")
+
+
 def check_request(command: str, split: str, overrides: Iterable[str], **counts: int) -> None:
     """The command line's own mistakes, before a checkpoint is read."""
     if split not in SPLITS:
@@ -149,10 +157,7 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
                              for prefix, weight, losses in zip(prefixes, weights, per_source)]
     report.update(checkpoint=str(model.checkpoint_dir), split=split, data=prefixes)
     _print(console, report)
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1))
-        console.print(f"wrote {output}")
+    write_report(console, report, output)
     return 0
 
 

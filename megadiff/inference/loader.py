@@ -90,7 +90,7 @@ def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
 
 class CausalLM(torch.nn.Module):
     """model(input_ids [B, N]) -> logits [B, N, V] (batch first, V = padded vocabulary);
-    model(input_ids, labels) -> next-token losses [B, N]; model.next_token_logits(input_ids) -> [B, V].
+    model(input_ids, labels) -> next-token losses [B, N]; model.logits_at(input_ids, positions) -> [B, P, V].
 
     With labels, the output layer and cross entropy run over `loss_chunk_tokens` tokens at a time,
     so evaluating a 64K sequence holds a few thousand rows of logits, not 64K x V of them."""
@@ -150,9 +150,14 @@ class CausalLM(torch.nn.Module):
         return torch.cat([self.gpt.compute_language_model_loss(labels[:, i:i + step], self._logits(hidden[i:i + step]))
                           for i in range(0, labels.shape[1], step)], dim=1)
 
+    def logits_at(self, input_ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """[B, len(positions), V]: the logits of those positions only (a 64K sequence's full logits
+        would take 26 GB in fp32 for a 100K vocabulary)."""
+        return self._logits(self.hidden_states(input_ids)[positions]).transpose(0, 1)
+
     def next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, V]: the logits of the last position only (generation needs no others)."""
-        return self._logits(self.hidden_states(input_ids)[-1:])[0]
+        return self.logits_at(input_ids, [-1])[:, 0]
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> CausalLM:

@@ -12,9 +12,7 @@ states for DIFF.
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -24,7 +22,9 @@ from rich.table import Table
 from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.inference.evaluate import check_request, evaluation_config, held_out_dataset, sample_batches
+from megadiff.inference.evaluate import (
+    check_request, evaluation_config, held_out_dataset, sample_batches, write_report,
+)
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.differential_attention import DifferentialCoreAttention
 
@@ -160,8 +160,5 @@ def outliers(load: str, split: str = "valid", seq_length: int | None = None, seq
         table.add_row(name.replace("_", " "), *(f"{row[f'top_{k}']:.1f}" if f"top_{k}" in row else "-" for k in TOP),
                       f"{row['median']:.2f}")
     console.print(table)
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1))
-        console.print(f"wrote {output}")
+    write_report(console, report, output)
     return 0

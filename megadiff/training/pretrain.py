@@ -28,7 +28,7 @@ from megadiff.parallel import compute_device, initialize, shutdown
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
-from megadiff.training.state import TrainState, restore
+from megadiff.training.state import restore
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
 

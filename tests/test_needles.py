@@ -1,0 +1,107 @@
+"""`megadiff needles`: the cases hold what they claim where they claim it, and the accuracy grid
+equals what a retrieval oracle of known reach achieves; on a real checkpoint the one-pass check
+agrees with step-by-step greedy decoding."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megadiff.cli import main
+from megadiff.data.tokenizers import load_tokenizer
+from megadiff.inference import load_checkpoint
+from megadiff.inference.evaluate import evaluation_config
+from megadiff.inference.needles import build_case, held_out_tokens, retrieval_grid, retrieved
+from tests.conftest import kjv_verses
+from tests.held_out_runs import held_out_run
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("cl100k_base")
+
+
+@pytest.fixture(scope="module")
+def haystack(tokenizer) -> np.ndarray:
+    return np.asarray(tokenizer.encode(" ".join(kjv_verses()[:2000])))
+
+
+class CopyingOracle:
+    """Predicts the token that followed the latest earlier occurrence of the last `context` tokens,
+    found no more than `reach` tokens back: retrieval whose range is known exactly."""
+
+    def __init__(self, vocab_size: int, reach: int | None = None, context: int = 4):
+        self.vocab_size, self.reach, self.context = vocab_size, reach, context
+
+    def logits_at(self, input_ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        ids = input_ids[0].tolist()
+        logits = torch.zeros(1, len(positions), self.vocab_size)
+        for row, position in enumerate(positions):
+            key = ids[position - self.context + 1:position + 1]
+            earliest = 0 if self.reach is None else max(0, position - self.reach)
+            for start in range(position - self.context, earliest - 1, -1):
+                if ids[start:start + self.context] == key:
+                    logits[0, row, ids[start + self.context]] = 1.0
+                    break
+        return logits
+
+
+@pytest.mark.parametrize("needles", [1, 4])
+def test_a_case_holds_its_needles_question_and_answer_where_it_says(tokenizer, haystack, needles):
+    starts = []
+    for depth in (0.0, 0.5, 1.0):
+        case = build_case(tokenizer, haystack, 600, depth, needles, random.Random(3))
+        assert len(case.tokens) == 600
+        text = tokenizer.decode(case.tokens)
+        assert text.count("The magic number of") == needles + 1  # the needles and the question
+        city_and_number = tokenizer.decode(case.tokens[case.needle_start:]).split(".\n")[0]
+        assert city_and_number.startswith("\nThe magic number of ")
+        number = city_and_number.rsplit(" ", 1)[1]
+        assert tokenizer.decode(case.answer) == f" {number}"
+        city = city_and_number.split(" of ")[1].split(" is")[0]
+        assert tokenizer.decode(case.tokens[:case.answer_start]).endswith(f"The magic number of {city} is")
+        starts.append(case.needle_start / case.answer_start)
+    assert starts[0] < 0.05 and 0.4 < starts[1] < 0.6 and starts[2] > 0.9
+
+
+def test_the_grid_is_what_an_oracle_of_known_reach_retrieves(tokenizer, haystack):
+    lengths, depths = [300, 900], [0.0, 0.5, 1.0]
+    everything = retrieval_grid(CopyingOracle(tokenizer.vocab_size), tokenizer, haystack, lengths, depths,
+                                needles=3, trials=2, seed=0)
+    assert everything["accuracy"] == [[1.0] * 3] * 2 and everything["mean_accuracy"] == 1.0
+    # reaching back 400 tokens: needles at the start of a 900-token context are out of reach
+    near = retrieval_grid(CopyingOracle(tokenizer.vocab_size, reach=400), tokenizer, haystack, lengths, depths,
+                          needles=3, trials=2, seed=0)
+    assert near["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+
+
+def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(tmp_path_factory, tmp_path):
+    run_dir, _ = held_out_run(tmp_path_factory.mktemp("needles"), "diff")
+    out = tmp_path / "needles.json"
+    assert main(["needles", "--load", str(run_dir), "--lengths", "160", "256", "--depths", "0", "1",
+                 "--trials", "2", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["lengths"] == [160, 256] and report["depths"] == [0.0, 1.0]
+    assert all(0.0 <= value <= 1.0 for row in report["accuracy"] for value in row)
+
+    model = load_checkpoint(run_dir)
+    tokens = held_out_tokens(evaluation_config(model, None, []), "valid")
+    for depth in (0.0, 1.0):
+        case = build_case(model.tokenizer, tokens, 160, depth, 2, random.Random(1))
+        greedy = _greedy(model, case.tokens[:case.answer_start], len(case.answer))
+        assert retrieved(model, case) == (greedy == case.answer)
+        # and a case made to be retrieved: its answer is what the model generates
+        forced = type(case)(case.tokens[:case.answer_start] + greedy, case.needle_start, case.answer_start)
+        assert retrieved(model, forced)
+
+
+def _greedy(model, prompt: list[int], count: int) -> list[int]:
+    """Argmax decoding over the whole context, each step through the model's full logits."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
