@@ -1,6 +1,6 @@
 """The user's path on a GPU, as commands: pre-train (NCCL, bf16, checkpoints, evaluation), stop and
 resume (profiling an iteration), convert to Hugging Face with its logits check, generate,
-evaluate. Everything CUDA-only that the CPU
+evaluate, activation outliers. Everything CUDA-only that the CPU
 suite cannot reach runs here: the NCCL collectives on the loss and the stop flag, the model's move
 to the GPU, CUDA RNG states in checkpoints, the fused kernel inside the model, and inference and
 conversion on a machine where megatron computes on the GPU."""
@@ -76,6 +76,10 @@ def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, k
         _megadiff("evaluate", "--load", str(out), "--sequences", "4", "--batch-size", "2", "--output", str(report_file))
         report = json.loads(report_file.read_text())
         assert math.isfinite(report["loss"]) and report["tokens"] == 4 * report["seq_length"]
+        outliers_file = tmp_path / "outliers.json"  # statistics kept on the GPU while streaming
+        _megadiff("outliers", "--load", str(out), "--sequences", "2", "--output", str(outliers_file))
+        outliers = json.loads(outliers_file.read_text())
+        assert outliers["attention_logits"]["top_1"] >= outliers["attention_logits"]["median"] > 0
 
     window = f"rank0-iters{profiled}-{profiled}"
     trace = json.loads((out / "profile" / f"trace-{window}.json").read_text())["traceEvents"]
