@@ -112,11 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     needles.add_argument("--trials", type=int, default=5, help="cases per length and depth")
     needles.add_argument("--seed", type=int, default=0)
     needles.add_argument("--split", choices=["valid", "test"], default="valid", help="where the haystack comes from")
+    needles.add_argument("--attention", action="store_true",
+                         help="also the attention to the answer and the attention noise (the paper's Table 3)")
     needles.add_argument("--output", default=None, help="write the report as JSON here")
     needles.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... for other text")
     needles.set_defaults(run=lambda a: _target("megadiff.inference.needles:needles_cli")(
         a.load, a.lengths, a.depths, needles=a.needles, trials=a.trials, seed=a.seed, split=a.split,
-        overrides=a.overrides, output=a.output))
+        attention=a.attention, overrides=a.overrides, output=a.output))
     outliers.set_defaults(run=lambda a: _target("megadiff.inference.outliers:outliers")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
         overrides=a.overrides, output=a.output))

@@ -3,18 +3,22 @@ equals what a retrieval oracle of known reach achieves; on a real checkpoint the
 agrees with step-by-step greedy decoding."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megadiff.cli import main
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluation_config
-from megadiff.inference.needles import build_case, held_out_tokens, retrieval_grid, retrieved
+from megadiff.inference.needles import (
+    attention_allocation, attention_rows, build_case, held_out_tokens, retrieval_grid, retrieved,
+)
 from tests.conftest import kjv_verses
 from tests.held_out_runs import held_out_run
 
@@ -78,14 +82,22 @@ def test_the_grid_is_what_an_oracle_of_known_reach_retrieves(tokenizer, haystack
     assert near["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
 
 
-def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(tmp_path_factory, tmp_path):
-    run_dir, _ = held_out_run(tmp_path_factory.mktemp("needles"), "diff")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{variant: run directory} of DIFF and softmax checkpoints (4 heads over 2 key/value heads)."""
+    root = tmp_path_factory.mktemp("needles")
+    return {variant: held_out_run(root, variant)[0] for variant in ("diff", "softmax")}
+
+
+def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tmp_path):
+    run_dir = runs["diff"]
     out = tmp_path / "needles.json"
     assert main(["needles", "--load", str(run_dir), "--lengths", "160", "256", "--depths", "0", "1",
-                 "--trials", "2", "--output", str(out)]) == 0
+                 "--trials", "2", "--attention", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["lengths"] == [160, 256] and report["depths"] == [0.0, 1.0]
     assert all(0.0 <= value <= 1.0 for row in report["accuracy"] for value in row)
+    assert np.shape(report["attention_to_answer"]) == np.shape(report["attention_noise"]) == (2, 2)
 
     model = load_checkpoint(run_dir)
     tokens = held_out_tokens(evaluation_config(model, None, []), "valid")
@@ -94,7 +106,7 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(tmp_path
         greedy = _greedy(model, case.tokens[:case.answer_start], len(case.answer))
         assert retrieved(model, case) == (greedy == case.answer)
         # and a case made to be retrieved: its answer is what the model generates
-        forced = type(case)(case.tokens[:case.answer_start] + greedy, case.needle_start, case.answer_start)
+        forced = dataclasses.replace(case, tokens=case.tokens[:case.answer_start] + greedy)
         assert retrieved(model, forced)
 
 
@@ -105,3 +117,50 @@ def _greedy(model, prompt: list[int], count: int) -> list[int]:
         for _ in range(count):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_attention_rows_are_the_maps_the_layer_applies(runs, variant):
+    """Each layer's row, times the values (DIFF: then x (1 - lambda), head norm, x (1 - lambda_init)),
+    is the core attention's own output at that position."""
+    model = load_checkpoint(runs[variant])
+    tokens = held_out_tokens(evaluation_config(model, None, []), "valid")[:40].tolist()
+    position = 30
+    rows = attention_rows(model, tokens, position)
+    applied = []
+    handles = [layer.self_attention.core_attention.register_forward_hook(
+        lambda module, args, output: applied.append((module, args[2], output))) for layer in model.gpt.decoder.layers]
+    with torch.no_grad():
+        model.hidden_states(torch.tensor([tokens[:position + 1]]))
+    for handle in handles:
+        handle.remove()
+    assert len(rows) == len(applied) == len(model.gpt.decoder.layers)
+    for row, (module, value, output) in zip(rows, applied):
+        torch.testing.assert_close(row.sum(-1), torch.ones(row.shape[0]))
+        heads = row.shape[0]
+        if variant == "diff":
+            d = module.head_dim
+            v = value[:position + 1, 0].reshape(position + 1, -1, 2 * d).float()
+            lam = module.current_lambda().float()
+            mixed = torch.einsum("hj,hjd->hd", row * (1 - lam),
+                                 v.permute(1, 0, 2).repeat_interleave(heads // v.shape[1], 0))
+            mixed = F.rms_norm(mixed, (2 * d,), module.head_norm_weight.float(), module.head_norm_eps)
+            expected = mixed * (1.0 - module.lambda_init)
+        else:
+            v = value[:position + 1, 0].float()
+            expected = torch.einsum("hj,hjd->hd", row, v.permute(1, 0, 2).repeat_interleave(heads // v.shape[1], 0))
+        torch.testing.assert_close(output[position, 0].float(), expected.reshape(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_allocation_sums_the_rows_over_the_answer_and_the_haystack(runs):
+    model = load_checkpoint(runs["diff"])
+    haystack = held_out_tokens(evaluation_config(model, None, []), "valid")
+    case = build_case(model.tokenizer, haystack, 200, 0.5, 3, random.Random(2))
+    assert model.tokenizer.decode(case.tokens[slice(*case.answer_span)]) == model.tokenizer.decode(case.answer)
+    rows = torch.cat(attention_rows(model, case.tokens, case.answer_start - 1))
+    in_needles = {i for start, end in case.needle_spans for i in range(start, end)}
+    haystack_positions = [i for i in range(case.question_start) if i not in in_needles]
+    to_answer, noise = attention_allocation(model, case)
+    assert to_answer == pytest.approx(rows[:, list(range(*case.answer_span))].sum(-1).mean().item(), rel=1e-5)
+    assert noise == pytest.approx(rows[:, haystack_positions].sum(-1).mean().item(), rel=1e-5)
+    assert 0 < len(haystack_positions) < case.question_start

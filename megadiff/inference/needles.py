@@ -27,7 +27,8 @@ from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config, write_report
-from megadiff.inference.loader import load_checkpoint
+from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.outliers import attention_maps
 
 CITIES = ("Paris", "Lisbon", "Nairobi", "Lima", "Oslo", "Hanoi", "Quito", "Dakar", "Perth", "Riga", "Tunis",
           "Accra", "Kyoto", "Bergen", "Cusco", "Porto", "Seville", "Tallinn", "Windhoek", "Zagreb")
@@ -39,9 +40,15 @@ class Scorer(Protocol):
 
 @dataclass(frozen=True)
 class Case:
-    tokens: list[int]       # the whole input: context, question, answer
-    needle_start: int       # where the queried needle begins
-    answer_start: int       # where the answer begins (the question ends just before)
+    tokens: list[int]                    # the whole input: context, question, answer
+    needle_spans: list[tuple[int, int]]  # [start, end) of every needle, the queried one first
+    answer_span: tuple[int, int]         # the queried number inside its needle
+    question_start: int
+    answer_start: int                    # where the answer begins (the question ends just before)
+
+    @property
+    def needle_start(self) -> int:
+        return self.needle_spans[0][0]
 
     @property
     def answer(self) -> list[int]:
@@ -50,6 +57,10 @@ class Case:
 
 def _needle(tokenizer: Tokenizer, city: str, number: int) -> list[int]:
     return tokenizer.encode(f"\nThe magic number of {city} is {number}.\n")
+
+
+def _find(piece: list[int], part: list[int]) -> int | None:
+    return next((i for i in range(len(piece) - len(part) + 1) if piece[i:i + len(part)] == part), None)
 
 
 def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: float, needles: int,
@@ -71,15 +82,18 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
     hay = haystack[start:start + room].tolist()
     # the distractors spread evenly over the context, the queried needle at `depth`
     places = [round(depth * room)] + [round((k + 0.5) / (needles - 1) * room) for k in range(needles - 1)]
-    tokens, cursor, needle_start = [], 0, 0
+    tokens, cursor, spans = [], 0, [None] * needles
     for place, index in sorted((place, index) for index, place in enumerate(places)):
         tokens += hay[cursor:place]
         cursor = place
-        if index == 0:
-            needle_start = len(tokens)
+        spans[index] = (len(tokens), len(tokens) + len(pieces[index]))
         tokens += pieces[index]
-    tokens += hay[cursor:] + question
-    return Case(tokens + answer, needle_start, len(tokens))
+    tokens += hay[cursor:]
+    question_start = len(tokens)
+    tokens += question
+    offset = _find(pieces[0], answer)  # the number as the answer spells it; else the whole needle
+    answer_span = spans[0] if offset is None else (spans[0][0] + offset, spans[0][0] + offset + len(answer))
+    return Case(tokens + answer, spans, answer_span, question_start, len(tokens))
 
 
 @torch.no_grad()
@@ -90,14 +104,69 @@ def retrieved(model: Scorer, case: Case) -> bool:
     return logits.argmax(-1).tolist() == case.answer
 
 
+@torch.no_grad()
+def attention_rows(model: CausalLM, tokens: list[int], position: int) -> list[torch.Tensor]:
+    """Per layer, [heads, position + 1]: the attention of token `position` over the tokens up to it.
+    A differential head's row is A1 - lambda A2 divided by its sum 1 - lambda (the paper's
+    normalized attention scores: a row sums to 1, single entries may be negative)."""
+    rows = []
+
+    def capture(module, args) -> None:
+        scale = module.softmax_scale or args[0].shape[-1] ** -0.5
+        probabilities = [torch.softmax(q[0, :, position:position + 1].float()
+                                       @ k[0, :, :position + 1].float().transpose(-1, -2) * scale, dim=-1)[:, 0]
+                         for q, k in attention_maps(module, args[0], args[1])]
+        if len(probabilities) == 2:
+            lam = module.current_lambda().float().reshape(-1, 1)
+            rows.append((probabilities[0] - lam * probabilities[1]) / (1 - lam))
+        else:
+            rows.append(probabilities[0])
+
+    handles = [layer.self_attention.core_attention.register_forward_pre_hook(capture)
+               for layer in model.gpt.decoder.layers]
+    try:
+        model.hidden_states(torch.tensor([tokens[:position + 1]]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
+    """(attention to the answer, attention noise) of the question's last token, the paper's Table 3:
+    the normalized attention on the queried number's tokens, and on the haystack (everything before
+    the question but the needles), each summed over those tokens and averaged over layers and heads."""
+    position = case.answer_start - 1
+    answer = torch.zeros(position + 1, dtype=torch.bool)
+    answer[slice(*case.answer_span)] = True
+    noise = torch.zeros(position + 1, dtype=torch.bool)
+    noise[:case.question_start] = True
+    for start, end in case.needle_spans:
+        noise[start:end] = False
+    rows = torch.cat(attention_rows(model, case.tokens, position)).cpu()
+    return rows[:, answer].sum(-1).mean().item(), rows[:, noise].sum(-1).mean().item()
+
+
 def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, lengths: list[int],
-                   depths: list[float], needles: int, trials: int, seed: int) -> dict:
-    """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack)."""
+                   depths: list[float], needles: int, trials: int, seed: int, attention: bool = False) -> dict:
+    """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack);
+    with `attention` (a CausalLM model), also the attention to the answer and the noise per cell."""
     rng = random.Random(seed)
-    accuracy = [[sum(retrieved(model, build_case(tokenizer, haystack, length, depth, needles, rng))
-                     for _ in range(trials)) / trials for depth in depths] for length in lengths]
-    return {"lengths": lengths, "depths": depths, "needles": needles, "trials": trials, "accuracy": accuracy,
-            "mean_accuracy": float(np.mean(accuracy))}
+    grids = {name: [] for name in (("accuracy", "attention_to_answer", "attention_noise") if attention
+                                   else ("accuracy",))}
+    for length in lengths:
+        rows = {name: [] for name in grids}
+        for depth in depths:
+            cases = [build_case(tokenizer, haystack, length, depth, needles, rng) for _ in range(trials)]
+            rows["accuracy"].append(float(np.mean([retrieved(model, case) for case in cases])))
+            if attention:
+                allocations = np.mean([attention_allocation(model, case) for case in cases], axis=0)
+                rows["attention_to_answer"].append(float(allocations[0]))
+                rows["attention_noise"].append(float(allocations[1]))
+        for name, row in rows.items():
+            grids[name].append(row)
+    return {"lengths": lengths, "depths": depths, "needles": needles, "trials": trials, **grids,
+            "mean_accuracy": float(np.mean(grids["accuracy"]))}
 
 
 def held_out_tokens(cfg, split: str) -> np.ndarray:
@@ -114,8 +183,9 @@ def held_out_tokens(cfg, split: str) -> np.ndarray:
 
 
 def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], needles: int = 1, trials: int = 5,
-                seed: int = 0, split: str = "valid", overrides: Iterable[str] = (), output: str | None = None) -> int:
-    """`megadiff needles --load RUN`: print (and with `output`, write as JSON) the accuracy grid."""
+                seed: int = 0, split: str = "valid", attention: bool = False, overrides: Iterable[str] = (),
+                output: str | None = None) -> int:
+    """`megadiff needles --load RUN`: print (and with `output`, write as JSON) the grids."""
     lengths, depths = sorted(set(lengths)), sorted(set(depths))
     check_request("needles", split, overrides, needles=needles, trials=trials, lengths=min(lengths, default=0))
     if needles > len(CITIES) or not all(0 <= d <= 1 for d in depths) or not depths:
@@ -125,15 +195,18 @@ def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], need
     cfg = evaluation_config(model, None, overrides)
     ensure_prepared(cfg)
     report = retrieval_grid(model, model.tokenizer, held_out_tokens(cfg, split), lengths, depths, needles, trials,
-                            seed)
+                            seed, attention=attention)
     report.update(checkpoint=str(model.checkpoint_dir), trained_length=model.cfg.model.seq_length)
-    table = Table(title=f"{report['checkpoint']}: retrieval of 1 of {needles} needles, {trials} cases per cell "
-                        f"(trained on {report['trained_length']:,} tokens); mean {report['mean_accuracy']:.2f}")
-    table.add_column("length \\ depth")
-    for depth in depths:
-        table.add_column(f"{depth:g}", justify="right")
-    for length, row in zip(lengths, report["accuracy"]):
-        table.add_row(f"{length:,}", *(f"{value:.2f}" for value in row))
-    console.print(table)
+    console.print(f"{report['checkpoint']}: retrieval of 1 of {needles} needles, {trials} cases per cell (trained "
+                  f"on {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")
+    for name in ("accuracy", "attention_to_answer", "attention_noise"):
+        if name in report:
+            table = Table(title=name.replace("_", " "))
+            table.add_column("length \\ depth")
+            for depth in depths:
+                table.add_column(f"{depth:g}", justify="right")
+            for length, row in zip(lengths, report[name]):
+                table.add_row(f"{length:,}", *(f"{value:.2f}" for value in row))
+            console.print(table)
     write_report(console, report, output)
     return 0
