@@ -1,6 +1,6 @@
 """The user's path on a GPU, as commands: pre-train (NCCL, bf16, checkpoints, evaluation), stop and
 resume (profiling an iteration), convert to Hugging Face with its logits check, generate,
-evaluate, activation outliers. Everything CUDA-only that the CPU
+evaluate, activation outliers, needle retrieval. Everything CUDA-only that the CPU
 suite cannot reach runs here: the NCCL collectives on the loss and the stop flag, the model's move
 to the GPU, CUDA RNG states in checkpoints, the fused kernel inside the model, and inference and
 conversion on a machine where megatron computes on the GPU."""
@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +81,11 @@ def test_pretrain_resume_convert_generate_on_gpu(variant, small_tokenizer_dir, k
         _megadiff("outliers", "--load", str(out), "--sequences", "2", "--output", str(outliers_file))
         outliers = json.loads(outliers_file.read_text())
         assert outliers["attention_logits"]["top_1"] >= outliers["attention_logits"]["median"] > 0
+        needles_file = tmp_path / "needles.json"  # answer-position logits and attention rows on the GPU
+        _megadiff("needles", "--load", str(out), "--lengths", "256", "--depths", "0", "1", "--trials", "1",
+                  "--attention", "--output", str(needles_file))
+        needles = json.loads(needles_file.read_text())
+        assert np.shape(needles["accuracy"]) == np.shape(needles["attention_noise"]) == (1, 2)
 
     window = f"rank0-iters{profiled}-{profiled}"
     trace = json.loads((out / "profile" / f"trace-{window}.json").read_text())["traceEvents"]
