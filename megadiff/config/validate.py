@@ -116,13 +116,19 @@ def parse_blend(blend: list) -> tuple[list[str], Optional[list[float]]]:
     return list(prefixes), [float(w) for w in weights]
 
 
-def validate_data(data: DataConfig) -> None:
-    parse_blend(data.blend)
-    parts = data.split.split(",")
+def split_shares(split: str) -> list[float]:
+    """data.split -> [train, valid, test] proportions (missing ones are 0), or a config error."""
+    parts = split.split(",")
     if len(parts) > 3 or not all(re.fullmatch(r"\s*\d+(\.\d*)?\s*", part) for part in parts) \
             or float(parts[0]) == 0:
-        _fail("data.split", f"{data.split!r}: give up to three non-negative train,valid,test proportions "
+        _fail("data.split", f"{split!r}: give up to three non-negative train,valid,test proportions "
               "with train > 0, e.g. 949,50,1")
+    return [float(part) for part in parts] + [0.0] * (3 - len(parts))
+
+
+def validate_data(data: DataConfig) -> None:
+    parse_blend(data.blend)
+    split_shares(data.split)
     if data.bundled_corpus and data.sources:
         _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both")
     if data.length_upsampling_unit is not None and not data.length_upsampling:
@@ -152,8 +158,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     validate_wandb(cfg.logging)
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
-    split = cfg.data.split.split(",")
-    if train.eval_interval and (len(split) < 2 or float(split[1]) == 0):
+    if train.eval_interval and split_shares(cfg.data.split)[1] == 0:
         _fail("train.eval_interval", f"data.split {cfg.data.split!r} leaves no validation documents; give the "
               "valid split a share (e.g. 949,50,1) or set train.eval_interval=null")
     if train.eval_each_source and not train.eval_interval:

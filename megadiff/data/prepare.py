@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
@@ -82,6 +83,10 @@ class _Plan:
     parts: list[Source]
     tokenizer: Tokenizer
     fingerprint: dict
+
+    @property
+    def dtype(self) -> np.dtype:
+        return token_dtype(self.tokenizer.vocab_size)
 
     def part_prefix(self, index: int) -> Path:
         return parts_dir(self.prefix) / f"{index:05d}"
@@ -166,8 +171,7 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
                         _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                         console=Console(stderr=True))
     stats = {}
-    dtype = token_dtype(plan.tokenizer.vocab_size)
-    with Encoder(plan.data.tokenizer, dtype.name, plan.data.workers) as encoder, progress:
+    with Encoder(plan.data.tokenizer, plan.dtype.name, plan.data.workers) as encoder, progress:
         overall = progress.add_task("parts", total=len(indices), visible=len(indices) > 1)
         for index in indices:
             stats[index] = _prepare_part(plan, index, encoder, progress)
@@ -191,7 +195,7 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
 def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float) -> dict:
     return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens,
             "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
-            "dtype": token_dtype(plan.tokenizer.vocab_size).name, "tokenizer": plan.tokenizer.name}
+            "dtype": plan.dtype.name, "tokenizer": plan.tokenizer.name}
 
 
 def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progress: Progress, label: str) -> dict:
@@ -202,7 +206,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
         documents, tokens = 0, 0
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
-        with AtomicIndexedWriter(prefix, token_dtype(plan.tokenizer.vocab_size)) as writer:
+        with AtomicIndexedWriter(prefix, plan.dtype) as writer:
             batches = (batch["text"] for batch in texts.iter(batch_size=DOCUMENTS_PER_BATCH))
             for ids, lengths in encoder.encode_in_order(batches):
                 writer.add_documents(ids, lengths)
@@ -229,7 +233,7 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
         os.replace(bin_path(filled[0]), bin_path(plan.prefix))
         os.replace(idx_path(filled[0]), idx_path(plan.prefix))
     else:
-        with AtomicIndexedWriter(plan.prefix, token_dtype(plan.tokenizer.vocab_size)) as writer:
+        with AtomicIndexedWriter(plan.prefix, plan.dtype) as writer:
             for part in filled:
                 writer.add_prepared(part)
             writer.commit()

@@ -28,7 +28,7 @@ from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config, write_report
 from megadiff.inference.loader import CausalLM, load_checkpoint
-from megadiff.inference.outliers import attention_maps
+from megadiff.inference.outliers import attention_maps, softmax_scale
 
 CITIES = ("Paris", "Lisbon", "Nairobi", "Lima", "Oslo", "Hanoi", "Quito", "Dakar", "Perth", "Riga", "Tunis",
           "Accra", "Kyoto", "Bergen", "Cusco", "Porto", "Seville", "Tallinn", "Windhoek", "Zagreb")
@@ -112,7 +112,7 @@ def attention_rows(model: CausalLM, tokens: list[int], position: int) -> list[to
     rows = []
 
     def capture(module, args) -> None:
-        scale = module.softmax_scale or args[0].shape[-1] ** -0.5
+        scale = softmax_scale(module, args[0])
         probabilities = [torch.softmax(q[0, :, position:position + 1].float()
                                        @ k[0, :, :position + 1].float().transpose(-1, -2) * scale, dim=-1)[:, 0]
                          for q, k in attention_maps(module, args[0], args[1])]

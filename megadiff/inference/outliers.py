@@ -73,6 +73,11 @@ class AbsStatistics:
                 "values": self.count}
 
 
+def softmax_scale(core_attention: torch.nn.Module, query: torch.Tensor) -> float:
+    """The layer's scale of q.k: its own, else 1/sqrt(d) as every attention backend defaults."""
+    return core_attention.softmax_scale or query.shape[-1] ** -0.5
+
+
 def attention_maps(core_attention: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(q, k) [b, heads, s, d] of each softmax map, keys repeated for grouped queries, from the core
@@ -108,7 +113,7 @@ class ActivationRecorder:
 
     def _attention(self, module, args) -> None:
         query, key = args[0], args[1]
-        scale = module.softmax_scale or query.shape[-1] ** -0.5
+        scale = softmax_scale(module, query)
         for q, k in attention_maps(module, query, key):
             for scores in causal_scores(q, k, scale):
                 self.logits.add(scores)
