@@ -31,16 +31,22 @@ def _config_command(sub, name: str, target: str, help_text: str) -> None:
     parser.set_defaults(run=lambda a: _target(target)(a.config, a.overrides))
 
 
-def _held_out_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
-    """A command that runs a checkpoint over held-out samples (its validation split by default)."""
+def _checkpoint_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A command that reads a checkpoint and text it never trained on (its validation split by default)."""
     parser = sub.add_parser(name, help=help_text)
     parser.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
     parser.add_argument("--split", choices=["valid", "test"], default="valid")
+    parser.add_argument("--output", default=None, help="write the report as JSON here")
+    parser.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... to use other data")
+    return parser
+
+
+def _held_out_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A checkpoint command over held-out samples cut as training cuts them."""
+    parser = _checkpoint_command(sub, name, help_text)
     parser.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's model.seq_length")
     parser.add_argument("--sequences", type=int, default=16, help="samples (of each source of a blend)")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--output", default=None, help="write the report as JSON here")
-    parser.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... to use other data")
     return parser
 
 
@@ -103,19 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         buckets=a.buckets, overrides=a.overrides, output=a.output))
     outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
                                  "(the DIFF paper's activation outliers)")
-    needles = sub.add_parser("needles", help="multi-needle retrieval accuracy by context length and depth")
-    needles.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
+    needles = _checkpoint_command(sub, "needles", "multi-needle retrieval accuracy by context length and depth "
+                                  "(haystack: the split's text)")
     needles.add_argument("--lengths", type=int, nargs="+", required=True, help="context lengths in tokens")
     needles.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                          help="where the queried needle sits: 0 = start, 1 = end")
     needles.add_argument("--needles", type=int, default=1, help="needles in each context (one is asked for)")
     needles.add_argument("--trials", type=int, default=5, help="cases per length and depth")
     needles.add_argument("--seed", type=int, default=0)
-    needles.add_argument("--split", choices=["valid", "test"], default="valid", help="where the haystack comes from")
     needles.add_argument("--attention", action="store_true",
                          help="also the attention to the answer and the attention noise (the paper's Table 3)")
-    needles.add_argument("--output", default=None, help="write the report as JSON here")
-    needles.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... for other text")
     needles.set_defaults(run=lambda a: _target("megadiff.inference.needles:needles_cli")(
         a.load, a.lengths, a.depths, needles=a.needles, trials=a.trials, seed=a.seed, split=a.split,
         attention=a.attention, overrides=a.overrides, output=a.output))
