@@ -46,7 +46,7 @@ run() {  # run <seconds> <command...>: one stage, its output appended to the log
 for stage in $stages; do
   case $stage in
     tests) run 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernel.py \
-             tests/test_float8.py tests/test_transformer_engine.py ;;
+             tests/test_float8.py tests/test_transformer_engine.py tests/test_memory.py ;;
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
     training) run 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_training.py ;;

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megadiff.config import build_config
-from megadiff.parallel import initialize, shutdown
+from megadiff.parallel import compute_device, initialize, shutdown
 from megadiff.training.engine import build_engine
 from megadiff.training.step import train_step
 
@@ -46,4 +46,69 @@ def measure(rank: int, world_size: int, overrides: list[str], results) -> None:
     dist.all_gather(rows, row)
     if rank == 0:
         results.put([r.tolist() for r in rows])
+    shutdown()
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor; releases its storage's count when the graph drops it."""
+
+    def __init__(self, tracker: "SavedActivations", tensor: torch.Tensor, key: int | None):
+        self.tracker, self.tensor, self.key = tracker, tensor, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.tracker.release(self.key)
+
+
+class SavedActivations:
+    """Peak bytes of the storages autograd holds for backward at once, parameters excluded: the
+    activation memory that models/activation_memory.py estimates."""
+
+    def __init__(self, parameters):
+        self.parameters = {p.untyped_storage().data_ptr() for p in parameters}
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors using it]
+        self.current = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.parameters or storage.nbytes() == 0:
+            return _Saved(self, tensor, None)
+        entry = self.live.setdefault(key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Saved(self, tensor, key)
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
+
+
+def measure_activations(rank: int, world_size: int, overrides: list[str], results) -> None:
+    """Peak saved activations of one training step on each rank (one row per rank, to rank 0)."""
+    cfg = build_config({}, MODEL + overrides, world_size)
+    initialize(cfg.parallel, seed=1)
+    engine = build_engine(cfg)
+    seq, micro = cfg.model.seq_length, cfg.train.micro_batch_size
+    dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context)
+    micro_batches = cfg.train.global_batch_size // (micro * dp)
+    batch = {"tokens": torch.randint(0, 4000, (micro, seq)), "labels": torch.randint(0, 4000, (micro, seq)),
+             "loss_mask": torch.ones(micro, seq), "position_ids": torch.arange(seq).expand(micro, seq)}
+    batch = {key: value.to(compute_device()) for key, value in batch.items()}
+    tracker = SavedActivations(p for chunk in engine.model for p in chunk.parameters())
+    with tracker.hooks():  # one iterator per model chunk (interleaved pipelines)
+        train_step(engine, [iter([batch] * micro_batches) for _ in engine.model], micro_batches)
+    peaks = torch.tensor([float(tracker.peak)], dtype=torch.float64, device=compute_device())
+    rows = [torch.zeros_like(peaks) for _ in range(world_size)]
+    dist.all_gather(rows, peaks)
+    if rank == 0:
+        results.put([float(r) for r in rows])
     shutdown()

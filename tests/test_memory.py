@@ -1,17 +1,22 @@
-"""Model-state memory per GPU (`megadiff params`) against what real gloo ranks hold after a
-training step: the most loaded rank's parameters exactly, and its tensors' bytes."""
+"""Memory per GPU (`megadiff params`) against real gloo ranks: the model states against what the
+ranks hold after a training step (the most loaded rank's parameters exactly, and its tensors'
+bytes), the activations against the storages autograd keeps for backward during one."""
 from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
 
 import pytest
+import torch
 
 from megadiff.cli import main
 from megadiff.config import ConfigError, build_config, load_config
-from megadiff.models.memory import GIB, check_fits, model_state_memory
+from megadiff.models.activation_memory import activation_memory
+from megadiff.models.memory import (
+    GIB, activations_warning, check_fits, describe_activations, estimate_activations, model_state_memory,
+)
 from tests.distributed import run_ranks
-from tests.memory_worker import MODEL, measure
+from tests.memory_worker import MODEL, measure, measure_activations
 
 LAYOUTS = {
     "fp32": (1, ["train.precision=fp32"]),
@@ -41,11 +46,15 @@ def test_params_prints_the_memory_of_a_layout(capsys):
     assert main(["params", "--world-size", "64", config, *overrides]) == 0
     out = capsys.readouterr().out
     memory = model_state_memory(load_config(config, overrides, world_size=64), 64)
-    assert "per GPU on 64 ranks (TP 2, PP 2, CP 1, DP 16; bf16, distributed optimizer)" in out
+    assert ("per GPU on 64 ranks (TP 2, PP 2, CP 1, DP 16; bf16, distributed optimizer; micro-batch 8 x 2048 tokens, "
+            "recompute none), the most loaded rank:") in out
     assert f"parameters         {memory.parameters:,}" in out
     # bf16 weights, fp32 gradients, fp32 main weights + two moments split over the 16 data-parallel ranks
     assert memory.total == pytest.approx(memory.parameters * (2 + 4 + 12 / 16), abs=1)
     assert f"model states       {memory.total / GIB:.2f} GiB, before activations" in out
+    activations = activation_memory(load_config(config, overrides, world_size=64), 64)
+    assert f"activations        {describe_activations(activations)}" in out
+    assert f"peak estimate      {(memory.total + activations.total) / GIB:.2f} GiB" in out
 
 
 def test_a_layout_whose_model_states_exceed_the_gpu_is_refused():
@@ -57,3 +66,59 @@ def test_a_layout_whose_model_states_exceed_the_gpu_is_refused():
         check_fits(on_8_gpus, 80 * GIB)
     split = ["train.precision=bf16", "parallel.tensor=4", "parallel.pipeline=2", "parallel.distributed_optimizer=true"]
     check_fits(model_state_memory(load_config(config, split, world_size=64), 64), 80 * GIB)
+
+
+# SDPA-composed attention with split V: CPU SDPA runs its flash kernel only for equal Q/K/V widths
+ACTIVATION_BASE = ["model.attention_backend=sdpa_split_v", "model.seq_length=64"]
+ACTIVATION_LAYOUTS = {
+    "diff fp32": (1, []),
+    "dint bf16 selective recompute": (1, ["model.variant=dint", "train.precision=bf16", "train.recompute=selective"]),
+    "softmax full recompute, 2 sequences": (1, ["model.variant=softmax", "train.recompute=full",
+                                                "train.micro_batch_size=2", "train.global_batch_size=2"]),
+    "shared diff tp2 sequence parallel": (2, ["model.variant=shared_diff", "model.lowrank_rank=8",
+                                              "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "interleaved pp2": (2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "train.global_batch_size=4"]),
+    "cp2": (2, ["parallel.context=2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ACTIVATION_LAYOUTS)
+def test_activation_estimate_matches_what_autograd_keeps(layout):
+    world_size, overrides = ACTIVATION_LAYOUTS[layout]
+    results = multiprocessing.get_context("spawn").Queue()
+    run_ranks(world_size, measure_activations, ACTIVATION_BASE + overrides, results)
+    peaks = results.get()
+    estimate = activation_memory(build_config({}, MODEL + ACTIVATION_BASE + overrides, world_size), world_size,
+                                 device="cpu")
+    # context parallelism: CPU SDPA falls back to its math kernel (and keeps the maps) for the
+    # chunks whose queries see more keys than they are, where the fused kernel keeps none
+    tolerance = 0.03 if "cp" in layout else 0.01
+    assert max(peaks) == pytest.approx(estimate.total, rel=tolerance)
+
+
+def test_what_is_not_estimated_and_what_is_only_warned_about():
+    config = Path(__file__).resolve().parents[1] / "configs" / "diff-3b.yaml"
+    assert estimate_activations(load_config(config, ["model.attention_backend=reference"]), 1) == (
+        "not estimated: attention backend 'reference' on cuda keeps the N x N maps")
+    cfg = load_config(config, ["parallel.distributed_optimizer=true", "train.recompute=none"], world_size=64)
+    states, activations = model_state_memory(cfg, 64), activation_memory(cfg, 64)
+    assert states.total < 80 * GIB < states.total + activations.total
+    assert activations_warning(states, activations, 80 * GIB).startswith(
+        f"warning: the most loaded GPU is estimated to need {(states.total + activations.total) / GIB:.1f} GiB")
+    assert activations_warning(states, activations, 141 * GIB) is None
+    # the 64K recipe recomputes whole layers: each keeps its input, the loss's logits dominate
+    long = load_config(Path(config).with_name("diff-3b-64k.yaml"), [], world_size=64)
+    assert activations_warning(model_state_memory(long, 64), activation_memory(long, 64), 80 * GIB) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_activation_estimate_on_cuda():
+    """torch's fused rms_norm, megatron's fused SwiGLU and the Triton kernel save what the CUDA
+    accounting says."""
+    overrides = ["train.precision=bf16", "model.seq_length=256"]
+    results = multiprocessing.get_context("spawn").Queue()
+    run_ranks(1, measure_activations, overrides, results)
+    estimate = activation_memory(build_config({}, MODEL + overrides, 1), 1, device="cuda")
+    assert results.get()[0] == pytest.approx(estimate.total, rel=0.01)

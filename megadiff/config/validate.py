@@ -139,6 +139,11 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // (parallel.tensor * parallel.pipeline * parallel.context)
 
 
+def micro_batches_per_step(cfg: Config, world_size: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg.parallel, world_size))
+
+
 def validate_config(cfg: Config, world_size: int | None = None) -> None:
     validate_model(cfg.model)
     validate_parallel(cfg.model, cfg.parallel, world_size)
@@ -150,7 +155,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
             _fail("train.global_batch_size", f"{train.global_batch_size} is not divisible by "
                   f"train.micro_batch_size x data-parallel size ({train.micro_batch_size} x {dp})")
         if cfg.parallel.virtual_pipeline:
-            micro_batches = train.global_batch_size // (train.micro_batch_size * dp)
+            micro_batches = micro_batches_per_step(cfg, world_size)
             if micro_batches % cfg.parallel.pipeline:
                 _fail("train.global_batch_size", f"the interleaved schedule needs the number of micro-batches "
                       f"({micro_batches}) to be a multiple of parallel.pipeline ({cfg.parallel.pipeline})")

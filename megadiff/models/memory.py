@@ -1,16 +1,18 @@
-"""Model-state memory per GPU from the config alone: weights, gradients and optimizer state on
-the most loaded rank of a layout, as megadiff's engine allocates them (megatron DDP with fp32
-gradient buffers, megatron's Adam with fp32 main parameters in mixed precision).
+"""Memory per GPU from the config alone: the model states (weights, gradients and optimizer state
+on the most loaded rank of a layout, as megadiff's engine allocates them: megatron DDP with fp32
+gradient buffers, megatron's Adam with fp32 main parameters in mixed precision), and the
+activations saved for backward (models/activation_memory.py).
 
-Activations are not included: they depend on micro-batch, sequence, recompute and pipeline
-schedule; a short run's `max_memory_allocated_gib` (metrics.jsonl) or a memory profile
-(`logging.profile_memory`) measures them.
+Neither counts the allocator's caching and fragmentation, communication buffers or the
+backward's transients; a short run's `max_memory_allocated_gib` (metrics.jsonl) or a memory
+profile (`logging.profile_memory`) measures those.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megadiff.config import Config, ConfigError, data_parallel_size
+from megadiff.models.activation_memory import ActivationMemory, NotEstimated, activation_memory
 from megadiff.models.param_count import ParamCount, count_parameters
 
 GIB = 1024 ** 3
@@ -57,14 +59,35 @@ def model_state_memory(cfg: Config, world_size: int) -> ModelStateMemory:
                             optimizer=-(-optimizer_bytes // shards), optimizer_shards=shards)
 
 
-def describe(memory: ModelStateMemory) -> list[tuple[str, str]]:
+def estimate_activations(cfg: Config, world_size: int, device: str = "cuda") -> ActivationMemory | str:
+    """The activation estimate, or why there is none."""
+    try:
+        return activation_memory(cfg, world_size, device)
+    except NotEstimated as reason:
+        return f"not estimated: {reason}"
+
+
+def describe_activations(activations: ActivationMemory) -> str:
+    parts = [f"{activations.per_layer / GIB:.3f} GiB per layer x {activations.layers} layers in flight"]
+    if activations.output:
+        parts.append(f"{activations.output / GIB:.2f} GiB output layer and loss")
+    if activations.rebuilt:
+        parts.append(f"{activations.rebuilt / GIB:.2f} GiB for the layer rebuilt in backward")
+    return f"{activations.total / GIB:.2f} GiB ({', '.join(parts)})"
+
+
+def describe(memory: ModelStateMemory, activations: ActivationMemory | str) -> list[tuple[str, str]]:
     """Rows for `megadiff params`."""
     sharded = f", split over {memory.optimizer_shards} ranks" if memory.optimizer_shards > 1 else ""
-    return [("parameters", f"{memory.parameters:,}"),
+    rows = [("parameters", f"{memory.parameters:,}"),
             ("weights", f"{memory.weights / GIB:.2f} GiB"),
             ("gradients", f"{memory.gradients / GIB:.2f} GiB (fp32)"),
             ("optimizer", f"{memory.optimizer / GIB:.2f} GiB (Adam{sharded})"),
             ("model states", f"{memory.total / GIB:.2f} GiB, before activations")]
+    if isinstance(activations, str):
+        return rows + [("activations", activations)]
+    return rows + [("activations", describe_activations(activations)),
+                   ("peak estimate", f"{(memory.total + activations.total) / GIB:.2f} GiB")]
 
 
 def check_fits(memory: ModelStateMemory, device_bytes: int) -> None:
@@ -76,3 +99,15 @@ def check_fits(memory: ModelStateMemory, device_bytes: int) -> None:
             f"optimizer state alone ({memory.parameters:,} parameters), more than its {device_bytes / GIB:.1f} GiB; "
             "raise parallel.tensor or parallel.pipeline, or set parallel.distributed_optimizer=true "
             "(`megadiff params --world-size N CONFIG` shows the effect of each)")
+
+
+def activations_warning(memory: ModelStateMemory, activations: ActivationMemory | str, device_bytes: int) -> str | None:
+    """A layout whose model states fit but whose estimated activations push the peak past the device
+    is only warned about: the estimate leaves out the allocator's own overheads, and a first step
+    settles it."""
+    if isinstance(activations, str) or memory.total + activations.total <= device_bytes:
+        return None
+    return (f"warning: the most loaded GPU is estimated to need {(memory.total + activations.total) / GIB:.1f} GiB "
+            f"({memory.total / GIB:.1f} model states + {activations.total / GIB:.1f} activations), more than its "
+            f"{device_bytes / GIB:.1f} GiB; train.recompute=selective or full, a larger parallel.tensor (with "
+            "sequence_parallel) or parallel.context, or a smaller train.micro_batch_size saves activations")

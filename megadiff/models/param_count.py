@@ -37,7 +37,7 @@ class ParamCount:
         return self.non_embedding + self.embedding + self.output_layer
 
 
-def _qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
+def qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
     """Widths of Q, K and V outputs (all maps together)."""
     maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
     d, h, h_kv = resolved_head_dim(model), model.num_attention_heads, resolved_kv_heads(model)
@@ -46,7 +46,7 @@ def _qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
 
 def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount:
     hidden, d = model.hidden_size, resolved_head_dim(model)
-    q, k, v = _qkv_widths(model)
+    q, k, v = qkv_widths(model)
     lowrank_down = 0
     if model.variant == "shared_diff":  # shared W_Q, W_K (half the maps' widths) + four rank-r updates
         r = model.lowrank_rank
@@ -78,7 +78,7 @@ def training_flops_per_token(model: ModelConfig, seq_length: int | None = None) 
     seq = seq_length or model.seq_length
     counts = count_parameters(model)
     dense = counts.num_layers * (counts.attention + counts.mlp) + counts.embedding
-    q, _, _ = _qkv_widths(model)
+    q, _, _ = qkv_widths(model)
     maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
     # scores: all maps' query width; P V: each map times a V as wide as a differential head (2d)
     per_layer_attention = 2 * (seq / 2) * (q + maps * q)
@@ -92,7 +92,7 @@ def _billions(n: int) -> str:
 def print_param_count(config_path: str, overrides: list[str], world_size: int | None = None) -> int:
     """`megadiff params`: the counts, and the model-state memory per GPU of the config's layout
     on `world_size` ranks (default: one data-parallel replica)."""
-    from megadiff.models.memory import describe, model_state_memory
+    from megadiff.models.memory import describe, estimate_activations, model_state_memory
 
     cfg: Config = load_config(config_path, overrides, world_size=world_size)
     counts = count_parameters(cfg.model, cfg.parallel.tensor)
@@ -109,7 +109,9 @@ def print_param_count(config_path: str, overrides: list[str], world_size: int | 
     world = world_size or p.tensor * p.pipeline * p.context
     print(f"per GPU on {world} rank{'s' if world > 1 else ''} (TP {p.tensor}, PP {p.pipeline}, CP {p.context}, DP "
           f"{data_parallel_size(p, world)}; {cfg.train.precision}"
-          f"{', distributed optimizer' if p.distributed_optimizer else ''}), the most loaded rank:")
-    for name, value in describe(model_state_memory(cfg, world)):
+          f"{', distributed optimizer' if p.distributed_optimizer else ''}; micro-batch "
+          f"{cfg.train.micro_batch_size} x {m.seq_length} tokens, recompute {cfg.train.recompute}), "
+          "the most loaded rank:")
+    for name, value in describe(model_state_memory(cfg, world), estimate_activations(cfg, world)):
         print(f"  {name:<18} {value}")
     return 0

@@ -79,7 +79,9 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        # megatron's fused SwiGLU saves only fc1's output for backward (2 x ffn per token instead of
+        # 4 x ffn); it is torch.compile'd, which on CPU costs more time than the tiny models save
+        bias_activation_fusion=torch.cuda.is_available(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

@@ -18,9 +18,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
-from megadiff.config import Config, data_parallel_size, dump_config, load_config
+from megadiff.config import Config, data_parallel_size, dump_config, load_config, micro_batches_per_step
 from megadiff.errors import MegadiffError
-from megadiff.models.memory import GIB, check_fits, model_state_memory
+from megadiff.models.memory import (
+    GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
+)
 from megadiff.observability.metrics import MetricsWriter
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
@@ -63,12 +65,16 @@ class Pretraining:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.dp = data_parallel_size(cfg.parallel, self.world)
-        self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
+        self.num_microbatches = micro_batches_per_step(cfg, self.world)
         self.output = Path(cfg.output_dir)
         self.model_states = model_state_memory(cfg, self.world)
         device = compute_device()
+        activations = estimate_activations(cfg, self.world, device.type)
+        memory_warning = None
         if device.type == "cuda":
-            check_fits(self.model_states, torch.cuda.get_device_properties(device).total_memory)
+            device_bytes = torch.cuda.get_device_properties(device).total_memory
+            check_fits(self.model_states, device_bytes)
+            memory_warning = activations_warning(self.model_states, activations, device_bytes)
         # W&B starts first: a login or project problem should stop the run before data and model
         self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
         self.datasets, self.valid_sets = _prepare_data(cfg)
@@ -88,10 +94,13 @@ class Pretraining:
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
                                          wandb=self._wandb)
+            activations_text = "" if isinstance(activations, str) else f" + activations {activations.total / GIB:.2f} GiB"
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
-                               f"DP {self.dp}); model states {self.model_states.total / GIB:.2f} GiB on the most loaded "
-                               f"rank; {how}")
+                               f"DP {self.dp}); model states {self.model_states.total / GIB:.2f} GiB{activations_text} "
+                               f"on the most loaded rank; {how}")
+            if memory_warning:
+                self.metrics.print(memory_warning)
 
     def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
         t = self.cfg.train
