@@ -90,8 +90,8 @@ def _billions(n: int) -> str:
 
 
 def print_param_count(config_path: str, overrides: list[str], world_size: int | None = None) -> int:
-    """`megadiff params`: the counts, and the model-state memory per GPU of the config's layout
-    on `world_size` ranks (default: one data-parallel replica)."""
+    """`megadiff params`: the counts, and the memory per GPU (model states, activations) of the
+    config's layout on `world_size` ranks (default: one data-parallel replica)."""
     from megadiff.models.memory import describe, estimate_activations, model_state_memory
 
     cfg: Config = load_config(config_path, overrides, world_size=world_size)

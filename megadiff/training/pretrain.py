@@ -94,11 +94,12 @@ class Pretraining:
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
                                          wandb=self._wandb)
-            activations_text = "" if isinstance(activations, str) else f" + activations {activations.total / GIB:.2f} GiB"
+            memory = f"model states {self.model_states.total / GIB:.2f} GiB"
+            if not isinstance(activations, str):
+                memory += f" + activations {activations.total / GIB:.2f} GiB"
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
-                               f"DP {self.dp}); model states {self.model_states.total / GIB:.2f} GiB{activations_text} "
-                               f"on the most loaded rank; {how}")
+                               f"DP {self.dp}); {memory} on the most loaded rank; {how}")
             if memory_warning:
                 self.metrics.print(memory_warning)
 
