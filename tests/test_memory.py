@@ -57,6 +57,13 @@ def test_params_prints_the_memory_of_a_layout(capsys):
     assert f"peak estimate      {(memory.total + activations.total) / GIB:.2f} GiB" in out
 
 
+def test_params_checks_the_batch_sizes_of_its_default_world(capsys):
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo" / "diff-tiny.yaml")
+    assert main(["params", config, "train.micro_batch_size=3"]) == 2
+    assert "config error: train.global_batch_size: 4 is not divisible by train.micro_batch_size x data-parallel " \
+           "size (3 x 1)" in capsys.readouterr().err
+
+
 def test_a_layout_whose_model_states_exceed_the_gpu_is_refused():
     config = Path(__file__).resolve().parents[1] / "configs" / "scaling" / "diff-13.1b.yaml"
     on_8_gpus = model_state_memory(load_config(config, ["train.precision=bf16"], world_size=8), 8)

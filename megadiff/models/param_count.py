@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from megadiff.config import (
     DIFFERENTIAL_VARIANTS, Config, ModelConfig, data_parallel_size, load_config, padded_vocab_size,
-    resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads,
+    resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads, validate_config,
 )
 
 
@@ -95,6 +95,10 @@ def print_param_count(config_path: str, overrides: list[str], world_size: int | 
     from megadiff.models.memory import describe, estimate_activations, model_state_memory
 
     cfg: Config = load_config(config_path, overrides, world_size=world_size)
+    p = cfg.parallel
+    world = world_size or p.tensor * p.pipeline * p.context
+    if world_size is None:  # the batch sizes are checked against the data-parallel size of this world
+        validate_config(cfg, world)
     counts = count_parameters(cfg.model, cfg.parallel.tensor)
     m = cfg.model
     print(f"{config_path}: variant {m.variant}, {m.num_layers} layers, hidden {m.hidden_size}, "
@@ -105,8 +109,6 @@ def print_param_count(config_path: str, overrides: list[str], world_size: int | 
     for name, value in rows:
         print(f"  {name:<18} {value:>16,d}  ({_billions(value)})")
     print(f"  training FLOPs / token: {training_flops_per_token(m):.3e}")
-    p = cfg.parallel
-    world = world_size or p.tensor * p.pipeline * p.context
     print(f"per GPU on {world} rank{'s' if world > 1 else ''} (TP {p.tensor}, PP {p.pipeline}, CP {p.context}, DP "
           f"{data_parallel_size(p, world)}; {cfg.train.precision}"
           f"{', distributed optimizer' if p.distributed_optimizer else ''}; micro-batch "
