@@ -72,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("overrides", nargs="*")
     params.add_argument("--world-size", type=int, default=None,
                         help="GPUs of the run, for the per-GPU memory (default: TP x PP x CP, one replica)")
+    params.add_argument("--fit", type=float, default=None, metavar="GIB",
+                        help="also list the tensor/pipeline/recompute layouts whose estimated peak fits GIB per GPU")
     params.set_defaults(run=lambda a: _target("megadiff.models.param_count:print_param_count")(
-        a.config, a.overrides, world_size=a.world_size))
+        a.config, a.overrides, world_size=a.world_size, fit_gib=a.fit))
 
     convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format")
     conv_sub = convert.add_subparsers(dest="direction", required=True)

@@ -4,6 +4,7 @@ bytes), the activations against the storages autograd keeps for backward during 
 from __future__ import annotations
 
 import multiprocessing
+import re
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,32 @@ def test_params_prints_the_memory_of_a_layout(capsys):
     activations = activation_memory(load_config(config, overrides, world_size=64), 64)
     assert f"activations        {describe_activations(activations)}" in out
     assert f"peak estimate      {(memory.total + activations.total) / GIB:.2f} GiB" in out
+
+
+LAYOUT_ROW = re.compile(r"^ +(\d+) +(\d+)  (none|selective|full) +([\d.]+) GiB +([\d.]+) GiB +([\d.]+) GiB$", re.M)
+
+
+def test_params_lists_the_layouts_that_fit(capsys):
+    config = Path(__file__).resolve().parents[1] / "configs" / "diff-3b.yaml"
+    assert main(["params", "--world-size", "8", "--fit", "80", str(config)]) == 0
+    rows = LAYOUT_ROW.findall(capsys.readouterr().out)
+    assert rows
+
+    def peak(tensor, pipeline, recompute) -> tuple[float, float]:
+        cfg = load_config(config, [f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}",
+                                   f"parallel.sequence_parallel={str(tensor > 1).lower()}",
+                                   f"train.recompute={recompute}"], world_size=8)
+        return model_state_memory(cfg, 8).total / GIB, activation_memory(cfg, 8).total / GIB
+
+    for tensor, pipeline, recompute, states, activations, total in rows:
+        expected_states, expected_activations = peak(int(tensor), int(pipeline), recompute)
+        assert (float(states), float(activations)) == pytest.approx((expected_states, expected_activations), abs=0.01)
+        assert float(total) <= 80
+    # one 8-GPU node without model parallelism fits only by recomputing whole layers
+    assert sum(peak(1, 1, "selective")) > 80 and rows[0][:3] == ("1", "1", "full")
+    splits = [int(tensor) * int(pipeline) for tensor, pipeline, *_ in rows]
+    assert splits == sorted(splits)  # the fewest model-parallel ranks first
+    assert len({(tensor, pipeline) for tensor, pipeline, *_ in rows}) == len(rows)  # the least recompute of each
 
 
 def test_params_checks_the_batch_sizes_of_its_default_world(capsys):

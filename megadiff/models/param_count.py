@@ -89,9 +89,11 @@ def _billions(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
 
 
-def print_param_count(config_path: str, overrides: list[str], world_size: int | None = None) -> int:
+def print_param_count(config_path: str, overrides: list[str], world_size: int | None = None,
+                      fit_gib: float | None = None) -> int:
     """`megadiff params`: the counts, and the memory per GPU (model states, activations) of the
-    config's layout on `world_size` ranks (default: one data-parallel replica)."""
+    config's layout on `world_size` ranks (default: one data-parallel replica); with `fit_gib`, the
+    tensor/pipeline/recompute layouts that fit a GPU of that many GiB."""
     from megadiff.models.memory import describe, estimate_activations, model_state_memory
 
     cfg: Config = load_config(config_path, overrides, world_size=world_size)
@@ -116,4 +118,34 @@ def print_param_count(config_path: str, overrides: list[str], world_size: int | 
           "the most loaded rank:")
     for name, value in describe(model_state_memory(cfg, world), estimate_activations(cfg, world)):
         print(f"  {name:<18} {value}")
+    if fit_gib is not None:
+        _print_fitting_layouts(config_path, overrides, cfg, world, fit_gib)
     return 0
+
+
+LAYOUTS_SHOWN = 8
+
+
+def _print_fitting_layouts(config_path: str, overrides: list[str], cfg: Config, world: int, fit_gib: float) -> None:
+    from megadiff.models.activation_memory import NotEstimated
+    from megadiff.models.layouts import fitting_layouts
+    from megadiff.models.memory import GIB
+
+    print(f"layouts that fit {fit_gib:g} GiB per GPU on {world} ranks (CP {cfg.parallel.context}, micro-batch "
+          f"{cfg.train.micro_batch_size}, {'' if cfg.parallel.distributed_optimizer else 'no '}distributed optimizer; "
+          "sequence-parallel with TP > 1), cheapest first:")
+    try:
+        layouts = fitting_layouts(config_path, overrides, world, int(fit_gib * GIB))
+    except NotEstimated as reason:
+        print(f"  not estimated: {reason}")
+        return
+    if not layouts:
+        print("  none: try parallel.context, a smaller train.micro_batch_size, or more GPUs")
+        return
+    print(f"  {'TP':>3} {'PP':>3}  {'recompute':<10} {'model states':>13} {'activations':>12} {'peak':>9}")
+    for layout in layouts[:LAYOUTS_SHOWN]:
+        print(f"  {layout.tensor:>3} {layout.pipeline:>3}  {layout.recompute:<10} "
+              f"{layout.model_states.total / GIB:>9.2f} GiB {layout.activations.total / GIB:>8.2f} GiB "
+              f"{layout.peak / GIB:>5.2f} GiB")
+    if len(layouts) > LAYOUTS_SHOWN:
+        print(f"  ... and {len(layouts) - LAYOUTS_SHOWN} with more model-parallel ranks")
