@@ -105,9 +105,12 @@ def activations_warning(memory: ModelStateMemory, activations: ActivationMemory 
     """A layout whose model states fit but whose estimated activations push the peak past the device
     is only warned about: the estimate leaves out the allocator's own overheads, and a first step
     settles it."""
-    if isinstance(activations, str) or memory.total + activations.total <= device_bytes:
+    if isinstance(activations, str):
         return None
-    return (f"warning: the most loaded GPU is estimated to need {(memory.total + activations.total) / GIB:.1f} GiB "
+    peak = memory.total + activations.total
+    if peak <= device_bytes:
+        return None
+    return (f"warning: the most loaded GPU is estimated to need {peak / GIB:.1f} GiB "
             f"({memory.total / GIB:.1f} model states + {activations.total / GIB:.1f} activations), more than its "
             f"{device_bytes / GIB:.1f} GiB; train.recompute=selective or full, a larger parallel.tensor (with "
             "sequence_parallel) or parallel.context, or a smaller train.micro_batch_size saves activations")
