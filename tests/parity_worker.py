@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from megadiff.checkpoint.gather import gather_full_tensors, model_sharded_tensors
 from megadiff.config import build_config, data_parallel_size
 from megadiff.parallel import initialize, shutdown
+from megadiff.models.documents import document_cu_seqlens
 from megadiff.training.engine import build_engine, build_optimizer
 from megadiff.training.step import train_step
 
@@ -35,7 +36,13 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "cp2": (2, ["parallel.context=2"]),
+    # document masking: the boundaries reach every pipeline stage's layers (recomputed ones too), SP gathers
+    # whole sequences
+    "single_documents": (1, ["data.document_masking=true"]),
+    "tp2_sp_pp2_documents": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
+                                 "data.document_masking=true", "train.recompute=full"]),
 }
+EOD = 0
 
 
 def layout_independent_weights(chunks: list, seed: int) -> None:
@@ -62,6 +69,11 @@ def global_micro_batches(cfg, seed_offset: int) -> list[dict]:
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
                             position_ids=torch.arange(cfg.model.seq_length).expand(cfg.train.micro_batch_size, -1),
                             loss_mask=(torch.rand(tokens[:, 1:].shape, generator=gen) > 0.1).float()))
+        if cfg.data.document_masking:  # an EOD somewhere in each sample
+            batch = batches[-1]
+            batch["tokens"][torch.arange(len(tokens)), torch.randint(0, cfg.model.seq_length, (len(tokens),),
+                                                                     generator=gen)] = EOD
+            batch["cu_seqlens"] = document_cu_seqlens(batch["tokens"], EOD)
     return batches
 
 

@@ -46,10 +46,23 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.eval_interval=5", "data.split=100,0,0"], "train.eval_interval: data.split '100,0,0' leaves no valid"),
     (["train.eval_interval=5", "data.split=100,0"], "train.eval_interval"),
     (["train.eval_interval=null", "train.eval_each_source=true"], "train.eval_each_source: needs"),
+    (["data.document_masking=true", "parallel.context=2", "model.seq_length=64"],
+     "data.document_masking: not supported with context parallelism"),
 ])
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         build_config({}, overrides)
+
+
+def test_document_masking_refuses_tes_softmax_attention(monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec  # as if TransformerEngine were installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: find_spec("torch") if name ==
+                        "transformer_engine" else find_spec(name, *a))
+    overrides = ["data.document_masking=true", "model.transformer_impl=te"]
+    build_config({}, overrides + ["model.variant=diff"])  # the differential core attention is ours
+    with pytest.raises(ConfigError, match="data.document_masking: the softmax baseline"):
+        build_config({}, overrides + ["model.variant=softmax"])
 
 
 def test_world_size_checks():

@@ -19,8 +19,12 @@ IMPLEMENTATIONS = {
 }
 
 
-def paper_formula(q1, k1, q2, k2, v, lam, causal, integral):
-    """Loops over batch and heads; A = softmax(QK^T/sqrt(d) + M); (A1 - lam A2) V [+ lam A3 V]."""
+def paper_formula(q1, k1, q2, k2, v, lam, causal, integral, visible=None):
+    """Loops over batch and heads; A = softmax(QK^T/sqrt(d) + M); (A1 - lam A2) V [+ lam A3 V].
+
+    visible: [B, Nq, Nk] booleans, the keys each query sees (replaces the causal mask); A3's row i
+    averages A1's rows over the positions query i sees.
+    """
     batch, n_q, heads, d = q1.shape
     n_k, kv_heads = k1.shape[1], k1.shape[2]
     lam = lam.expand(heads) if lam.dim() == 0 else lam
@@ -31,14 +35,19 @@ def paper_formula(q1, k1, q2, k2, v, lam, causal, integral):
             maps = []
             for q, k in ((q1, k1), (q2, k2)):
                 s = q[b, :, h].double() @ k[b, :, g].double().T / math.sqrt(d)
-                if causal:
+                if visible is not None:
+                    s = s.masked_fill(~visible[b], float("-inf"))
+                elif causal:
                     for i in range(n_q):
                         s[i, n_k - n_q + i + 1:] = float("-inf")
                 maps.append(torch.softmax(s, -1))
             vb = v[b, :, g].double()
             out[b, :, h] = (maps[0] - lam[h].double() * maps[1]) @ vb
             if integral:
-                a3 = torch.stack([maps[0][:i + 1].mean(0) if causal else maps[0].mean(0) for i in range(n_q)])
+                if visible is not None:
+                    a3 = torch.stack([maps[0][visible[b, i]].mean(0) for i in range(n_q)])
+                else:
+                    a3 = torch.stack([maps[0][:i + 1].mean(0) if causal else maps[0].mean(0) for i in range(n_q)])
                 out[b, :, h] += lam[h].double() * (a3 @ vb)
     return out
 

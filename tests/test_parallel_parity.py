@@ -41,12 +41,23 @@ def _compare(single: dict, other: dict, variant: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single" and "documents" not in name])
 def test_layout_matches_single_process(layout, single, tmp_path):
     other = _run(tmp_path, layout)
     assert set(other) >= set(VARIANTS) - {"softmax"}
     for variant in other:
         _compare(single, other, variant)
+
+
+@pytest.mark.slow
+def test_document_masking_layout_matches_single_process(tmp_path):
+    """TP2 + SP + PP2 + full recompute with document masking against one process with it (that masking changes the
+    model's output: tests/test_document_masking.py)."""
+    reference = _run(tmp_path, "single_documents")
+    other = _run(tmp_path, "tp2_sp_pp2_documents")
+    assert set(other) == set(VARIANTS)
+    for variant in other:
+        _compare(reference, other, variant)
 
 
 @pytest.mark.slow

@@ -17,12 +17,13 @@ import time
 import traceback
 import zlib
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from megadiff.ops import differential_attention_reference
+from megadiff.ops import differential_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +44,7 @@ class Case:
     autotuned: bool = False  # the CUDA path: the autotuner measures every candidate (timed on CPU here)
     first_map: bool = False  # also return A1 V, with an upstream gradient of its own
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
+    documents: tuple[int, ...] | None = None  # cu_seqlens: document masking, through the dispatcher
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -72,6 +74,8 @@ def _grid() -> dict[str, Case]:
         "autotuned-full-diff": Case(blocks=None, autotuned=True, causal=False, n_q=20, n_k=45, batch=1),
         "bf16": Case(dtype=torch.bfloat16, per_head_lam=True, n_q=64, n_k=64, d=32, dv=64, batch=1),
         "fp16-dint": Case(dtype=torch.float16, integral=True, n_q=40, n_k=40, d=32, dv=64, batch=1),
+        # documents shorter and longer than a tile, the kernel on slices of the batch
+        "documents-dint": Case(blocks=None, integral=True, per_head_lam=True, documents=(0, 5, 20, 37, 40, 74)),
     })
     return cases
 
@@ -105,7 +109,8 @@ def make_inputs(name: str, case: Case, device="cpu"):
 
 
 def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tensor]:
-    result = fn(*inputs, causal=case.causal, integral=case.integral, return_first_map=case.first_map)
+    documents = {"cu_seqlens": case.documents} if case.documents else {}
+    result = fn(*inputs, causal=case.causal, integral=case.integral, return_first_map=case.first_map, **documents)
     outputs = result if case.first_map else (result,)
     grads = torch.autograd.grad(outputs, inputs, (grad_out, grad_out.flip(1))[:len(outputs)])
     names = NAMES + ("first_map",) if case.first_map else NAMES
@@ -115,12 +120,11 @@ def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tenso
 def reference_results(name: str, case: Case) -> dict[str, torch.Tensor]:
     inputs, grad_out = make_inputs(name, case)
     inputs = tuple(t.detach().double().requires_grad_() for t in inputs)
-    return outputs_and_grads(differential_attention_reference, inputs, grad_out.double(), case)
+    return outputs_and_grads(partial(differential_attention, backend="reference"), inputs, grad_out.double(), case)
 
 
 def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
     """Explicit tiles through the kernel's API; blocks=None goes through the dispatcher instead."""
-    from megadiff.ops import differential_attention
     from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton
 
     def fn(*args, **kwargs):
@@ -322,6 +326,7 @@ GPU_CASES = {
     "full-gqa-diff-n2048": Case(causal=False, n_q=2048, n_k=2048, batch=1),
     "causal-mha-diff-n3000": Case(gqa=False, n_q=3000, n_k=3000, batch=1, per_head_lam=True),
     "causal-gqa-first-map-n2000": Case(n_q=2000, n_k=2000, batch=1, first_map=True),
+    "causal-gqa-dint-documents-n3000": Case(n_q=3000, n_k=3000, integral=True, documents=(0, 700, 3000, 3001, 4500, 6000)),
 }
 
 
@@ -339,8 +344,6 @@ class TestOnGPU:
 
     @staticmethod
     def _results(name, case, backend):
-        from megadiff.ops import differential_attention
-
         inputs, grad_out = make_inputs(name, case, device="cuda")
         return outputs_and_grads(lambda *a, **kw: differential_attention(*a, **kw, backend=backend),
                                  inputs, grad_out, case)

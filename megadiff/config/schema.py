@@ -72,6 +72,8 @@ class DataConfig(Section):
                                     "length (64K extension); see docs/data.md")
     length_upsampling_unit: Optional[int] = Field(None, ge=1, description="tokens per repeat of length "
                                                   "up-sampling; default model.seq_length")
+    document_masking: bool = Field(False, description="attention stays within each document packed into a "
+                                   "training sequence (documents end at the tokenizer's EOD); see docs/data.md")
     bundled_corpus: Optional[str] = Field(None, description="'kjv': a real corpus megadiff writes and prepares "
                                           "itself at the start of pre-training (demo, tests)")
     cache_dir: str = Field("data/cache", description="bundled corpora, their prepared data and megatron's "

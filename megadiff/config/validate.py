@@ -170,6 +170,8 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _fail("train.eval_each_source", "needs train.eval_interval (when to evaluate)")
     if train.precision == "fp8":
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
+    if cfg.data.document_masking:
+        _validate_document_masking(cfg.model, cfg.parallel)
 
 
 def validate_wandb(logging: WandbFields) -> None:
@@ -187,6 +189,15 @@ def _validate_profiling(logging: LoggingConfig, world_size: int | None) -> None:
     outside = [rank for rank in logging.profile_ranks if rank < 0 or (world_size is not None and rank >= world_size)]
     if outside:
         _fail("logging.profile_ranks", f"{outside} are not ranks of this run (world size {world_size})")
+
+
+def _validate_document_masking(model: ModelConfig, parallel: ParallelConfig) -> None:
+    if parallel.context > 1:
+        _fail("data.document_masking", "not supported with context parallelism (parallel.context > 1) yet: "
+              "documents would cross the ranks' sequence chunks")
+    if model.variant == "softmax" and model.transformer_impl == "te":
+        _fail("data.document_masking", "the softmax baseline with model.transformer_impl=te uses TE's attention, "
+              "which takes documents only in THD packing; use model.transformer_impl=local")
 
 
 def _validate_fp8(backend: str, transformer_impl: str) -> None:

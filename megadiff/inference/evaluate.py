@@ -78,11 +78,13 @@ def sample_batches(dataset, sequences: int, batch_size: int) -> Iterator[tuple[t
 
 
 @torch.no_grad()
-def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None) -> torch.Tensor:
-    """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples."""
+def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None,
+                    document_eod: int | None = None) -> torch.Tensor:
+    """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples
+    (with `document_eod`, attending within documents, as data.document_masking trains)."""
     rows = []
     for tokens, labels in sample_batches(dataset, sequences, batch_size):
-        rows.append(model(tokens, labels).float().cpu())
+        rows.append(model(tokens, labels, document_eod).float().cpu())
         if on_batch is not None:
             on_batch(len(tokens))
     return torch.cat(rows)
@@ -155,7 +157,8 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
         report = blend_summary(list(zip(per_source, weights)), buckets)
         report["sources"] = [{"prefix": prefix, "weight": weight, **summarize(losses, buckets)}
                              for prefix, weight, losses in zip(prefixes, weights, per_source)]
-    report.update(checkpoint=str(model.checkpoint_dir), split=split, data=prefixes)
+    report.update(checkpoint=str(model.checkpoint_dir), split=split, data=prefixes,
+                  document_masking=cfg.data.document_masking)
     _print(console, report)
     write_report(console, report, output)
     return 0
@@ -175,7 +178,8 @@ def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size:
         rate = done * cfg.model.seq_length / (time.perf_counter() - start)
         progress.update(task, advance=batch, rate=f"{rate:,.0f} tokens/s")
 
-    return position_losses(model, dataset, count, batch_size, advance)
+    eod = model.tokenizer.eod if cfg.data.document_masking else None
+    return position_losses(model, dataset, count, batch_size, advance, eod)
 
 
 def _print(console: Console, report: dict) -> None:

@@ -21,6 +21,7 @@ from megadiff.checkpoint.weights import load_model_weights
 from megadiff.config import Config, ParallelConfig
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.models import build_model, to_transformer_config
+from megadiff.models.documents import document_cu_seqlens, document_packing
 from megadiff.parallel import initialize
 
 # a checkpoint may carry its own Hugging Face tokenizer files here (from-hf writes them)
@@ -122,15 +123,18 @@ class CausalLM(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.gpt.parameters()).device
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[N, B, H]: the decoder's output after its final norm, on the model's device."""
-        input_ids = input_ids.to(self.device)
+    def hidden_states(self, input_ids: torch.Tensor, document_eod: int | None = None) -> torch.Tensor:
+        """[N, B, H]: the decoder's output after its final norm, on the model's device; with
+        `document_eod`, attention stays within the documents that token ends (data.document_masking)."""
         batch, seq = input_ids.shape
+        documents = None if document_eod is None else document_packing(
+            document_cu_seqlens(input_ids.cpu(), document_eod), seq)
+        input_ids = input_ids.to(self.device)
         positions = torch.arange(seq, device=self.device).expand(batch, seq)
         # megatron's last-pipeline-stage flag: without it GPTModel.forward returns before the output layer
         self.gpt.post_process = False
         try:
-            return self.gpt(input_ids, positions, None)
+            return self.gpt(input_ids, positions, None, packed_seq_params=documents)
         finally:
             self.gpt.post_process = True
 
@@ -139,10 +143,11 @@ class CausalLM(torch.nn.Module):
         tied = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
         return self.gpt.output_layer(hidden, weight=tied)[0]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                document_eod: int | None = None) -> torch.Tensor:
         """Logits on the model's device, wherever `input_ids` are; with `labels` [B, N], megatron's
-        per-token cross entropy [B, N] (fp32) instead."""
-        hidden = self.hidden_states(input_ids)
+        per-token cross entropy [B, N] (fp32) instead. `document_eod`: as in hidden_states."""
+        hidden = self.hidden_states(input_ids, document_eod)
         if labels is None:
             return self._logits(hidden).transpose(0, 1).contiguous()
         labels = labels.to(self.device)

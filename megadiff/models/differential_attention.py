@@ -14,6 +14,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megadiff.models.context_parallel import context_parallel_differential_attention
+from megadiff.models.documents import packed_documents
 from megadiff.ops import depth_lambda_init, differential_attention, reparameterized_lambda
 
 
@@ -59,8 +60,7 @@ class DifferentialCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences are not supported by differential attention")
+        documents = packed_documents(packed_seq_params, self.config)
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by differential attention")
         seq, batch, d = query.shape[0], query.shape[1], self.head_dim
@@ -75,7 +75,7 @@ class DifferentialCoreAttention(MegatronModule):
         else:
             q1, k1, q2, k2, v = (t.transpose(0, 1) for t in (q1, k1, q2, k2, v))
             out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,
-                                         softmax_scale=self.softmax_scale, backend=self.backend)
+                                         softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=documents)
         weight = self._replicated(self.head_norm_weight)
         out = F.rms_norm(out.float(), (2 * d,), weight.float(), self.head_norm_eps) * (1.0 - self.lambda_init)
         return out.to(query.dtype).transpose(0, 1).reshape(seq, batch, -1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megadiff.models.documents import packed_documents
 from megadiff.ops import softmax_attention
 
 
@@ -26,10 +27,11 @@ class SoftmaxCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences and attention_bias are not supported")
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported")
         seq, batch = query.shape[:2]
         # megatron's [s, b, heads, d] -> [b, s, heads, d]
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-        out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+        out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
+                                cu_seqlens=packed_documents(packed_seq_params, self.config))
         return out.transpose(0, 1).reshape(seq, batch, -1)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from megadiff.ops.documents import attend_by_document
 from megadiff.ops.reference import differential_attention_reference
 from megadiff.ops.sdpa import differential_attention_sdpa
 
@@ -40,16 +41,25 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
 
 def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integral: bool = False,
                            softmax_scale: float | None = None, backend: str = "auto",
-                           return_first_map: bool = False):
+                           return_first_map: bool = False, cu_seqlens=None):
     """(A1 - lam A2) V, plus lam * running-mean(A1 V) when `integral` (DINT).
 
     q1, q2: [B, N, Hq, d]; k1, k2: [B, Nk, Hkv, d]; v: [B, Nk, Hkv, dv]; lam: [] or [Hq].
     Returns [B, N, Hq, dv], before the head-wise norm; with `return_first_map`, also the first
     map's output A1 V (same shape and dtype, differentiable), which every backend computes anyway:
     context parallelism continues the integral term across sequence chunks from it.
+    `cu_seqlens` (causal self-attention only) masks attention between the documents it delimits
+    (ops/documents.py); the integral's running mean then restarts with each document.
     """
     kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale, return_first_map=return_first_map)
     chosen = resolve_backend(backend, q1)
+    if cu_seqlens is not None:
+        return attend_by_document(lambda *qkv: _run(chosen, *qkv, lam, **kwargs), cu_seqlens, q1, k1, q2, k2, v,
+                                  causal=causal)
+    return _run(chosen, q1, k1, q2, k2, v, lam, **kwargs)
+
+
+def _run(chosen: str, q1, k1, q2, k2, v, lam, **kwargs):
     if chosen == "triton":
         return _triton_impl()(q1, k1, q2, k2, v, lam, **kwargs)
     if chosen == "sdpa":

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.ops.common import check_shapes, compute_dtype, lambda_per_head, running_mean
+from megadiff.ops.documents import attend_by_document
 
 
 def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -53,7 +54,13 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
     return out.to(q1.dtype)
 
 
-def softmax_attention(q, k, v, *, causal=True, softmax_scale=None) -> torch.Tensor:
-    """One softmax map's output A V ([B, N, H, d] layout, bottom-right causal when Nq < Nk)."""
+def softmax_attention(q, k, v, *, causal=True, softmax_scale=None, cu_seqlens=None) -> torch.Tensor:
+    """One softmax map's output A V ([B, N, H, d] layout, bottom-right causal when Nq < Nk).
+
+    `cu_seqlens` (causal self-attention only) masks attention between documents, as in
+    `differential_attention`.
+    """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _sdpa(q, k, v, causal, scale)
+    if cu_seqlens is None:
+        return _sdpa(q, k, v, causal, scale)
+    return attend_by_document(lambda *qkv: _sdpa(*qkv, causal, scale), cu_seqlens, q, k, v, causal=causal)

@@ -8,10 +8,13 @@ data-parallel rank reads the same micro-batches.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+from megadiff.models.documents import document_cu_seqlens
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -40,13 +43,19 @@ class MicroBatchSampler(Sampler[list[int]]):
                 yield list(range(micro_start, micro_start + self.micro_batch))
 
 
-def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS}
+def _collate(samples: list[dict], document_eod: int | None) -> dict[str, torch.Tensor]:
+    batch = {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS}
+    if document_eod is not None:
+        batch["cu_seqlens"] = document_cu_seqlens(batch["tokens"], document_eod)
+    return batch
 
 
-def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate, num_workers=num_workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0,
+                       document_eod: int | None = None) -> DataLoader:
+    """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents."""
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
+                      num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                      persistent_workers=num_workers > 0)
 
 
 class IterationBatches:
@@ -59,7 +68,8 @@ class IterationBatches:
 
     def next_iteration(self):
         batches = [next(self._source) for _ in range(self.num_microbatches)]
-        if torch.cuda.is_available():
-            batches = [{k: v.cuda(non_blocking=True) for k, v in b.items()} for b in batches]
+        if torch.cuda.is_available():  # cu_seqlens stays on the host: attention slices documents by it
+            batches = [{k: v if k == "cu_seqlens" else v.cuda(non_blocking=True) for k, v in b.items()}
+                       for b in batches]
         iterators = [iter(batches) for _ in range(self.num_chunks)]
         return iterators if self.num_chunks > 1 else iterators[0]

@@ -77,7 +77,8 @@ class Pretraining:
             memory_warning = activations_warning(self.model_states, activations, device_bytes)
         # W&B starts first: a login or project problem should stop the run before data and model
         self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
-        self.datasets, self.valid_sets = _prepare_data(cfg)
+        self.datasets, self.valid_sets, tokenizer = _prepare_data(cfg)
+        self.document_eod = tokenizer.eod if cfg.data.document_masking else None
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, self.engine, self.scheduler)
@@ -107,8 +108,8 @@ class Pretraining:
         t = self.cfg.train
         sampler = MicroBatchSampler(total, consumed, t.global_batch_size, t.micro_batch_size,
                                     parallel_state.get_data_parallel_rank(), self.dp)
-        return IterationBatches(micro_batch_loader(dataset, sampler, t.dataloader_workers), self.num_microbatches,
-                                len(self.engine.model))
+        loader = micro_batch_loader(dataset, sampler, t.dataloader_workers, self.document_eod)
+        return IterationBatches(loader, self.num_microbatches, len(self.engine.model))
 
     def _log(self, record: dict) -> None:
         self.engine.gather_updated_params()
@@ -208,8 +209,8 @@ class Pretraining:
 
 def _prepare_data(cfg: Config):
     """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build
-    (train, valid, test) and the validation sets: {"valid_loss": the valid split, and with
-    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}."""
+    (train, valid, test), the validation sets ({"valid_loss": the valid split, and with
+    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}) and the tokenizer."""
     from megadiff.data.datasets import build_datasets, source_config, source_names
     from megadiff.data.locations import training_blend
     from megadiff.data.prepare import ensure_prepared
@@ -229,7 +230,7 @@ def _prepare_data(cfg: Config):
         for prefix, name in zip(prefixes, source_names(prefixes)):
             valid_sets[f"valid_loss/{name}"] = build_datasets(source_config(cfg, prefix), tokenizer,
                                                               (0, num_samples[1], 0), t.seed)[1]
-    return datasets, valid_sets
+    return datasets, valid_sets, tokenizer
 
 
 def pretrain(cfg: Config) -> int:

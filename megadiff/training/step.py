@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megadiff.models.documents import document_packing
 from megadiff.parallel import compute_device
 from megadiff.training.engine import Engine
 
@@ -34,9 +35,12 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator, model):
-    """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels."""
+    """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels,
+    every layer the document boundaries when the batch has them (data.document_masking)."""
     batch = get_batch_on_this_cp_rank(next(data_iterator))  # identity without context parallelism
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    documents = document_packing(batch.get("cu_seqlens"), batch["tokens"].shape[1])
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                           packed_seq_params=documents)
     return per_token_loss, partial(masked_mean_loss, batch["loss_mask"])
 
 

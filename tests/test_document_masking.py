@@ -1,0 +1,144 @@
+"""Document masking (data.document_masking): attention never crosses an EOD.
+
+The op against the paper formula with an explicit document mask (every backend, DINT's running
+mean restarting per document, gradients); the batch's boundaries from its tokens; a model
+whose later document gives the same logits as that document alone; and training with it.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megadiff.inference.evaluate import evaluate
+from megadiff.models.documents import document_cu_seqlens, document_packing
+from megadiff.observability.metrics import read_metrics
+from megadiff.ops import differential_attention, softmax_attention
+from megadiff.ops.documents import document_spans
+from tests.convert_worker import reference_model, variant_config
+from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+from tests.test_ops import make_inputs, paper_formula
+
+N = 9
+CU_SEQLENS = [0, 3, 4, 9, 11, 18]  # sample 0: documents of 3, 1 and 5 tokens; sample 1: 2 and 7
+
+
+def visible_keys(cu_seqlens: list[int], batch: int, n: int) -> torch.Tensor:
+    """[B, N, N]: query i sees key j when j <= i and no boundary lies in (j, i]."""
+    document = torch.zeros(batch * n, dtype=torch.long)
+    for boundary in cu_seqlens[1:-1]:
+        document[boundary:] += 1
+    document = document.view(batch, n)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return causal & (document[:, :, None] == document[:, None, :])
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "sdpa_split_v"])
+@pytest.mark.parametrize("integral", [False, True])
+def test_op_matches_the_paper_formula_with_a_document_mask(backend, integral):
+    inputs = make_inputs(n=N, per_head=True)
+    out = differential_attention(*inputs, causal=True, integral=integral, backend=backend,
+                                 cu_seqlens=torch.tensor(CU_SEQLENS, dtype=torch.int32))
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    expected = paper_formula(*leaves, True, integral, visible=visible_keys(CU_SEQLENS, 2, N))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-9, atol=1e-9)
+    grad_out = torch.randn_like(expected)
+    got = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    want = torch.autograd.grad(expected, leaves, grad_out)
+    for name, g, w in zip(("q1", "k1", "q2", "k2", "v", "lam"), got, want):
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-6, msg=f"grad of {name}")
+
+
+def test_softmax_attention_matches_sdpa_with_a_document_mask():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, N, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = softmax_attention(q, k, v, cu_seqlens=CU_SEQLENS)
+    mask = visible_keys(CU_SEQLENS, 2, N)[:, None]  # [B, 1, N, N]
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
+    torch.testing.assert_close(out, want.transpose(1, 2))
+
+
+def test_one_document_per_sample_is_plain_causal_attention():
+    inputs = make_inputs(n=N)
+    whole = differential_attention(*inputs, backend="sdpa", cu_seqlens=[0, N, 2 * N])
+    torch.testing.assert_close(whole, differential_attention(*inputs, backend="sdpa"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cu_seqlens, message", [
+    ([0, 4, 12, 18], "every sample boundary"),  # a document running from sample 0 into sample 1
+    ([0, 4, 4, 9, 18], "strictly increasing"),
+    ([0, 9, 17], "from 0 to"),
+    ([1, 9, 18], "from 0 to"),
+])
+def test_bad_boundaries_are_refused(cu_seqlens, message):
+    with pytest.raises(ValueError, match=message):
+        document_spans(cu_seqlens, 2, N)
+
+
+def test_needs_causal_self_attention():
+    q1, k1, q2, k2, v, lam = make_inputs(n=4, n_k=N)
+    with pytest.raises(ValueError, match="causal self-attention"):
+        differential_attention(q1, k1, q2, k2, v, lam, cu_seqlens=[0, 4, 8])
+    with pytest.raises(ValueError, match="causal self-attention"):
+        differential_attention(*make_inputs(n=N), causal=False, cu_seqlens=[0, N, 2 * N])
+
+
+def test_boundaries_follow_eod_tokens():
+    eod = 0
+    tokens = torch.tensor([[5, 6, eod, 7, eod, 8],     # documents end after each EOD
+                           [eod, 1, 2, 3, 4, eod]])    # an EOD first; one last, at the sample's end
+    assert document_cu_seqlens(tokens, eod).tolist() == [0, 3, 5, 6, 7, 12]
+    assert document_cu_seqlens(torch.ones(2, 6, dtype=torch.long), eod).tolist() == [0, 6, 12]
+    assert document_spans(document_cu_seqlens(tokens, eod), 2, 6) == [[(0, 3), (3, 5), (5, 6)], [(0, 1), (1, 6)]]
+
+
+@pytest.mark.parametrize("variant", ["softmax", "diff", "dint", "shared_diff"])
+def test_a_later_document_gets_the_logits_it_gets_alone(variant, tmp_path):
+    """Through megatron's GPTModel: the document after an EOD is computed as if it were alone
+    (RoPE is relative, so its shifted positions do not matter); without masking it is not."""
+    cfg = variant_config(variant, "single", str(tmp_path))
+    model = reference_model(cfg).gpt
+    seq, eod = cfg.model.seq_length, 0
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, cfg.model.vocab_size, (2, seq), generator=gen)
+    tokens[0, 10] = eod  # sample 0: 11 tokens, then a document of 21; sample 1: one document
+    positions = torch.arange(seq).expand(2, seq)
+    documents = document_packing(document_cu_seqlens(tokens, eod), seq)
+    with torch.no_grad():
+        masked = model(tokens, positions, None, packed_seq_params=documents)
+        unmasked = model(tokens, positions, None)
+        alone = model(tokens[:1, 11:], positions[:1, :seq - 11], None)
+    torch.testing.assert_close(masked[0, 11:], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked[:, :11], unmasked[:, :11], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(masked[1], unmasked[1], rtol=1e-6, atol=1e-6)
+    assert (unmasked[0, 11:] - alone[0]).abs().max() > 1e-3  # without masking the first document leaks in
+
+
+@pytest.mark.slow
+def test_pretraining_and_evaluation_mask_the_corpus_documents(small_tokenizer_dir, tmp_path):
+    """`data.document_masking=true` from the loader (boundaries at the KJV chapters' EODs, collated
+    in a worker process) to every layer: the first iteration, same weights and samples, gives
+    another loss than without masking, and `megadiff evaluate` scores the validation samples as
+    the run's validation did (its checkpoint's config masks; an override turns it off)."""
+    base = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + ["model.seq_length=512", "train.iters=2"]
+    masked, plain = tmp_path / "masked", tmp_path / "plain"
+    # three validation batches: the valid split's first EOD comes in its 14th sample
+    run_pretrain(1, base + [f"output_dir={masked}", "data.document_masking=true", "train.dataloader_workers=1",
+                            "train.eval_interval=2", "train.eval_iters=3", "checkpoint.save_interval=2"])
+    run_pretrain(1, base + [f"output_dir={plain}"])
+    with_masking, without = losses(masked), losses(plain)
+    assert len(with_masking) == 2 and all(math.isfinite(x) for x in with_masking)
+    assert abs(with_masking[0] - without[0]) > 1e-4
+
+    (validation,) = [record["valid_loss"] for record in read_metrics(masked) if "valid_loss" in record]
+    scores = {}
+    for setting in ("true", "false"):
+        report = tmp_path / f"eval-{setting}.json"
+        assert evaluate(str(masked), sequences=24, batch_size=4, output=str(report),
+                        overrides=[f"data.document_masking={setting}"]) == 0
+        scores[setting] = json.loads(report.read_text())
+        assert scores[setting]["document_masking"] == (setting == "true")
+    assert scores["true"]["loss"] == pytest.approx(validation, rel=1e-5)
+    assert abs(scores["false"]["loss"] - validation) > 1e-4
