@@ -51,8 +51,8 @@ def test_layout_matches_single_process(layout, single, tmp_path):
 
 @pytest.mark.slow
 def test_document_masking_layout_matches_single_process(tmp_path):
-    """TP2 + SP + PP2 + full recompute with document masking against one process with it (that masking changes the
-    model's output: tests/test_document_masking.py)."""
+    """TP2 + SP + PP2 + full recompute with document masking against one process with it (that the
+    masking changes the model's output: tests/test_document_masking.py)."""
     reference = _run(tmp_path, "single_documents")
     other = _run(tmp_path, "tp2_sp_pp2_documents")
     assert set(other) == set(VARIANTS)
