@@ -70,8 +70,13 @@ def test_matches_paper_formula_with_gradients(impl, causal, integral, shape):
     kwargs = dict(gqa={}, mha=dict(kv_heads=4), dv_eq_d=dict(dv=8), per_head_lambda=dict(per_head=True))[shape]
     inputs = make_inputs(**kwargs)
     out = IMPLEMENTATIONS[impl](*inputs, causal=causal, integral=integral)
+    assert_matches_paper_formula(out, inputs, causal, integral)
+
+
+def assert_matches_paper_formula(out, inputs, causal, integral, visible=None) -> None:
+    """`out`, computed from `inputs`, and its gradients for all six inputs against the formula's."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    expected = paper_formula(*leaves, causal, integral)
+    expected = paper_formula(*leaves, causal, integral, visible=visible)
     torch.testing.assert_close(out.double(), expected, rtol=1e-9, atol=1e-9)
     grad_out = torch.randn_like(expected)
     got = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
