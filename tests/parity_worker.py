@@ -37,12 +37,16 @@ LAYOUTS = {
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "cp2": (2, ["parallel.context=2"]),
     # document masking: the boundaries reach every pipeline stage's layers (recomputed ones too), SP gathers
-    # whole sequences
+    # whole sequences, CP ranks attend from their chunks within documents and carry DINT's mean across them
     "single_documents": (1, ["data.document_masking=true"]),
     "tp2_sp_pp2_documents": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
                                  "data.document_masking=true", "train.recompute=full"]),
+    "cp2_documents": (2, ["parallel.context=2", "data.document_masking=true"]),
 }
 EOD = 0
+# documents [0, 4), [4, 10), [10, 16) and [0, 6), [6, 16): under CP=2 (chunks of 4) one starts at a
+# chunk's start, one inside a chunk, and they run across one or two chunk ends
+EOD_POSITIONS = ([3, 9], [5])
 
 
 def layout_independent_weights(chunks: list, seed: int) -> None:
@@ -69,10 +73,10 @@ def global_micro_batches(cfg, seed_offset: int) -> list[dict]:
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
                             position_ids=torch.arange(cfg.model.seq_length).expand(cfg.train.micro_batch_size, -1),
                             loss_mask=(torch.rand(tokens[:, 1:].shape, generator=gen) > 0.1).float()))
-        if cfg.data.document_masking:  # an EOD somewhere in each sample
+        if cfg.data.document_masking:
             batch = batches[-1]
-            batch["tokens"][torch.arange(len(tokens)), torch.randint(0, cfg.model.seq_length, (len(tokens),),
-                                                                     generator=gen)] = EOD
+            for row, positions in zip(batch["tokens"], EOD_POSITIONS):
+                row[positions] = EOD
             batch["cu_seqlens"] = document_cu_seqlens(batch["tokens"], EOD)
     return batches
 

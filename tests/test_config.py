@@ -46,8 +46,6 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.eval_interval=5", "data.split=100,0,0"], "train.eval_interval: data.split '100,0,0' leaves no valid"),
     (["train.eval_interval=5", "data.split=100,0"], "train.eval_interval"),
     (["train.eval_interval=null", "train.eval_each_source=true"], "train.eval_each_source: needs"),
-    (["data.document_masking=true", "parallel.context=2", "model.seq_length=64"],
-     "data.document_masking: not supported with context parallelism"),
 ])
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):

@@ -2,7 +2,8 @@
 
 The op against the paper formula with an explicit document mask (every backend, DINT's running
 mean restarting per document, gradients); the batch's boundaries from its tokens; a model
-whose later document gives the same logits as that document alone; and training with it.
+whose later document gives the same logits as that document alone; training and evaluation with
+it. Parallel layouts with it (CP included) against one process: tests/test_parallel_parity.py.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from megadiff.inference.evaluate import evaluate
 from megadiff.models.documents import document_cu_seqlens, document_packing
 from megadiff.observability.metrics import read_metrics
 from megadiff.ops import differential_attention, softmax_attention
-from megadiff.ops.documents import document_spans
+from megadiff.ops.documents import document_spans, document_starts
 from tests.convert_worker import reference_model, variant_config
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
 from tests.test_ops import assert_matches_paper_formula, make_inputs
@@ -85,6 +86,7 @@ def test_boundaries_follow_eod_tokens():
     assert document_cu_seqlens(tokens, eod).tolist() == [0, 3, 5, 6, 7, 12]
     assert document_cu_seqlens(torch.ones(2, 6, dtype=torch.long), eod).tolist() == [0, 6, 12]
     assert document_spans(document_cu_seqlens(tokens, eod), 2, 6) == [[(0, 3), (3, 5), (5, 6)], [(0, 1), (1, 6)]]
+    assert document_starts(document_cu_seqlens(tokens, eod), 2, 6).tolist() == [[0, 0, 0, 3, 3, 5], [0, 1, 1, 1, 1, 1]]
 
 
 @pytest.mark.parametrize("variant", ["softmax", "diff", "dint", "shared_diff"])

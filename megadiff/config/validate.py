@@ -171,7 +171,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     if train.precision == "fp8":
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
     if cfg.data.document_masking:
-        _validate_document_masking(cfg.model, cfg.parallel)
+        _validate_document_masking(cfg.model)
 
 
 def validate_wandb(logging: WandbFields) -> None:
@@ -191,10 +191,7 @@ def _validate_profiling(logging: LoggingConfig, world_size: int | None) -> None:
         _fail("logging.profile_ranks", f"{outside} are not ranks of this run (world size {world_size})")
 
 
-def _validate_document_masking(model: ModelConfig, parallel: ParallelConfig) -> None:
-    if parallel.context > 1:
-        _fail("data.document_masking", "not supported with context parallelism (parallel.context > 1) yet: "
-              "documents would cross the ranks' sequence chunks")
+def _validate_document_masking(model: ModelConfig) -> None:
     if model.variant == "softmax" and model.transformer_impl == "te":
         _fail("data.document_masking", "the softmax baseline with model.transformer_impl=te uses TE's attention, "
               "which takes documents only in THD packing; use model.transformer_impl=local")

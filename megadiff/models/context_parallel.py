@@ -4,15 +4,19 @@ megatron splits each sequence into 2 x CP chunks and gives rank r the chunks
 r and 2CP-1-r (balanced causal work). Each rank gathers the whole K and V
 (backward: reduce-scatter), attends from its two query chunks to the keys up to
 each chunk's end, and, for DINT, continues the running mean of A1 V from the
-sums of all earlier chunks, which live on other ranks.
+sums of all earlier chunks, which live on other ranks. With document masking, each
+document's queries in a chunk attend to that document's keys, and the running mean
+restarts at each document.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megadiff.ops import differential_attention
+from megadiff.ops.documents import concat_outputs, document_spans, document_starts
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -30,39 +34,82 @@ def _gather_in_sequence_order(local: torch.Tensor, group, cp_size: int) -> torch
     return torch.cat([chunks[i] for i in order], dim=0)
 
 
-def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral: bool, softmax_scale, backend):
-    """Inputs [s_local, b, heads, d] (two local chunks); returns [b, s_local, h, dv]."""
+def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral: bool, softmax_scale, backend,
+                                            cu_seqlens=None):
+    """Inputs [s_local, b, heads, d] (two local chunks); returns [b, s_local, h, dv].
+
+    cu_seqlens: the documents of the whole sequences (ops/documents.py), or None for one each.
+    """
     group = parallel_state.get_context_parallel_group()
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     chunk = q1.shape[0] // 2
     k1, k2, v = (_gather_in_sequence_order(t, group, cp_size).transpose(0, 1) for t in (k1, k2, v))
+    batch, seq = k1.shape[:2]
+    spans = None if cu_seqlens is None else document_spans(cu_seqlens, batch, seq)
+    options = dict(causal=True, softmax_scale=softmax_scale, backend=backend, return_first_map=integral)
     outputs, first_map_outputs = [], []
     for local, global_chunk in enumerate(rank_chunks(cp_rank, cp_size)):
         rows = slice(local * chunk, (local + 1) * chunk)
-        end = (global_chunk + 1) * chunk
+        start, end = global_chunk * chunk, (global_chunk + 1) * chunk
         q1_c, q2_c = q1[rows].transpose(0, 1), q2[rows].transpose(0, 1)
-        # DINT: the integral term needs A1 V of every chunk, which the attention computes anyway
-        result = differential_attention(q1_c, k1[:, :end], q2_c, k2[:, :end], v[:, :end], lam, causal=True,
-                                        softmax_scale=softmax_scale, backend=backend, return_first_map=integral)
-        if integral:
+        if spans is None:
+            result = differential_attention(q1_c, k1[:, :end], q2_c, k2[:, :end], v[:, :end], lam, **options)
+        else:
+            result = _attend_chunk_by_document(q1_c, k1, q2_c, k2, v, lam, spans, start, end, options)
+        if integral:  # the integral term needs A1 V of every chunk, which the attention computes anyway
             result, first_map = result
             first_map_outputs.append(first_map.float())
         outputs.append(result)
     if integral:
-        outputs = _add_integral_term(outputs, first_map_outputs, lam, group, cp_size, cp_rank, chunk)
+        starts = (torch.zeros(batch, seq, dtype=torch.long) if cu_seqlens is None
+                  else document_starts(cu_seqlens, batch, seq)).to(outputs[0].device)
+        outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk)
     return torch.cat(outputs, dim=1)
 
 
-def _add_integral_term(outputs, first_map_outputs, lam, group, cp_size, cp_rank, chunk):
-    """out += lam * (sum of A1 V over all earlier positions) / position, across CP ranks."""
-    local_sums = torch.stack([o.sum(dim=1) for o in first_map_outputs])            # [2, b, h, dv]
-    all_sums = _gather_in_sequence_order(local_sums, group, cp_size)                # [2CP, b, h, dv]
-    earlier = torch.cumsum(all_sums, dim=0) - all_sums                              # exclusive prefix
+def _attend_chunk_by_document(q1_c, k1, q2_c, k2, v, lam, spans, start: int, end: int, options: dict):
+    """The chunk's queries [start, end) of each document attend to that document's keys up to the
+    chunk's end (bottom-right causal: the queries are the last of those keys)."""
+    rows = []
+    for sample, sample_spans in enumerate(spans):
+        pieces = []
+        for doc_start, doc_end in sample_spans:
+            first, last = max(doc_start, start), min(doc_end, end)
+            if first < last:
+                b, q, kv = slice(sample, sample + 1), slice(first - start, last - start), slice(doc_start, last)
+                pieces.append(differential_attention(q1_c[b, q], k1[b, kv], q2_c[b, q], k2[b, kv], v[b, kv], lam,
+                                                     **options))
+        rows.append(concat_outputs(pieces, dim=1))
+    return concat_outputs(rows, dim=0)
+
+
+def _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk):
+    """out += lam * the running mean of A1 V over each position's document so far, across CP ranks.
+
+    starts: [b, S] each position's document start. Each chunk's sum of A1 V since the last
+    document start in it (its tail) is gathered; a chunk's carry is the sum over the positions
+    before it of the document open at its start, built from the earlier chunks' tails.
+    """
+    within, tails = [], []
+    for first_map, global_chunk in zip(first_map_outputs, rank_chunks(cp_rank, cp_size)):
+        local_starts = starts[:, global_chunk * chunk:(global_chunk + 1) * chunk] - global_chunk * chunk
+        prefix = F.pad(torch.cumsum(first_map, dim=1), (0, 0, 0, 0, 1, 0))  # [b, chunk + 1, h, dv], 0 first
+        segment_first = local_starts.clamp(min=0)[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
+        since_start = prefix[:, 1:] - torch.gather(prefix, 1, segment_first)  # sum from max(doc start, chunk start)
+        within.append((since_start, local_starts))
+        tails.append(since_start[:, -1])
+    all_tails = _gather_in_sequence_order(torch.stack(tails), group, cp_size)  # [2CP, b, h, dv]
+    carries = [torch.zeros_like(all_tails[0])]
+    for c in range(1, 2 * cp_size):
+        open_at_start = (starts[:, c * chunk] < c * chunk).float().view(-1, 1, 1)
+        previous_carried = (starts[:, c * chunk - 1] < (c - 1) * chunk).float().view(-1, 1, 1)
+        carries.append(open_at_start * (all_tails[c - 1] + previous_carried * carries[c - 1]))
     lam_h = (lam.float().expand(outputs[0].shape[2]) if lam.dim() == 0 else lam.float()).view(1, 1, -1, 1)
     result = []
-    for out, first_map, global_chunk in zip(outputs, first_map_outputs, rank_chunks(cp_rank, cp_size)):
-        positions = torch.arange(global_chunk * chunk + 1, (global_chunk + 1) * chunk + 1,
-                                 device=out.device, dtype=torch.float32).view(1, -1, 1, 1)
-        running = (earlier[global_chunk].unsqueeze(1) + torch.cumsum(first_map, dim=1)) / positions
+    for out, (since_start, local_starts), global_chunk in zip(outputs, within, rank_chunks(cp_rank, cp_size)):
+        carried = (local_starts < 0).float()[:, :, None, None] * carries[global_chunk].unsqueeze(1)
+        positions = torch.arange(chunk, device=out.device).view(1, -1)
+        counts = (positions - local_starts + 1).float()[:, :, None, None]  # tokens of the document so far
+        running = (since_start + carried) / counts
         result.append((out.float() + lam_h * running).to(out.dtype))
     return result

@@ -60,7 +60,7 @@ class DifferentialCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        documents = packed_documents(packed_seq_params, self.config)
+        documents = packed_documents(packed_seq_params)
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by differential attention")
         seq, batch, d = query.shape[0], query.shape[1], self.head_dim
@@ -71,7 +71,8 @@ class DifferentialCoreAttention(MegatronModule):
         lam = self.current_lambda()
         if self.config.context_parallel_size > 1:
             out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
-                                                          softmax_scale=self.softmax_scale, backend=self.backend)
+                                                          softmax_scale=self.softmax_scale, backend=self.backend,
+                                                          cu_seqlens=documents)
         else:
             q1, k1, q2, k2, v = (t.transpose(0, 1) for t in (q1, k1, q2, k2, v))
             out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,

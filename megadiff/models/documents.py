@@ -34,13 +34,11 @@ def document_packing(cu_seqlens: torch.Tensor | None, seq_length: int) -> Packed
                            max_seqlen_q=seq_length, max_seqlen_kv=seq_length)
 
 
-def packed_documents(packed_seq_params: PackedSeqParams | None, config) -> torch.Tensor | None:
+def packed_documents(packed_seq_params: PackedSeqParams | None) -> torch.Tensor | None:
     """The core attention's view: the document boundaries to mask with, or None."""
     if packed_seq_params is None:
         return None
     if packed_seq_params.qkv_format != FORMAT:
         raise NotImplementedError(f"megadiff's core attention takes document boundaries in the {FORMAT!r} packing "
                                   f"of models/documents.py, not {packed_seq_params.qkv_format!r}")
-    if config.context_parallel_size > 1:
-        raise NotImplementedError("document masking with context parallelism is not supported")
     return packed_seq_params.cu_seqlens_q

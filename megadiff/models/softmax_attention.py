@@ -33,5 +33,5 @@ class SoftmaxCoreAttention(MegatronModule):
         # megatron's [s, b, heads, d] -> [b, s, heads, d]
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
-                                cu_seqlens=packed_documents(packed_seq_params, self.config))
+                                cu_seqlens=packed_documents(packed_seq_params))
         return out.transpose(0, 1).reshape(seq, batch, -1)

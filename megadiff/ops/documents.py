@@ -35,6 +35,14 @@ def document_spans(cu_seqlens: Sequence[int] | torch.Tensor, batch: int, seq_len
     return spans
 
 
+def document_starts(cu_seqlens, batch: int, seq_len: int) -> torch.Tensor:
+    """[B, N] int64: the position within its sample where each token's document begins."""
+    spans = document_spans(cu_seqlens, batch, seq_len)
+    starts = [start for sample in spans for start, _ in sample]
+    lengths = [end - start for sample in spans for start, end in sample]
+    return torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths)).view(batch, seq_len)
+
+
 def attend_by_document(attention: Callable, cu_seqlens, *tensors: torch.Tensor, causal: bool):
     """`attention(*tensors)` with each document of each sample attended separately.
 
@@ -50,11 +58,12 @@ def attend_by_document(attention: Callable, cu_seqlens, *tensors: torch.Tensor, 
     rows = []
     for sample, sample_spans in enumerate(spans):
         pieces = [attention(*(t[sample:sample + 1, start:end] for t in tensors)) for start, end in sample_spans]
-        rows.append(_concat(pieces, dim=1))
-    return _concat(rows, dim=0)
+        rows.append(concat_outputs(pieces, dim=1))
+    return concat_outputs(rows, dim=0)
 
 
-def _concat(results: list, dim: int):
+def concat_outputs(results: list, dim: int):
+    """torch.cat of attention outputs, each a tensor or a tuple of tensors (concatenated pairwise)."""
     if isinstance(results[0], tuple):
         return tuple(torch.cat(parts, dim=dim) for parts in zip(*results))
     return torch.cat(results, dim=dim)

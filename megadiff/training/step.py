@@ -37,8 +37,10 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def forward_step(data_iterator: Iterator, model):
     """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels,
     every layer the document boundaries when the batch has them (data.document_masking)."""
-    batch = get_batch_on_this_cp_rank(next(data_iterator))  # identity without context parallelism
-    documents = document_packing(batch.get("cu_seqlens"), batch["tokens"].shape[1])
+    batch = dict(next(data_iterator))
+    # the documents of the whole sequences: each context-parallel rank attends from its chunks to them all
+    documents = document_packing(batch.pop("cu_seqlens", None), batch["tokens"].shape[1])
+    batch = get_batch_on_this_cp_rank(batch)  # identity without context parallelism
     per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                            packed_seq_params=documents)
     return per_token_loss, partial(masked_mean_loss, batch["loss_mask"])
