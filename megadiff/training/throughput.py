@@ -40,10 +40,20 @@ class Throughput:
                   "tflops_per_device": tflops}
         if self.peak:
             record["mfu"] = tflops / self.peak
-        if torch.cuda.is_available():  # this rank's high-water marks since the start of the run
-            record["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-            record["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
+        if torch.cuda.is_available():
+            record.update(_high_water_marks_gib())
         return record
+
+
+def _high_water_marks_gib() -> dict[str, float]:
+    """The most loaded rank's allocated and reserved peaks since the start of the run (pipeline
+    stages and the vocabulary's ranks differ). Collective: every rank logs the same iterations."""
+    marks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+                         dtype=torch.float64, device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+    allocated, reserved = (float(mark) / 2 ** 30 for mark in marks)
+    return {"max_memory_allocated_gib": allocated, "max_memory_reserved_gib": reserved}
 
 
 def layer_lambdas(chunks: list) -> dict[str, float]:
