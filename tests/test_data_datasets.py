@@ -79,6 +79,17 @@ def test_samples_are_consecutive_windows_of_the_shuffled_document_stream(corpus,
             assert sample["position_ids"].tolist() == list(range(SEQ))
 
 
+@pytest.mark.parametrize("upsampled", [False, True])
+def test_eod_mask_loss_drops_the_loss_after_each_eod(corpus, tmp_path, upsampled):
+    overrides = [f"data.prefix={corpus[0]}", "data.split=80,10,10", "data.eod_mask_loss=true",
+                 f"data.length_upsampling={upsampled}"]
+    train, _, _ = build_datasets(config(tmp_path, *overrides), TOKENIZER, (100, 10, 10), seed=3)
+    samples = [train[j] for j in range(100)]
+    assert any(EOD in sample["tokens"] for sample in samples)
+    for sample in samples:
+        assert sample["loss_mask"].tolist() == [float(token != EOD) for token in sample["tokens"]]
+
+
 def test_a_split_with_zero_weight_is_none(corpus, tmp_path):
     cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=9,1,0")
     train, valid, test = build_datasets(cfg, TOKENIZER, (10, 10, 0), seed=0)

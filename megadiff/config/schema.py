@@ -74,6 +74,8 @@ class DataConfig(Section):
                                                   "up-sampling; default model.seq_length")
     document_masking: bool = Field(False, description="attention stays within each document packed into a "
                                    "training sequence (documents end at the tokenizer's EOD); see docs/data.md")
+    eod_mask_loss: bool = Field(False, description="no loss where the input token is an EOD: the next "
+                                "document's first token, which the previous document cannot predict")
     bundled_corpus: Optional[str] = Field(None, description="'kjv': a real corpus megadiff writes and prepares "
                                           "itself at the start of pre-training (demo, tests)")
     cache_dir: str = Field("data/cache", description="bundled corpora, their prepared data and megatron's "

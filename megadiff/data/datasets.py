@@ -51,7 +51,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
     options = dict(
         random_seed=seed, sequence_length=cfg.model.seq_length, blend=training_blend(data), split=data.split,
         path_to_cache=str(index_cache_dir(data)), tokenizer=megatron_tokenizer(tokenizer),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=False,
     )
     if data.length_upsampling:
         unit = data.length_upsampling_unit or cfg.model.seq_length
