@@ -85,8 +85,9 @@ def test_boundaries_follow_eod_tokens():
                            [eod, 1, 2, 3, 4, eod]])    # an EOD first; one last, at the sample's end
     assert document_cu_seqlens(tokens, eod).tolist() == [0, 3, 5, 6, 7, 12]
     assert document_cu_seqlens(torch.ones(2, 6, dtype=torch.long), eod).tolist() == [0, 6, 12]
-    assert document_spans(document_cu_seqlens(tokens, eod), 2, 6) == [[(0, 3), (3, 5), (5, 6)], [(0, 1), (1, 6)]]
-    assert document_starts(document_cu_seqlens(tokens, eod), 2, 6).tolist() == [[0, 0, 0, 3, 3, 5], [0, 1, 1, 1, 1, 1]]
+    spans = document_spans(document_cu_seqlens(tokens, eod), 2, 6)
+    assert spans == [[(0, 3), (3, 5), (5, 6)], [(0, 1), (1, 6)]]
+    assert document_starts(spans).tolist() == [[0, 0, 0, 3, 3, 5], [0, 1, 1, 1, 1, 1]]
 
 
 @pytest.mark.parametrize("variant", ["softmax", "diff", "dint", "shared_diff"])

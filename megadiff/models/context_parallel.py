@@ -46,6 +46,8 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
     k1, k2, v = (_gather_in_sequence_order(t, group, cp_size).transpose(0, 1) for t in (k1, k2, v))
     batch, seq = k1.shape[:2]
     spans = None if cu_seqlens is None else document_spans(cu_seqlens, batch, seq)
+    if spans is not None and all(len(sample) == 1 for sample in spans):
+        spans = None  # one document per sample: plain causal attention
     options = dict(causal=True, softmax_scale=softmax_scale, backend=backend, return_first_map=integral)
     outputs, first_map_outputs = [], []
     for local, global_chunk in enumerate(rank_chunks(cp_rank, cp_size)):
@@ -61,8 +63,8 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
             first_map_outputs.append(first_map.float())
         outputs.append(result)
     if integral:
-        starts = (torch.zeros(batch, seq, dtype=torch.long) if cu_seqlens is None
-                  else document_starts(cu_seqlens, batch, seq)).to(outputs[0].device)
+        starts = (torch.zeros(batch, seq, dtype=torch.long) if spans is None
+                  else document_starts(spans)).to(outputs[0].device)
         outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk)
     return torch.cat(outputs, dim=1)
 

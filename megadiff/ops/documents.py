@@ -35,12 +35,11 @@ def document_spans(cu_seqlens: Sequence[int] | torch.Tensor, batch: int, seq_len
     return spans
 
 
-def document_starts(cu_seqlens, batch: int, seq_len: int) -> torch.Tensor:
-    """[B, N] int64: the position within its sample where each token's document begins."""
-    spans = document_spans(cu_seqlens, batch, seq_len)
+def document_starts(spans: list[list[Span]]) -> torch.Tensor:
+    """[B, N] int64 from document_spans(): the position in its sample where each token's document begins."""
     starts = [start for sample in spans for start, _ in sample]
     lengths = [end - start for sample in spans for start, end in sample]
-    return torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths)).view(batch, seq_len)
+    return torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths)).view(len(spans), -1)
 
 
 def attend_by_document(attention: Callable, cu_seqlens, *tensors: torch.Tensor, causal: bool):
