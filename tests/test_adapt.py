@@ -18,6 +18,7 @@ from megadiff.adapt import (
     AdaptationError, annealed_lambda, apply_daa, apply_dex, current_lambdas, plan_adaptation, set_step,
 )
 from megadiff.adapt.config import AdaptationConfig
+from megadiff.adapt.documents import document_position_ids, model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.selection import attention_entropy, head_importance
 
@@ -230,6 +231,47 @@ def test_entropy_selection_matches_naive_entropy(arch):
     plan = plan_adaptation(model, AdaptationConfig(), batches)
     for layer, row in enumerate(expected):
         assert plan["layers"][layer]["heads"] == sorted(row.argsort(descending=True)[:HEADS // 2].tolist())
+
+
+def test_document_position_ids_restart_after_each_eos():
+    eos = 0
+    input_ids = torch.tensor([[5, 6, eos, 7, eos, 8], [eos, 1, 2, 3, 4, eos]])
+    assert document_position_ids(input_ids, eos).tolist() == [[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]]
+    assert "position_ids" not in model_inputs(input_ids, None)
+
+
+def packed_documents(eos: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first document with its EOS, second document, the two packed in one row)."""
+    first = torch.cat([tokens(1, 5, seed=2).clamp(min=1), torch.tensor([[eos]])], dim=1)
+    second = tokens(1, 7, seed=3).clamp(min=1)
+    return first, second, torch.cat([first, second], dim=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", ["dex-entropy", "daa", "diff_k", "diff_v"])
+def test_document_masking_attends_within_each_packed_document(arch, variant):
+    """data.document_masking's inputs through the adapted attention: the second document's logits
+    are its logits alone; without them the first document leaks in."""
+    apply, config = VARIANTS[variant]
+    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
+    perturb_adapters(model, 2, anneal_steps=4)
+    first, second, packed = packed_documents()
+    with torch.no_grad():
+        masked = model(**model_inputs(packed, 0)).logits
+        plain = model(**model_inputs(packed, None)).logits
+        alone = model(second).logits
+    torch.testing.assert_close(masked[:, first.shape[1]:], alone, rtol=1e-5, atol=1e-5)
+    assert (plain[:, first.shape[1]:] - alone).abs().max() > 1e-3
+
+
+def test_entropy_selection_measures_each_packed_document_alone():
+    """Masked, the packed row's entropy sums are those of its documents measured separately."""
+    model = tiny_model("llama", init=0.3)
+    first, second, packed = packed_documents()
+    total = attention_entropy(model, [packed], document_eos=0).double() * packed.shape[1]
+    apart = sum(attention_entropy(model, [doc]).double() * doc.shape[1] for doc in (first, second))
+    torch.testing.assert_close(total, apart, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(attention_entropy(model, [packed]).double() * packed.shape[1], apart, rtol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

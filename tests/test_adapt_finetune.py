@@ -149,6 +149,20 @@ def test_zero_stage_trains_logs_and_exports(stage, stage_runs, workspace):
 
 
 @pytest.mark.slow
+def test_document_masking_reaches_training(workspace):
+    """data.document_masking: the first iteration (the unmodified model: lambda(0) = 0) scores the
+    same batches with attention kept within each document, so its loss differs. 128-token rows:
+    the ~1,000-token documents end inside some of them."""
+    first_losses = {}
+    for masking in ("true", "false"):
+        output = workspace / f"documents-{masking}"
+        run_adapt(workspace, f"output_dir={output}", f"data.document_masking={masking}", "data.seq_length=128",
+                  "train.iters=1")
+        first_losses[masking] = read_metrics(output)[0]["lm_loss"]
+    assert math.isfinite(first_losses["true"]) and abs(first_losses["true"] - first_losses["false"]) > 1e-4
+
+
+@pytest.mark.slow
 def test_zero_stages_agree(stage_runs, workspace):
     """Same data, same weights: ZeRO 1, 2 and 3 only partition differently."""
     from safetensors.torch import load_file

@@ -64,8 +64,9 @@ def validate_given_heads(heads: list[list[int]], num_layers: int, num_heads: int
 
 
 def plan_adaptation(model: nn.Module, config: AdaptationConfig,
-                    calibration: Optional[Iterable[torch.Tensor]] = None) -> dict:
-    """The `adaptation` dict (see modeling_adapted) for this model: heads and lambda_init per layer."""
+                    calibration: Optional[Iterable[torch.Tensor]] = None, document_eos: Optional[int] = None) -> dict:
+    """The `adaptation` dict (see modeling_adapted) for this model: heads and lambda_init per layer.
+    `document_eos`: measure the calibration batches attending within their documents."""
     check_supported(model)
     num_layers, num_heads = len(model.model.layers), model.config.num_attention_heads
     selection = config.resolved_selection
@@ -77,7 +78,7 @@ def plan_adaptation(model: nn.Module, config: AdaptationConfig,
         if selection != "all" and not batches:
             warnings.warn(f"no calibration batches given: measuring head {selection} on random tokens")
             batches = random_calibration(model, config.calibration_batches)
-        heads = select_heads(model, selection, config.heads_fraction, batches)
+        heads = select_heads(model, selection, config.heads_fraction, batches, document_eos)
     return {
         "method": config.method,
         "anneal_steps": config.anneal_steps,

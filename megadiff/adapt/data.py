@@ -80,10 +80,13 @@ class SampleOrder:
 
 class BatchReader:
     """Micro-batches for (iteration, micro-step) on this rank: global sample numbers
-    ((i * grad_accum + m) * world + rank) * micro_batch + j, i the 0-based iteration."""
+    ((i * grad_accum + m) * world + rank) * micro_batch + j, i the 0-based iteration.
+    `document_eos`: the EOS its documents end with when attention is masked by document."""
 
-    def __init__(self, dataset, seed: int, micro_batch: int, grad_accum: int, rank: int, world: int):
+    def __init__(self, dataset, seed: int, micro_batch: int, grad_accum: int, rank: int, world: int,
+                 document_eos: int | None = None):
         self.dataset = dataset
+        self.document_eos = document_eos
         self.order = SampleOrder(len(dataset), seed)
         self.micro_batch, self.grad_accum, self.rank, self.world = micro_batch, grad_accum, rank, world
 

@@ -29,6 +29,7 @@ import yaml
 from megadiff.adapt import deepspeed_setup as dss
 from megadiff.adapt.apply import adapt_with_plan, current_lambdas, plan_adaptation, set_step
 from megadiff.adapt.data import BatchReader, build_packed_dataset
+from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.schedule import warmup_cosine
 from megadiff.adapt.selection import MEASURED_SELECTIONS
@@ -94,7 +95,7 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
     if selection in MEASURED_SELECTIONS:
         with dss.calibration_parameters(model, stage, selection):
             plan = plan_adaptation(model, cfg.adaptation,
-                                   reader.calibration_batches(cfg.adaptation.calibration_batches))
+                                   reader.calibration_batches(cfg.adaptation.calibration_batches), reader.document_eos)
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
         plan = plan_adaptation(model, cfg.adaptation)
     shared = [plan]
@@ -118,7 +119,7 @@ def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: in
     lr = engine.get_lr()[0]
     for micro_step in range(grad_accum):
         input_ids = reader.micro_batch_at(iteration - 1, micro_step).to(engine.device)
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        loss = engine(**model_inputs(input_ids, reader.document_eos), labels=input_ids).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
@@ -143,7 +144,8 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     model, hf_ds_config = _load_model(cfg, ds_config)
     dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
-    reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world)
+    reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,
+                         document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
     adapt_with_plan(model, plan, cfg.adaptation.resolved_trainable)
     return tokenizer, model, reader, plan, hf_ds_config

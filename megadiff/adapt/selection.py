@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadiff.adapt.documents import model_inputs
+
 
 def num_selected(num_heads: int, fraction: float) -> int:
     return max(1, math.floor(num_heads * fraction))
@@ -42,8 +44,10 @@ def _attention_implementation(model: nn.Module, name: str):
         model.set_attn_implementation(previous)
 
 
-def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor]) -> torch.Tensor:
-    """[layers, heads] mean attention entropy over the batches' query positions."""
+def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor], document_eos: int | None = None
+                      ) -> torch.Tensor:
+    """[layers, heads] mean attention entropy over the batches' query positions (with
+    `document_eos`, attending within the documents packed in them)."""
     modules = _attention_modules(model)
     totals = torch.zeros(len(modules), model.config.num_attention_heads, dtype=torch.float64)
     rows = 0
@@ -58,7 +62,7 @@ def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor]) -> torc
     try:
         with _attention_implementation(model, "eager"), torch.no_grad():
             for input_ids in batches:
-                model(input_ids=input_ids.to(model.device), use_cache=False)
+                model(**model_inputs(input_ids.to(model.device), document_eos))
                 rows += input_ids.numel()
     finally:
         for handle in handles:
@@ -66,8 +70,10 @@ def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor]) -> torc
     return (totals / rows).float()
 
 
-def head_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> torch.Tensor:
-    """[layers, heads] mean |dL/dxi_h| over the batches' examples (xi_h gates each head's output)."""
+def head_importance(model: nn.Module, batches: Iterable[torch.Tensor], document_eos: int | None = None
+                    ) -> torch.Tensor:
+    """[layers, heads] mean |dL/dxi_h| over the batches' examples (xi_h gates each head's output);
+    `document_eos` as in attention_entropy."""
     modules = _attention_modules(model)
     num_heads = model.config.num_attention_heads
     totals = torch.zeros(len(modules), num_heads, dtype=torch.float64)
@@ -87,7 +93,7 @@ def head_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> torch.
             gates[:] = [torch.ones(input_ids.shape[0], num_heads, device=model.device, dtype=model.dtype,
                                    requires_grad=True) for _ in modules]
             with torch.enable_grad():
-                logits = model(input_ids=input_ids, use_cache=False).logits.float()
+                logits = model(**model_inputs(input_ids, document_eos)).logits.float()
                 per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")
                 # each example's gate only touches that example, so d(sum)/d(gate[b]) = dL_b/d(gate[b])
                 grads = torch.autograd.grad(per_token.mean(-1).sum(), gates)
@@ -102,14 +108,16 @@ def head_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> torch.
 MEASURED_SELECTIONS = ("entropy", "importance")  # the selections that run the model on calibration batches
 
 
-def select_heads(model: nn.Module, selection: str, fraction: float, batches: list[torch.Tensor]) -> list[list[int]]:
-    """Per layer, the adapted heads for `selection` ('entropy' | 'importance' | 'all')."""
+def select_heads(model: nn.Module, selection: str, fraction: float, batches: list[torch.Tensor],
+                 document_eos: int | None = None) -> list[list[int]]:
+    """Per layer, the adapted heads for `selection` ('entropy' | 'importance' | 'all'), measured on
+    `batches` (with `document_eos`, attending within their documents)."""
     num_layers, num_heads = len(model.model.layers), model.config.num_attention_heads
     if selection == "all":
         return [list(range(num_heads)) for _ in range(num_layers)]
     k = num_selected(num_heads, fraction)
     if selection == "entropy":
-        return [top_heads(row, k, highest=True) for row in attention_entropy(model, batches)]
+        return [top_heads(row, k, highest=True) for row in attention_entropy(model, batches, document_eos)]
     if selection == "importance":
-        return [top_heads(row, k, highest=False) for row in head_importance(model, batches)]
+        return [top_heads(row, k, highest=False) for row in head_importance(model, batches, document_eos)]
     raise ValueError(f"unknown head selection {selection!r}")

@@ -47,6 +47,9 @@ class DataSection(Section):
     text_key: str = Field("text", description="the text field of JSON records")
     seq_length: int = Field(1024, ge=2, description="tokens per packed training sequence")
     seed: int = Field(1234, description="seed of the sample order (one permutation per epoch)")
+    document_masking: bool = Field(False, description="attention stays within each packed document (position "
+                                   "ids restart after each EOS, from which transformers masks), in training "
+                                   "and head selection")
     cache_dir: Optional[str] = Field(None, description="datasets cache; default: the datasets library's")
     workers: int = Field(1, ge=1, description="processes tokenizing the files, on each node's first rank (the "
                          "other ranks read its cache); the packed sequences are the same for any number")
