@@ -26,10 +26,11 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
 
 from megadiff.ops import triton_bwd, triton_fwd  # noqa: E402
 
-KERNELS = {"fwd": (triton_fwd._fwd_kernel, {"COMBINE": True}),
-           "dkdv": (triton_bwd._dkdv_kernel, {"TIED": True}),
-           "dq": (triton_bwd._dq_kernel, {"TIED": True})}
+KERNELS = {"fwd": (triton_fwd._fwd_kernel, {"COMBINE": True, "DOCUMENTS": False}),
+           "dkdv": (triton_bwd._dkdv_kernel, {"TIED": True, "DOCUMENTS": False}),
+           "dq": (triton_bwd._dq_kernel, {"TIED": True, "DOCUMENTS": False})}
 FP32_POINTERS = {"LSE1", "LSE2", "DELTA1", "DELTA2", "LAM"}
+INT32_POINTERS = {"DOC_START", "DOC_END"}
 SCALARS = {"qk_scale": "fp32", "scale": "fp32"}  # every other lower-case argument is an int32 size or stride
 
 
@@ -39,14 +40,14 @@ def signature(kernel, constexprs: dict, dtype: str) -> dict[str, str]:
         if name in constexprs:
             return "constexpr"
         if name.isupper() or name[0].isupper():
-            return "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+            return "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS else f"*{dtype}"
         return SCALARS.get(name, "i32")
     return {name: kind(name) for name in kernel.arg_names}
 
 
 def compile_candidate(kind: str, block_m: int, block_n: int, num_warps: int, num_stages: int, *, d: int, dv: int,
                       arch: int, causal: bool = True, dtype: str = "bf16", **flags):
-    """flags override the kernel's mode constexprs (TIED, COMBINE)."""
+    """flags override the kernel's mode constexprs (TIED, COMBINE, DOCUMENTS)."""
     kernel, modes = KERNELS[kind]
     constexprs = dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=triton_fwd.padded_dim(d), BLOCK_DV=triton_fwd.padded_dim(dv),
                       CAUSAL=causal, DOT_PREC="tf32", BLOCK_M=block_m, BLOCK_N=block_n, **{**modes, **flags})

@@ -17,7 +17,7 @@ from megadiff.inference.evaluate import evaluate
 from megadiff.models.documents import document_cu_seqlens, document_packing
 from megadiff.observability.metrics import read_metrics
 from megadiff.ops import differential_attention, softmax_attention
-from megadiff.ops.documents import document_spans, document_starts
+from megadiff.ops.documents import document_bounds, document_spans
 from tests.convert_worker import reference_model, variant_config
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
 from tests.test_ops import assert_matches_paper_formula, make_inputs
@@ -87,7 +87,9 @@ def test_boundaries_follow_eod_tokens():
     assert document_cu_seqlens(torch.ones(2, 6, dtype=torch.long), eod).tolist() == [0, 6, 12]
     spans = document_spans(document_cu_seqlens(tokens, eod), 2, 6)
     assert spans == [[(0, 3), (3, 5), (5, 6)], [(0, 1), (1, 6)]]
-    assert document_starts(spans).tolist() == [[0, 0, 0, 3, 3, 5], [0, 1, 1, 1, 1, 1]]
+    starts, ends = document_bounds(spans)
+    assert starts.tolist() == [[0, 0, 0, 3, 3, 5], [0, 1, 1, 1, 1, 1]]
+    assert ends.tolist() == [[3, 3, 3, 5, 5, 6], [1, 6, 6, 6, 6, 6]]
 
 
 @pytest.mark.parametrize("variant", ["softmax", "diff", "dint", "shared_diff"])

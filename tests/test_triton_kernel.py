@@ -74,8 +74,13 @@ def _grid() -> dict[str, Case]:
         "autotuned-full-diff": Case(blocks=None, autotuned=True, causal=False, n_q=20, n_k=45, batch=1),
         "bf16": Case(dtype=torch.bfloat16, per_head_lam=True, n_q=64, n_k=64, d=32, dv=64, batch=1),
         "fp16-dint": Case(dtype=torch.float16, integral=True, n_q=40, n_k=40, d=32, dv=64, batch=1),
-        # documents shorter and longer than a tile, the kernel on slices of the batch
+        # documents (masked in the kernels' tiles) shorter and longer than a tile, starting inside tiles
         "documents-dint": Case(blocks=None, integral=True, per_head_lam=True, documents=(0, 5, 20, 37, 40, 74)),
+        "documents-diff-tiles16x32": Case(blocks=(16, 32), per_head_lam=True, documents=(0, 5, 20, 37, 40, 74)),
+        "documents-dint-first-map-tiles32x16": Case(blocks=(32, 16), integral=True, first_map=True,
+                                                    documents=(0, 17, 18, 37, 70, 74)),
+        "documents-bf16-one-token": Case(dtype=torch.bfloat16, n_q=64, n_k=64, d=32, dv=64, batch=1,
+                                         blocks=(16, 16), documents=(0, 10, 11, 40, 64)),
     })
     return cases
 
@@ -217,7 +222,9 @@ def test_long_sequence_views_get_int32_safe_layouts():
 
 
 @pytest.mark.parametrize("kind,causal,flags", [("fwd", True, {}), ("dkdv", True, {"TIED": False}),
-                                               ("dq", False, {})])
+                                               ("dq", False, {}), ("fwd", True, {"DOCUMENTS": True}),
+                                               ("dkdv", True, {"DOCUMENTS": True}),
+                                               ("dq", True, {"DOCUMENTS": True, "TIED": False})])
 def test_compiles_for_hopper(kind, causal, flags):
     """The interpreter forgives what the compiler refuses (types, tile shapes): compile for sm_90 (no GPU
     needed) at a small head shape, in modes the interpreter cases above exercise."""

@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megadiff.ops import differential_attention
-from megadiff.ops.documents import concat_outputs, document_spans, document_starts
+from megadiff.ops.documents import concat_outputs, document_bounds, document_spans
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -64,7 +64,7 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
         outputs.append(result)
     if integral:
         starts = (torch.zeros(batch, seq, dtype=torch.long) if spans is None
-                  else document_starts(spans)).to(outputs[0].device)
+                  else document_bounds(spans)[0]).to(outputs[0].device)
         outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk)
     return torch.cat(outputs, dim=1)
 

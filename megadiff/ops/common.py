@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -39,9 +40,23 @@ def lambda_per_head(lam: torch.Tensor, num_heads: int) -> torch.Tensor:
     return lam.float().expand(num_heads) if lam.dim() == 0 else lam.float()
 
 
-def running_mean(x: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Mean over positions 1..i of x[:, :i] (causal) or over all positions; x: [B, N, H, e]."""
+def running_mean(x: torch.Tensor, causal: bool, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over positions 1..i of x[:, :i] (causal) or over all positions; x: [B, N, H, e].
+
+    starts ([B, N] int64, causal only): each position's document start; the mean then runs over
+    the positions of i's document up to i.
+    """
     if not causal:
         return x.mean(dim=1, keepdim=True).expand_as(x)
-    counts = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
-    return x.cumsum(dim=1) / counts
+    if starts is None:
+        counts = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        return x.cumsum(dim=1) / counts
+    prefix = F.pad(x.cumsum(dim=1), (0, 0, 0, 0, 1, 0))  # prefix[:, k] = sum of x[:, :k]
+    before = prefix.gather(1, starts[:, :, None, None].expand(-1, -1, *x.shape[2:]))
+    return (prefix[:, 1:] - before) / document_counts(starts, x.dtype)
+
+
+def document_counts(starts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, N, 1, 1]: how many positions of its document each position has reached (itself included)."""
+    positions = torch.arange(starts.shape[1], device=starts.device)
+    return (positions - starts + 1).to(dtype)[:, :, None, None]

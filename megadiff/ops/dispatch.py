@@ -53,15 +53,15 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integ
     """
     kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale, return_first_map=return_first_map)
     chosen = resolve_backend(backend, q1)
-    if cu_seqlens is not None:
+    if chosen == "triton":  # masks documents in its tiles
+        return _triton_impl()(q1, k1, q2, k2, v, lam, cu_seqlens=cu_seqlens, **kwargs)
+    if cu_seqlens is not None:  # one call per document
         return attend_by_document(lambda *qkv: _run(chosen, *qkv, lam, **kwargs), cu_seqlens, q1, k1, q2, k2, v,
                                   causal=causal)
     return _run(chosen, q1, k1, q2, k2, v, lam, **kwargs)
 
 
 def _run(chosen: str, q1, k1, q2, k2, v, lam, **kwargs):
-    if chosen == "triton":
-        return _triton_impl()(q1, k1, q2, k2, v, lam, **kwargs)
     if chosen == "sdpa":
         return differential_attention_sdpa(q1, k1, q2, k2, v, lam, **kwargs)
     if chosen == "sdpa_split_v":

@@ -35,11 +35,14 @@ def document_spans(cu_seqlens: Sequence[int] | torch.Tensor, batch: int, seq_len
     return spans
 
 
-def document_starts(spans: list[list[Span]]) -> torch.Tensor:
-    """[B, N] int64 from document_spans(): the position in its sample where each token's document begins."""
-    starts = [start for sample in spans for start, _ in sample]
-    lengths = [end - start for sample in spans for start, end in sample]
-    return torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths)).view(len(spans), -1)
+def document_bounds(spans: list[list[Span]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """From document_spans(): [B, N] int64 (starts, ends), where each token's document begins and
+    ends (exclusive) within its sample."""
+    starts = torch.tensor([start for sample in spans for start, _ in sample])
+    ends = torch.tensor([end for sample in spans for _, end in sample])
+    lengths = ends - starts
+    return (torch.repeat_interleave(starts, lengths).view(len(spans), -1),
+            torch.repeat_interleave(ends, lengths).view(len(spans), -1))
 
 
 def attend_by_document(attention: Callable, cu_seqlens, *tensors: torch.Tensor, causal: bool):

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from megadiff.ops.triton_fwd import (
-    LOG2E, KernelConfig, bnh_strides, dot_precision, key_range, launch, load_tile, padded_dim, store_tile, visible,
+    LOG2E, Documents, KernelConfig, bnh_strides, document_key_start, dot_precision, in_document, key_range, launch,
+    load_tile, padded_dim, store_tile, visible,
 )
 
 
@@ -40,10 +41,10 @@ def _query_range(start_n, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, lam,
+def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, DOC_START, lam,
                 stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
+                MASKED: tl.constexpr, DOCUMENTS: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
     # transposed orientation: rows are our keys, columns the query tile
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -57,6 +58,9 @@ def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, D
         p2 = tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) * qk_scale - lse2[None, :])
         if MASKED:
             ok = visible(offs_m[None, :], offs_n[:, None], n_q, n_k, CAUSAL)
+            if DOCUMENTS:
+                q_start = tl.load(DOC_START + offs_m, mask=in_q, other=n_q)
+                ok = in_document(ok, q_start[None, :], offs_n[:, None], DOCUMENTS)
             p1 = tl.where(ok, p1, 0.0)
             p2 = tl.where(ok, p2, 0.0)
         dp1 = tl.dot(v, tl.trans(do1), input_precision=DOT_PREC)
@@ -76,14 +80,14 @@ def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, D
 
 
 @triton.jit
-def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DK1, DK2, DV,
+def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DK1, DK2, DV,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                  n_q, n_k, n_heads, group, qk_scale, scale,
                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     n_kv = n_heads // group
     b = (tl.program_id(1) // n_kv).to(tl.int64)
@@ -101,6 +105,9 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, mid, tail = _query_range(start_n, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if DOCUMENTS:  # queries past the last document our keys belong to see none of them
+        doc_end = tl.max(tl.load(DOC_END + b * n_k + offs_n, mask=offs_n < n_k, other=0), 0)
+        mid, tail = doc_end, doc_end  # one masked range [lo, doc_end)
     for g in range(group):
         h = h_kv * group + g
         q_off = b * stride_qb + h * stride_qh
@@ -109,18 +116,20 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
         lam = tl.load(LAM + h)
         Q1h, Q2h, DO1h, DO2h = Q1 + q_off, Q2 + q_off, DO1 + do_off, DO2 + do_off
         LSE1h, LSE2h, DELTA1h, DELTA2h = LSE1 + row_off, LSE2 + row_off, DELTA1 + row_off, DELTA2 + row_off
+        DOCSb = DOC_START + b * n_q
         dk1, dk2, dv = _dkdv_tiles(
-            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, lam,
+            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
             stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, mid, n_q, n_k, qk_scale,
-            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, TIED, DOT_PREC)
-        dk1, dk2, dv = _dkdv_tiles(
-            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, lam,
-            stride_qn, stride_don, offs_n, offs_d, offs_dv, mid, tail, n_q, n_k, qk_scale,
-            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, TIED, DOT_PREC)
-        dk1, dk2, dv = _dkdv_tiles(
-            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, lam,
-            stride_qn, stride_don, offs_n, offs_d, offs_dv, tl.maximum(mid, tail), n_q, n_q, n_k, qk_scale,
-            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, TIED, DOT_PREC)
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC)
+        if not DOCUMENTS:
+            dk1, dk2, dv = _dkdv_tiles(
+                dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
+                stride_qn, stride_don, offs_n, offs_d, offs_dv, mid, tail, n_q, n_k, qk_scale,
+                HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, False, TIED, DOT_PREC)
+            dk1, dk2, dv = _dkdv_tiles(
+                dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
+                stride_qn, stride_don, offs_n, offs_d, offs_dv, tl.maximum(mid, tail), n_q, n_q, n_k, qk_scale,
+                HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, False, TIED, DOT_PREC)
 
     dk_off = b * stride_dkb + h_kv * stride_dkh
     store_tile(DK1 + dk_off, dk1 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
@@ -130,9 +139,9 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
 
 @triton.jit
 def _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam, K1, K2, V, stride_kn, stride_vn,
-              offs_m, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
+              offs_m, q_start, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              MASKED: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
+              MASKED: tl.constexpr, DOCUMENTS: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k1 = load_tile(K1, offs_n, stride_kn, offs_d, n_k, HEAD_D)
@@ -141,7 +150,8 @@ def _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam, K1, K
         p1 = tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale - lse1[:, None])
         p2 = tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale - lse2[:, None])
         if MASKED:
-            ok = visible(offs_m[:, None], offs_n[None, :], n_q, n_k, CAUSAL)
+            ok = in_document(visible(offs_m[:, None], offs_n[None, :], n_q, n_k, CAUSAL), q_start[:, None],
+                             offs_n[None, :], DOCUMENTS)
             p1 = tl.where(ok, p1, 0.0)
             p2 = tl.where(ok, p2, 0.0)
         dp1 = tl.dot(do1, tl.trans(v), input_precision=DOT_PREC)
@@ -157,14 +167,14 @@ def _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam, K1, K
 
 
 @triton.jit
-def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DQ1, DQ2,
+def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DQ1, DQ2,
                stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                stride_dqb, stride_dqn, stride_dqh,
                n_q, n_k, n_heads, group, qk_scale, scale,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+               DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // n_heads).to(tl.int64)
@@ -196,12 +206,21 @@ def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DQ1
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
-                         K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
-                         0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, TIED, DOT_PREC)
-    dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
-                         K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
-                         full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, TIED, DOT_PREC)
+    if DOCUMENTS:  # as the forward: from the tile's first document on, every tile masked
+        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, BLOCK_N)
+        dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                             K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, q_start, offs_d,
+                             offs_dv, lo, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, True, TIED,
+                             DOT_PREC)
+    else:
+        dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                             K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_m, offs_d,
+                             offs_dv, 0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, False,
+                             TIED, DOT_PREC)
+        dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                             K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_m, offs_d,
+                             offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, False,
+                             TIED, DOT_PREC)
 
     dq_off = b * stride_dqb + h * stride_dqh
     store_tile(DQ1 + dq_off, dq1 * scale, offs_m, stride_dqn, offs_d, n_q, HEAD_D)
@@ -209,12 +228,14 @@ def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DQ1
 
 
 def attention_maps_backward(q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2, *,
-                            causal: bool, scale: float, config: KernelConfig | None = None):
+                            causal: bool, scale: float, config: KernelConfig | None = None,
+                            documents: Documents | None = None):
     """Returns (dq1, dk1, dq2, dk2, dv) given the gradients dO1, dO2 reaching each map's output.
 
     do2=None means dO2 = -lam_h dO1 (plain DIFF); lam_h: fp32 [Hq]. do1/do2 and q1/q2, k1/k2 must share
     layouts. lse1, lse2 (natural log) and delta_j = rowsum(dOj * Oj) are [B, Hq, N] fp32, contiguous.
-    A context-parallel caller passes the merged (global) lse and delta of its rows.
+    A context-parallel caller passes the merged (global) lse and delta of its rows. `documents`: as
+    in attention_maps_forward.
     """
     b, n_q, n_heads, d = q1.shape
     n_k, n_kv, dv_dim = k1.shape[1], k1.shape[2], v.shape[-1]
@@ -222,11 +243,12 @@ def attention_maps_backward(q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delt
     dq1, dq2 = q1.new_empty(q1.shape), q1.new_empty(q1.shape)  # new_empty: contiguous even for strided inputs
     dk1, dk2 = k1.new_empty(k1.shape), k1.new_empty(k1.shape)
     dv = v.new_empty(v.shape)
-    inputs = (q1, q2, k1, k2, v, do1, do1 if tied else do2, lse1, lse2, delta1, delta2, lam_h)
+    inputs = (q1, q2, k1, k2, v, do1, do1 if tied else do2, lse1, lse2, delta1, delta2, lam_h,
+              *((documents.starts, documents.ends) if documents is not None else (lse1, lse1)))  # placeholders
     in_strides = (*bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(do1))
     sizes = (n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e), scale)
     meta = dict(HEAD_D=d, HEAD_DV=dv_dim, BLOCK_D=padded_dim(d), BLOCK_DV=padded_dim(dv_dim), CAUSAL=causal,
-                TIED=tied, DOT_PREC=dot_precision(q1.dtype))
+                TIED=tied, DOCUMENTS=documents is not None, DOT_PREC=dot_precision(q1.dtype))
     launch(_dkdv_kernel, "dkdv", n_k, b * n_kv,
            (*inputs, dk1, dk2, dv, *in_strides, *bnh_strides(dk1), *bnh_strides(dv), *sizes), meta, config)
     launch(_dq_kernel, "dq", n_q, b * n_heads,

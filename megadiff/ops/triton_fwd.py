@@ -27,6 +27,14 @@ MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
+class Documents:
+    """Document masking for the kernels: int32 [B, N] device tensors, contiguous, giving each
+    position's document start and end (exclusive) within its sample."""
+    starts: torch.Tensor
+    ends: torch.Tensor
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes and launch options; block_m tiles queries, block_n tiles keys."""
     block_m: int
@@ -97,9 +105,11 @@ def key_range(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+def _softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, DOCUMENTS: tl.constexpr):
     """One online-softmax update with base-2 scores s: rescale the running sums, add this tile."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if DOCUMENTS:  # a row may see no key of its first tiles (its document starts later): keep it 0, not NaN
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -108,10 +118,25 @@ def _softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def in_document(ok, q_start, k_idx, DOCUMENTS: tl.constexpr):
+    """Document masking: a query sees keys from its document's start (q_start broadcasts against k_idx)."""
+    if DOCUMENTS:
+        ok = ok & (k_idx >= q_start)
+    return ok
+
+
+@triton.jit
+def document_key_start(DOC_START, offs_m, n_q, BLOCK_N: tl.constexpr):
+    """(each row's document start, the first key tile any row of the query tile sees)."""
+    q_start = tl.load(DOC_START + offs_m, mask=offs_m < n_q, other=n_q)
+    return q_start, tl.min(q_start, 0) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
 def _fwd_tiles(acc1, l1, m1, acc2, l2, m2, q1, q2, K1, K2, V, stride_kn, stride_vn,
-               offs_m, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
+               offs_m, q_start, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k1 = load_tile(K1, offs_n, stride_kn, offs_d, n_k, HEAD_D)
@@ -120,23 +145,24 @@ def _fwd_tiles(acc1, l1, m1, acc2, l2, m2, q1, q2, K1, K2, V, stride_kn, stride_
         s1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
         s2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
         if MASKED:
-            ok = visible(offs_m[:, None], offs_n[None, :], n_q, n_k, CAUSAL)
+            ok = in_document(visible(offs_m[:, None], offs_n[None, :], n_q, n_k, CAUSAL), q_start[:, None],
+                             offs_n[None, :], DOCUMENTS)
             s1 = tl.where(ok, s1, float("-inf"))
             s2 = tl.where(ok, s2, float("-inf"))
-        # key 0 is visible to every query and comes first, so no row's running max stays -inf
-        acc1, l1, m1 = _softmax_step(acc1, l1, m1, s1, v, DOT_PREC)
-        acc2, l2, m2 = _softmax_step(acc2, l2, m2, s2, v, DOT_PREC)
+        # without documents key 0 is visible to every query and comes first: no running max stays -inf
+        acc1, l1, m1 = _softmax_step(acc1, l1, m1, s1, v, DOT_PREC, DOCUMENTS)
+        acc2, l2, m2 = _softmax_step(acc2, l2, m2, s2, v, DOT_PREC, DOCUMENTS)
     return acc1, l1, m1, acc2, l2, m2
 
 
 @triton.jit
-def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2,
+def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2, DOC_START,
                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                 stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                 n_q, n_k, n_heads, group, qk_scale,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                COMBINE: tl.constexpr, DOT_PREC: tl.constexpr):
+                COMBINE: tl.constexpr, DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // n_heads).to(tl.int64)  # int64 offsets: batch * stride can pass 2^31
@@ -160,12 +186,21 @@ def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2,
     m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
-        acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
-        offs_m, offs_d, offs_dv, 0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, DOT_PREC)
-    acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
-        acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
-        offs_m, offs_d, offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, DOT_PREC)
+    if DOCUMENTS:  # from the tile's first document on, every tile masked
+        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, BLOCK_N)
+        acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+            acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+            offs_m, q_start, offs_d, offs_dv, lo, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
+            True, DOT_PREC)
+    else:
+        acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+            acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+            offs_m, offs_m, offs_d, offs_dv, 0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False,
+            False, DOT_PREC)
+        acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+            acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+            offs_m, offs_m, offs_d, offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
+            False, DOT_PREC)
 
     o1 = acc1 / l1[:, None]
     o2 = acc2 / l2[:, None]
@@ -244,10 +279,11 @@ def _prune(kind: str):
 def _autotuned(kernel, kind: str):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                for m, n, w, s in CANDIDATES[kind]]
-    # the mode flags a kernel takes (COMBINE: the forward's epilogue, TIED: the backward's inputs)
+    # the mode flags a kernel takes (COMBINE: the forward's epilogue, TIED: the backward's inputs,
+    # DOCUMENTS: document masking)
     # change what a program holds, so each mode is tuned apart; cache_results keeps the choice on disk
     # for the next process (benchmarks, then training) on the same GPU and Triton version
-    modes = [name for name in ("COMBINE", "TIED") if name in kernel.arg_names]
+    modes = [name for name in ("COMBINE", "TIED", "DOCUMENTS") if name in kernel.arg_names]
     return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", *modes], cache_results=True,
                            prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
 
@@ -271,12 +307,12 @@ def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: di
 
 
 def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: float, o_dtype: torch.dtype,
-                           config: KernelConfig | None = None):
+                           config: KernelConfig | None = None, documents: Documents | None = None):
     """Both maps in one pass: returns (out, o1, o2, lse1, lse2).
 
     q1/q2 and k1/k2 must share their layouts (see `shared_layout`). o1, o2 (and out = o1 - lam_h o2,
     only when lam_h, fp32 [Hq], is given; else None) are [B, N, Hq, dv] in o_dtype; lse1, lse2 are
-    [B, Hq, N] fp32.
+    [B, Hq, N] fp32. `documents` (causal self-attention): attention stays within them.
     """
     b, n_q, n_heads, d = q1.shape
     n_k, n_kv, dv = k1.shape[1], k1.shape[2], v.shape[-1]
@@ -285,9 +321,10 @@ def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: flo
     lse1, lse2 = (torch.empty(b, n_heads, n_q, device=q1.device, dtype=torch.float32) for _ in range(2))
     args = (q1, q2, k1, k2, v,
             lam_h if lam_h is not None else lse1, o1, o2, out if out is not None else o1,  # unread placeholders
-            lse1, lse2, *bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(o1),
+            lse1, lse2, documents.starts if documents is not None else lse1,
+            *bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(o1),
             n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e))
     meta = dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=padded_dim(d), BLOCK_DV=padded_dim(dv), CAUSAL=causal,
-                COMBINE=lam_h is not None, DOT_PREC=dot_precision(q1.dtype))
+                COMBINE=lam_h is not None, DOCUMENTS=documents is not None, DOT_PREC=dot_precision(q1.dtype))
     launch(_fwd_kernel, "fwd", n_q, b * n_heads, args, meta, config)
     return out, o1, o2, lse1, lse2

@@ -7,7 +7,9 @@ pass over K/V. What is linear in O1 and O2 happens here, in torch:
 Backward, with G = dL/dout and G1 = dL/dO1 (when O1 was returned):
     dO1 = G + [integral] lam R^T(G) + G1,   dO2 = -lam G,
     dlam_h = sum_{b,n,e} G * (-O2 + [integral] R(O1)) = sum(-G O2) + [integral] sum(R^T(G) O1),
-where R^T(G)_k = sum_{i >= k} G_i / i (causal) or mean_i G_i (non-causal).
+where R^T(G)_k = sum_{i >= k} G_i / i (causal) or mean_i G_i (non-causal). With documents
+(cu_seqlens), the kernels mask attention to each query's document and R runs within documents:
+R^T(G)_k = sum over i >= k of k's document of G_i / (i - start + 1).
 
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (set before
 triton is first imported) -- how the tests exercise it.
@@ -18,10 +20,13 @@ import math
 
 import torch
 
-from megadiff.ops.common import check_shapes, lambda_per_head, running_mean
+import torch.nn.functional as F
+
+from megadiff.ops.common import check_shapes, document_counts, lambda_per_head, running_mean
+from megadiff.ops.documents import document_bounds, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward
 from megadiff.ops.triton_fwd import (
-    INTERPRETED, MAX_HEAD_DIM, KernelConfig, attention_maps_forward, shared_layout,
+    INTERPRETED, MAX_HEAD_DIM, Documents, KernelConfig, attention_maps_forward, shared_layout,
 )
 
 __all__ = ["KernelConfig", "attention_maps_backward", "differential_attention_triton",
@@ -60,25 +65,37 @@ def _rows_last(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous()
 
 
-def _running_mean_adjoint(g: torch.Tensor, causal: bool) -> torch.Tensor:
+def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | None) -> torch.Tensor:
     """R^T(g) for R = running_mean along dim 1: the gradient of sum(g * R(x)) w.r.t. x."""
     if not causal:
         return g.mean(dim=1, keepdim=True).expand_as(g)
-    counts = torch.arange(1, g.shape[1] + 1, device=g.device, dtype=g.dtype).view(1, -1, 1, 1)
-    return (g / counts).flip(1).cumsum(1).flip(1)
+    if documents is None:
+        counts = torch.arange(1, g.shape[1] + 1, device=g.device, dtype=g.dtype).view(1, -1, 1, 1)
+        return (g / counts).flip(1).cumsum(1).flip(1)
+    scaled = g / document_counts(documents.starts.long(), g.dtype)
+    suffix = F.pad(scaled.flip(1).cumsum(1).flip(1), (0, 0, 0, 0, 0, 1))  # suffix[:, k] = sum of scaled[:, k:]
+    after = suffix.gather(1, documents.ends.long()[:, :, None, None].expand(-1, -1, *g.shape[2:]))
+    return suffix[:, :-1] - after
+
+
+def _documents(cu_seqlens, q: torch.Tensor) -> Documents:
+    starts, ends = document_bounds(document_spans(cu_seqlens, q.shape[0], q.shape[1]))
+    return Documents(*(t.to(device=q.device, dtype=torch.int32).contiguous() for t in (starts, ends)))
 
 
 class _DifferentialAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map):
+    def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map, documents):
         q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
         lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
         out, o1, o2, lse1, lse2 = attention_maps_forward(
-            q1, k1, q2, k2, v, lam_h, causal=causal, scale=scale, o_dtype=q1.dtype, config=config)
+            q1, k1, q2, k2, v, lam_h, causal=causal, scale=scale, o_dtype=q1.dtype, config=config,
+            documents=documents)
         if integral:
-            out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal)).to(q1.dtype)
+            starts = documents.starts.long() if documents is not None else None
+            out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal, starts)).to(q1.dtype)
         ctx.save_for_backward(q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h)
-        ctx.causal, ctx.integral, ctx.scale, ctx.config = causal, integral, scale, config
+        ctx.causal, ctx.integral, ctx.scale, ctx.config, ctx.documents = causal, integral, scale, config, documents
         ctx.lam_meta = (lam.dim(), lam.dtype)
         ctx.tied = not (integral or return_first_map)
         return (out, o1) if return_first_map else out
@@ -96,7 +113,7 @@ class _DifferentialAttention(torch.autograd.Function):
         else:
             do1, do2 = g, -lam * g
             if ctx.integral:
-                g_mean = _running_mean_adjoint(g, ctx.causal)
+                g_mean = _running_mean_adjoint(g, ctx.causal, ctx.documents)
                 grad_lam = grad_lam + _rowsum(g_mean, o1f).sum(dim=(0, 1))
                 do1 = do1 + lam * g_mean
             if grad_first_map is not None:
@@ -105,10 +122,10 @@ class _DifferentialAttention(torch.autograd.Function):
             do1, do2 = (t.to(q1.dtype) for t in (do1, do2))
         dq1, dk1, dq2, dk2, dv = attention_maps_backward(
             q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, _rows_last(delta1), _rows_last(delta2),
-            causal=ctx.causal, scale=ctx.scale, config=ctx.config)
+            causal=ctx.causal, scale=ctx.scale, config=ctx.config, documents=ctx.documents)
         lam_dim, lam_dtype = ctx.lam_meta
         grad_lam = (grad_lam.sum() if lam_dim == 0 else grad_lam).to(lam_dtype)
-        return dq1, dk1, dq2, dk2, dv, grad_lam, None, None, None, None, None
+        return dq1, dk1, dq2, dk2, dv, grad_lam, None, None, None, None, None, None
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -116,16 +133,19 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def differential_attention_triton(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
-                                  return_first_map=False, config: KernelConfig | None = None):
+                                  return_first_map=False, cu_seqlens=None, config: KernelConfig | None = None):
     """(A1 - lam A2) V (+ lam running-mean(A1 V) when `integral`), differentiable in all inputs and lam.
 
-    Shapes and `return_first_map` as `megadiff.ops.differential_attention`. config fixes the tiles
-    (else autotuned on CUDA).
+    Shapes, `return_first_map` and `cu_seqlens` (document masking, in the kernels themselves) as
+    `megadiff.ops.differential_attention`. config fixes the tiles (else autotuned on CUDA).
     """
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     _check_supported(q1, k1, q2, k2, v)
+    if cu_seqlens is not None and (not causal or q1.shape[1] != k1.shape[1]):
+        raise ValueError("document masking (cu_seqlens) needs causal self-attention: as many queries as keys")
+    documents = None if cu_seqlens is None else _documents(cu_seqlens, q1)
     return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config,
-                                        return_first_map)
+                                        return_first_map, documents)
 
 
 def differential_attention_triton_maps(q1, k1, q2, k2, v, *, causal=True, softmax_scale=None,
