@@ -108,10 +108,11 @@ def key_range(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C
 def _softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, DOCUMENTS: tl.constexpr):
     """One online-softmax update with base-2 scores s: rescale the running sums, add this tile."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if DOCUMENTS:  # a row may see no key of its first tiles (its document starts later): keep it 0, not NaN
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if DOCUMENTS:  # a row may see no key of its first tiles (its document starts later): its sums stay 0,
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # not NaN, and its max stays -inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
