@@ -5,7 +5,7 @@ softmaxes (FlashAttention-2 style) that share every V tile it loads, then
 writes O1, O2, both log-sum-exps and, optionally, O1 - lam O2.
 
 Also home of what the backward kernels share: tile loads, the causal mask
-(bottom-right aligned, like the reference), tile ranges and the launcher.
+(bottom-right aligned, like the reference), the document mask, tile ranges and the launcher.
 Layout: q, k, v, o are [B, N, H, dim] with any batch/sequence/head strides and
 a dense last dim; log-sum-exps are [B, H, N] fp32 in natural-log units.
 """
