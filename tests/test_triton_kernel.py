@@ -333,7 +333,8 @@ GPU_CASES = {
     "full-gqa-diff-n2048": Case(causal=False, n_q=2048, n_k=2048, batch=1),
     "causal-mha-diff-n3000": Case(gqa=False, n_q=3000, n_k=3000, batch=1, per_head_lam=True),
     "causal-gqa-first-map-n2000": Case(n_q=2000, n_k=2000, batch=1, first_map=True),
-    "causal-gqa-dint-documents-n3000": Case(n_q=3000, n_k=3000, integral=True, documents=(0, 700, 3000, 3001, 4500, 6000)),
+    "causal-gqa-dint-documents-n3000": Case(n_q=3000, n_k=3000, integral=True,
+                                            documents=(0, 700, 3000, 3001, 4500, 6000)),
 }
 
 
