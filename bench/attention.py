@@ -1,6 +1,7 @@
 """Differential attention vs the equal-size Transformer's attention: time, TFLOP/s, peak memory.
 
     python bench/attention.py                      # CUDA: the 3B head shape at N = 4K, 16K, 64K
+    python bench/attention.py --documents 512      # also document masking, 512-token documents
     python bench/attention.py --device cpu --small # a tiny run that checks the script itself
 
 Every differential backend (fused Triton kernel, SDPA wide-V, SDPA split-V) is
@@ -74,10 +75,21 @@ def _baseline(backends: list, causal: bool) -> Callable:
     return run
 
 
-def _differential(backend: str, causal: bool, integral: bool) -> Callable:
+def _differential(backend: str, causal: bool, integral: bool, document_length: int | None = None) -> Callable:
     def run(q1, k1, q2, k2, v, lam):
-        return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral, backend=backend)
+        documents = None
+        if document_length:  # every sample packed from documents of document_length tokens
+            documents = torch.arange(0, q1.shape[0] * q1.shape[1] + 1, document_length, dtype=torch.int32)
+        return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral, backend=backend,
+                                      cu_seqlens=documents)
     return run
+
+
+def document_shape(shape: Shape, document_length: int | None) -> Shape:
+    """The shape whose attention FLOPs a document-masked run does: one sample per document."""
+    if not document_length:
+        return shape
+    return replace(shape, batch=shape.batch * shape.seq // document_length, seq=document_length)
 
 
 def _inputs(shape: Shape, baseline: bool, device, dtype) -> tuple[torch.Tensor, ...]:
@@ -125,24 +137,27 @@ def measure(fn: Callable, inputs: tuple, device, warmup: int, reps: int) -> dict
                 peak_fwd_mib=_peak_mib(forward, device), peak_fwd_bwd_mib=_peak_mib(forward_backward, device))
 
 
-def _methods(args, device) -> dict[str, tuple[Callable, bool, int]]:
-    """name -> (fn taking the inputs, is_baseline, number of softmax maps)."""
-    methods = {f"baseline-{name}": (_baseline(backends, args.causal), True, 1)
+def _methods(args, device) -> dict[str, tuple[Callable, bool, int, int | None]]:
+    """name -> (fn taking the inputs, is_baseline, number of softmax maps, document length or None)."""
+    methods = {f"baseline-{name}": (_baseline(backends, args.causal), True, 1, None)
                for name, backends in _sdpa_backends(device).items()}
     for backend in args.backends:
-        methods[f"diff-{backend}"] = (_differential(backend, args.causal, False), False, 2)
+        methods[f"diff-{backend}"] = (_differential(backend, args.causal, False), False, 2, None)
         if args.integral:
-            methods[f"dint-{backend}"] = (_differential(backend, args.causal, True), False, 2)
+            methods[f"dint-{backend}"] = (_differential(backend, args.causal, True), False, 2, None)
+        if args.documents:
+            methods[f"diff-{backend}-docs{args.documents}"] = (
+                _differential(backend, True, False, args.documents), False, 2, args.documents)
     return methods
 
 
 def run_shape(shape: Shape, args, device, dtype) -> list[dict]:
     rows = []
-    for name, (fn, is_baseline, maps) in _methods(args, device).items():
+    for name, (fn, is_baseline, maps, document_length) in _methods(args, device).items():
         heads, dv = (2 * shape.heads, shape.d) if is_baseline else (shape.heads, shape.dv)
-        fwd_flops, bwd_flops = attention_flops(shape, maps, heads, dv)
+        fwd_flops, bwd_flops = attention_flops(document_shape(shape, document_length), maps, heads, dv)
         row = dict(asdict(shape), method=name, baseline=is_baseline, fwd_gflop=fwd_flops / 1e9,
-                   fwd_bwd_gflop=(fwd_flops + bwd_flops) / 1e9)
+                   fwd_bwd_gflop=(fwd_flops + bwd_flops) / 1e9, document_length=document_length)
         try:
             row.update(measure(fn, _inputs(shape, is_baseline, device, dtype), device, args.warmup, args.reps))
             row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
@@ -244,12 +259,18 @@ def parse_args(argv):
     parser.add_argument("--backends", nargs="+", help="differential backends (default: triton sdpa sdpa_split_v "
                         "on CUDA; sdpa sdpa_split_v reference on CPU)")
     parser.add_argument("--integral", action="store_true", help="also time DINT (the integral term)")
+    parser.add_argument("--documents", type=int, metavar="LEN", help="also time each differential backend with "
+                        "document masking, every sample packed from documents of LEN tokens (a divisor of N)")
     parser.add_argument("--non-causal", dest="causal", action="store_false")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    shapes = SMALL_SHAPES if args.small else FULL_SHAPES
+    if args.documents and (not args.causal or any(shape.seq % args.documents for shape in shapes)):
+        parser.error(f"--documents needs causal attention and a length dividing every N "
+                     f"({', '.join(str(shape.seq) for shape in shapes)})")
     on_cuda = args.device == "cuda"
     args.backends = args.backends or (["triton", "sdpa", "sdpa_split_v"] if on_cuda
                                       else ["sdpa", "sdpa_split_v", "reference"])
@@ -271,7 +292,8 @@ def main(argv=None) -> int:
         print(f"{shape}", flush=True)
         report["rows"] += run_shape(shape, args, device, dtype)
         report["targets"] = target_checks(report["rows"])
-        path = write("attention", report, markdown(report), args.out_dir)  # after each shape: kept if cut short
+        name = f"attention-docs{args.documents}" if args.documents else "attention"
+        path = write(name, report, markdown(report), args.out_dir)  # after each shape: kept if cut short
     print(f"wrote {path} and {path.with_suffix('.md').name}")
     return 0
 

@@ -6,6 +6,8 @@
 #   bash bench/run_on_gpu.sh model              # 560 s: the whole-model benchmark
 #   bash bench/run_on_gpu.sh tests training     # 270 + 300 s: kernel/float8/TE tests, then the user's
 #                                               #   commands (pretrain/resume/convert/generate) on CUDA
+#   bash bench/run_on_gpu.sh documents          # 400 s, if time is left: document masking, 512-token
+#                                               #   documents (fused kernel vs per-document SDPA)
 # (no argument runs all four, which passes the 10-minute limit of one call). The attention stage
 # goes first: at the 3B head shape it autotunes 33 kernel candidates, compiled one after another
 # in some 290 s (measured for sm_90 here), and the tests then reuse the compiled kernels.
@@ -50,7 +52,8 @@ for stage in $stages; do
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
     training) run 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_training.py ;;
-    *) echo "unknown stage $stage (attention | tests | model | training)"; exit 2 ;;
+    documents) run 400 python3 bench/attention.py --documents 512 --backends triton sdpa --out-dir "$out" ;;
+    *) echo "unknown stage $stage (attention | tests | model | training | documents)"; exit 2 ;;
   esac
 done
 exit $status

@@ -28,6 +28,18 @@ def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):
     assert report_path.with_suffix(".md").read_text().count("| diff-") == 2
 
 
+def test_document_rows_count_the_flops_of_their_documents(bench, tmp_path):
+    assert bench.main(["--device", "cpu", "--small", "--backends", "sdpa", "--dtype", "float32", "--documents", "16",
+                       "--out-dir", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads(next(tmp_path.glob("attention-*.json")).read_text())["rows"]}
+    masked, whole = rows["diff-sdpa-docs16"], rows["diff-sdpa"]
+    assert masked["status"] == "ok" and masked["document_length"] == 16
+    n = whole["seq"]  # 4 causal documents of 16 instead of one of 64: 4 x 16 x 17 / 2 pairs of 64 x 65 / 2
+    assert masked["fwd_bwd_gflop"] / whole["fwd_bwd_gflop"] == pytest.approx(4 * 16 * 17 / (n * (n + 1)))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--small", "--documents", "24"])  # 64 tokens are not whole documents of 24
+
+
 def test_flop_formula_matches_a_direct_count(bench):
     shape = bench.Shape(batch=2, seq=8, heads=3, d=4, dv=8, causal=False)
     fwd, bwd = bench.attention_flops(shape, maps=2, heads=3, dv=8)
