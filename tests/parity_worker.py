@@ -36,11 +36,13 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "cp2": (2, ["parallel.context=2"]),
-    # document masking: the boundaries reach every pipeline stage's layers (recomputed ones too), SP gathers
-    # whole sequences, CP ranks attend from their chunks within documents and carry DINT's mean across them
+    # document masking: the boundaries reach every pipeline stage's layers (every model chunk of the
+    # interleaved schedule, recomputed layers too), SP gathers whole sequences, CP ranks attend from their
+    # chunks within documents and carry DINT's mean across them
     "single_documents": (1, ["data.document_masking=true"]),
     "tp2_sp_pp2_documents": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
-                                 "data.document_masking=true", "train.recompute=full"]),
+                                 "parallel.virtual_pipeline=2", "data.document_masking=true",
+                                 "train.recompute=full"]),
     "cp2_documents": (2, ["parallel.context=2", "data.document_masking=true"]),
 }
 EOD = 0

@@ -37,7 +37,7 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def forward_step(data_iterator: Iterator, model):
     """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels,
     every layer the document boundaries when the batch has them (data.document_masking)."""
-    batch = dict(next(data_iterator))
+    batch = dict(next(data_iterator))  # a copy: the interleaved schedule gives every model chunk the same dict
     # the documents of the whole sequences: each context-parallel rank attends from its chunks to them all
     documents = document_packing(batch.pop("cu_seqlens", None), batch["tokens"].shape[1])
     batch = get_batch_on_this_cp_rank(batch)  # identity without context parallelism
