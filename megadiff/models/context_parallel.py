@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megadiff.ops import differential_attention
-from megadiff.ops.documents import concat_outputs, document_bounds, document_spans
+from megadiff.ops.documents import concat_outputs, document_bounds, document_spans, one_document_each
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -46,7 +46,7 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
     k1, k2, v = (_gather_in_sequence_order(t, group, cp_size).transpose(0, 1) for t in (k1, k2, v))
     batch, seq = k1.shape[:2]
     spans = None if cu_seqlens is None else document_spans(cu_seqlens, batch, seq)
-    if spans is not None and all(len(sample) == 1 for sample in spans):
+    if spans is not None and one_document_each(spans):
         spans = None  # one document per sample: plain causal attention
     options = dict(causal=True, softmax_scale=softmax_scale, backend=backend, return_first_map=integral)
     outputs, first_map_outputs = [], []

@@ -45,17 +45,26 @@ def document_bounds(spans: list[list[Span]]) -> tuple[torch.Tensor, torch.Tensor
             torch.repeat_interleave(ends, lengths).view(len(spans), -1))
 
 
+def one_document_each(spans: list[list[Span]]) -> bool:
+    """Whether no sample holds more than one document (masking changes nothing then)."""
+    return all(len(sample) == 1 for sample in spans)
+
+
+def check_self_attention(causal: bool, *tensors: torch.Tensor) -> None:
+    """Document masking needs causal self-attention: every [B, N, ...] tensor of one batch and length."""
+    if not causal or any(t.shape[:2] != tensors[0].shape[:2] for t in tensors):
+        raise ValueError("document masking (cu_seqlens) needs causal self-attention: as many queries as keys")
+
+
 def attend_by_document(attention: Callable, cu_seqlens, *tensors: torch.Tensor, causal: bool):
     """`attention(*tensors)` with each document of each sample attended separately.
 
     tensors: [B, N, ...], the queries, keys and values of one causal self-attention;
     `attention` returns a tensor or a tuple of tensors, all [B, N, ...].
     """
-    batch, seq_len = tensors[0].shape[:2]
-    if not causal or any(t.shape[:2] != (batch, seq_len) for t in tensors):
-        raise ValueError("document masking (cu_seqlens) needs causal self-attention: as many queries as keys")
-    spans = document_spans(cu_seqlens, batch, seq_len)
-    if all(len(sample) == 1 for sample in spans):
+    check_self_attention(causal, *tensors)
+    spans = document_spans(cu_seqlens, *tensors[0].shape[:2])
+    if one_document_each(spans):
         return attention(*tensors)
     rows = []
     for sample, sample_spans in enumerate(spans):

@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 
 import torch
-
 import torch.nn.functional as F
 
 from megadiff.ops.common import check_shapes, document_counts, lambda_per_head, running_mean
-from megadiff.ops.documents import document_bounds, document_spans
+from megadiff.ops.documents import check_self_attention, document_bounds, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward
 from megadiff.ops.triton_fwd import (
     INTERPRETED, MAX_HEAD_DIM, Documents, KernelConfig, attention_maps_forward, shared_layout,
@@ -141,8 +140,8 @@ def differential_attention_triton(q1, k1, q2, k2, v, lam, *, causal=True, integr
     """
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     _check_supported(q1, k1, q2, k2, v)
-    if cu_seqlens is not None and (not causal or q1.shape[1] != k1.shape[1]):
-        raise ValueError("document masking (cu_seqlens) needs causal self-attention: as many queries as keys")
+    if cu_seqlens is not None:
+        check_self_attention(causal, q1, k1)
     documents = None if cu_seqlens is None else _documents(cu_seqlens, q1)
     return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config,
                                         return_first_map, documents)
