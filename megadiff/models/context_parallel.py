@@ -11,11 +11,11 @@ restarts at each document.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megadiff.ops import differential_attention
+from megadiff.ops.common import document_counts, lambda_per_head, sum_since
 from megadiff.ops.documents import concat_outputs, document_bounds, document_spans, one_document_each
 
 
@@ -95,9 +95,7 @@ def _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, 
     within, tails = [], []
     for first_map, global_chunk in zip(first_map_outputs, rank_chunks(cp_rank, cp_size)):
         local_starts = starts[:, global_chunk * chunk:(global_chunk + 1) * chunk] - global_chunk * chunk
-        prefix = F.pad(torch.cumsum(first_map, dim=1), (0, 0, 0, 0, 1, 0))  # [b, chunk + 1, h, dv], 0 first
-        segment_first = local_starts.clamp(min=0)[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
-        since_start = prefix[:, 1:] - torch.gather(prefix, 1, segment_first)  # sum from max(doc start, chunk start)
+        since_start = sum_since(first_map, local_starts.clamp(min=0))  # from max(document start, chunk start)
         within.append((since_start, local_starts))
         tails.append(since_start[:, -1])
     all_tails = _gather_in_sequence_order(torch.stack(tails), group, cp_size)  # [2CP, b, h, dv]
@@ -106,12 +104,10 @@ def _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, 
         open_at_start = (starts[:, c * chunk] < c * chunk).float().view(-1, 1, 1)
         previous_carried = (starts[:, c * chunk - 1] < (c - 1) * chunk).float().view(-1, 1, 1)
         carries.append(open_at_start * (all_tails[c - 1] + previous_carried * carries[c - 1]))
-    lam_h = (lam.float().expand(outputs[0].shape[2]) if lam.dim() == 0 else lam.float()).view(1, 1, -1, 1)
+    lam_h = lambda_per_head(lam, outputs[0].shape[2]).view(1, 1, -1, 1)
     result = []
     for out, (since_start, local_starts), global_chunk in zip(outputs, within, rank_chunks(cp_rank, cp_size)):
         carried = (local_starts < 0).float()[:, :, None, None] * carries[global_chunk].unsqueeze(1)
-        positions = torch.arange(chunk, device=out.device).view(1, -1)
-        counts = (positions - local_starts + 1).float()[:, :, None, None]  # tokens of the document so far
-        running = (since_start + carried) / counts
+        running = (since_start + carried) / document_counts(local_starts, torch.float32)
         result.append((out.float() + lam_h * running).to(out.dtype))
     return result

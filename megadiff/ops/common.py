@@ -51,9 +51,13 @@ def running_mean(x: torch.Tensor, causal: bool, starts: torch.Tensor | None = No
     if starts is None:
         counts = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
         return x.cumsum(dim=1) / counts
+    return sum_since(x, starts) / document_counts(starts, x.dtype)
+
+
+def sum_since(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """[B, N, H, e]: x summed over positions starts[b, i] .. i ([B, N] int64 starts, each <= i)."""
     prefix = F.pad(x.cumsum(dim=1), (0, 0, 0, 0, 1, 0))  # prefix[:, k] = sum of x[:, :k]
-    before = prefix.gather(1, starts[:, :, None, None].expand(-1, -1, *x.shape[2:]))
-    return (prefix[:, 1:] - before) / document_counts(starts, x.dtype)
+    return prefix[:, 1:] - prefix.gather(1, starts[:, :, None, None].expand(-1, -1, *x.shape[2:]))
 
 
 def document_counts(starts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

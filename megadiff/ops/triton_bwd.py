@@ -108,6 +108,7 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
     if DOCUMENTS:  # queries past the last document our keys belong to see none of them
         doc_end = tl.max(tl.load(DOC_END + b * n_k + offs_n, mask=offs_n < n_k, other=0), 0)
         mid, tail = doc_end, doc_end  # one masked range [lo, doc_end)
+    DOCSb = DOC_START + b * n_q
     for g in range(group):
         h = h_kv * group + g
         q_off = b * stride_qb + h * stride_qh
@@ -116,7 +117,6 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
         lam = tl.load(LAM + h)
         Q1h, Q2h, DO1h, DO2h = Q1 + q_off, Q2 + q_off, DO1 + do_off, DO2 + do_off
         LSE1h, LSE2h, DELTA1h, DELTA2h = LSE1 + row_off, LSE2 + row_off, DELTA1 + row_off, DELTA2 + row_off
-        DOCSb = DOC_START + b * n_q
         dk1, dk2, dv = _dkdv_tiles(
             dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
             stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, mid, n_q, n_k, qk_scale,
