@@ -17,7 +17,7 @@ from megadiff.inference.evaluate import evaluate
 from megadiff.models.documents import document_cu_seqlens, document_packing
 from megadiff.observability.metrics import read_metrics
 from megadiff.ops import differential_attention, softmax_attention
-from megadiff.ops.documents import document_bounds, document_spans
+from megadiff.ops.documents import document_bounds, document_spans, prefix_cu_seqlens
 from tests.convert_worker import reference_model, variant_config
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
 from tests.test_ops import assert_matches_paper_formula, make_inputs
@@ -71,12 +71,27 @@ def test_bad_boundaries_are_refused(cu_seqlens, message):
         document_spans(cu_seqlens, 2, N)
 
 
-def test_needs_causal_self_attention():
-    q1, k1, q2, k2, v, lam = make_inputs(n=4, n_k=N)
-    with pytest.raises(ValueError, match="causal self-attention"):
-        differential_attention(q1, k1, q2, k2, v, lam, cu_seqlens=[0, 4, 8])
-    with pytest.raises(ValueError, match="causal self-attention"):
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "sdpa_split_v"])
+def test_queries_that_are_the_last_keys_see_their_documents(backend):
+    """A context-parallel chunk: queries [4, 9) of each sample, keys [0, 9), documents over the keys."""
+    inputs = make_inputs(n=5, n_k=N, per_head=True)
+    out = differential_attention(*inputs, backend=backend, cu_seqlens=CU_SEQLENS)
+    assert_matches_paper_formula(out, inputs, True, False, visible=visible_keys(CU_SEQLENS, 2, N)[:, N - 5:])
+
+
+def test_prefix_cu_seqlens_cuts_documents_at_the_prefix():
+    spans = document_spans(CU_SEQLENS, 2, N)
+    assert prefix_cu_seqlens(spans, 4) == [0, 3, 4, 6, 8]  # sample 1's second document starts inside it
+    assert prefix_cu_seqlens(spans, 2) == [0, 2, 4]
+    assert prefix_cu_seqlens(spans, N) == CU_SEQLENS
+
+
+def test_needs_causal_attention_of_one_batch():
+    with pytest.raises(ValueError, match="needs causal attention"):
         differential_attention(*make_inputs(n=N), causal=False, cu_seqlens=[0, N, 2 * N])
+    q1, k1, q2, k2, v, lam = make_inputs(n=N)
+    with pytest.raises(ValueError, match="needs causal attention"):
+        softmax_attention(q1[:1], k1, v, cu_seqlens=[0, N, 2 * N])
 
 
 def test_boundaries_follow_eod_tokens():

@@ -81,6 +81,11 @@ def _grid() -> dict[str, Case]:
                                                     documents=(0, 17, 18, 37, 70, 74)),
         "documents-bf16-one-token": Case(dtype=torch.bfloat16, n_q=64, n_k=64, d=32, dv=64, batch=1,
                                          blocks=(16, 16), documents=(0, 10, 11, 40, 64)),
+        # a context-parallel chunk: queries the last 20 of 45 keys, documents over the keys
+        "documents-fewer-queries-tiles16x32": Case(n_q=20, n_k=45, blocks=(16, 32), per_head_lam=True,
+                                                   documents=(0, 12, 30, 33, 45, 50, 90)),
+        "documents-fewer-queries-first-map-tiles32x16": Case(n_q=20, n_k=45, blocks=(32, 16), first_map=True,
+                                                             documents=(0, 27, 45, 70, 90)),
     })
     return cases
 
@@ -335,6 +340,9 @@ GPU_CASES = {
     "causal-gqa-first-map-n2000": Case(n_q=2000, n_k=2000, batch=1, first_map=True),
     "causal-gqa-dint-documents-n3000": Case(n_q=3000, n_k=3000, integral=True,
                                             documents=(0, 700, 3000, 3001, 4500, 6000)),
+    # context parallelism's chunk: the last 1000 queries of 3000 keys, documents across them
+    "causal-gqa-first-map-documents-n1000-of-3000": Case(n_q=1000, n_k=3000, first_map=True,
+                                                         documents=(0, 700, 2100, 3000, 3001, 6000)),
 }
 
 

@@ -5,8 +5,9 @@ r and 2CP-1-r (balanced causal work). Each rank gathers the whole K and V
 (backward: reduce-scatter), attends from its two query chunks to the keys up to
 each chunk's end, and, for DINT, continues the running mean of A1 V from the
 sums of all earlier chunks, which live on other ranks. With document masking, each
-document's queries in a chunk attend to that document's keys, and the running mean
-restarts at each document.
+chunk's queries attend within their documents (the op's cu_seqlens over the keys up to
+the chunk's end: masked in the fused kernel's tiles), and the running mean restarts at
+each document.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from megadiff.ops import differential_attention
 from megadiff.ops.common import document_counts, lambda_per_head, sum_since
-from megadiff.ops.documents import concat_outputs, document_bounds, document_spans, one_document_each
+from megadiff.ops.documents import document_bounds, document_spans, one_document_each, prefix_cu_seqlens
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -52,12 +53,10 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
     outputs, first_map_outputs = [], []
     for local, global_chunk in enumerate(rank_chunks(cp_rank, cp_size)):
         rows = slice(local * chunk, (local + 1) * chunk)
-        start, end = global_chunk * chunk, (global_chunk + 1) * chunk
-        q1_c, q2_c = q1[rows].transpose(0, 1), q2[rows].transpose(0, 1)
-        if spans is None:
-            result = differential_attention(q1_c, k1[:, :end], q2_c, k2[:, :end], v[:, :end], lam, **options)
-        else:
-            result = _attend_chunk_by_document(q1_c, k1, q2_c, k2, v, lam, spans, start, end, options)
+        end = (global_chunk + 1) * chunk  # the chunk's queries are the last of the keys up to its end
+        documents = None if spans is None else prefix_cu_seqlens(spans, end)
+        result = differential_attention(q1[rows].transpose(0, 1), k1[:, :end], q2[rows].transpose(0, 1), k2[:, :end],
+                                        v[:, :end], lam, cu_seqlens=documents, **options)
         if integral:  # the integral term needs A1 V of every chunk, which the attention computes anyway
             result, first_map = result
             first_map_outputs.append(first_map.float())
@@ -67,22 +66,6 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
                   else document_bounds(spans)[0]).to(outputs[0].device)
         outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk)
     return torch.cat(outputs, dim=1)
-
-
-def _attend_chunk_by_document(q1_c, k1, q2_c, k2, v, lam, spans, start: int, end: int, options: dict):
-    """The chunk's queries [start, end) of each document attend to that document's keys up to the
-    chunk's end (bottom-right causal: the queries are the last of those keys)."""
-    rows = []
-    for sample, sample_spans in enumerate(spans):
-        pieces = []
-        for doc_start, doc_end in sample_spans:
-            first, last = max(doc_start, start), min(doc_end, end)
-            if first < last:
-                b, q, kv = slice(sample, sample + 1), slice(first - start, last - start), slice(doc_start, last)
-                pieces.append(differential_attention(q1_c[b, q], k1[b, kv], q2_c[b, q], k2[b, kv], v[b, kv], lam,
-                                                     **options))
-        rows.append(concat_outputs(pieces, dim=1))
-    return concat_outputs(rows, dim=0)
 
 
 def _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk):

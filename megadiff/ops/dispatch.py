@@ -48,8 +48,9 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integ
     Returns [B, N, Hq, dv], before the head-wise norm; with `return_first_map`, also the first
     map's output A1 V (same shape and dtype, differentiable), which every backend computes anyway:
     context parallelism continues the integral term across sequence chunks from it.
-    `cu_seqlens` (causal self-attention only) masks attention between the documents it delimits
-    (ops/documents.py); the integral's running mean then restarts with each document.
+    `cu_seqlens` (causal only) masks attention between the documents it delimits among the keys,
+    the queries being the last Nq of them (ops/documents.py); the integral's running mean then
+    restarts with each document.
     """
     kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale, return_first_map=return_first_map)
     chosen = resolve_backend(backend, q1)

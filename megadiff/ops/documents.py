@@ -1,10 +1,12 @@
 """Document masking: attention that does not cross the documents packed into one sequence.
 
-Documents are given as `cu_seqlens`, the cumulative lengths over the batch's tokens taken sample
-after sample (the flattened [B * N] stream), as flash-attention's varlen API and megatron's
-PackedSeqParams give them: [0, end of document 1, ..., B * N], each sample boundary included.
-Each document is attended on its own through the unchanged op, so every backend (and the DINT
-running mean, which restarts with each document) supports it; samples without an inner
+Documents are given as `cu_seqlens`, the cumulative lengths over the batch's key positions taken
+sample after sample (the flattened [B * Nk] stream), as flash-attention's varlen API and megatron's
+PackedSeqParams give them: [0, end of document 1, ..., B * Nk], each sample boundary included.
+The attention is causal and its Nq queries are the last Nq of the Nk key positions: self-attention
+(Nq = Nk), or a context-parallel chunk of queries and the keys up to its end. The fused kernel
+masks documents in its tiles; the other backends attend each document on its own through the
+unchanged op (so the DINT running mean restarts with each document); samples without an inner
 boundary run as one call.
 """
 from __future__ import annotations
@@ -50,25 +52,44 @@ def one_document_each(spans: list[list[Span]]) -> bool:
     return all(len(sample) == 1 for sample in spans)
 
 
-def check_self_attention(causal: bool, *tensors: torch.Tensor) -> None:
-    """Document masking needs causal self-attention: every [B, N, ...] tensor of one batch and length."""
-    if not causal or any(t.shape[:2] != tensors[0].shape[:2] for t in tensors):
-        raise ValueError("document masking (cu_seqlens) needs causal self-attention: as many queries as keys")
+def prefix_cu_seqlens(spans: list[list[Span]], length: int) -> list[int]:
+    """cu_seqlens of every sample's first `length` positions (its documents cut there)."""
+    bounds = [0]
+    for sample, sample_spans in enumerate(spans):
+        bounds += [sample * length + min(end, length) for start, end in sample_spans if start < length]
+    return bounds
+
+
+def document_lengths(causal: bool, *tensors: torch.Tensor) -> tuple[int, int]:
+    """(Nq, Nk) of a document-masked attention's [B, N, ...] queries, keys and values; refuses what
+    document masking cannot mean: non-causal attention, or tensors of other batches or lengths."""
+    lengths = {t.shape[1] for t in tensors}
+    if not causal or len({t.shape[0] for t in tensors}) > 1 or len(lengths) > 2:
+        raise ValueError("document masking (cu_seqlens) needs causal attention whose queries are the last "
+                         "of its keys (self-attention, or a context-parallel chunk and the keys up to its end)")
+    return min(lengths), max(lengths)
 
 
 def attend_by_document(attention: Callable, cu_seqlens, *tensors: torch.Tensor, causal: bool):
     """`attention(*tensors)` with each document of each sample attended separately.
 
-    tensors: [B, N, ...], the queries, keys and values of one causal self-attention;
-    `attention` returns a tensor or a tuple of tensors, all [B, N, ...].
+    tensors: [B, Nq, ...] queries and [B, Nk, ...] keys and values of one causal attention, the
+    queries being the last Nq key positions; cu_seqlens delimits the keys' documents. `attention`
+    returns a tensor or a tuple of tensors, all [B, Nq, ...].
     """
-    check_self_attention(causal, *tensors)
-    spans = document_spans(cu_seqlens, *tensors[0].shape[:2])
+    n_q, n_k = document_lengths(causal, *tensors)
+    spans = document_spans(cu_seqlens, tensors[0].shape[0], n_k)
     if one_document_each(spans):
         return attention(*tensors)
+    shift = n_k - n_q
     rows = []
     for sample, sample_spans in enumerate(spans):
-        pieces = [attention(*(t[sample:sample + 1, start:end] for t in tensors)) for start, end in sample_spans]
+        pieces = []
+        for start, end in sample_spans:
+            if end > shift:  # the document holds queries: they see its keys up to them (bottom-right causal)
+                queries, keys = slice(max(start, shift) - shift, end - shift), slice(start, end)
+                pieces.append(attention(*(t[sample:sample + 1, queries if t.shape[1] == n_q else keys]
+                                          for t in tensors)))
         rows.append(concat_outputs(pieces, dim=1))
     return concat_outputs(rows, dim=0)
 

@@ -57,7 +57,7 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
 def softmax_attention(q, k, v, *, causal=True, softmax_scale=None, cu_seqlens=None) -> torch.Tensor:
     """One softmax map's output A V ([B, N, H, d] layout, bottom-right causal when Nq < Nk).
 
-    `cu_seqlens` (causal self-attention only) masks attention between documents, as in
+    `cu_seqlens` (causal only) masks attention between documents, as in
     `differential_attention`.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

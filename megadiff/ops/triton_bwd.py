@@ -59,7 +59,7 @@ def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, D
         if MASKED:
             ok = visible(offs_m[None, :], offs_n[:, None], n_q, n_k, CAUSAL)
             if DOCUMENTS:
-                q_start = tl.load(DOC_START + offs_m, mask=in_q, other=n_q)
+                q_start = tl.load(DOC_START + offs_m, mask=in_q, other=n_k)
                 ok = in_document(ok, q_start[None, :], offs_n[:, None], DOCUMENTS)
             p1 = tl.where(ok, p1, 0.0)
             p2 = tl.where(ok, p2, 0.0)
@@ -106,8 +106,8 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
 
     lo, mid, tail = _query_range(start_n, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     if DOCUMENTS:  # queries past the last document our keys belong to see none of them
-        doc_end = tl.max(tl.load(DOC_END + b * n_k + offs_n, mask=offs_n < n_k, other=0), 0)
-        mid, tail = doc_end, doc_end  # one masked range [lo, doc_end)
+        doc_end = tl.max(tl.load(DOC_END + b * n_k + offs_n, mask=offs_n < n_k, other=0), 0) - (n_k - n_q)
+        mid, tail = doc_end, doc_end  # one masked range [lo, doc_end), doc_end now a query index
     DOCSb = DOC_START + b * n_q
     for g in range(group):
         h = h_kv * group + g
@@ -207,7 +207,7 @@ def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC
 
     full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     if DOCUMENTS:  # as the forward: from the tile's first document on, every tile masked
-        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, BLOCK_N)
+        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, n_k, BLOCK_N)
         dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
                              K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, q_start, offs_d,
                              offs_dv, lo, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, True, TIED,

@@ -28,8 +28,9 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class Documents:
-    """Document masking for the kernels: int32 [B, N] device tensors, contiguous, giving each
-    position's document start and end (exclusive) within its sample."""
+    """Document masking for the kernels, int32 contiguous device tensors in key positions (the
+    queries are the last Nq of the Nk keys): each query's document start, [B, Nq], and each key's
+    document end (exclusive), [B, Nk]."""
     starts: torch.Tensor
     ends: torch.Tensor
 
@@ -127,9 +128,9 @@ def in_document(ok, q_start, k_idx, DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
-def document_key_start(DOC_START, offs_m, n_q, BLOCK_N: tl.constexpr):
+def document_key_start(DOC_START, offs_m, n_q, n_k, BLOCK_N: tl.constexpr):
     """(each row's document start, the first key tile any row of the query tile sees)."""
-    q_start = tl.load(DOC_START + offs_m, mask=offs_m < n_q, other=n_q)
+    q_start = tl.load(DOC_START + offs_m, mask=offs_m < n_q, other=n_k)
     return q_start, tl.min(q_start, 0) // BLOCK_N * BLOCK_N
 
 
@@ -188,7 +189,7 @@ def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2, DOC_START,
 
     full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     if DOCUMENTS:  # from the tile's first document on, every tile masked
-        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, BLOCK_N)
+        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, n_k, BLOCK_N)
         acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
             acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
             offs_m, q_start, offs_d, offs_dv, lo, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
@@ -313,7 +314,7 @@ def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: flo
 
     q1/q2 and k1/k2 must share their layouts (see `shared_layout`). o1, o2 (and out = o1 - lam_h o2,
     only when lam_h, fp32 [Hq], is given; else None) are [B, N, Hq, dv] in o_dtype; lse1, lse2 are
-    [B, Hq, N] fp32. `documents` (causal self-attention): attention stays within them.
+    [B, Hq, N] fp32. `documents` (causal): attention stays within them.
     """
     b, n_q, n_heads, d = q1.shape
     n_k, n_kv, dv = k1.shape[1], k1.shape[2], v.shape[-1]

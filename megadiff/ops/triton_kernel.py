@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.ops.common import check_shapes, document_counts, lambda_per_head, running_mean
-from megadiff.ops.documents import check_self_attention, document_bounds, document_spans
+from megadiff.ops.documents import document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward
 from megadiff.ops.triton_fwd import (
     INTERPRETED, MAX_HEAD_DIM, Documents, KernelConfig, attention_maps_forward, shared_layout,
@@ -77,9 +77,11 @@ def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | 
     return suffix[:, :-1] - after
 
 
-def _documents(cu_seqlens, q: torch.Tensor) -> Documents:
-    starts, ends = document_bounds(document_spans(cu_seqlens, q.shape[0], q.shape[1]))
-    return Documents(*(t.to(device=q.device, dtype=torch.int32).contiguous() for t in (starts, ends)))
+def _documents(cu_seqlens, causal: bool, q: torch.Tensor, k: torch.Tensor) -> Documents:
+    """The kernels' view of cu_seqlens (the keys' documents; the queries are the last keys)."""
+    n_q, n_k = document_lengths(causal, q, k)
+    starts, ends = document_bounds(document_spans(cu_seqlens, k.shape[0], n_k))
+    return Documents(*(t.to(device=q.device, dtype=torch.int32).contiguous() for t in (starts[:, n_k - n_q:], ends)))
 
 
 class _DifferentialAttention(torch.autograd.Function):
@@ -140,9 +142,7 @@ def differential_attention_triton(q1, k1, q2, k2, v, lam, *, causal=True, integr
     """
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     _check_supported(q1, k1, q2, k2, v)
-    if cu_seqlens is not None:
-        check_self_attention(causal, q1, k1)
-    documents = None if cu_seqlens is None else _documents(cu_seqlens, q1)
+    documents = None if cu_seqlens is None else _documents(cu_seqlens, causal, q1, k1)
     return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config,
                                         return_first_map, documents)
 
