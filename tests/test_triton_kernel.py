@@ -81,6 +81,11 @@ def _grid() -> dict[str, Case]:
                                                     documents=(0, 17, 18, 37, 70, 74)),
         "documents-bf16-one-token": Case(dtype=torch.bfloat16, n_q=64, n_k=64, d=32, dv=64, batch=1,
                                          blocks=(16, 16), documents=(0, 10, 11, 40, 64)),
+        # documents over several tiles: whole tiles inside them run unmasked (forward, dq and dk/dv)
+        "documents-long-dint-tiles16x16": Case(n_q=96, n_k=96, blocks=(16, 16), integral=True, per_head_lam=True,
+                                               documents=(0, 7, 70, 96, 101, 192)),
+        "documents-long-fewer-queries-tiles16x16": Case(n_q=40, n_k=96, blocks=(16, 16), per_head_lam=True,
+                                                        documents=(0, 7, 70, 96, 101, 192)),
         # a context-parallel chunk: queries the last 20 of 45 keys, documents over the keys
         "documents-fewer-queries-tiles16x32": Case(n_q=20, n_k=45, blocks=(16, 32), per_head_lam=True,
                                                    documents=(0, 12, 30, 33, 45, 50, 90)),

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from megadiff.ops.triton_fwd import (
-    LOG2E, Documents, KernelConfig, bnh_strides, document_key_start, dot_precision, in_document, key_range, launch,
+    LOG2E, Documents, KernelConfig, bnh_strides, document_key_tiles, dot_precision, in_document, key_range, launch,
     load_tile, padded_dim, store_tile, visible,
 )
 
@@ -38,6 +38,17 @@ def _query_range(start_n, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
         lo = 0
         mid = 0
     return lo, mid, tail
+
+
+@triton.jit
+def document_query_ends(DOC_END, offs_n, n_q, n_k, BLOCK_M: tl.constexpr):
+    """For a key tile: (the end of the queries that see any of its keys, the end of the whole query
+    tiles inside all of its keys' documents), as query indices (the queries are the last keys)."""
+    valid = offs_n < n_k
+    shift = n_k - n_q
+    last = tl.max(tl.load(DOC_END + offs_n, mask=valid, other=0), 0) - shift
+    first = tl.min(tl.load(DOC_END + offs_n, mask=valid, other=n_k), 0) - shift
+    return last, tl.maximum(first, 0) // BLOCK_M * BLOCK_M
 
 
 @triton.jit
@@ -105,9 +116,11 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, mid, tail = _query_range(start_n, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    if DOCUMENTS:  # queries past the last document our keys belong to see none of them
-        doc_end = tl.max(tl.load(DOC_END + b * n_k + offs_n, mask=offs_n < n_k, other=0), 0) - (n_k - n_q)
-        mid, tail = doc_end, doc_end  # one masked range [lo, doc_end), doc_end now a query index
+    q_end = n_q
+    if DOCUMENTS:  # our keys' queries end with the last of their documents; before the first's end, no mask
+        q_end, whole_end = document_query_ends(DOC_END + b * n_k, offs_n, n_q, n_k, BLOCK_M)
+        mid = tl.minimum(mid, q_end)
+        tail = tl.maximum(mid, tl.minimum(tail, whole_end))
     DOCSb = DOC_START + b * n_q
     for g in range(group):
         h = h_kv * group + g
@@ -121,15 +134,14 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
             dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
             stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, mid, n_q, n_k, qk_scale,
             HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC)
-        if not DOCUMENTS:
-            dk1, dk2, dv = _dkdv_tiles(
-                dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
-                stride_qn, stride_don, offs_n, offs_d, offs_dv, mid, tail, n_q, n_k, qk_scale,
-                HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, False, TIED, DOT_PREC)
-            dk1, dk2, dv = _dkdv_tiles(
-                dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
-                stride_qn, stride_don, offs_n, offs_d, offs_dv, tl.maximum(mid, tail), n_q, n_q, n_k, qk_scale,
-                HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, False, TIED, DOT_PREC)
+        dk1, dk2, dv = _dkdv_tiles(
+            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
+            stride_qn, stride_don, offs_n, offs_d, offs_dv, mid, tail, n_q, n_k, qk_scale,
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, DOCUMENTS, TIED, DOT_PREC)
+        dk1, dk2, dv = _dkdv_tiles(
+            dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
+            stride_qn, stride_don, offs_n, offs_d, offs_dv, tl.maximum(mid, tail), q_end, n_q, n_k, qk_scale,
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC)
 
     dk_off = b * stride_dkb + h_kv * stride_dkh
     store_tile(DK1 + dk_off, dk1 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
@@ -206,21 +218,23 @@ def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    if DOCUMENTS:  # as the forward: from the tile's first document on, every tile masked
-        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, n_k, BLOCK_N)
+    q_start, inner = offs_m, 0
+    if DOCUMENTS:  # as the forward
+        q_start, lo, inner = document_key_tiles(DOC_START + b * n_q, offs_m, n_q, n_k, BLOCK_N)
+        inner = tl.minimum(inner, end)
         dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
                              K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, q_start, offs_d,
-                             offs_dv, lo, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, True, TIED,
-                             DOT_PREC)
-    else:
-        dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
-                             K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_m, offs_d,
-                             offs_dv, 0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, False,
+                             offs_dv, lo, inner, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, True,
                              TIED, DOT_PREC)
-        dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
-                             K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, offs_m, offs_d,
-                             offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, False,
-                             TIED, DOT_PREC)
+        full = tl.maximum(full, inner)
+    dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                         K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, q_start, offs_d,
+                         offs_dv, inner, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False, DOCUMENTS,
+                         TIED, DOT_PREC)
+    dq1, dq2 = _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam,
+                         K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn, offs_m, q_start, offs_d,
+                         offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True, DOCUMENTS,
+                         TIED, DOT_PREC)
 
     dq_off = b * stride_dqb + h * stride_dqh
     store_tile(DQ1 + dq_off, dq1 * scale, offs_m, stride_dqn, offs_d, n_q, HEAD_D)

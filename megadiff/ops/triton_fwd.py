@@ -128,10 +128,14 @@ def in_document(ok, q_start, k_idx, DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
-def document_key_start(DOC_START, offs_m, n_q, n_k, BLOCK_N: tl.constexpr):
-    """(each row's document start, the first key tile any row of the query tile sees)."""
-    q_start = tl.load(DOC_START + offs_m, mask=offs_m < n_q, other=n_k)
-    return q_start, tl.min(q_start, 0) // BLOCK_N * BLOCK_N
+def document_key_tiles(DOC_START, offs_m, n_q, n_k, BLOCK_N: tl.constexpr):
+    """For a query tile: (each row's document start, the first key tile any row sees, the first key
+    tile at or after every row's document start, from which on only the causal mask can apply)."""
+    valid = offs_m < n_q
+    q_start = tl.load(DOC_START + offs_m, mask=valid, other=n_k)
+    lo = tl.min(q_start, 0) // BLOCK_N * BLOCK_N
+    inner = (tl.max(tl.where(valid, q_start, 0), 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return q_start, lo, inner
 
 
 @triton.jit
@@ -188,21 +192,23 @@ def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2, DOC_START,
     m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     full, end = key_range(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    if DOCUMENTS:  # from the tile's first document on, every tile masked
-        q_start, lo = document_key_start(DOC_START + b * n_q, offs_m, n_q, n_k, BLOCK_N)
+    q_start, inner = offs_m, 0
+    if DOCUMENTS:  # keys of earlier documents: skipped up to lo, masked up to inner
+        q_start, lo, inner = document_key_tiles(DOC_START + b * n_q, offs_m, n_q, n_k, BLOCK_N)
+        inner = tl.minimum(inner, end)
         acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
             acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
-            offs_m, q_start, offs_d, offs_dv, lo, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
+            offs_m, q_start, offs_d, offs_dv, lo, inner, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
             True, DOT_PREC)
-    else:
-        acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
-            acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
-            offs_m, offs_m, offs_d, offs_dv, 0, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False,
-            False, DOT_PREC)
-        acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
-            acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
-            offs_m, offs_m, offs_d, offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
-            False, DOT_PREC)
+        full = tl.maximum(full, inner)
+    acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+        acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+        offs_m, q_start, offs_d, offs_dv, inner, full, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, False,
+        DOCUMENTS, DOT_PREC)
+    acc1, l1, m1, acc2, l2, m2 = _fwd_tiles(
+        acc1, l1, m1, acc2, l2, m2, q1, q2, K1 + k_off, K2 + k_off, V + v_off, stride_kn, stride_vn,
+        offs_m, q_start, offs_d, offs_dv, full, end, n_q, n_k, qk_scale, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, True,
+        DOCUMENTS, DOT_PREC)
 
     o1 = acc1 / l1[:, None]
     o2 = acc2 / l2[:, None]
