@@ -28,24 +28,51 @@ def base(small_tokenizer_dir, tmp_path_factory) -> list[str]:
     return tiny_overrides(small_tokenizer_dir, tmp_path_factory.mktemp("data-cache"))
 
 
-def paper_lr(it: int, peak: float, low: float, warmup: int, total: int, style: str) -> float:
-    """Linear warmup from 0 to the peak, then linear or cosine decay to the minimum at `total`."""
+def paper_lr(it: int, peak: float, low: float, warmup: int, total: int, style: str, wsd_decay: int = 0,
+             wsd_style: str = "linear") -> float:
+    """Linear warmup from 0 to the peak, then linear or cosine decay to the minimum at `total`; or
+    (style "wsd") the peak until the last `wsd_decay` iterations, which decay to the minimum."""
     if it <= warmup:
         return peak * it / warmup
-    progress = (it - warmup) / (total - warmup)
-    factor = 1 - progress if style == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    if style == "wsd":
+        if it <= total - wsd_decay:
+            return peak
+        style, progress = wsd_style, (it - (total - wsd_decay)) / wsd_decay
+    else:
+        progress = (it - warmup) / (total - warmup)
+    factor = {"linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+              "exponential": 2 * 0.5 ** progress - 1, "minus_sqrt": 1 - math.sqrt(progress)}[style]
     return low + (peak - low) * factor
 
 
-@pytest.mark.parametrize("style", ["linear", "cosine"])
-def test_schedule_follows_the_papers_formula(style):
+@pytest.mark.parametrize("style, wsd_style", [("linear", None), ("cosine", None), ("wsd", "linear"),
+                                              ("wsd", "cosine"), ("wsd", "exponential"), ("wsd", "minus_sqrt")])
+def test_schedule_follows_the_papers_formula(style, wsd_style):
+    wsd = ["train.lr_wsd_decay_iters=30", f"train.lr_wsd_decay_style={wsd_style}"] if style == "wsd" else []
     cfg = build_config({}, ["train.lr=3e-4", "train.min_lr=1e-5", "train.lr_warmup_iters=10", "train.iters=100",
-                            f"train.lr_decay_style={style}"])
+                            f"train.lr_decay_style={style}", *wsd])
     optimizer = SimpleNamespace(param_groups=[{}])
     scheduler = build_scheduler(cfg, optimizer)
     for it in range(1, 101):
         scheduler.step(1)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(paper_lr(it, 3e-4, 1e-5, 10, 100, style))
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            paper_lr(it, 3e-4, 1e-5, 10, 100, style, wsd_decay=30, wsd_style=wsd_style))
+
+
+@pytest.mark.slow
+def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base, tmp_path):
+    """The WSD workflow: a run stopped at the peak lr is rerun with more iterations; the stable
+    phase goes on and the decay moves to the new end."""
+    out = tmp_path / "wsd"
+    wsd = base + [f"output_dir={out}", "train.lr_decay_style=wsd", "train.lr_wsd_decay_iters=2", "train.min_lr=1e-4"]
+    run_pretrain(1, wsd + ["train.iters=6", "train.exit_interval=3"])
+    proc = run_pretrain(1, wsd + ["train.iters=8"])
+    assert "resumed from" in proc.stdout
+    lrs = {r["iteration"]: r["lr"] for r in read_metrics(out) if "lm_loss" in r}
+    assert sorted(lrs) == list(range(1, 9))
+    for it, lr in lrs.items():
+        assert lr == pytest.approx(paper_lr(it, 5e-3, 1e-4, 2, 8, "wsd", wsd_decay=2)), it
+    assert lrs[6] == pytest.approx(5e-3) and lrs[8] == pytest.approx(1e-4)  # 6: the first schedule's end
 
 
 @pytest.fixture(scope="module")

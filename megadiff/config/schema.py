@@ -89,8 +89,11 @@ class TrainConfig(Section):
     lr: float = Field(3.2e-4, ge=0)
     min_lr: float = Field(0.0, ge=0)
     lr_warmup_iters: int = Field(0, ge=0)
-    lr_decay_style: Literal["linear", "cosine", "constant"] = "linear"
+    lr_decay_style: Literal["linear", "cosine", "constant", "wsd"] = Field(
+        "linear", description="wsd: warmup-stable-decay, the peak lr until the last lr_wsd_decay_iters")
     lr_decay_iters: Optional[int] = Field(None, ge=1, description="default: iters")
+    lr_wsd_decay_iters: Optional[int] = Field(None, ge=1, description="wsd: the final decay's length")
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     weight_decay: float = Field(0.1, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)

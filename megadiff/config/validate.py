@@ -6,7 +6,7 @@ import re
 from typing import Optional
 
 from megadiff.config.schema import (
-    DIFFERENTIAL_VARIANTS, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, WandbFields,
+    DIFFERENTIAL_VARIANTS, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig, WandbFields,
 )
 from megadiff.errors import MegadiffError
 
@@ -163,6 +163,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     validate_wandb(cfg.logging)
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
+    _validate_wsd(train)
     if train.eval_interval and split_shares(cfg.data.split)[1] == 0:
         _fail("train.eval_interval", f"data.split {cfg.data.split!r} leaves no validation documents; give the "
               "valid split a share (e.g. 949,50,1) or set train.eval_interval=null")
@@ -189,6 +190,24 @@ def _validate_profiling(logging: LoggingConfig, world_size: int | None) -> None:
     outside = [rank for rank in logging.profile_ranks if rank < 0 or (world_size is not None and rank >= world_size)]
     if outside:
         _fail("logging.profile_ranks", f"{outside} are not ranks of this run (world size {world_size})")
+
+
+def _validate_wsd(train: TrainConfig) -> None:
+    if train.lr_decay_style != "wsd":
+        if train.lr_wsd_decay_iters is not None:
+            _fail("train.lr_wsd_decay_iters", "only used with train.lr_decay_style=wsd")
+        return
+    after_warmup = lr_decay_length(train) - train.lr_warmup_iters
+    if train.lr_wsd_decay_iters is None:
+        _fail("train.lr_wsd_decay_iters", "train.lr_decay_style=wsd needs the final decay's length in iterations")
+    if train.lr_wsd_decay_iters > after_warmup:
+        _fail("train.lr_wsd_decay_iters", f"{train.lr_wsd_decay_iters} is longer than the schedule after its "
+              f"warmup ({after_warmup} iterations: train.lr_decay_iters or train.iters, less train.lr_warmup_iters)")
+
+
+def lr_decay_length(train: TrainConfig) -> int:
+    """Iterations from the start to the end of the lr decay (train.lr_decay_iters, else train.iters)."""
+    return max(train.lr_decay_iters or train.iters, train.lr_warmup_iters + 1)
 
 
 def _validate_document_masking(model: ModelConfig) -> None:

@@ -18,7 +18,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
-from megadiff.config import Config, data_parallel_size, dump_config, load_config, micro_batches_per_step
+from megadiff.config import (
+    Config, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
+)
 from megadiff.errors import MegadiffError
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
@@ -43,18 +45,21 @@ class TrainingError(MegadiffError, RuntimeError):
 
 
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
-    """The papers' schedules in iterations: linear warmup from 0, then linear/cosine decay to min_lr.
+    """The papers' schedules in iterations: linear warmup from 0, then linear/cosine decay to min_lr,
+    or warmup-stable-decay (the peak lr, then a final decay of train.lr_wsd_decay_iters).
 
     The config's values win over a checkpoint's, so the schedule's length follows train.iters
-    (or train.lr_decay_iters); only the position (iterations done) comes from the checkpoint.
+    (or train.lr_decay_iters); only the position (iterations done) comes from the checkpoint:
+    a WSD run's stable phase can be extended, or a decay branched off one of its checkpoints.
     A run shorter than its warmup (e.g. `train.iters=3` on a recipe) only warms up.
     """
     t = cfg.train
+    wsd = dict(lr_decay_style="WSD", wsd_decay_steps=t.lr_wsd_decay_iters, lr_wsd_decay_style=t.lr_wsd_decay_style)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=max(t.lr_decay_iters or t.iters, t.lr_warmup_iters + 1), lr_decay_style=t.lr_decay_style,
-        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.iters, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        lr_decay_steps=lr_decay_length(t), start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.iters,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        **(wsd if t.lr_decay_style == "wsd" else dict(lr_decay_style=t.lr_decay_style)))
 
 
 class Pretraining:
