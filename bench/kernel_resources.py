@@ -3,6 +3,7 @@ architecture without needing that GPU (Triton's compiler and ptxas run anywhere)
 
     python bench/kernel_resources.py                  # sm_90 (H100/H200), the 3B head shape d=128, dv=256
     python bench/kernel_resources.py --d 64 --dv 128 --arch 80
+    python bench/kernel_resources.py --documents      # the kernels' document-masking mode
 
 A candidate that spills many bytes per thread ("stack") or needs more shared memory than the GPU
 has is a poor tile choice; the autotuner measures the rest. Compiling takes seconds per candidate.
@@ -74,16 +75,17 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--all", action="store_true", help="also the candidates the autotuner prunes")
+    parser.add_argument("--documents", action="store_true", help="the document-masking mode (data.document_masking)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"sm_{args.arch}, d={args.d}, dv={args.dv}, bf16, causal")
+        print(f"sm_{args.arch}, d={args.d}, dv={args.dv}, bf16, causal{', documents' if args.documents else ''}")
         print(f"{'kernel':<6} {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'regs':>5} "
               f"{'stack B':>8} {'smem KiB':>8}  autotuned")
         for kind in args.kernels:
             fits = triton_fwd.fitting_candidates(kind, args.d, args.dv)
             for candidate in triton_fwd.CANDIDATES[kind] if args.all else fits:
-                usage = resource_usage(compile_candidate(kind, *candidate, d=args.d, dv=args.dv, arch=args.arch),
-                                       Path(tmp))
+                usage = resource_usage(compile_candidate(kind, *candidate, d=args.d, dv=args.dv, arch=args.arch,
+                                                         DOCUMENTS=args.documents), Path(tmp))
                 print(f"{kind:<6} {candidate[0]:>7} {candidate[1]:>7} {candidate[2]:>5} {candidate[3]:>6} "
                       f"{usage['registers']:>5} {usage['stack_bytes']:>8} {usage['shared_bytes'] / 1024:>8.0f}  "
                       f"{'yes' if candidate in fits else 'pruned'}", flush=True)
