@@ -15,16 +15,18 @@ from megadiff.config import load_config
 from tests.pretrain_runs import DEMO_CONFIG
 
 
-def poisoned_run(rank: int, world_size: int, overrides: list[str], nan_iterations: list[int], report: str) -> None:
-    """Losses of the listed iterations become NaN (so do their gradients); records what the
-    parameters did around every step and the run's exit code."""
+def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_steps: list[int], report: str,
+                 factor: float = float("nan")) -> None:
+    """The losses (so the gradients) of the listed steps of this process (1 = its first) are multiplied
+    by `factor`: NaN, or a spike; records what the parameters did around every step and the run's
+    exit code."""
     original_forward, original_step = step.forward_step, pretrain.train_step
     current = {"iteration": 0}
 
     def forward_step(data_iterator, model):
         per_token_loss, loss_func = original_forward(data_iterator, model)
-        if current["iteration"] in nan_iterations:
-            per_token_loss = per_token_loss * float("nan")
+        if current["iteration"] in poisoned_steps:
+            per_token_loss = per_token_loss * factor
         return per_token_loss, loss_func
 
     def train_step(engine, *args, **kwargs):
@@ -33,7 +35,8 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], nan_iteration
         result = original_step(engine, *args, **kwargs)
         after = [p.detach() for chunk in engine.unwrapped() for p in chunk.parameters()]
         changed = any(not torch.equal(a, b) for a, b in zip(before, after))
-        events.append({"iteration": current["iteration"], "updated": result.updated, "params_changed": changed})
+        events.append({"iteration": current["iteration"], "updated": result.updated, "params_changed": changed,
+                       "spike": result.spike})
         return result
 
     events: list[dict] = []

@@ -104,6 +104,30 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
 
 
 @pytest.mark.slow
+def test_loss_spikes_are_skipped_counted_and_the_guard_resumes(base, tmp_path):
+    run = base + ["train.skip_spike_sigma=6", "train.spike_window=4", "train.iters=10"]
+    report = tmp_path / "report.json"
+    run_ranks(1, poisoned_run, run + [f"output_dir={tmp_path / 'whole'}"], [8], str(report), 30.0)
+    whole = json.loads(report.read_text())
+    assert whole["exit_code"] == 0
+    for event in whole["events"]:  # only the 30x step: neither the first (window filling) nor those after it
+        spiked = event["iteration"] == 8
+        assert event["spike"] is spiked and event["updated"] is not spiked, event
+        assert event["params_changed"] is not spiked, event
+    records = read_metrics(tmp_path / "whole")
+    assert [r["skipped_spikes"] for r in records] == [0] * 7 + [1] * 3
+    assert all(r["skipped_iterations"] == 0 for r in records)  # NaN skips are counted apart
+
+    # stopped at 6 and rerun: the guard's window comes back with the checkpoint, so the rerun's
+    # second step (iteration 8) spikes the same way and the whole loss curve is the same
+    parted = tmp_path / "parted"
+    run_ranks(1, poisoned_run, run + [f"output_dir={parted}", "train.exit_interval=6"], [], str(report))
+    run_ranks(1, poisoned_run, run + [f"output_dir={parted}"], [2], str(report), 30.0)
+    assert [event["spike"] for event in json.loads(report.read_text())["events"]] == [False, True, False, False]
+    assert losses(parted) == losses(tmp_path / "whole")
+
+
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_usable(base, tmp_path):
     out = tmp_path / "crashed"
     run = base + ["train.iters=4", "checkpoint.save_interval=2"]

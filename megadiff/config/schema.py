@@ -114,6 +114,10 @@ class TrainConfig(Section):
                                    "validation loss (valid_loss/<name>), eval_iters batches of each")
     max_skipped_nan_iters: int = Field(10, ge=0, description="stop after this many steps skipped for a "
                                        "non-finite loss or gradient")
+    skip_spike_sigma: Optional[float] = Field(None, gt=0, description="skip the update of a step whose loss or "
+                                              "gradient norm is more than this many standard deviations above "
+                                              "the mean of the previous spike_window steps (OLMo uses 6)")
+    spike_window: int = Field(128, ge=2, description="steps the spike guard's mean and deviation cover")
     dataloader_workers: int = Field(0, ge=0, description="background processes reading training samples")
 
 

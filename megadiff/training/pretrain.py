@@ -32,12 +32,13 @@ from megadiff.parallel import compute_device, initialize, shutdown
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
+from megadiff.training.spikes import SpikeGuard
 from megadiff.training.state import restore
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
 
 CONSOLE_KEYS = ("lm_loss", "valid_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-                "max_memory_allocated_gib", "skipped_iterations")
+                "max_memory_allocated_gib", "skipped_iterations", "skipped_spikes")
 
 
 class TrainingError(MegadiffError, RuntimeError):
@@ -87,6 +88,9 @@ class Pretraining:
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, self.engine, self.scheduler)
+        t = cfg.train
+        self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
+                            if t.skip_spike_sigma else None)
         self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
                                             cfg.checkpoint.async_save)
         self.throughput = Throughput(cfg, self.world)
@@ -126,6 +130,8 @@ class Pretraining:
 
     def _save(self) -> None:
         self.state.scheduler = self.scheduler.state_dict()
+        if self.spike_guard is not None:
+            self.state.spike_history = self.spike_guard.history()
         self.engine.gather_updated_params()
         self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
                               self.state.to_dict())
@@ -155,10 +161,13 @@ class Pretraining:
                 started = time.perf_counter()
                 self.profiler.start(state.iteration + 1)
                 self.scheduler.step(1)
-                result = train_step(self.engine, batches.next_iteration(), self.num_microbatches)
+                result = train_step(self.engine, batches.next_iteration(), self.num_microbatches,
+                                    spike_guard=self.spike_guard)
                 state.iteration += 1
                 state.consumed_samples += t.global_batch_size
-                if not result.updated:
+                if result.spike:
+                    state.skipped_spikes += 1
+                elif not result.updated:
                     state.skipped_iterations += 1
                 elapsed = time.perf_counter() - started
                 self.checkpoints.poll()
@@ -166,10 +175,12 @@ class Pretraining:
                     record = {"iteration": state.iteration, "lm_loss": result.loss,
                               "lr": self.engine.optimizer.param_groups[0]["lr"],
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
-                              "skipped_iterations": state.skipped_iterations, **self.throughput.metrics(elapsed)}
+                              "skipped_iterations": state.skipped_iterations,
+                              "skipped_spikes": state.skipped_spikes if self.spike_guard else None,
+                              **self.throughput.metrics(elapsed)}
                     self._log({k: v for k, v in record.items() if v is not None})
                 self._report_profile(self.profiler.stop(state.iteration))
-                if not result.updated and state.skipped_iterations > t.max_skipped_nan_iters:
+                if not result.updated and not result.spike and state.skipped_iterations > t.max_skipped_nan_iters:
                     raise TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a "
                                         f"non-finite loss or gradient (train.max_skipped_nan_iters = "
                                         f"{t.max_skipped_nan_iters}); last loss {result.loss}. The weights were "

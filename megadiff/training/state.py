@@ -24,6 +24,8 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iterations: int = 0
+    skipped_spikes: int = 0
+    spike_history: dict = field(default_factory=dict)  # the spike guard's window (training/spikes.py)
     scheduler: dict | None = None
     layout: dict = field(default_factory=dict)
 

@@ -15,6 +15,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from megadiff.models.documents import document_packing
 from megadiff.parallel import compute_device
 from megadiff.training.engine import Engine
+from megadiff.training.spikes import SpikeGuard
 
 
 def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -50,7 +51,8 @@ def forward_step(data_iterator: Iterator, model):
 class StepResult:
     loss: float                 # mean over micro-batches and data-parallel ranks, same on every rank
     grad_norm: float | None
-    updated: bool               # False when the step was skipped (non-finite loss or gradients)
+    updated: bool               # False when the step was skipped (non-finite loss or gradients, or a spike)
+    spike: bool = False         # skipped by the spike guard
 
 
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int) -> float:
@@ -92,8 +94,10 @@ def _all_finite(engine: Engine, loss: float) -> bool:
 
 
 def train_step(engine: Engine, data_iterator, num_microbatches: int,
-               before_update: Callable[[Engine], None] | None = None) -> StepResult:
-    """Forward, backward and, unless the loss or a gradient is not finite, an optimizer update.
+               before_update: Callable[[Engine], None] | None = None,
+               spike_guard: SpikeGuard | None = None) -> StepResult:
+    """Forward, backward and, unless the loss or a gradient is not finite (or `spike_guard` finds the
+    loss or gradient norm spiking), an optimizer update.
 
     `before_update(engine)` sees the reduced gradients (param.main_grad) before the optimizer uses them.
     """
@@ -105,5 +109,10 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
         return StepResult(loss=loss, grad_norm=None, updated=False)
     if before_update is not None:
         before_update(engine)
+    if spike_guard is not None:
+        engine.optimizer.prepare_grads()  # the main gradients for the norm; step() copies them again
+        grad_norm = float(engine.optimizer.get_grad_norm())
+        if spike_guard.is_spike(loss, grad_norm):
+            return StepResult(loss=loss, grad_norm=grad_norm, updated=False, spike=True)
     updated, grad_norm, _ = engine.optimizer.step()
     return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm), updated=bool(updated))
