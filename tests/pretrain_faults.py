@@ -42,8 +42,9 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_step
     events: list[dict] = []
     step.forward_step, pretrain.train_step = forward_step, train_step
     exit_code = main(["pretrain", str(DEMO_CONFIG), *overrides])
-    with open(report, "w") as handle:
-        json.dump({"exit_code": exit_code, "events": events}, handle)
+    if rank == 0:
+        with open(report, "w") as handle:
+            json.dump({"exit_code": exit_code, "events": events}, handle)
 
 
 def _children(pid: int) -> list[int]:

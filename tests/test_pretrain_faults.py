@@ -128,6 +128,19 @@ def test_loss_spikes_are_skipped_counted_and_the_guard_resumes(base, tmp_path):
 
 
 @pytest.mark.slow
+def test_data_parallel_ranks_agree_on_a_spike(base, tmp_path):
+    """DP=2 with the distributed optimizer: each rank holds half of the gradient norm's terms, and
+    an update's parameter all-gather needs every rank (one rank deciding alone would hang the run)."""
+    report = tmp_path / "report.json"
+    run_ranks(2, poisoned_run, base + ["train.skip_spike_sigma=6", "train.spike_window=4", "train.iters=6",
+                                       "parallel.distributed_optimizer=true", f"output_dir={tmp_path / 'dp2'}"],
+              [6], str(report), 30.0, timeout=180)
+    result = json.loads(report.read_text())
+    assert result["exit_code"] == 0
+    assert [event["spike"] for event in result["events"]] == [False] * 5 + [True]
+
+
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_usable(base, tmp_path):
     out = tmp_path / "crashed"
     run = base + ["train.iters=4", "checkpoint.save_interval=2"]
