@@ -46,8 +46,9 @@ def document_query_ends(DOC_END, offs_n, n_q, n_k, BLOCK_M: tl.constexpr):
     tiles inside all of its keys' documents), as query indices (the queries are the last keys)."""
     valid = offs_n < n_k
     shift = n_k - n_q
-    last = tl.max(tl.load(DOC_END + offs_n, mask=valid, other=0), 0) - shift
-    first = tl.min(tl.load(DOC_END + offs_n, mask=valid, other=n_k), 0) - shift
+    ends = tl.load(DOC_END + offs_n, mask=valid, other=0)
+    last = tl.max(ends, 0) - shift
+    first = tl.min(tl.where(valid, ends, n_k), 0) - shift
     return last, tl.maximum(first, 0) // BLOCK_M * BLOCK_M
 
 
