@@ -84,7 +84,7 @@ def _naive_statistics(model, dataset, sequences: int) -> dict[str, torch.Tensor]
                     layer.self_attention.core_attention.register_forward_hook(after_attention),
                     layer.register_forward_hook(after_layer)]
     with torch.no_grad():
-        for tokens, _ in sample_batches(dataset, sequences, 2):
+        for tokens, _ in sample_batches(dataset, range(sequences), 2):
             model.hidden_states(tokens)
     for handle in handles:
         handle.remove()

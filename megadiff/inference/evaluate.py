@@ -13,7 +13,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.ranks import rank_and_world, reports, share, sum_across_ranks
 
 SPLITS = ("valid", "test")
 
@@ -69,10 +70,10 @@ def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Consol
     return dataset
 
 
-def sample_batches(dataset, sequences: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(tokens, labels) [b, N] of the dataset's first `sequences` samples, `batch_size` at a time."""
-    for start in range(0, sequences, batch_size):
-        items = [dataset[i] for i in range(start, min(start + batch_size, sequences))]
+def sample_batches(dataset, indices: Sequence[int], batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) [b, N] of the dataset's samples at `indices`, `batch_size` at a time."""
+    for start in range(0, len(indices), batch_size):
+        items = [dataset[i] for i in indices[start:start + batch_size]]
         yield tuple(torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long()
                     for key in ("tokens", "labels"))
 
@@ -81,13 +82,18 @@ def sample_batches(dataset, sequences: int, batch_size: int) -> Iterator[tuple[t
 def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None,
                     document_eod: int | None = None) -> torch.Tensor:
     """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples
-    (with `document_eod`, attending within documents, as data.document_masking trains)."""
+    (with `document_eod`, attending within documents, as data.document_masking trains). Each rank
+    computes its share of the rows; every rank returns them all."""
+    mine = list(share(range(sequences)))
+    losses = torch.zeros(sequences, len(dataset[0]["labels"]))
     rows = []
-    for tokens, labels in sample_batches(dataset, sequences, batch_size):
+    for tokens, labels in sample_batches(dataset, mine, batch_size):
         rows.append(model(tokens, labels, document_eod).float().cpu())
         if on_batch is not None:
             on_batch(len(tokens))
-    return torch.cat(rows)
+    if rows:
+        losses[mine] = torch.cat(rows)
+    return sum_across_ranks(losses)
 
 
 def summarize(losses: torch.Tensor, buckets: int) -> dict:
@@ -115,9 +121,14 @@ def blend_summary(sources: list[tuple[torch.Tensor, float]], buckets: int) -> di
     return summarize_positions(per_position, sum(losses.shape[0] for losses, _ in sources), buckets)
 
 
+def command_console() -> Console:
+    """Where a checkpoint command prints: rank 0's console; the other ranks' is silent."""
+    return Console(highlight=False, soft_wrap=True, quiet=not reports())
+
+
 def write_report(console: Console, report: dict, output: str | None) -> None:
-    """The report as JSON at `output`, when asked for."""
-    if output:
+    """The report as JSON at `output`, when asked for (by rank 0)."""
+    if output and reports():
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=1))
         console.print(f"wrote {output}")
@@ -139,13 +150,14 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
              batch_size: int = 1, buckets: int = 8, overrides: Iterable[str] = (), output: str | None = None) -> int:
     """`megadiff evaluate --load RUN`: print (and with `output`, write as JSON) the held-out losses."""
     check_request("evaluate", split, overrides, sequences=sequences, batch_size=batch_size, buckets=buckets)
-    console = Console(highlight=False, soft_wrap=True)
-    model = load_checkpoint(load)
+    model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
+    console = command_console()
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
     prefixes, weights = training_blend(cfg.data)
     progress = Progress(TextColumn("evaluate {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True))
+                        TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True),
+                        disable=not reports())
     with progress:
         per_source = [_source_losses(model, source_config(cfg, prefix), split, sequences, batch_size, console,
                                      progress) for prefix in prefixes]
@@ -166,17 +178,20 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
 
 def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
                    progress: Progress) -> torch.Tensor:
-    """position_losses() of cfg's one prefix, with a progress bar of its own."""
+    """position_losses() of cfg's one prefix, with a progress bar of its own (rank 0's share; the
+    rate counts every rank's tokens, taking the others to go as fast)."""
     dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
     count = min(sequences, len(dataset))
-    task = progress.add_task(cfg.data.prefix, total=count, rate="")
+    _, world = rank_and_world()
+    task = progress.add_task(cfg.data.prefix, total=len(range(count)[::world]), rate="")
     start, done = time.perf_counter(), 0
 
     def advance(batch: int) -> None:
         nonlocal done
         done += batch
-        rate = done * cfg.model.seq_length / (time.perf_counter() - start)
-        progress.update(task, advance=batch, rate=f"{rate:,.0f} tokens/s")
+        rate = done * world * cfg.model.seq_length / (time.perf_counter() - start)
+        ranks = f" on {world} ranks" if world > 1 else ""
+        progress.update(task, advance=batch, rate=f"{rate:,.0f} tokens/s{ranks}")
 
     eod = model.tokenizer.eod if cfg.data.document_masking else None
     return position_losses(model, dataset, count, batch_size, advance, eod)

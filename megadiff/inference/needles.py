@@ -17,7 +17,6 @@ from typing import Iterable, Protocol
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from megadiff.config import ConfigError
@@ -26,8 +25,9 @@ from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
-from megadiff.inference.evaluate import check_request, evaluation_config, write_report
+from megadiff.inference.evaluate import check_request, command_console, evaluation_config, write_report
 from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.ranks import share, sum_across_ranks
 from megadiff.inference.outliers import attention_maps, softmax_scale
 
 CITIES = ("Paris", "Lisbon", "Nairobi", "Lima", "Oslo", "Hanoi", "Quito", "Dakar", "Perth", "Riga", "Tunis",
@@ -150,23 +150,21 @@ def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
 def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, lengths: list[int],
                    depths: list[float], needles: int, trials: int, seed: int, attention: bool = False) -> dict:
     """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack);
-    with `attention` (a CausalLM model), also the attention to the answer and the noise per cell."""
+    with `attention` (a CausalLM model), also the attention to the answer and the noise per cell.
+    Each rank scores its share of the cases; every rank draws them all, in one order, from `seed`."""
     rng = random.Random(seed)
-    grids = {name: [] for name in (("accuracy", "attention_to_answer", "attention_noise") if attention
-                                   else ("accuracy",))}
-    for length in lengths:
-        rows = {name: [] for name in grids}
-        for depth in depths:
-            cases = [build_case(tokenizer, haystack, length, depth, needles, rng) for _ in range(trials)]
-            rows["accuracy"].append(float(np.mean([retrieved(model, case) for case in cases])))
-            if attention:
-                allocations = np.mean([attention_allocation(model, case) for case in cases], axis=0)
-                rows["attention_to_answer"].append(float(allocations[0]))
-                rows["attention_noise"].append(float(allocations[1]))
-        for name, row in rows.items():
-            grids[name].append(row)
+    measures = ("accuracy", "attention_to_answer", "attention_noise") if attention else ("accuracy",)
+    cases = (build_case(tokenizer, haystack, length, depth, needles, rng)
+             for length in lengths for depth in depths for _ in range(trials))
+    results = torch.zeros(len(lengths) * len(depths) * trials, len(measures), dtype=torch.float64)
+    for index, case in share(enumerate(cases)):
+        results[index, 0] = float(retrieved(model, case))
+        if attention:
+            results[index, 1:] = torch.tensor(attention_allocation(model, case), dtype=torch.float64)
+    cells = sum_across_ranks(results).view(len(lengths), len(depths), trials, len(measures)).mean(2)
+    grids = {name: cells[..., column].tolist() for column, name in enumerate(measures)}
     return {"lengths": lengths, "depths": depths, "needles": needles, "trials": trials, **grids,
-            "mean_accuracy": float(np.mean(grids["accuracy"]))}
+            "mean_accuracy": cells[..., 0].mean().item()}
 
 
 def held_out_tokens(cfg, split: str) -> np.ndarray:
@@ -190,8 +188,8 @@ def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], need
     check_request("needles", split, overrides, needles=needles, trials=trials, lengths=min(lengths, default=0))
     if needles > len(CITIES) or not all(0 <= d <= 1 for d in depths) or not depths:
         raise ConfigError(f"--needles must be at most {len(CITIES)} and --depths within [0, 1]")
-    console = Console(highlight=False, soft_wrap=True)
-    model = load_checkpoint(load)
+    model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
+    console = command_console()
     cfg = evaluation_config(model, None, overrides)
     ensure_prepared(cfg)
     report = retrieval_grid(model, model.tokenizer, held_out_tokens(cfg, split), lengths, depths, needles, trials,

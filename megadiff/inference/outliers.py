@@ -16,16 +16,16 @@ import math
 from typing import Iterable, Iterator
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.evaluate import (
-    check_request, evaluation_config, held_out_dataset, sample_batches, write_report,
+    check_request, command_console, evaluation_config, held_out_dataset, sample_batches, write_report,
 )
 from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.ranks import gather_across_ranks, share, sum_across_ranks
 from megadiff.models.differential_attention import DifferentialCoreAttention
 
 TOP = (1, 2, 3, 10, 100)
@@ -48,14 +48,31 @@ class AbsStatistics:
         values = values.detach().float().abs().flatten()
         if values.numel() == 0:
             return
-        if self.edges is None:
-            low, high = (math.log10(x) for x in HISTOGRAM_RANGE)
-            self.edges = torch.logspace(low, high, HISTOGRAM_BINS + 1, dtype=torch.float64).to(values.device)
-            self.counts = torch.zeros(HISTOGRAM_BINS + 2, dtype=torch.int64, device=values.device)
-        candidates = torch.cat([self.top.to(values.device), torch.topk(values, min(self.largest, values.numel())).values])
-        self.top = torch.topk(candidates, min(self.largest, candidates.numel())).values
+        self._histogram_on(values.device)
+        self._keep_largest(torch.topk(values, min(self.largest, values.numel())).values)
         self.counts += torch.bincount(torch.bucketize(values.double(), self.edges), minlength=self.counts.numel())
         self.count += values.numel()
+
+    def combine_ranks(self) -> None:
+        """Take in every other rank's values too (each rank saw its share of the samples)."""
+        self._histogram_on(self.top.device)
+        self.counts = sum_across_ranks(self.counts)
+        self.count = int(sum_across_ranks(torch.tensor([self.count], dtype=torch.int64)).item())
+        # the same number of values from every rank; -1 fills a short top (|x| >= 0)
+        padded = torch.cat([self.top, self.top.new_full((self.largest - self.top.numel(),), -1.0)])
+        everyone = gather_across_ranks(padded)
+        self.top = torch.empty(0, device=self.top.device)
+        self._keep_largest(everyone[everyone >= 0])
+
+    def _histogram_on(self, device: torch.device) -> None:
+        if self.edges is None:
+            low, high = (math.log10(x) for x in HISTOGRAM_RANGE)
+            self.edges = torch.logspace(low, high, HISTOGRAM_BINS + 1, dtype=torch.float64).to(device)
+            self.counts = torch.zeros(HISTOGRAM_BINS + 2, dtype=torch.int64, device=device)
+
+    def _keep_largest(self, values: torch.Tensor) -> None:
+        candidates = torch.cat([self.top.to(values.device), values])
+        self.top = torch.topk(candidates, min(self.largest, candidates.numel())).values
 
     def median(self) -> float:
         """The middle |x|, to a bin's width: the geometric centre of the bin holding it."""
@@ -128,13 +145,16 @@ class ActivationRecorder:
 
 @torch.no_grad()
 def record_activations(model: CausalLM, batches: Iterable[torch.Tensor]) -> dict:
-    """{"attention_logits": ..., "hidden_states": ...} over the token batches [b, N]."""
+    """{"attention_logits": ..., "hidden_states": ...} over the token batches [b, N] (of every rank:
+    each passes its own)."""
     recorder = ActivationRecorder(model.gpt)
     try:
         for tokens in batches:
             model.hidden_states(tokens)
     finally:
         recorder.close()
+    recorder.logits.combine_ranks()
+    recorder.hidden.combine_ranks()
     return {"attention_logits": recorder.logits.summary(), "hidden_states": recorder.hidden.summary()}
 
 
@@ -142,15 +162,15 @@ def outliers(load: str, split: str = "valid", seq_length: int | None = None, seq
              batch_size: int = 1, overrides: Iterable[str] = (), output: str | None = None) -> int:
     """`megadiff outliers --load RUN`: print (and with `output`, write as JSON) the statistics."""
     check_request("outliers", split, overrides, sequences=sequences, batch_size=batch_size)
-    console = Console(highlight=False, soft_wrap=True)
-    model = load_checkpoint(load)
+    model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
+    console = command_console()
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
     prefixes, _ = training_blend(cfg.data)
     datasets = [held_out_dataset(source_config(cfg, prefix), model.tokenizer, split, sequences, console)
                 for prefix in prefixes]  # sequences from each source of a blend
     batches = (tokens for dataset in datasets
-               for tokens, _ in sample_batches(dataset, min(sequences, len(dataset)), batch_size))
+               for tokens, _ in sample_batches(dataset, list(share(range(min(sequences, len(dataset))))), batch_size))
     report = record_activations(model, batches)
     report.update(checkpoint=str(model.checkpoint_dir), variant=model.cfg.model.variant, split=split,
                   data=prefixes, sequences=sum(min(sequences, len(d)) for d in datasets),
