@@ -15,7 +15,8 @@ CONFIGS = ROOT / "configs"
 # DIFF paper table 10 (and its softmax baselines, which double the heads). The paper's sizes count
 # the layers plus one vocabulary matrix.
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
-THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml"]
+THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
+           "softmax-3b-64k.yaml"]
 
 
 @pytest.mark.parametrize("variant", ["diff", "softmax"])

@@ -83,9 +83,6 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
     seq = seq_length if seq_length is not None else model.seq_length
     if parallel.sequence_parallel and seq % tp:
         _fail("parallel.sequence_parallel", f"sequence length {seq} is not divisible by parallel.tensor ({tp})")
-    if cp > 1 and model.variant == "softmax" and model.transformer_impl != "te":
-        _fail("parallel.context", "the softmax baseline needs model.transformer_impl=te for context parallelism "
-              "(megatron's local attention has none)")
     if cp > 1 and seq % (2 * cp):
         _fail("parallel.context", f"sequence length {seq} is not divisible by 2 x parallel.context ({2 * cp})")
     chunks = pp * (parallel.virtual_pipeline or 1)

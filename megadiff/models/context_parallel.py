@@ -1,4 +1,4 @@
-"""Context parallelism for differential attention.
+"""Context parallelism for the differential and softmax core attentions.
 
 megatron splits each sequence into 2 x CP chunks and gives rank r the chunks
 r and 2CP-1-r (balanced causal work). Each rank gathers the whole K and V
@@ -15,7 +15,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from megadiff.ops import differential_attention
+from megadiff.ops import differential_attention, softmax_attention
 from megadiff.ops.common import document_counts, lambda_per_head, sum_since
 from megadiff.ops.documents import document_bounds, document_spans, one_document_each, prefix_cu_seqlens
 
@@ -35,26 +35,47 @@ def _gather_in_sequence_order(local: torch.Tensor, group, cp_size: int) -> torch
     return torch.cat([chunks[i] for i in order], dim=0)
 
 
+def _gathered_context(keys: tuple[torch.Tensor, ...], query_length: int, cu_seqlens):
+    """The whole sequences' `keys` (K and V, [s_local, b, ...] each) gathered as [b, S, ...], the
+    documents' spans (None for one document per sample), and, per local query chunk, (its rows,
+    the end of the keys it sees, those keys' cu_seqlens or None)."""
+    group = parallel_state.get_context_parallel_group()
+    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    gathered = [_gather_in_sequence_order(t, group, cp_size).transpose(0, 1) for t in keys]
+    batch, seq = gathered[0].shape[:2]
+    spans = None if cu_seqlens is None else document_spans(cu_seqlens, batch, seq)
+    if spans is not None and one_document_each(spans):
+        spans = None  # one document per sample: plain causal attention
+    chunk = query_length // 2
+    pieces = []
+    for local, global_chunk in enumerate(rank_chunks(cp_rank, cp_size)):
+        end = (global_chunk + 1) * chunk  # the chunk's queries are the last of the keys up to its end
+        pieces.append((slice(local * chunk, (local + 1) * chunk), end,
+                       None if spans is None else prefix_cu_seqlens(spans, end)))
+    return gathered, spans, pieces
+
+
+def context_parallel_softmax_attention(q, k, v, *, softmax_scale, cu_seqlens=None):
+    """Inputs [s_local, b, heads, d] (two local chunks); returns [b, s_local, heads, d].
+
+    cu_seqlens: the documents of the whole sequences (ops/documents.py), or None for one each.
+    """
+    (k, v), _, pieces = _gathered_context((k, v), q.shape[0], cu_seqlens)
+    return torch.cat([softmax_attention(q[rows].transpose(0, 1), k[:, :end], v[:, :end], causal=True,
+                                        softmax_scale=softmax_scale, cu_seqlens=documents)
+                      for rows, end, documents in pieces], dim=1)
+
+
 def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral: bool, softmax_scale, backend,
                                             cu_seqlens=None):
     """Inputs [s_local, b, heads, d] (two local chunks); returns [b, s_local, h, dv].
 
     cu_seqlens: the documents of the whole sequences (ops/documents.py), or None for one each.
     """
-    group = parallel_state.get_context_parallel_group()
-    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    chunk = q1.shape[0] // 2
-    k1, k2, v = (_gather_in_sequence_order(t, group, cp_size).transpose(0, 1) for t in (k1, k2, v))
-    batch, seq = k1.shape[:2]
-    spans = None if cu_seqlens is None else document_spans(cu_seqlens, batch, seq)
-    if spans is not None and one_document_each(spans):
-        spans = None  # one document per sample: plain causal attention
+    (k1, k2, v), spans, pieces = _gathered_context((k1, k2, v), q1.shape[0], cu_seqlens)
     options = dict(causal=True, softmax_scale=softmax_scale, backend=backend, return_first_map=integral)
     outputs, first_map_outputs = [], []
-    for local, global_chunk in enumerate(rank_chunks(cp_rank, cp_size)):
-        rows = slice(local * chunk, (local + 1) * chunk)
-        end = (global_chunk + 1) * chunk  # the chunk's queries are the last of the keys up to its end
-        documents = None if spans is None else prefix_cu_seqlens(spans, end)
+    for rows, end, documents in pieces:
         result = differential_attention(q1[rows].transpose(0, 1), k1[:, :end], q2[rows].transpose(0, 1), k2[:, :end],
                                         v[:, :end], lam, cu_seqlens=documents, **options)
         if integral:  # the integral term needs A1 V of every chunk, which the attention computes anyway
@@ -62,19 +83,22 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
             first_map_outputs.append(first_map.float())
         outputs.append(result)
     if integral:
+        batch, seq = k1.shape[:2]
         starts = (torch.zeros(batch, seq, dtype=torch.long) if spans is None
                   else document_bounds(spans)[0]).to(outputs[0].device)
-        outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk)
+        outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, q1.shape[0] // 2)
     return torch.cat(outputs, dim=1)
 
 
-def _add_integral_term(outputs, first_map_outputs, lam, starts, group, cp_size, cp_rank, chunk):
+def _add_integral_term(outputs, first_map_outputs, lam, starts, chunk):
     """out += lam * the running mean of A1 V over each position's document so far, across CP ranks.
 
     starts: [b, S] each position's document start. Each chunk's sum of A1 V since the last
     document start in it (its tail) is gathered; a chunk's carry is the sum over the positions
     before it of the document open at its start, built from the earlier chunks' tails.
     """
+    group = parallel_state.get_context_parallel_group()
+    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     within, tails = [], []
     for first_map, global_chunk in zip(first_map_outputs, rank_chunks(cp_rank, cp_size)):
         local_starts = starts[:, global_chunk * chunk:(global_chunk + 1) * chunk] - global_chunk * chunk

@@ -4,13 +4,14 @@ megatron-core's local DotProductAttention materialises the N x N scores (baddbmm
 without TransformerEngine the baseline would train slower and in O(N^2) memory while the
 differential variants run fused kernels: comparisons between them would measure that, not the
 attention variant. This module is the same computation through `megadiff.ops.softmax_attention`,
-with causal masking like the differential core attention.
+with causal masking and context parallelism like the differential core attention.
 """
 from __future__ import annotations
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megadiff.models.context_parallel import context_parallel_softmax_attention
 from megadiff.models.documents import packed_documents
 from megadiff.ops import softmax_attention
 
@@ -30,8 +31,12 @@ class SoftmaxCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported")
         seq, batch = query.shape[:2]
-        # megatron's [s, b, heads, d] -> [b, s, heads, d]
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-        out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
-                                cu_seqlens=packed_documents(packed_seq_params))
+        documents = packed_documents(packed_seq_params)
+        if self.config.context_parallel_size > 1:
+            out = context_parallel_softmax_attention(query, key, value, softmax_scale=self.softmax_scale,
+                                                     cu_seqlens=documents)
+        else:
+            # megatron's [s, b, heads, d] -> [b, s, heads, d]
+            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+            out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, cu_seqlens=documents)
         return out.transpose(0, 1).reshape(seq, batch, -1)
