@@ -1,5 +1,6 @@
 """The checkpoint commands under torchrun: evaluate, needles and outliers run by two real gloo ranks
-split the sequences (cases) between them, and rank 0 reports what one process reports."""
+split the sequences (cases) between them, and rank 0 reports what one process reports and shows
+the progress."""
 from __future__ import annotations
 
 import json
@@ -85,3 +86,5 @@ def test_two_ranks_share_the_work_and_report_what_one_process_reports(run, tmp_p
     rank0, _, rank1 = logs.partition("----- rank 1 -----")
     for title in ("valid loss", "mean accuracy", "largest |activations|"):
         assert title in rank0 and title not in rank1, title
+    # and a progress bar for each command, with the rate of both ranks
+    assert "needles 2 lengths x 2 depths x 2 trials" in rank0 and rank0.count("tokens/s") >= 3

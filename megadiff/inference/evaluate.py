@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from megadiff.config import ConfigError
@@ -29,7 +28,8 @@ from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.loader import CausalLM, load_checkpoint
-from megadiff.inference.ranks import rank_and_world, reports, share, sum_across_ranks
+from megadiff.inference.progress import ProgressTask, command_progress
+from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
 
 SPLITS = ("valid", "test")
 
@@ -155,9 +155,7 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
     prefixes, weights = training_blend(cfg.data)
-    progress = Progress(TextColumn("evaluate {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True),
-                        disable=not reports())
+    progress = command_progress("evaluate")
     with progress:
         per_source = [_source_losses(model, source_config(cfg, prefix), split, sequences, batch_size, console,
                                      progress) for prefix in prefixes]
@@ -178,20 +176,13 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
 
 def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
                    progress: Progress) -> torch.Tensor:
-    """position_losses() of cfg's one prefix, with a progress bar of its own (rank 0's share; the
-    rate counts every rank's tokens, taking the others to go as fast)."""
+    """position_losses() of cfg's one prefix, with a progress bar of its own."""
     dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
     count = min(sequences, len(dataset))
-    _, world = rank_and_world()
-    task = progress.add_task(cfg.data.prefix, total=len(range(count)[::world]), rate="")
-    start, done = time.perf_counter(), 0
+    task = ProgressTask(progress, cfg.data.prefix, share_size(count))
 
     def advance(batch: int) -> None:
-        nonlocal done
-        done += batch
-        rate = done * world * cfg.model.seq_length / (time.perf_counter() - start)
-        ranks = f" on {world} ranks" if world > 1 else ""
-        progress.update(task, advance=batch, rate=f"{rate:,.0f} tokens/s{ranks}")
+        task.advance(batch, batch * cfg.model.seq_length)
 
     eod = model.tokenizer.eod if cfg.data.document_masking else None
     return position_losses(model, dataset, count, batch_size, advance, eod)

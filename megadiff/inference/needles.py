@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +27,8 @@ from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import check_request, command_console, evaluation_config, write_report
 from megadiff.inference.loader import CausalLM, load_checkpoint
-from megadiff.inference.ranks import share, sum_across_ranks
+from megadiff.inference.progress import ProgressTask, command_progress
+from megadiff.inference.ranks import share, share_size, sum_across_ranks
 from megadiff.inference.outliers import attention_maps, softmax_scale
 
 CITIES = ("Paris", "Lisbon", "Nairobi", "Lima", "Oslo", "Hanoi", "Quito", "Dakar", "Perth", "Riga", "Tunis",
@@ -148,10 +149,12 @@ def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
 
 
 def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, lengths: list[int],
-                   depths: list[float], needles: int, trials: int, seed: int, attention: bool = False) -> dict:
+                   depths: list[float], needles: int, trials: int, seed: int, attention: bool = False,
+                   on_case: Callable[[Case], None] | None = None) -> dict:
     """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack);
     with `attention` (a CausalLM model), also the attention to the answer and the noise per cell.
-    Each rank scores its share of the cases; every rank draws them all, in one order, from `seed`."""
+    Each rank scores its share of the cases (calling `on_case` after each); every rank draws them
+    all, in one order, from `seed`."""
     rng = random.Random(seed)
     measures = ("accuracy", "attention_to_answer", "attention_noise") if attention else ("accuracy",)
     cases = (build_case(tokenizer, haystack, length, depth, needles, rng)
@@ -161,6 +164,8 @@ def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, le
         results[index, 0] = float(retrieved(model, case))
         if attention:
             results[index, 1:] = torch.tensor(attention_allocation(model, case), dtype=torch.float64)
+        if on_case is not None:
+            on_case(case)
     cells = sum_across_ranks(results).view(len(lengths), len(depths), trials, len(measures)).mean(2)
     grids = {name: cells[..., column].tolist() for column, name in enumerate(measures)}
     return {"lengths": lengths, "depths": depths, "needles": needles, "trials": trials, **grids,
@@ -192,8 +197,11 @@ def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], need
     console = command_console()
     cfg = evaluation_config(model, None, overrides)
     ensure_prepared(cfg)
-    report = retrieval_grid(model, model.tokenizer, held_out_tokens(cfg, split), lengths, depths, needles, trials,
-                            seed, attention=attention)
+    with command_progress("needles") as progress:
+        task = ProgressTask(progress, f"{len(lengths)} lengths x {len(depths)} depths x {trials} trials",
+                            share_size(len(lengths) * len(depths) * trials))
+        report = retrieval_grid(model, model.tokenizer, held_out_tokens(cfg, split), lengths, depths, needles,
+                                trials, seed, attention=attention, on_case=lambda case: task.advance(1, len(case.tokens)))
     report.update(checkpoint=str(model.checkpoint_dir), trained_length=model.cfg.model.seq_length)
     console.print(f"{report['checkpoint']}: retrieval of 1 of {needles} needles, {trials} cases per cell (trained "
                   f"on {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")

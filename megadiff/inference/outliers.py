@@ -13,7 +13,7 @@ states for DIFF.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from rich.table import Table
@@ -25,7 +25,8 @@ from megadiff.inference.evaluate import (
     check_request, command_console, evaluation_config, held_out_dataset, sample_batches, write_report,
 )
 from megadiff.inference.loader import CausalLM, load_checkpoint
-from megadiff.inference.ranks import gather_across_ranks, share, sum_across_ranks
+from megadiff.inference.progress import ProgressTask, command_progress
+from megadiff.inference.ranks import gather_across_ranks, share, share_size, sum_across_ranks
 from megadiff.models.differential_attention import DifferentialCoreAttention
 
 TOP = (1, 2, 3, 10, 100)
@@ -144,13 +145,16 @@ class ActivationRecorder:
 
 
 @torch.no_grad()
-def record_activations(model: CausalLM, batches: Iterable[torch.Tensor]) -> dict:
+def record_activations(model: CausalLM, batches: Iterable[torch.Tensor],
+                       on_batch: Callable[[torch.Tensor], None] | None = None) -> dict:
     """{"attention_logits": ..., "hidden_states": ...} over the token batches [b, N] (of every rank:
-    each passes its own)."""
+    each passes its own, calling `on_batch` after each)."""
     recorder = ActivationRecorder(model.gpt)
     try:
         for tokens in batches:
             model.hidden_states(tokens)
+            if on_batch is not None:
+                on_batch(tokens)
     finally:
         recorder.close()
     recorder.logits.combine_ranks()
@@ -169,11 +173,14 @@ def outliers(load: str, split: str = "valid", seq_length: int | None = None, seq
     prefixes, _ = training_blend(cfg.data)
     datasets = [held_out_dataset(source_config(cfg, prefix), model.tokenizer, split, sequences, console)
                 for prefix in prefixes]  # sequences from each source of a blend
-    batches = (tokens for dataset in datasets
-               for tokens, _ in sample_batches(dataset, list(share(range(min(sequences, len(dataset))))), batch_size))
-    report = record_activations(model, batches)
+    counts = [min(sequences, len(dataset)) for dataset in datasets]
+    batches = (tokens for dataset, count in zip(datasets, counts)
+               for tokens, _ in sample_batches(dataset, list(share(range(count))), batch_size))
+    with command_progress("outliers") as progress:
+        task = ProgressTask(progress, ", ".join(prefixes), sum(share_size(count) for count in counts))
+        report = record_activations(model, batches, lambda tokens: task.advance(len(tokens), tokens.numel()))
     report.update(checkpoint=str(model.checkpoint_dir), variant=model.cfg.model.variant, split=split,
-                  data=prefixes, sequences=sum(min(sequences, len(d)) for d in datasets),
+                  data=prefixes, sequences=sum(counts),
                   seq_length=cfg.model.seq_length)
     table = Table(title=f"{report['checkpoint']} ({report['variant']}): largest |activations| over "
                         f"{report['sequences']} sequences of {report['seq_length']} tokens")

@@ -37,6 +37,12 @@ def share(items: Iterable[Item]) -> Iterator[Item]:
     return islice(items, rank, None, world)
 
 
+def share_size(total: int) -> int:
+    """How many of `total` items share() gives this rank."""
+    rank, world = rank_and_world()
+    return len(range(rank, total, world))
+
+
 def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """The element-wise sum of every rank's `tensor`, where `tensor` is (collectives run on the
     compute device: NCCL reduces CUDA tensors only)."""

@@ -1,0 +1,34 @@
+"""Progress bars of the checkpoint commands: rank 0's share of the work, on stderr (the report
+goes to stdout), with a rate that counts every rank's tokens."""
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from megadiff.inference.ranks import rank_and_world, reports
+
+
+def command_progress(command: str) -> Progress:
+    """The command's bars (one task per source or grid), shown by rank 0 only."""
+    return Progress(TextColumn(f"{command} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True),
+                    disable=not reports())
+
+
+class ProgressTask:
+    """One bar over this rank's `items` (its share of the work), in tokens/s of all ranks (taking
+    the others to go as fast as this one)."""
+
+    def __init__(self, progress: Progress, description: str, items: int):
+        self.world = rank_and_world()[1]
+        self.progress = progress
+        self.task = progress.add_task(description, total=items, rate="")
+        self.started, self.tokens = time.perf_counter(), 0
+
+    def advance(self, items: int, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens * self.world / (time.perf_counter() - self.started)
+        ranks = f" on {self.world} ranks" if self.world > 1 else ""
+        self.progress.update(self.task, advance=items, rate=f"{rate:,.0f} tokens/s{ranks}")
