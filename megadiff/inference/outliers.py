@@ -180,8 +180,7 @@ def outliers(load: str, split: str = "valid", seq_length: int | None = None, seq
         task = ProgressTask(progress, ", ".join(prefixes), sum(share_size(count) for count in counts))
         report = record_activations(model, batches, lambda tokens: task.advance(len(tokens), tokens.numel()))
     report.update(checkpoint=str(model.checkpoint_dir), variant=model.cfg.model.variant, split=split,
-                  data=prefixes, sequences=sum(counts),
-                  seq_length=cfg.model.seq_length)
+                  data=prefixes, sequences=sum(counts), seq_length=cfg.model.seq_length)
     table = Table(title=f"{report['checkpoint']} ({report['variant']}): largest |activations| over "
                         f"{report['sequences']} sequences of {report['seq_length']} tokens")
     table.add_column("activation")
