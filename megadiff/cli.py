@@ -106,9 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")
+    evaluate.add_argument("--frequent-bigrams", type=float, default=None, metavar="PER_MILLION",
+                          help="Zoology's AR-hit filter: a bigram at least this frequent in the training split "
+                               "(per million bigrams) is not an AR hit")
+    evaluate.add_argument("--bigram-sample-tokens", type=int, default=None,
+                          help="training tokens counted for --frequent-bigrams (default 100M, spread over the split)")
     evaluate.set_defaults(run=lambda a: _target("megadiff.inference.evaluate:evaluate")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
-        buckets=a.buckets, overrides=a.overrides, output=a.output))
+        buckets=a.buckets, overrides=a.overrides, output=a.output, frequent_bigrams=a.frequent_bigrams,
+        bigram_sample_tokens=a.bigram_sample_tokens))
     outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
                                  "(the DIFF paper's activation outliers)")
     needles = _checkpoint_command(sub, "needles", "multi-needle retrieval accuracy by context length and depth "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,9 @@ from megadiff.config import ConfigError, build_config
 from megadiff.data.datasets import build_datasets
 from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
-from megadiff.inference.evaluate import evaluate, recall_hits, summarize
+from megadiff.inference import recall
+from megadiff.inference.evaluate import evaluate, summarize
+from megadiff.inference.recall import recall_hits, sample_windows, training_bigram_rates
 from tests.held_out_runs import held_out_run, write_documents
 
 
@@ -141,6 +144,10 @@ def test_bad_requests_are_config_errors(run, capsys):
     assert "data.* overrides only" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="gives the test split no documents"):
         evaluate(str(run_dir), split="test", sequences=2)
+    with pytest.raises(ConfigError, match="--frequent-bigrams must be > 0"):
+        evaluate(str(run_dir), frequent_bigrams=0.0)
+    with pytest.raises(ConfigError, match="--bigram-sample-tokens must be >= 1"):
+        evaluate(str(run_dir), frequent_bigrams=1.0, bigram_sample_tokens=0)
 
 
 def test_more_sequences_than_the_split_holds_evaluates_each_once(run):
@@ -159,3 +166,63 @@ def test_more_sequences_than_the_split_holds_evaluates_each_once(run):
     repeated = build_datasets(long_cfg, model.tokenizer, (0, asked, 0), seed=long_cfg.train.seed)[1]
     first = [tuple(np.asarray(repeated[i]["tokens"]).tolist()) for i in range(len(dataset))]
     assert len(set(first)) < len(first)  # what megatron gives when asked for more: repeats among them
+
+
+def training_tokens(cfg) -> np.ndarray:
+    """The training split's tokens, read document by document through megatron's IndexedDataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megadiff.data.checks import split_documents
+
+    documents = IndexedDataset(cfg.data.prefix)
+    first, last, _ = split_documents(documents.sequence_lengths, cfg.data.split)["train"]
+    return np.concatenate([documents[i] for i in range(first, last)]).astype(np.int64)
+
+
+def naive_rates(tokens: np.ndarray, bigrams: list[tuple[int, int]]) -> np.ndarray:
+    counts = Counter(zip(tokens[:-1].tolist(), tokens[1:].tolist()))
+    return np.array([counts[bigram] * 1e6 / (len(tokens) - 1) for bigram in bigrams])
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 1000])  # one piece, and pieces whose edges split bigrams
+def test_training_bigram_rates_count_the_training_split(run, monkeypatch, chunk):
+    _, cfg = run
+    monkeypatch.setattr(recall, "COUNT_CHUNK_TOKENS", chunk)
+    tokens = training_tokens(cfg)
+    common = Counter(zip(tokens[:-1].tolist(), tokens[1:].tolist())).most_common(20)
+    bigrams = [bigram for bigram, _ in common[::4]] + [(int(tokens.max()) + 1, 0)]  # the last never occurs
+    keys = recall.bigram_keys(*(np.array(side) for side in zip(*bigrams)))
+    rates = training_bigram_rates(cfg.data.prefix, cfg.data.split, keys, sample_tokens=10 ** 9)
+    np.testing.assert_allclose(rates, naive_rates(tokens, bigrams), rtol=1e-12)
+    assert rates[-1] == 0 and rates[0] > rates[1] > 0
+
+
+def test_sampled_windows_spread_over_the_split():
+    assert sample_windows(10, 50, 40) == sample_windows(10, 50, 100) == [(10, 50)]
+    for begin, end, sample, windows in ((0, 10_000, 1_000, 64), (7, 1_007, 999, 8), (0, 100, 3, 64)):
+        ranges = sample_windows(begin, end, sample, windows)
+        assert sum(stop - start for start, stop in ranges) == sample
+        assert ranges[0][0] == begin and 0 <= end - ranges[-1][1] < len(ranges)
+        assert all(start < stop <= following for (start, stop), (following, _) in zip(ranges, ranges[1:]))
+
+
+def test_frequent_training_bigrams_are_not_ar_hits(run, tmp_path):
+    """Zoology's filter: the CLI's AR hits are the naive hits whose bigram is rarer in the training
+    split than the threshold; the others take the rest."""
+    run_dir, cfg = run
+    naive, hits = _naive_losses(run_dir, cfg, cfg.model.seq_length, 5)
+    model = load_checkpoint(run_dir)
+    valid = build_datasets(cfg, model.tokenizer, (0, 5, 0), seed=cfg.train.seed)[1]
+    bigrams = [(int(t), int(n)) for i in range(5) for t, n in zip(valid[i]["tokens"], valid[i]["labels"])]
+    rates = naive_rates(training_tokens(cfg), bigrams).reshape(hits.shape)
+    threshold = float(np.median(rates[hits.numpy() & (rates > 0)]))
+    rare = hits & torch.from_numpy(rates < threshold)
+    assert 0 < rare.sum() < hits.sum()
+
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "5", "--output", str(out),
+                 "--frequent-bigrams", str(threshold)]) == 0
+    report = json.loads(out.read_text())
+    assert report["frequent_bigrams"] == {"per_million": threshold, "sample_tokens": recall.DEFAULT_SAMPLE_TOKENS}
+    for name, mask in (("ar_hit", rare), ("others", ~rare)):
+        assert report["recall"][name]["tokens"] == int(mask.sum())
+        assert report["recall"][name]["loss"] == pytest.approx(naive[mask].mean().item(), rel=1e-5)

@@ -15,7 +15,8 @@ from tests.distributed import run_ranks
 from tests.held_out_runs import held_out_run
 
 COMMANDS = {
-    "evaluate": ["--sequences", "5", "--batch-size", "2", "--buckets", "4"],
+    "evaluate": ["--sequences", "5", "--batch-size", "2", "--buckets", "4", "--frequent-bigrams", "2000",
+                 "--bigram-sample-tokens", "5000"],  # 64 windows of the training split, shared by the ranks
     "needles": ["--lengths", "160", "256", "--depths", "0", "1", "--trials", "2", "--attention"],
     "outliers": ["--sequences", "3", "--batch-size", "2"],
 }

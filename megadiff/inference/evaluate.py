@@ -8,12 +8,13 @@ the mean loss of the positions in it and the cumulative mean up to its end (the 
 long-context curve: it should keep falling as the context grows). JSON with --output.
 The loss is also split as the DIFF paper's ablations (its table 6, after Zoology) split it: on
 "AR-hit" tokens, which complete a bigram seen earlier in the context (associative recall), and on
-the others.
+the others (inference/recall.py).
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -33,6 +34,9 @@ from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
+from megadiff.inference.recall import (
+    DEFAULT_SAMPLE_TOKENS, FrequentBigrams, blend_recall, recall_hits, recall_split,
+)
 
 SPLITS = ("valid", "test")
 
@@ -99,37 +103,6 @@ def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, o
     return sum_across_ranks(losses)
 
 
-def recall_hits(dataset, sequences: int, document_eod: int | None = None) -> torch.Tensor:
-    """[sequences, N] booleans: whether the token a position predicts completes a bigram (that
-    position's token, the next) already in its context; with `document_eod`, in its document."""
-    rows = []
-    for index in range(sequences):
-        tokens, labels = (np.asarray(dataset[index][key]).tolist() for key in ("tokens", "labels"))
-        seen, hits = set(), []
-        for current, following in zip(tokens, labels):
-            hits.append((current, following) in seen)
-            seen.add((current, following))
-            if current == document_eod:
-                seen.clear()
-        rows.append(hits)
-    return torch.tensor(rows, dtype=torch.bool).reshape(sequences, -1)
-
-
-def recall_split(losses: torch.Tensor, hits: torch.Tensor) -> dict:
-    """Mean loss and token count of the AR-hit positions and of the others."""
-    def part(mask: torch.Tensor) -> dict:
-        count = int(mask.sum())
-        return {"loss": losses[mask].double().mean().item() if count else float("nan"), "tokens": count}
-    return {"ar_hit": part(hits), "others": part(~hits)}
-
-
-def blend_recall(splits: list[dict], weights: list[float]) -> dict:
-    """recall_split() of a blend: each slice's loss weighted as blend_summary weights the sources."""
-    total = sum(weights)
-    return {name: {"loss": sum(split[name]["loss"] * weight for split, weight in zip(splits, weights)) / total,
-                   "tokens": sum(split[name]["tokens"] for split in splits)} for name in ("ar_hit", "others")}
-
-
 def summarize(losses: torch.Tensor, buckets: int) -> dict:
     """Mean loss, perplexity and per-bucket (mean, cumulative mean) of [sequences, N] losses."""
     return summarize_positions(losses.double().mean(0), losses.shape[0], buckets)
@@ -181,9 +154,16 @@ def check_request(command: str, split: str, overrides: Iterable[str], **counts: 
 
 
 def evaluate(load: str, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
-             batch_size: int = 1, buckets: int = 8, overrides: Iterable[str] = (), output: str | None = None) -> int:
-    """`megadiff evaluate --load RUN`: print (and with `output`, write as JSON) the held-out losses."""
-    check_request("evaluate", split, overrides, sequences=sequences, batch_size=batch_size, buckets=buckets)
+             batch_size: int = 1, buckets: int = 8, overrides: Iterable[str] = (), output: str | None = None,
+             frequent_bigrams: float | None = None, bigram_sample_tokens: int | None = None) -> int:
+    """`megadiff evaluate --load RUN`: print (and with `output`, write as JSON) the held-out losses;
+    with `frequent_bigrams` (per million), Zoology's filter on the AR hits (inference/recall.py)."""
+    sample_tokens = DEFAULT_SAMPLE_TOKENS if bigram_sample_tokens is None else bigram_sample_tokens
+    check_request("evaluate", split, overrides, sequences=sequences, batch_size=batch_size, buckets=buckets,
+                  bigram_sample_tokens=sample_tokens)
+    if frequent_bigrams is not None and not frequent_bigrams > 0:
+        raise ConfigError(f"--frequent-bigrams must be > 0 (occurrences per million), got {frequent_bigrams}")
+    frequent = None if frequent_bigrams is None else FrequentBigrams(frequent_bigrams, sample_tokens)
     model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model, seq_length, overrides)
@@ -192,7 +172,7 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     progress = command_progress("evaluate")
     with progress:
         per_source = [_source_losses(model, source_config(cfg, prefix), split, sequences, batch_size, console,
-                                     progress) for prefix in prefixes]
+                                     progress, frequent) for prefix in prefixes]
     splits = [recall_split(losses, hits) for losses, hits in per_source]
     if len(prefixes) == 1:
         report = {**summarize(per_source[0][0], buckets), "recall": splits[0]}
@@ -204,14 +184,15 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
         report["sources"] = [{"prefix": prefix, "weight": weight, **summarize(losses, buckets), "recall": split}
                              for prefix, weight, (losses, _), split in zip(prefixes, weights, per_source, splits)]
     report.update(checkpoint=str(model.checkpoint_dir), split=split, data=prefixes,
-                  document_masking=cfg.data.document_masking)
+                  document_masking=cfg.data.document_masking,
+                  frequent_bigrams=None if frequent is None else asdict(frequent))
     _print(console, report)
     write_report(console, report, output)
     return 0
 
 
 def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
-                   progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
+                   progress: Progress, frequent: FrequentBigrams | None) -> tuple[torch.Tensor, torch.Tensor]:
     """position_losses() and recall_hits() of cfg's one prefix, with a progress bar of its own."""
     dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
     count = min(sequences, len(dataset))
@@ -221,7 +202,11 @@ def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size:
         task.advance(batch, batch * cfg.model.seq_length)
 
     eod = model.tokenizer.eod if cfg.data.document_masking else None
-    return position_losses(model, dataset, count, batch_size, advance, eod), recall_hits(dataset, count, eod)
+    losses = position_losses(model, dataset, count, batch_size, advance, eod)
+    if frequent is not None:  # tens of seconds at the default sample on one rank
+        console.print(f"evaluate: counting bigrams in up to {frequent.sample_tokens:,} training tokens of "
+                      f"{cfg.data.prefix}")
+    return losses, recall_hits(dataset, count, eod, frequent, cfg.data)
 
 
 def _print(console: Console, report: dict) -> None:
@@ -233,8 +218,10 @@ def _print(console: Console, report: dict) -> None:
         lo, hi = row["positions"]
         table.add_row(f"{lo:,}-{hi - 1:,}", f"{row['mean_loss']:.4f}", f"{row['cumulative_loss']:.4f}")
     console.print(table)
-    recall = report["recall"]
-    console.print(f"AR-hit tokens (a bigram seen before in the context): loss {recall['ar_hit']['loss']:.4f} over "
+    recall, frequent = report["recall"], report["frequent_bigrams"]
+    rare = "" if frequent is None else f", rarer than {frequent['per_million']:g} per million training bigrams"
+    console.print(f"AR-hit tokens (a bigram seen before in the context{rare}): loss {recall['ar_hit']['loss']:.4f} "
+                  f"over "
                   f"{recall['ar_hit']['tokens']:,}; the others: {recall['others']['loss']:.4f} over "
                   f"{recall['others']['tokens']:,}")
     for source in report.get("sources", ()):
