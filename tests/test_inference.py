@@ -1,6 +1,7 @@
 """load_checkpoint (every --load path form) gives the in-process model's logits [B, N, V_padded];
-`megadiff generate` prints greedy text equal to a naive argmax loop, and seeded sampling that is
-reproducible and stays within the top-k."""
+a KV-cached forward, a prompt then a token at a time, gives the whole sequence's logits (every
+variant); `megadiff generate` prints greedy text equal to a naive argmax loop (past the window
+too), and seeded sampling that is reproducible and stays within the top-k."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from megadiff.cli import main
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from megadiff.inference.generate import generate
-from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
 PROMPT = "In the beginning"
 
@@ -105,3 +106,31 @@ def test_sampling_draws_only_from_the_top_k(run):
         assert token in top, (step, token, top)
     greedy = generate(reference, prompt, max_new_tokens=8)
     assert new != greedy  # a high temperature over three candidates leaves the argmax path
+
+
+@pytest.mark.parametrize("variant", ["softmax", "diff", "dint", "shared_diff"])
+def test_cached_forward_gives_the_whole_sequences_logits(run, variant):
+    model = reference_model(variant_config(variant, "single", run[1].cfg.data.tokenizer))
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(batch_size=2, max_length=12)
+    with torch.no_grad():
+        whole = model(ids)
+        steps = [model.next_token_logits(ids[:, start:stop], cache) for start, stop in ((0, 7), (7, 8), (8, 9), (9, 12))]
+    torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, [6, 7, 8, 11]], rtol=1e-5, atol=1e-5)
+    assert cache.length == 12
+    with pytest.raises(ValueError, match="holds 12 positions: 12 cached, 1 more"):
+        model.next_token_logits(ids[:, :1], cache)
+    with pytest.raises(ValueError, match="no document masking"):
+        model.hidden_states(ids, document_eod=0, cache=model.new_cache(batch_size=2))
+
+
+def test_generation_past_the_window_equals_a_windowed_argmax_loop(run):
+    """28 prompt tokens, 10 new ones, a window of 32: the last 6 steps slide the context."""
+    _, reference = run
+    window = reference.cfg.model.seq_length
+    prompt = torch.randint(1, 300, (window - 4,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(reference(torch.tensor([ids[-window:]]))[0, -1].argmax()))
+    assert generate(reference, prompt, max_new_tokens=10) == ids[len(prompt):]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megadiff.ops import (
-    depth_lambda_init, differential_attention, differential_attention_reference, differential_attention_sdpa,
+    IntegralCarry, depth_lambda_init, differential_attention, differential_attention_reference, differential_attention_sdpa,
     reparameterized_lambda, softmax_attention,
 )
 
@@ -121,6 +121,29 @@ def test_fewer_queries_than_keys_is_bottom_right_causal(impl):
     inputs = make_inputs(n=3, n_k=7)
     expected = paper_formula(*inputs, causal=True, integral=False)
     torch.testing.assert_close(IMPLEMENTATIONS[impl](*inputs, causal=True).double(), expected.detach())
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "sdpa_split_v"])
+@pytest.mark.parametrize("integral", [False, True])
+def test_incremental_calls_continue_the_whole_sequence(backend, integral):
+    """A prompt of 5 positions, then one position a call, then 3 (KV-cache decoding): each call's
+    queries with every key so far, the DINT integral carried, give the whole sequence's rows."""
+    inputs = [t.detach() for t in make_inputs(n=10, per_head=True)]
+    q1, k1, q2, k2, v, lam = inputs
+    expected = paper_formula(*inputs, causal=True, integral=integral)
+    carry, rows = IntegralCarry(), []
+    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 10)):
+        rows.append(differential_attention(q1[:, start:stop], k1[:, :stop], q2[:, start:stop], k2[:, :stop],
+                                           v[:, :stop], lam, integral=integral, backend=backend,
+                                           integral_carry=carry))
+    torch.testing.assert_close(torch.cat(rows, dim=1).double(), expected, rtol=1e-9, atol=1e-9)
+    assert carry.count == (10 if integral else 0)
+
+
+def test_integral_carry_takes_no_documents():
+    with pytest.raises(ValueError, match="no document boundaries"):
+        differential_attention(*make_inputs(), integral=True, integral_carry=IntegralCarry(),
+                               cu_seqlens=torch.tensor([0, 4, 9]))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])

@@ -65,6 +65,8 @@ def _grid() -> dict[str, Case]:
         "blocks32x16": Case(blocks=(32, 16), integral=True, per_head_lam=True),
         "fewer-queries-causal": Case(n_q=20, n_k=45, per_head_lam=True),
         "fewer-queries-full": Case(causal=False, n_q=20, n_k=45),
+        # a KV-cached decoding step: one query after 44 cached keys (the DINT carry needs A1 V too)
+        "decode-one-query-first-map": Case(n_q=1, n_k=45, first_map=True, per_head_lam=True),
         "odd-head-dims": Case(d=24, dv=40, n_q=29, n_k=29, integral=True),
         "strided-inputs": Case(strided=True, per_head_lam=True),
         "first-map-diff": Case(first_map=True, per_head_lam=True),
@@ -343,6 +345,7 @@ GPU_CASES = {
     "full-gqa-diff-n2048": Case(causal=False, n_q=2048, n_k=2048, batch=1),
     "causal-mha-diff-n3000": Case(gqa=False, n_q=3000, n_k=3000, batch=1, per_head_lam=True),
     "causal-gqa-first-map-n2000": Case(n_q=2000, n_k=2000, batch=1, first_map=True),
+    "decode-one-query-of-4096-first-map": Case(n_q=1, n_k=4096, batch=2, first_map=True),
     "causal-gqa-dint-documents-n3000": Case(n_q=3000, n_k=3000, integral=True,
                                             documents=(0, 700, 3000, 3001, 4500, 6000)),
     # context parallelism's chunk: the last 1000 queries of 3000 keys, documents across them

@@ -1,8 +1,8 @@
 """Text generation from a megadiff checkpoint: greedy, or sampling with temperature / top-k.
 
-Each step runs the whole (windowed) sequence through the model: megatron's local
-layers keep no KV cache. For fast generation, convert to Hugging Face and use
-`generate()` there (the exports cache keys and values).
+The prompt runs once; then each new token runs alone, the earlier positions' keys and values
+(and DINT's running sum) kept in a KV cache. Past the model's window, the context slides as
+in training: each step then runs the last `seq_length` tokens afresh (their positions moved).
 """
 from __future__ import annotations
 
@@ -33,16 +33,20 @@ def generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, t
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
     window = model.cfg.model.seq_length
     ids = list(prompt_ids)
+    cache = model.new_cache(max_length=min(window, len(ids) + max_new_tokens))
+    pending = ids[-window:]  # what the cache has not seen yet
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], device=device)
-        logits = model.next_token_logits(context)[0].float().cpu()
+        if cache.length + len(pending) > cache.max_length:
+            cache.reset()
+            pending = ids[-window:]
+        logits = model.next_token_logits(torch.tensor([pending]), cache)[0].float().cpu()
         if vocab_in_use is not None:
             logits[vocab_in_use:] = float("-inf")
         token = next_token(logits, temperature, top_k, generator)
         ids.append(token)
+        pending = [token]
         if token == stop_id or (stop is not None and stop(ids[len(prompt_ids):])):
             break
     return ids[len(prompt_ids):]

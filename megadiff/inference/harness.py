@@ -11,8 +11,7 @@ requests; rank 0 prints and writes the results.
 each query's row; the DIFF paper's Figure 8: HellaSwag accuracy from 16 down to 4 bits, DIFF
 against the softmax Transformer), through the reference attention that materialises the maps.
 
-Generation here recomputes the whole window for every token (megatron's local layers keep no KV
-cache): for generative tasks at scale, convert to Hugging Face and run `lm_eval --model hf`.
+Generation runs the context once, then each new token alone (KV cache: inference/generate.py).
 """
 from __future__ import annotations
 

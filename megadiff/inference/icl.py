@@ -85,16 +85,18 @@ def arranged(demonstrations: Sequence[Example], arrangement: str, order_seed: in
 
 
 def constrained_answer(model: CausalLM, prompt: list[int], labels: Sequence[list[int]]) -> int:
-    """The index of the label that greedy decoding restricted to label continuations gives; a
-    forward pass per token until one label is left (labels' token sequences are prefix-free)."""
-    alive, ids = list(range(len(labels))), list(prompt)
+    """The index of the label that greedy decoding restricted to label continuations gives; the
+    prompt runs once, then each chosen token (KV cache) until one label is left (labels' token
+    sequences are prefix-free)."""
+    alive, step = list(range(len(labels))), 0
+    cache = model.new_cache(max_length=len(prompt) + max(len(tokens) for tokens in labels))
+    pending = prompt
     while len(alive) > 1:
-        step = len(ids) - len(prompt)
         allowed = sorted({labels[i][step] for i in alive})
-        logits = model.next_token_logits(torch.tensor([ids]))[0]
+        logits = model.next_token_logits(torch.tensor([pending]), cache)[0]
         choice = allowed[int(logits[allowed].argmax())]
         alive = [i for i in alive if labels[i][step] == choice]
-        ids.append(choice)
+        pending, step = [choice], step + 1
     return alive[0]
 
 

@@ -22,6 +22,7 @@ from megadiff.config import Config, ParallelConfig
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.models import build_model, to_transformer_config
 from megadiff.models.documents import document_cu_seqlens, document_packing
+from megadiff.models.kv_cache import KVCache
 from megadiff.parallel import initialize
 
 # a checkpoint may carry its own Hugging Face tokenizer files here (from-hf writes them)
@@ -123,18 +124,30 @@ class CausalLM(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.gpt.parameters()).device
 
-    def hidden_states(self, input_ids: torch.Tensor, document_eod: int | None = None) -> torch.Tensor:
+    def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> KVCache:
+        """A KV cache for hidden_states(cache=) (default room: the model's window)."""
+        return KVCache(self.gpt, batch_size, max_length or self.cfg.model.seq_length)
+
+    def hidden_states(self, input_ids: torch.Tensor, document_eod: int | None = None,
+                      cache: KVCache | None = None) -> torch.Tensor:
         """[N, B, H]: the decoder's output after its final norm, on the model's device; with
-        `document_eod`, attention stays within the documents that token ends (data.document_masking)."""
+        `document_eod`, attention stays within the documents that token ends (data.document_masking).
+        With `cache`, input_ids continue the positions it holds (and are added to them)."""
+        if cache is not None and document_eod is not None:
+            raise ValueError("a KV cache continues one sequence: it takes no document masking")
         batch, seq = input_ids.shape
         documents = None if document_eod is None else document_packing(
             document_cu_seqlens(input_ids.cpu(), document_eod), seq)
         input_ids = input_ids.to(self.device)
-        positions = torch.arange(seq, device=self.device).expand(batch, seq)
+        start = 0 if cache is None else cache.length
+        positions = torch.arange(start, start + seq, device=self.device).expand(batch, seq)
         # megatron's last-pipeline-stage flag: without it GPTModel.forward returns before the output layer
         self.gpt.post_process = False
         try:
-            return self.gpt(input_ids, positions, None, packed_seq_params=documents)
+            if cache is None:
+                return self.gpt(input_ids, positions, None, packed_seq_params=documents)
+            with cache.extending(seq) as context:
+                return self.gpt(input_ids, positions, None, inference_context=context, runtime_gather_output=True)
         finally:
             self.gpt.post_process = True
 
@@ -161,9 +174,10 @@ class CausalLM(torch.nn.Module):
         would take 26 GB in fp32 for a 100K vocabulary)."""
         return self.output_logits(self.hidden_states(input_ids)[positions]).transpose(0, 1)
 
-    def next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, V]: the logits of the last position only (generation needs no others)."""
-        return self.logits_at(input_ids, [-1])[:, 0]
+    def next_token_logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """[B, V]: the logits of the last position only (generation needs no others); with `cache`,
+        input_ids continue the positions it holds."""
+        return self.output_logits(self.hidden_states(input_ids, cache=cache)[-1:])[0]
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> CausalLM:

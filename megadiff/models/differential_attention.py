@@ -15,7 +15,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megadiff.models.context_parallel import context_parallel_differential_attention
 from megadiff.models.documents import packed_documents
-from megadiff.ops import depth_lambda_init, differential_attention, reparameterized_lambda
+from megadiff.ops import IntegralCarry, depth_lambda_init, differential_attention, reparameterized_lambda
 
 
 def layer_lambda_init(lambda_init: str | float, layer_number: int) -> float:
@@ -45,6 +45,8 @@ class DifferentialCoreAttention(MegatronModule):
         # set by single-process inference only (the DIFF paper's Figure 8): attention logits quantized to
         # these bits (megadiff.inference.harness)
         self.attention_logit_bits: int | None = None
+        # set while a KVCache decodes (DINT only): the integral's running sum over the cached positions
+        self.integral_carry: IntegralCarry | None = None
         self.reset_lambda_parameters()
 
     def reset_lambda_parameters(self) -> None:
@@ -69,8 +71,9 @@ class DifferentialCoreAttention(MegatronModule):
         seq, batch, d = query.shape[0], query.shape[1], self.head_dim
         # [s, b, 2h, d] -> two [s, b, h, d] maps; adjacent megatron heads are one differential head
         q1, q2 = query.reshape(seq, batch, -1, 2, d).unbind(dim=3)
-        k1, k2 = key.reshape(seq, batch, -1, 2, d).unbind(dim=3)
-        v = value.reshape(seq, batch, -1, 2 * d)
+        # keys may outnumber queries: a decoding step's queries attend to the cached keys too
+        k1, k2 = key.reshape(*key.shape[:2], -1, 2, d).unbind(dim=3)
+        v = value.reshape(*value.shape[:2], -1, 2 * d)
         lam = self.current_lambda()
         if self.config.context_parallel_size > 1:
             out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
@@ -80,7 +83,7 @@ class DifferentialCoreAttention(MegatronModule):
             q1, k1, q2, k2, v = (t.transpose(0, 1) for t in (q1, k1, q2, k2, v))
             out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,
                                          softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=documents,
-                                         logit_bits=self.attention_logit_bits)
+                                         logit_bits=self.attention_logit_bits, integral_carry=self.integral_carry)
         weight = self._replicated(self.head_norm_weight)
         out = F.rms_norm(out.float(), (2 * d,), weight.float(), self.head_norm_eps) * (1.0 - self.lambda_init)
         return out.to(query.dtype).transpose(0, 1).reshape(seq, batch, -1)

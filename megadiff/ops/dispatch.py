@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 
+from megadiff.ops.common import lambda_per_head
 from megadiff.ops.documents import attend_by_document
+from megadiff.ops.incremental import IntegralCarry
 from megadiff.ops.reference import differential_attention_reference
 from megadiff.ops.sdpa import differential_attention_sdpa
 
@@ -41,7 +43,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
 
 def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integral: bool = False,
                            softmax_scale: float | None = None, backend: str = "auto",
-                           return_first_map: bool = False, cu_seqlens=None, logit_bits: int | None = None):
+                           return_first_map: bool = False, cu_seqlens=None, logit_bits: int | None = None,
+                           integral_carry: IntegralCarry | None = None):
     """(A1 - lam A2) V, plus lam * running-mean(A1 V) when `integral` (DINT).
 
     q1, q2: [B, N, Hq, d]; k1, k2: [B, Nk, Hkv, d]; v: [B, Nk, Hkv, dv]; lam: [] or [Hq].
@@ -53,7 +56,18 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integ
     restarts with each document.
     `logit_bits` quantizes every map's scores before its softmax (the DIFF paper's Figure 8), which
     only the reference, materialising the maps, can do: it runs whatever `backend` says.
+    `integral_carry` (with `integral`, incremental generation): the queries are the next positions
+    after those the carry has seen, the keys all positions so far; the running mean includes them.
     """
+    if integral and integral_carry is not None:
+        if cu_seqlens is not None:
+            raise ValueError("integral_carry continues one sequence: it takes no document boundaries")
+        out, first = differential_attention(q1, k1, q2, k2, v, lam, causal=causal, softmax_scale=softmax_scale,
+                                            backend=backend, return_first_map=True, logit_bits=logit_bits)
+        mean = integral_carry.running_mean(first)
+        lam_h = lambda_per_head(lam, q1.shape[2]).to(mean.dtype).view(1, 1, -1, 1)
+        out = (out.to(mean.dtype) + lam_h * mean).to(out.dtype)
+        return (out, first) if return_first_map else out
     kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale, return_first_map=return_first_map)
     if logit_bits is not None:
         backend = "reference"

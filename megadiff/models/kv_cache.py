@@ -1,0 +1,67 @@
+"""Incremental decoding of a single-process GPTModel: the keys and values of the positions already
+run stay in megatron's StaticInferenceContext, so a new token costs one position's forward pass.
+
+megatron's attention writes each call's keys and values into the context's buffers and hands the
+core attention every key so far (our core attentions mask causally, bottom-right aligned, so a
+call's queries see the cached positions and each other causally). The DINT integral also needs the
+sum of the first map's outputs over the cached positions: an IntegralCarry per layer, attached to
+its core attention while the cache runs.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megadiff.ops import IntegralCarry
+
+
+class KVCache:
+    """Room for `max_length` positions of `batch_size` sequences of `gpt` (TP1/PP1)."""
+
+    def __init__(self, gpt, batch_size: int, max_length: int):
+        self.context = StaticInferenceContext(batch_size, max_length)
+        weight = next(gpt.parameters())
+        self.core_attentions = [layer.self_attention.core_attention for layer in gpt.decoder.layers]
+        for layer in gpt.decoder.layers:
+            attention = layer.self_attention
+            # megatron would allocate these on torch.cuda.current_device(); here they sit with the model
+            self.context.key_value_memory_dict[attention.layer_number] = tuple(
+                torch.empty(max_length, batch_size, attention.num_query_groups_per_partition, width,
+                            dtype=weight.dtype, device=weight.device)
+                for width in (attention.key_hidden_size, attention.val_hidden_size))
+        self.carries = [IntegralCarry() if getattr(core, "integral", False) else None for core in self.core_attentions]
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far: the next call's first position."""
+        return self.context.sequence_len_offset
+
+    @property
+    def max_length(self) -> int:
+        return self.context.max_sequence_length
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are reused)."""
+        self.context.reset()
+        for carry in self.carries:
+            if carry is not None:
+                carry.reset()
+
+    @contextmanager
+    def extending(self, positions: int):
+        """Around a forward pass of the next `positions` positions: attaches the integral carries,
+        then counts the positions as cached."""
+        if self.length + positions > self.max_length:
+            raise ValueError(f"the cache holds {self.max_length} positions: {self.length} cached, {positions} more")
+        for core, carry in zip(self.core_attentions, self.carries):
+            if carry is not None:
+                core.integral_carry = carry
+        try:
+            yield self.context
+        finally:
+            for core, carry in zip(self.core_attentions, self.carries):
+                if carry is not None:
+                    core.integral_carry = None
+        self.context.sequence_len_offset += positions

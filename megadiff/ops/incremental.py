@@ -1,0 +1,33 @@
+"""The DINT integral term across incremental calls (generation with cached keys and values).
+
+Each call brings the next queries of the same sequences, attending to every key so far; the
+integral at a position is the mean of the first map's outputs A1 V over all positions up to it,
+most of which earlier calls computed. `IntegralCarry` keeps their sum.
+"""
+from __future__ import annotations
+
+import torch
+
+from megadiff.ops.common import compute_dtype
+
+
+class IntegralCarry:
+    """The sum and count of A1 V rows ([B, 1, H, dv], fp32 for low precision) over the positions so far."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count = 0
+
+    def reset(self) -> None:
+        self.total, self.count = None, 0
+
+    def running_mean(self, first_map_out: torch.Tensor) -> torch.Tensor:
+        """[B, n, H, dv] A1 V of the next n positions -> the running mean at each of them (in the
+        compute dtype), counting every earlier position; the carry then includes them."""
+        sums = first_map_out.to(compute_dtype(first_map_out.dtype)).cumsum(dim=1)
+        if self.total is not None:
+            sums = sums + self.total
+        n = first_map_out.shape[1]
+        counts = torch.arange(self.count + 1, self.count + n + 1, device=sums.device, dtype=sums.dtype)
+        self.total, self.count = sums[:, -1:], self.count + n
+        return sums / counts.view(1, -1, 1, 1)
