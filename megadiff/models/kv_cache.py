@@ -22,14 +22,14 @@ class KVCache:
 
     def __init__(self, gpt, batch_size: int, max_length: int):
         self.context = StaticInferenceContext(batch_size, max_length)
-        weight = next(gpt.parameters())
+        activations = gpt.embedding.word_embeddings.weight  # keys and values share its dtype and device
         self.core_attentions = [layer.self_attention.core_attention for layer in gpt.decoder.layers]
         for layer in gpt.decoder.layers:
             attention = layer.self_attention
             # megatron would allocate these on torch.cuda.current_device(); here they sit with the model
             self.context.key_value_memory_dict[attention.layer_number] = tuple(
                 torch.empty(max_length, batch_size, attention.num_query_groups_per_partition, width,
-                            dtype=weight.dtype, device=weight.device)
+                            dtype=activations.dtype, device=activations.device)
                 for width in (attention.key_hidden_size, attention.val_hidden_size))
         self.carries = [IntegralCarry() if getattr(core, "integral", False) else None for core in self.core_attentions]
 
