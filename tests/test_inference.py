@@ -11,7 +11,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, CheckpointE
 from megadiff.cli import main
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
-from megadiff.inference.generate import generate
+from megadiff.inference.generate import TextStream, generate
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
 PROMPT = "In the beginning"
@@ -87,6 +87,25 @@ def test_generate_cli_greedy_equals_argmax_loop(run, capsys):
                 break
             new.append(token)
     assert cli_text(output_dir, capsys) == PROMPT + tokenizer.decode(new)
+
+
+def test_generate_cli_reports_its_rate_on_stderr(run, capsys):
+    assert main(["generate", "--load", str(run[0]), "--prompt", PROMPT, "--max-new-tokens", "3"]) == 0
+    assert "-token prompt in" in capsys.readouterr().err  # stdout: the text alone (above)
+
+
+def test_text_stream_holds_back_characters_until_their_last_byte(run):
+    """Byte-level tokens of 'é' and '日' (2 and 3 bytes, one token each): no piece shows half a
+    character, and the pieces make up the decoded text."""
+    tokenizer = load_tokenizer(run[1].cfg.data.tokenizer)
+    ids = tokenizer.encode("Aé日 B")
+    text = TextStream(tokenizer)
+    pieces = [text.add(token) for token in ids]
+    assert pieces == ["A", "", "é", "", "", "日", " ", "B"]
+    assert "".join(pieces) + text.rest() == tokenizer.decode(ids)
+    cut = TextStream(tokenizer)
+    assert "".join(cut.add(token) for token in ids[:4]) == "Aé"
+    assert cut.rest() == tokenizer.decode(ids[:4])[2:] != ""  # the first byte of 日, as the tokenizer decodes it
 
 
 def test_generate_cli_sampling_is_reproducible_with_a_seed(run, capsys):
