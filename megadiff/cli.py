@@ -157,6 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
         include_path=a.include_path, seed=a.seed, dtype=a.dtype, attention_logit_bits=a.attention_logit_bits,
         output=a.output, log_samples=a.log_samples))
 
+    judge = sub.add_parser("hallucination", help="a judge model's verdicts on generated outputs in harness sample "
+                           "logs (the DIFF paper's contextual-hallucination table)")
+    judge.add_argument("samples", nargs="+", help="`megadiff lm-eval --log-samples --output` JSON files or lm_eval's "
+                       "samples_TASK_DATE.jsonl files")
+    judge.add_argument("--judge-url", required=True, help="an OpenAI-compatible API, e.g. https://api.openai.com/v1")
+    judge.add_argument("--judge-model", required=True, help="e.g. gpt-4o (the paper's judge)")
+    judge.add_argument("--api-key-env", default="OPENAI_API_KEY", help="the environment variable holding the API key")
+    judge.add_argument("--workers", type=int, default=4, help="requests in flight at once")
+    judge.add_argument("--records", default=None,
+                       help="verdicts, appended as they arrive and reused by reruns (default: next to the first "
+                       "samples file, .judgments.jsonl)")
+    judge.add_argument("--output", default=None, help="write the accuracy per task as JSON here")
+    judge.set_defaults(run=lambda a: _target("megadiff.inference.hallucination:hallucination_cli")(
+        a.samples, a.judge_url, a.judge_model, api_key_env=a.api_key_env, workers=a.workers, records=a.records,
+        output=a.output))
+
     icl = sub.add_parser("icl", help="many-shot in-context classification by number of demonstrations (the DIFF "
                          "paper's figures 6-7)")
     icl.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")

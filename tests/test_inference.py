@@ -134,7 +134,8 @@ def test_cached_forward_gives_the_whole_sequences_logits(run, variant):
     cache = model.new_cache(batch_size=2, max_length=12)
     with torch.no_grad():
         whole = model(ids)
-        steps = [model.next_token_logits(ids[:, start:stop], cache) for start, stop in ((0, 7), (7, 8), (8, 9), (9, 12))]
+        steps = [model.next_token_logits(ids[:, start:stop], cache)
+                 for start, stop in ((0, 7), (7, 8), (8, 9), (9, 12))]
     torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, [6, 7, 8, 11]], rtol=1e-5, atol=1e-5)
     assert cache.length == 12
     with pytest.raises(ValueError, match="holds 12 positions: 12 cached, 1 more"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megadiff.ops import (
-    IntegralCarry, depth_lambda_init, differential_attention, differential_attention_reference, differential_attention_sdpa,
-    reparameterized_lambda, softmax_attention,
+    IntegralCarry, depth_lambda_init, differential_attention, differential_attention_reference,
+    differential_attention_sdpa, reparameterized_lambda, softmax_attention,
 )
 
 IMPLEMENTATIONS = {
