@@ -11,6 +11,9 @@ from typing import Callable
 
 from megadiff import __version__
 
+# what --dtype may ask of a checkpoint's weights (the CLI imports nothing heavy to check it)
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+
 
 def _target(path: str) -> Callable:
     """'package.module:function' -> the function; a missing module is a clear 'not implemented' error."""
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = conv_sub.add_parser(direction)
         p.add_argument("--load", required=True, help="source directory")
         p.add_argument("--save", required=True, help="destination directory")
-        p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+        p.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                        help="weight dtype of the output (default: keep the source's)")
         p.add_argument("--no-check", action="store_true", help="skip the logits comparison of both sides")
         p.set_defaults(run=lambda a, t=target: _target(t)(a.load, a.save, dtype=a.dtype, check=not a.no_check))
@@ -101,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
+                     help="default: the checkpoint's training precision")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
-        a.load, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
+        a.load, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
+        dtype=a.dtype))
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")
@@ -144,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--limit", type=float, default=None, help="documents per task (a fraction when < 1)")
     harness.add_argument("--batch-size", type=int, default=8)
     harness.add_argument("--include-path", default=None, help="a directory of your own task YAML files")
-    harness.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+    harness.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                          help="default: the checkpoint's training precision")
     harness.add_argument("--seed", type=int, default=1234, help="few-shot sampling and the harness's generators")
     harness.add_argument("--attention-logit-bits", type=int, default=None, metavar="B",

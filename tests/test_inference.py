@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megadiff.inference.generate as generate_module
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, CheckpointError, iteration_dir
 from megadiff.cli import main
 from megadiff.data.tokenizers import load_tokenizer
@@ -87,6 +88,30 @@ def test_generate_cli_greedy_equals_argmax_loop(run, capsys):
                 break
             new.append(token)
     assert cli_text(output_dir, capsys) == PROMPT + tokenizer.decode(new)
+
+
+def test_generate_cli_dtype_is_the_weights_dtype(run, capsys, monkeypatch):
+    """--dtype bf16 loads bf16 weights (random tiny weights write the same greedy text in any
+    precision, so the load itself is watched) and writes their argmax loop's text."""
+    loaded = []
+
+    def watched_load(path, dtype=None):
+        loaded.append(dtype)
+        return load_checkpoint(path, dtype)
+
+    monkeypatch.setattr(generate_module, "load_checkpoint", watched_load)
+    text = cli_text(run[0], capsys, "--dtype", "bf16")
+    model = load_checkpoint(run[0], dtype=torch.bfloat16)
+    tokenizer = load_tokenizer(model.cfg.data.tokenizer)
+    ids = tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        for _ in range(6):
+            token = int(model(torch.tensor([ids]))[0, -1, :tokenizer.vocab_size].float().argmax())
+            if token == tokenizer.eod:
+                break
+            ids.append(token)
+    assert loaded == [torch.bfloat16]
+    assert text == PROMPT + tokenizer.decode(ids[len(tokenizer.encode(PROMPT)):])
 
 
 def test_generate_cli_reports_its_rate_on_stderr(run, capsys):

@@ -14,6 +14,7 @@ import torch
 
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.models.transformer_config import PRECISION_DTYPES
 
 # what a byte-level tokenizer decodes a character's leading bytes to, until its last byte comes
 INCOMPLETE_CHARACTER = "\ufffd"
@@ -85,9 +86,10 @@ class TextStream:
 
 
 def generate_cli(load: str, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0) -> int:
-    """`megadiff generate`: print the prompt, then its continuation as it is generated (the rate on stderr)."""
-    model = load_checkpoint(load)
+                 seed: int = 0, dtype: str | None = None) -> int:
+    """`megadiff generate`: print the prompt, then its continuation as it is generated (the rate on
+    stderr); the weights in `dtype` (default: the checkpoint's training precision)."""
+    model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt)
     print(prompt, end="", flush=True)
