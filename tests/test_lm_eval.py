@@ -176,6 +176,58 @@ def test_document_masked_checkpoint_never_attends_across_the_prefix(runs, docume
     assert (got == pytest.approx(alone, rel=1e-6)) == document_masking
 
 
+# where a run fails (the call of a counted kind that raises) and, from an uninterrupted run's
+# counts, what its rerun computes: everything not answered before the failure
+INTERRUPTIONS = {
+    "in its third log-likelihood batch": (("forwards", 3), lambda total: {
+        "log-likelihoods": total["log-likelihoods"] - 2 * 3, "generations": total["generations"],
+        "rolling texts": total["rolling texts"]}),
+    "at its third generation": (("generations", 3), lambda total: {
+        "log-likelihoods": 0, "generations": total["generations"] - 2, "rolling texts": total["rolling texts"]}),
+    "at its second rolling text": (("rolling texts", 2), lambda total: {
+        "log-likelihoods": 0, "generations": 0, "rolling texts": total["rolling texts"] - 1}),
+}
+
+
+@pytest.mark.parametrize("interruption", list(INTERRUPTIONS))
+def test_an_interrupted_run_resumes_from_its_cache(runs, tasks, tmp_path, monkeypatch, interruption):
+    """--cache keeps every answer as it is computed. The harness asks log-likelihoods (batches of
+    3 here), then generations (3), then rolling log-likelihoods (4 texts): a run that fails, rerun,
+    computes only what it had not, and reports what an uninterrupted run does."""
+    from megadiff.inference import harness
+
+    computed = dict.fromkeys(("log-likelihoods", "forwards", "generations", "rolling texts"), 0)
+    failing = {}
+
+    def counted(kind, real):
+        def call(*args, **kwargs):
+            computed[kind] += len(args[1]) if kind == "log-likelihoods" else 1
+            if (kind, computed[kind]) == failing.get("at"):
+                raise RuntimeError("preempted")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(harness.MegadiffLM, "_loglikelihood_tokens",
+                        counted("log-likelihoods", harness.MegadiffLM._loglikelihood_tokens))
+    monkeypatch.setattr(harness.CausalLM, "hidden_states", counted("forwards", harness.CausalLM.hidden_states))
+    monkeypatch.setattr(harness, "generate", counted("generations", harness.generate))
+    monkeypatch.setattr(harness, "get_rolling_token_windows",
+                        counted("rolling texts", harness.get_rolling_token_windows))
+    whole = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "whole.json")
+    failing["at"], recomputed = INTERRUPTIONS[interruption]
+    expected = recomputed(dict(computed))
+    cache = ("--cache", str(tmp_path / "cache"))
+    computed.update(dict.fromkeys(computed, 0))
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_lm_eval(runs["diff"], tasks, tmp_path / "first.json", extra=cache)
+    assert (tmp_path / "cache_rank0.db").is_file()
+    failing.clear()
+    computed.update(dict.fromkeys(computed, 0))
+    resumed = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "resumed.json", extra=cache)
+    assert {kind: computed[kind] for kind in expected} == expected
+    assert_same_answers(answers(resumed["samples"]), answers(whole["samples"]), rel=1e-6)
+
+
 def _ranks_lm_eval(rank: int, world_size: int, run: str, tasks: str, out_dir: str) -> None:
     counts = {}
     with counting_sequences(counts, "lm-eval"):

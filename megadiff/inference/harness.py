@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,13 +84,19 @@ class MegadiffLM(TemplateLM):
             yield ProgressTask(progress, description, requests)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        def cached(index: int, answer: tuple[float, bool]) -> None:
+            if requests[index][0] is not None:  # the request's (context, continuation) strings
+                self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+
         with self.progress("log-likelihoods", len(requests)) as bar:
-            return self.score([(context, continuation) for _, context, continuation in requests], bar)
+            return self.score([(context, continuation) for _, context, continuation in requests], bar, cached)
 
     @torch.no_grad()
-    def score(self, pairs: Sequence[TokenPair], bar: ProgressTask | None = None) -> list[tuple[float, bool]]:
+    def score(self, pairs: Sequence[TokenPair], bar: ProgressTask | None = None,
+              answered: Callable[[int, tuple[float, bool]], None] | None = None) -> list[tuple[float, bool]]:
         """(log-likelihood of the continuation, whether greedy decoding gives it) of each pair; the
-        context is cut from the left to fit the model's window, as the harness's HF model does."""
+        context is cut from the left to fit the model's window, as the harness's HF model does.
+        `answered(index, answer)` hears of each answer as soon as its batch is done."""
         too_long = max((len(continuation) for _, continuation in pairs), default=0)
         if too_long > self.max_length:
             raise ConfigError(f"a continuation of {too_long} tokens does not fit the model's window of "
@@ -115,6 +121,8 @@ class MegadiffLM(TemplateLM):
                 target = torch.tensor(continuation, device=log_probs.device)
                 results[i] = (float(log_probs.gather(1, target[:, None]).sum()),
                               bool((log_probs.argmax(-1) == target).all()))
+                if answered is not None:
+                    answered(i, results[i])
             if bar is not None:
                 bar.advance(len(batch), sum(len(windows[i]) for i in batch))
         return results
@@ -128,13 +136,18 @@ class MegadiffLM(TemplateLM):
                 windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
                     token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)]
                 results.append(sum(log_likelihood for log_likelihood, _ in self.score(windows)))
+                self.cache_hook.add_partial("loglikelihood_rolling", (text,), results[-1])
                 bar.advance(1, len(tokens))
         return results
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, when the task asks) continuations, cut at the task's stop strings."""
+        answers = []
         with self.progress("generations", len(requests)) as bar:
-            return [self._generate(context, gen_kwargs, bar) for context, gen_kwargs in (r.args for r in requests)]
+            for context, gen_kwargs in (request.args for request in requests):
+                answers.append(self._generate(context, gen_kwargs, bar))
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answers[-1])
+        return answers
 
     def _generate(self, context: str, gen_kwargs: dict, bar: ProgressTask) -> str:
         """One request: greedy (or sampled) new text, cut at the task's stop strings."""
@@ -196,8 +209,11 @@ def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
 
 def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None, limit: float | None = None,
                 batch_size: int = 8, include_path: str | None = None, seed: int = 1234, dtype: str | None = None,
-                attention_logit_bits: int | None = None, output: str | None = None, log_samples: bool = False) -> int:
-    """`megadiff lm-eval --load RUN --tasks ...`: print the harness's table (and write its results)."""
+                attention_logit_bits: int | None = None, output: str | None = None, log_samples: bool = False,
+                cache: str | None = None) -> int:
+    """`megadiff lm-eval --load RUN --tasks ...`: print the harness's table (and write its results).
+    With `cache`, the harness's CachingLM keeps each answer in CACHE_rankN.db as it is computed: a
+    rerun (after a crash or preemption) computes only the rest."""
     require_harness()
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -211,7 +227,7 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size), tasks=names,
                               num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples,
                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed)
+                              fewshot_random_seed=seed, use_cache=cache)
     if not reports():
         return 0
     console = command_console()
