@@ -12,7 +12,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, CheckpointE
 from megadiff.cli import main
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
-from megadiff.inference.generate import TextStream, generate
+from megadiff.inference.generate import TextStream, generate, greedy_batch
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
 PROMPT = "In the beginning"
@@ -179,3 +179,16 @@ def test_generation_past_the_window_equals_a_windowed_argmax_loop(run):
         for _ in range(10):
             ids.append(int(reference(torch.tensor([ids[-window:]]))[0, -1].argmax()))
     assert generate(reference, prompt, max_new_tokens=10) == ids[len(prompt):]
+
+
+def test_a_greedy_batch_answers_as_generation_one_prompt_at_a_time(run):
+    """Four prompts of 28 tokens, up to 10 new ones each (the window of 32 slides), each row
+    stopping at its own step: the rows give generate()'s answers."""
+    _, reference = run
+    prompts = torch.randint(1, 300, (4, 28), generator=torch.Generator().manual_seed(4)).tolist()
+    stops = [lambda ids, n=n: len(ids) >= n for n in (2, 5, 9, 99)]
+    expected = [generate(reference, prompt, max_new_tokens=10, stop=stop) for prompt, stop in zip(prompts, stops)]
+    assert [len(answer) for answer in expected] == [2, 5, 9, 10]
+    assert greedy_batch(reference, prompts, 10, stops=stops) == expected
+    with pytest.raises(ValueError, match="of one length"):
+        greedy_batch(reference, [prompts[0], prompts[1][:-1]], 10)

@@ -141,6 +141,39 @@ def test_answers_equal_the_harness_hf_model_on_the_export(runs, tasks, variant, 
     assert any(answers(ours["samples"])["kjv_generate", i][0] for i in range(3)), "no text was generated"
 
 
+def test_long_contexts_generate_side_by_side_as_one_at_a_time(runs, tmp_path, monkeypatch):
+    """Contexts longer than the window are all cut to one length: their greedy generations run in
+    batches (--batch-size 4), and answer what batch 1 answers."""
+    from megadiff.inference import harness
+
+    verses = kjv_verses()[:24]
+    data = tmp_path / "kjv_long.jsonl"
+    data.write_text("".join(json.dumps({"context": " ".join(verses[i:i + 4]), "answer": verses[i + 4]}) + "\n"
+                            for i in range(0, 20, 2)))
+    (tmp_path / "kjv_long.yaml").write_text(
+        f"task: kjv_long\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\ntest_split: test\n"
+        + TASK_YAML["kjv_generate"])
+    batch_sizes = []
+    real_hidden_states = harness.CausalLM.hidden_states
+
+    def watched(self, input_ids, *args, **kwargs):
+        batch_sizes.append(input_ids.shape[0])
+        return real_hidden_states(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(harness.CausalLM, "hidden_states", watched)
+    results = {}
+    for batch_size in (4, 1):
+        output = tmp_path / f"batch{batch_size}.json"
+        assert main(["lm-eval", "--load", str(runs["dint"]), "--tasks", "kjv_long", "--include-path", str(tmp_path),
+                     "--batch-size", str(batch_size), "--dtype", "fp32", "--output", str(output),
+                     "--log-samples"]) == 0
+        results[batch_size] = answers(json.loads(output.read_text())["samples"])
+        if batch_size == 4:
+            assert sorted(set(batch_sizes)) == [2, 4]  # 10 requests: 4 + 4 + 2 rows
+    assert results[4] == results[1] and len(results[1]) == 10
+    assert any(answer[0] for answer in results[1].values()), "no text was generated"
+
+
 def test_quantized_attention_logits_reach_every_answer(runs, tasks, tmp_path):
     """--attention-logit-bits (the DIFF paper's Figure 8; the quantization itself is tested against
     the formula in tests/test_ops.py): 16 bits answer as the model does, 3 bits otherwise."""
@@ -201,7 +234,7 @@ def test_an_interrupted_run_resumes_from_its_cache(runs, tasks, tmp_path, monkey
 
     def counted(kind, real):
         def call(*args, **kwargs):
-            computed[kind] += len(args[1]) if kind == "log-likelihoods" else 1
+            computed[kind] += len(args[1]) if kind in ("log-likelihoods", "generations") else 1  # requests
             if (kind, computed[kind]) == failing.get("at"):
                 raise RuntimeError("preempted")
             return real(*args, **kwargs)
@@ -210,7 +243,7 @@ def test_an_interrupted_run_resumes_from_its_cache(runs, tasks, tmp_path, monkey
     monkeypatch.setattr(harness.MegadiffLM, "_loglikelihood_tokens",
                         counted("log-likelihoods", harness.MegadiffLM._loglikelihood_tokens))
     monkeypatch.setattr(harness.CausalLM, "hidden_states", counted("forwards", harness.CausalLM.hidden_states))
-    monkeypatch.setattr(harness, "generate", counted("generations", harness.generate))
+    monkeypatch.setattr(harness.MegadiffLM, "_decode", counted("generations", harness.MegadiffLM._decode))
     monkeypatch.setattr(harness, "get_rolling_token_windows",
                         counted("rolling texts", harness.get_rolling_token_windows))
     whole = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "whole.json")

@@ -3,6 +3,7 @@
 The prompt runs once; then each new token runs alone, the earlier positions' keys and values
 (and DINT's running sum) kept in a KV cache. Past the model's window, the context slides as
 in training: each step then runs the last `seq_length` tokens afresh (their positions moved).
+Prompts of one length decode side by side (`greedy_batch`): no padding, so no masks.
 """
 from __future__ import annotations
 
@@ -31,6 +32,37 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class Decoder:
+    """Next-token logits of rows of one length as each grows by a token: the prompts run once,
+    then each new token (KV cache); past the model's window the context slides as in training."""
+
+    def __init__(self, model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
+                 vocab_in_use: int | None = None):
+        if not all(prompts) or len({len(prompt) for prompt in prompts}) != 1:
+            raise ValueError("a decoder's prompts must be non-empty and of one length")
+        self.model, self.vocab_in_use = model, vocab_in_use
+        self.window = model.cfg.model.seq_length
+        self.rows = [list(prompt) for prompt in prompts]
+        self.cache = model.new_cache(len(prompts), min(self.window, len(prompts[0]) + max_new_tokens))
+        self.pending = [row[-self.window:] for row in self.rows]  # what the cache has not seen yet
+
+    @torch.no_grad()
+    def logits(self) -> torch.Tensor:
+        """[rows, V] fp32 on the host: each row's next-token logits (padding ids at -inf)."""
+        if self.cache.length + len(self.pending[0]) > self.cache.max_length:
+            self.cache.reset()
+            self.pending = [row[-self.window:] for row in self.rows]
+        logits = self.model.next_token_logits(torch.tensor(self.pending), self.cache).float().cpu()
+        if self.vocab_in_use is not None:
+            logits[:, self.vocab_in_use:] = float("-inf")
+        return logits
+
+    def append(self, tokens: list[int]) -> None:
+        for row, token in zip(self.rows, tokens):
+            row.append(token)
+        self.pending = [[token] for token in tokens]
+
+
 def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
            top_k: int = 0, seed: int = 0, vocab_in_use: int | None = None, stop_id: int | None = None,
            stop: Callable[[list[int]], bool] | None = None) -> Iterator[int]:
@@ -40,29 +72,39 @@ def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, tem
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     generator = torch.Generator().manual_seed(seed)
-    window = model.cfg.model.seq_length
-    ids = list(prompt_ids)
-    cache = model.new_cache(max_length=min(window, len(ids) + max_new_tokens))
-    pending = ids[-window:]  # what the cache has not seen yet
+    decoder = Decoder(model, [prompt_ids], max_new_tokens, vocab_in_use)
+    new: list[int] = []
     for _ in range(max_new_tokens):
-        if cache.length + len(pending) > cache.max_length:
-            cache.reset()
-            pending = ids[-window:]
-        with torch.no_grad():
-            logits = model.next_token_logits(torch.tensor([pending]), cache)[0].float().cpu()
-        if vocab_in_use is not None:
-            logits[vocab_in_use:] = float("-inf")
-        token = next_token(logits, temperature, top_k, generator)
-        ids.append(token)
-        pending = [token]
+        token = next_token(decoder.logits()[0], temperature, top_k, generator)
+        decoder.append([token])
+        new.append(token)
         yield token
-        if token == stop_id or (stop is not None and stop(ids[len(prompt_ids):])):
+        if token == stop_id or (stop is not None and stop(new)):
             return
 
 
 def generate(model: CausalLM, prompt_ids: list[int], **options) -> list[int]:
     """All of stream()'s new token ids (the same options)."""
     return list(stream(model, prompt_ids, **options))
+
+
+def greedy_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, vocab_in_use: int | None = None,
+                 stop_id: int | None = None, stops: list[Callable[[list[int]], bool]] | None = None) -> list[list[int]]:
+    """generate()'s greedy answers to prompts of one length, decoded side by side; each row ends
+    where generate() ends it (after stop_id, or once its `stops[row](new ids)` is true)."""
+    decoder = Decoder(model, prompts, max_new_tokens, vocab_in_use)
+    answers: list[list[int]] = [[] for _ in prompts]
+    running = set(range(len(prompts)))
+    for _ in range(max_new_tokens):
+        tokens = decoder.logits().argmax(dim=-1).tolist()
+        decoder.append(tokens)
+        for row in sorted(running):
+            answers[row].append(tokens[row])
+            if tokens[row] == stop_id or (stops is not None and stops[row](answers[row])):
+                running.discard(row)
+        if not running:
+            break
+    return answers
 
 
 class TextStream:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.inference.evaluate import command_console
-from megadiff.inference.generate import generate
+from megadiff.inference.generate import generate, greedy_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
@@ -47,6 +49,20 @@ else:
 
 # (context ids, continuation ids): the continuation's tokens are the ones scored
 TokenPair = tuple[list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """One generation request, encoded: its prompt ids (cut to leave room for max_new)."""
+    prompt: list[int]
+    max_new: int
+    until: list[str]
+    temperature: float
+    top_k: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
 
 
 class MegadiffLM(TemplateLM):
@@ -141,16 +157,26 @@ class MegadiffLM(TemplateLM):
         return results
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, when the task asks) continuations, cut at the task's stop strings."""
-        answers = []
+        """Greedy (or sampled, when the task asks) continuations, cut at the task's stop strings.
+        Greedy requests whose prompts have one length (as long contexts have, cut to the window)
+        decode side by side, `batch_size` at a time."""
+        plans = [self._plan(*request.args) for request in requests]
+        groups: dict[tuple, list[int]] = {}
+        for index, plan in enumerate(plans):
+            groups.setdefault((len(plan.prompt), plan.max_new) if plan.greedy else ("sampled", index), []).append(index)
+        answers: list[str] = [""] * len(requests)
         with self.progress("generations", len(requests)) as bar:
-            for context, gen_kwargs in (request.args for request in requests):
-                answers.append(self._generate(context, gen_kwargs, bar))
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answers[-1])
+            for members in groups.values():
+                for start in range(0, len(members), self.batch_size):
+                    batch = members[start:start + self.batch_size]
+                    for index, new_ids in zip(batch, self._decode([plans[i] for i in batch])):
+                        answers[index] = postprocess_generated_text(self.tok.decode(new_ids), plans[index].until, None)
+                        self.cache_hook.add_partial("generate_until", requests[index].args, answers[index])
+                        bar.advance(1, len(plans[index].prompt) + len(new_ids))
         return answers
 
-    def _generate(self, context: str, gen_kwargs: dict, bar: ProgressTask) -> str:
-        """One request: greedy (or sampled) new text, cut at the task's stop strings."""
+    def _plan(self, context: str, gen_kwargs: dict) -> GenerationPlan:
+        """What one request asks: its prompt ids, length, stop strings and sampling."""
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok.decode([self.eot_token_id]))
         max_new = kwargs.pop("max_gen_toks")
@@ -158,13 +184,23 @@ class MegadiffLM(TemplateLM):
             raise ConfigError(f"the task generates up to {max_new} tokens; the model's window is {self.max_length}")
         # an empty context is conditioned on the end-of-document token, as in log-likelihoods
         prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
-        new_ids = generate(self.model, prompt, max_new_tokens=max_new,
-                           temperature=kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0,
-                           top_k=int(kwargs.get("top_k") or 0), vocab_in_use=self.tok.vocab_size,
-                           stop_id=self.eot_token_id,
-                           stop=lambda ids: any(term in self.tok.decode(ids) for term in until))
-        bar.advance(1, len(prompt) + len(new_ids))
-        return postprocess_generated_text(self.tok.decode(new_ids), until, None)
+        temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
+        return GenerationPlan(prompt, max_new, until, temperature, int(kwargs.get("top_k") or 0))
+
+    def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
+        """The new ids of greedy plans of one prompt length and budget, or of one sampled plan."""
+        stops = [partial(self._stopped, plan.until) for plan in plans]
+        if plans[0].greedy:
+            return greedy_batch(self.model, [plan.prompt for plan in plans], plans[0].max_new,
+                                vocab_in_use=self.tok.vocab_size, stop_id=self.eot_token_id, stops=stops)
+        (plan,) = plans
+        return [generate(self.model, plan.prompt, max_new_tokens=plan.max_new, temperature=plan.temperature,
+                         top_k=plan.top_k, vocab_in_use=self.tok.vocab_size, stop_id=self.eot_token_id,
+                         stop=stops[0])]
+
+    def _stopped(self, until: Sequence[str], new_ids: list[int]) -> bool:
+        text = self.tok.decode(new_ids)
+        return any(term in text for term in until)
 
     # the harness's collectives when it splits the requests among ranks
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
