@@ -155,6 +155,7 @@ def test_an_interrupted_run_keeps_its_verdicts_and_a_rerun_asks_only_for_the_res
     with FakeJudge() as judge:
         assert judge_cli(logged, judge, tmp_path) == 0
     assert len(judge.bodies) == 12 - 5
+    assert len(records.read_text().splitlines()) == 12 + 1  # every verdict on a line of its own
     assert json.loads((tmp_path / "report.json").read_text())["tasks"] == expected_report(logged)
     with FakeJudge() as judge:  # another judge model: judged anew
         assert judge_cli(logged, judge, tmp_path, "--judge-model", "judge-2") == 0

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
+from megadiff.inference.records import RecordWriter, read_records
 
 JUDGE_INSTRUCTIONS = """Below are the input a language model was given, the reference answer(s) and the model's output.
 
@@ -168,31 +169,17 @@ class ChatJudge:
             attempt += 1
 
 
-def read_records(path: Path) -> dict[str, dict]:
-    """Verdicts written by earlier runs, by sample key (a line cut short by a crash is dropped)."""
-    records = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            records[record["key"]] = record
-    return records
-
-
 def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_model: str, records_path: Path,
                   workers: int, console: Console) -> dict[str, dict]:
     """Every sample's verdict record, asking the judge only for those `records_path` lacks and
     appending each new one there as it arrives."""
-    records = read_records(records_path)
+    records = {record["key"]: record for record in read_records(records_path)}
     todo = [sample for sample in samples if sample.key(judge_model) not in records]
     console.print(f"hallucination: {len(samples) - len(todo)} of {len(samples)} outputs already judged "
                   f"({records_path}), {len(todo)} to ask {judge_model}")
-    records_path.parent.mkdir(parents=True, exist_ok=True)
     progress = Progress(TextColumn("judging"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         console=Console(stderr=True))
-    with progress, records_path.open("a") as out, ThreadPoolExecutor(max_workers=workers) as pool:
+    with progress, RecordWriter(records_path) as out, ThreadPoolExecutor(max_workers=workers) as pool:
         bar = progress.add_task("", total=len(todo))
         asked = {pool.submit(judge, JUDGE_INSTRUCTIONS.format(prompt=sample.prompt, reference=sample.reference,
                                                               response=sample.response)): sample for sample in todo}
@@ -201,9 +188,7 @@ def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_
                 sample, judgment = asked[done], done.result()
                 record = {"key": sample.key(judge_model), "task": sample.task, "doc_id": sample.doc_id,
                           "judge_model": judge_model, "accurate": parse_verdict(judgment), "judgment": judgment}
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+                out.append(record)
                 records[record["key"]] = record
                 progress.advance(bar)
         except BaseException:
