@@ -198,10 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     icl.add_argument("--arrangement", choices=["random", "by-class"], default="random")
     icl.add_argument("--seed", type=int, default=0, help="the draw of demonstrations and test examples")
     icl.add_argument("--output", default=None, help="write the report as JSON here")
+    icl.add_argument("--cache", default=None, metavar="PATH",
+                     help="keep every answer in PATH_rankN.jsonl as it comes; a rerun computes only the rest")
     icl.set_defaults(run=lambda a: _target("megadiff.inference.icl:icl_cli")(
         a.load, a.dataset, a.dataset_config, text_key=a.text_key, label_key=a.label_key, train_split=a.train_split,
         test_split=a.test_split, shots=a.shots, examples=a.examples, orders=a.orders, arrangement=a.arrangement,
-        seed=a.seed, output=a.output))
+        seed=a.seed, output=a.output, cache=a.cache))
 
     demo = sub.add_parser("demo", help="prepare the bundled corpus, pre-train a tiny DIFF model, convert, sample")
     demo.add_argument("--output-dir", default="runs/demo")

@@ -114,9 +114,9 @@ def test_accuracy_equals_naive_constrained_decoding(root):
     assert len(answers) > 1, "every prompt got the same answer: the comparison would prove little"
 
 
-def _icl(rank: int, world_size: int, root: str, output: str) -> None:
+def _icl(rank: int, world_size: int, root: str, output: str, *extra: str) -> None:
     assert main(["icl", "--load", f"{root}/run", "--dataset", root, "--examples", "7", "--orders", "2",
-                 "--output", output]) == 0
+                 "--output", output, *extra]) == 0
 
 
 def test_two_ranks_report_what_one_process_reports(root, tmp_path, capfd):
@@ -127,6 +127,54 @@ def test_two_ranks_report_what_one_process_reports(root, tmp_path, capfd):
     one, two = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
     assert two == one
     assert [row["shots"] for row in one["by_shots"]][:2] == [1, 2] and one["examples"] == 7
+
+
+def test_an_interrupted_run_resumes_from_its_cache(root, tmp_path, monkeypatch, capsys):
+    """--cache keeps each answer as it comes: a run failing at its sixth answer, rerun, answers only
+    the rest and reports what an uninterrupted run does; more orders add only their answers; the
+    cache of another request is refused. Two ranks' caches serve one process."""
+    from megadiff.inference import icl
+
+    computed = {"answers": 0, "fail_at": None}
+    real_answer = icl.constrained_answer
+
+    def counted_answer(*args):
+        computed["answers"] += 1
+        if computed["answers"] == computed["fail_at"]:
+            raise RuntimeError("preempted")
+        return real_answer(*args)
+
+    monkeypatch.setattr(icl, "constrained_answer", counted_answer)
+    _icl(0, 1, str(root), str(tmp_path / "whole.json"))
+    total = computed["answers"]
+    cache = ("--cache", str(tmp_path / "answers"))
+    computed.update(answers=0, fail_at=6)
+    with pytest.raises(RuntimeError, match="preempted"):
+        _icl(0, 1, str(root), str(tmp_path / "first.json"), *cache)
+    computed.update(answers=0, fail_at=None)
+    _icl(0, 1, str(root), str(tmp_path / "resumed.json"), *cache)
+    assert computed["answers"] == total - 5
+    whole, resumed = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("whole", "resumed"))
+    assert resumed == whole
+
+    computed["answers"] = 0
+    _icl(0, 1, str(root), str(tmp_path / "three.json"), *cache, "--orders", "3")
+    assert computed["answers"] == total // 2  # the third order's answers alone
+    three = json.loads((tmp_path / "three.json").read_text())
+    assert [row["by_order"][:2] for row in three["by_shots"]] == [row["by_order"] for row in whole["by_shots"]]
+
+    capsys.readouterr()
+    assert main(["icl", "--load", f"{root}/run", "--dataset", str(root), "--examples", "7", "--seed", "1",
+                 *cache]) == 2
+    assert "another request" in capsys.readouterr().err
+
+    run_ranks(2, _icl, str(root), str(tmp_path / "two.json"), "--cache", str(tmp_path / "ranks"))
+    computed["answers"] = 0
+    _icl(0, 1, str(root), str(tmp_path / "from-ranks.json"), "--cache", str(tmp_path / "ranks"))
+    assert computed["answers"] == 0
+    assert json.loads((tmp_path / "from-ranks.json").read_text()) == whole
+    assert sorted(path.name for path in tmp_path.glob("ranks_rank*.jsonl")) == ["ranks_rank0.jsonl",
+                                                                                 "ranks_rank1.jsonl"]
 
 
 def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, capsys):

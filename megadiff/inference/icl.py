@@ -26,7 +26,8 @@ from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import command_console, write_report
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
-from megadiff.inference.ranks import share, share_size, sum_across_ranks
+from megadiff.inference.ranks import rank_and_world, reports, share, share_size, sum_across_ranks, wait_for_ranks
+from megadiff.inference.records import RecordWriter, read_records
 
 ARRANGEMENTS = ("random", "by-class")
 
@@ -130,32 +131,78 @@ def default_shots(tokenizer: Tokenizer, draw: Sequence[Example], tests: Sequence
     return powers + [shots]
 
 
+# one answer: (shots, order, index of the test example)
+Cell = tuple[int, int, int]
+
+
+class AnswerCache:
+    """`--cache PATH`: every answer appended to PATH_rankN.jsonl as it comes; a rerun of the same
+    request (same checkpoint, data, examples and seed; any shots and orders) answers only the rest."""
+
+    def __init__(self, path: str, request: dict):
+        self.path, self.request = Path(path), request
+        self.writer = RecordWriter(self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl"))
+
+    def answers(self) -> dict[Cell, bool]:
+        """Every rank's answers so far (read by all ranks before any writes more)."""
+        found = {}
+        for file in sorted(self.path.parent.glob(f"{self.path.name}_rank*.jsonl")):
+            for record in read_records(file):
+                if record["request"] != self.request:
+                    raise ConfigError(f"{file} holds answers to another request ({record['request']}): give this "
+                                      "one another --cache")
+                found[record["shots"], record["order"], record["example"]] = record["correct"]
+        wait_for_ranks()
+        return found
+
+    def add(self, cell: Cell, correct: bool) -> None:
+        shots, order, example = cell
+        self.writer.append({"request": self.request, "shots": shots, "order": order, "example": example,
+                            "correct": correct})
+
+
+def grid_cells(shots: Sequence[int], orders: int, examples: int) -> list[Cell]:
+    return [(count, order, index) for count in shots for order in range(orders) for index in range(examples)]
+
+
 def accuracy_grid(model: CausalLM, draw: Sequence[Example], tests: Sequence[Example], shots: Sequence[int],
-                  orders: int, arrangement: str, on_answer: Callable[[int], None] | None = None) -> torch.Tensor:
+                  orders: int, arrangement: str, on_answer: Callable[[int], None] | None = None,
+                  known: dict[Cell, bool] | None = None, cache: AnswerCache | None = None) -> torch.Tensor:
     """[len(shots), orders] accuracy over `tests` (each rank answers its share; all return it all).
-    A prompt longer than the window keeps its end, as the harness's models do."""
+    A prompt longer than the window keeps its end, as the harness's models do. The `known`
+    answers (AnswerCache.answers()) are taken as they are; `cache` keeps the others."""
     tokenizer, window = model.tokenizer, model.cfg.model.seq_length
     names = label_names(draw, tests)
     labels = label_tokens(tokenizer, names)
     room = window - max(len(tokens) for tokens in labels)
+    known = known or {}
     correct = torch.zeros(len(shots), orders, dtype=torch.float64)
-    for i, count in enumerate(shots):
-        for order in range(orders):
-            context = "".join(demonstration(example) for example in arranged(draw[:count], arrangement, order))
-            for example in share(tests):
-                prompt = tokenizer.encode(context + query(example))[-room:]
-                with torch.no_grad():
-                    correct[i, order] += names[constrained_answer(model, prompt, labels)] == example.label
-                if on_answer is not None:
-                    on_answer(len(prompt))
+    cells = grid_cells(shots, orders, len(tests))
+    if reports():  # the known answers count once, on one rank
+        for count, order, index in cells:
+            correct[shots.index(count), order] += known.get((count, order, index), False)
+    contexts: dict[tuple[int, int], str] = {}
+    for cell in share([cell for cell in cells if cell not in known]):
+        count, order, index = cell
+        context = contexts.setdefault((count, order), "".join(
+            demonstration(example) for example in arranged(draw[:count], arrangement, order)))
+        prompt = tokenizer.encode(context + query(tests[index]))[-room:]
+        with torch.no_grad():
+            answer = names[constrained_answer(model, prompt, labels)] == tests[index].label
+        correct[shots.index(count), order] += answer
+        if cache is not None:
+            cache.add(cell, answer)
+        if on_answer is not None:
+            on_answer(len(prompt))
     return sum_across_ranks(correct) / len(tests)
 
 
 def icl_cli(load: str, dataset: str, dataset_config: str | None = None, text_key: str = "text",
             label_key: str = "label", train_split: str = "train", test_split: str = "test",
             shots: Sequence[int] | None = None, examples: int = 100, orders: int = 1, arrangement: str = "random",
-            seed: int = 0, output: str | None = None) -> int:
-    """`megadiff icl --load RUN --dataset NAME`: print (and write) accuracy by number of shots."""
+            seed: int = 0, output: str | None = None, cache: str | None = None) -> int:
+    """`megadiff icl --load RUN --dataset NAME`: print (and write) accuracy by number of shots;
+    with `cache`, answers are kept as they come and a rerun computes only the rest (AnswerCache)."""
     if examples < 1 or orders < 1 or (shots is not None and min(shots, default=0) < 1):
         raise ConfigError("--examples, --orders and every --shots must be >= 1")
     if arrangement not in ARRANGEMENTS:
@@ -171,10 +218,19 @@ def icl_cli(load: str, dataset: str, dataset_config: str | None = None, text_key
     console = command_console()
     window = model.cfg.model.seq_length
     shots = sorted(set(shots)) if shots else default_shots(model.tokenizer, draw, tests, window)
+    answers = None if cache is None else AnswerCache(cache, {
+        "checkpoint": str(Path(model.checkpoint_dir).resolve()), "dataset": dataset, "dataset_config": dataset_config,
+        "text_key": text_key, "label_key": label_key, "train_split": train_split, "test_split": test_split,
+        "examples": len(tests), "seed": seed, "arrangement": arrangement})
+    known = {} if answers is None else answers.answers()
+    cells = grid_cells(shots, orders, len(tests))
+    to_answer = sum(cell not in known for cell in cells)
+    if answers is not None:
+        console.print(f"icl: {len(cells) - to_answer} answers from {cache}, {to_answer} to compute")
     with command_progress("icl") as progress:
-        task = ProgressTask(progress, f"{len(shots)} shot counts x {orders} orders",
-                            len(shots) * orders * share_size(len(tests)))
-        grid = accuracy_grid(model, draw, tests, shots, orders, arrangement, lambda tokens: task.advance(1, tokens))
+        task = ProgressTask(progress, f"{len(shots)} shot counts x {orders} orders", share_size(to_answer))
+        grid = accuracy_grid(model, draw, tests, shots, orders, arrangement, lambda tokens: task.advance(1, tokens),
+                             known, answers)
     rows = [{"shots": count, "accuracy": row.mean().item(), "worst": row.min().item(), "best": row.max().item(),
              "by_order": row.tolist()} for count, row in zip(shots, grid)]
     report = {"checkpoint": str(model.checkpoint_dir), "dataset": dataset, "examples": len(tests),

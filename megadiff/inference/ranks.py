@@ -61,3 +61,9 @@ def gather_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(rank_and_world()[1])]
     dist.all_gather(parts, local)
     return torch.cat(parts).to(tensor.device)
+
+
+def wait_for_ranks() -> None:
+    """Every rank reaches this point before any goes on (nothing to wait for in one process)."""
+    if rank_and_world()[1] > 1:
+        dist.barrier()
