@@ -21,7 +21,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -184,18 +184,38 @@ def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_
         asked = {pool.submit(judge, JUDGE_INSTRUCTIONS.format(prompt=sample.prompt, reference=sample.reference,
                                                               response=sample.response)): sample for sample in todo}
         try:
-            for done in as_completed(asked):
-                sample, judgment = asked[done], done.result()
-                record = {"key": sample.key(judge_model), "task": sample.task, "doc_id": sample.doc_id,
-                          "judge_model": judge_model, "accurate": parse_verdict(judgment), "judgment": judgment}
-                out.append(record)
-                records[record["key"]] = record
-                progress.advance(bar)
-        except BaseException:
-            for future in asked:
-                future.cancel()
+            failure = _keep_verdicts(asked, judge_model, out, records, lambda: progress.advance(bar))
+        except BaseException:  # interrupted (Ctrl-C): the queued requests are not sent
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
+        if failure is not None:
+            raise failure
     return records
+
+
+def _keep_verdicts(asked: dict[Future, Sample], judge_model: str, out: RecordWriter, records: dict[str, dict],
+                   advance: Callable[[], None]) -> BaseException | None:
+    """Records every verdict as it arrives; after a request fails for good, those still queued
+    are cancelled but the ones in flight are still kept. Returns the first failure."""
+    failure = None
+    for done in as_completed(asked):
+        try:
+            judgment = done.result()
+        except CancelledError:
+            continue
+        except Exception as error:  # noqa: BLE001 -- the caller raises it once the verdicts in flight are kept
+            if failure is None:
+                failure = error
+                for future in asked:
+                    future.cancel()
+            continue
+        sample = asked[done]
+        record = {"key": sample.key(judge_model), "task": sample.task, "doc_id": sample.doc_id,
+                  "judge_model": judge_model, "accurate": parse_verdict(judgment), "judgment": judgment}
+        out.append(record)
+        records[record["key"]] = record
+        advance()
+    return failure
 
 
 def summarize(samples: Sequence[Sample], records: dict[str, dict], judge_model: str) -> dict[str, dict]:
