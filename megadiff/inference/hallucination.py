@@ -33,7 +33,7 @@ from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
-from megadiff.inference.records import RecordWriter, read_records
+from megadiff.inference.records import append_record, read_records
 
 JUDGE_INSTRUCTIONS = """Below are the input a language model was given, the reference answer(s) and the model's output.
 
@@ -179,12 +179,12 @@ def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_
                   f"({records_path}), {len(todo)} to ask {judge_model}")
     progress = Progress(TextColumn("judging"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         console=Console(stderr=True))
-    with progress, RecordWriter(records_path) as out, ThreadPoolExecutor(max_workers=workers) as pool:
+    with progress, ThreadPoolExecutor(max_workers=workers) as pool:
         bar = progress.add_task("", total=len(todo))
         asked = {pool.submit(judge, JUDGE_INSTRUCTIONS.format(prompt=sample.prompt, reference=sample.reference,
                                                               response=sample.response)): sample for sample in todo}
         try:
-            failure = _keep_verdicts(asked, judge_model, out, records, lambda: progress.advance(bar))
+            failure = _keep_verdicts(asked, judge_model, records_path, records, lambda: progress.advance(bar))
         except BaseException:  # interrupted (Ctrl-C): the queued requests are not sent
             pool.shutdown(wait=False, cancel_futures=True)
             raise
@@ -193,7 +193,7 @@ def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_
     return records
 
 
-def _keep_verdicts(asked: dict[Future, Sample], judge_model: str, out: RecordWriter, records: dict[str, dict],
+def _keep_verdicts(asked: dict[Future, Sample], judge_model: str, records_path: Path, records: dict[str, dict],
                    advance: Callable[[], None]) -> BaseException | None:
     """Records every verdict as it arrives; after a request fails for good, those still queued
     are cancelled but the ones in flight are still kept. Returns the first failure."""
@@ -212,7 +212,7 @@ def _keep_verdicts(asked: dict[Future, Sample], judge_model: str, out: RecordWri
         sample = asked[done]
         record = {"key": sample.key(judge_model), "task": sample.task, "doc_id": sample.doc_id,
                   "judge_model": judge_model, "accurate": parse_verdict(judgment), "judgment": judgment}
-        out.append(record)
+        append_record(records_path, record)
         records[record["key"]] = record
         advance()
     return failure

@@ -27,7 +27,7 @@ from megadiff.inference.evaluate import command_console, write_report
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, share_size, sum_across_ranks, wait_for_ranks
-from megadiff.inference.records import RecordWriter, read_records
+from megadiff.inference.records import append_record, read_records
 
 ARRANGEMENTS = ("random", "by-class")
 
@@ -141,7 +141,7 @@ class AnswerCache:
 
     def __init__(self, path: str, request: dict):
         self.path, self.request = Path(path), request
-        self.writer = RecordWriter(self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl"))
+        self.own_file = self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl")
 
     def answers(self) -> dict[Cell, bool]:
         """Every rank's answers so far (read by all ranks before any writes more)."""
@@ -157,8 +157,8 @@ class AnswerCache:
 
     def add(self, cell: Cell, correct: bool) -> None:
         shots, order, example = cell
-        self.writer.append({"request": self.request, "shots": shots, "order": order, "example": example,
-                            "correct": correct})
+        append_record(self.own_file, {"request": self.request, "shots": shots, "order": order, "example": example,
+                                      "correct": correct})
 
 
 def grid_cells(shots: Sequence[int], orders: int, examples: int) -> list[Cell]:
@@ -184,8 +184,10 @@ def accuracy_grid(model: CausalLM, draw: Sequence[Example], tests: Sequence[Exam
     contexts: dict[tuple[int, int], str] = {}
     for cell in share([cell for cell in cells if cell not in known]):
         count, order, index = cell
-        context = contexts.setdefault((count, order), "".join(
-            demonstration(example) for example in arranged(draw[:count], arrangement, order)))
+        if (count, order) not in contexts:
+            contexts[count, order] = "".join(demonstration(example) for example in arranged(draw[:count], arrangement,
+                                                                                             order))
+        context = contexts[count, order]
         prompt = tokenizer.encode(context + query(tests[index]))[-room:]
         with torch.no_grad():
             answer = names[constrained_answer(model, prompt, labels)] == tests[index].label

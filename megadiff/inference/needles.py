@@ -201,7 +201,8 @@ def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], need
         task = ProgressTask(progress, f"{len(lengths)} lengths x {len(depths)} depths x {trials} trials",
                             share_size(len(lengths) * len(depths) * trials))
         report = retrieval_grid(model, model.tokenizer, held_out_tokens(cfg, split), lengths, depths, needles,
-                                trials, seed, attention=attention, on_case=lambda case: task.advance(1, len(case.tokens)))
+                                trials, seed, attention=attention,
+                                on_case=lambda case: task.advance(1, len(case.tokens)))
     report.update(checkpoint=str(model.checkpoint_dir), trained_length=model.cfg.model.seq_length)
     console.print(f"{report['checkpoint']}: retrieval of 1 of {needles} needles, {trials} cases per cell (trained "
                   f"on {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")

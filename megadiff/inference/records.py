@@ -20,35 +20,16 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-class RecordWriter:
-    """Appends records to `path` (created with its directory on the first one)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.file = None
-
-    def append(self, record: dict) -> None:
-        if self.file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = self.path.open("a")
-            if self.path.stat().st_size and not self._ends_with_newline():
-                self.file.write("\n")  # after a cut-short line, start a fresh one
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as existing:
-            existing.seek(-1, os.SEEK_END)
-            return existing.read(1) == b"\n"
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-    def __enter__(self) -> RecordWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def append_record(path: Path, record: dict) -> None:
+    """`record` as the last line of `path` (created with its directory if need be); after a line a
+    crash cut short, on a line of its own. Seconds of work lie between two records: opening the
+    file each time costs nothing that matters."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab+") as out:  # appends wherever it reads
+        cut_short = False
+        if out.seek(0, os.SEEK_END):
+            out.seek(-1, os.SEEK_END)
+            cut_short = out.read(1) != b"\n"
+        out.write((b"\n" if cut_short else b"") + json.dumps(record).encode() + b"\n")
+        out.flush()
+        os.fsync(out.fileno())
