@@ -99,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a megadiff checkpoint")
     gen.add_argument("--load", required=True)
-    gen.add_argument("--prompt", required=True)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-file", help="the prompt's text from a file ('-': standard input), e.g. a long "
+                        "context")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                      help="default: the checkpoint's training precision")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
-        a.load, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
+        a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
         dtype=a.dtype))
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")

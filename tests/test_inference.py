@@ -4,6 +4,8 @@ variant); `megadiff generate` prints greedy text equal to a naive argmax loop (p
 too), and seeded sampling that is reproducible and stays within the top-k."""
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -112,6 +114,17 @@ def test_generate_cli_dtype_is_the_weights_dtype(run, capsys, monkeypatch):
             ids.append(token)
     assert loaded == [torch.bfloat16]
     assert text == PROMPT + tokenizer.decode(ids[len(tokenizer.encode(PROMPT)):])
+
+
+def test_generate_cli_reads_a_long_prompt_from_a_file_or_stdin(run, capsys, tmp_path, monkeypatch):
+    expected = cli_text(run[0], capsys)
+    (tmp_path / "prompt.txt").write_text(PROMPT, encoding="utf-8")
+    for source in (str(tmp_path / "prompt.txt"), "-"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+        assert main(["generate", "--load", str(run[0]), "--prompt-file", source, "--max-new-tokens", "6"]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == expected
+    assert main(["generate", "--load", str(run[0]), "--prompt-file", str(tmp_path / "none.txt")]) == 2
+    assert "is not a file" in capsys.readouterr().err
 
 
 def test_generate_cli_reports_its_rate_on_stderr(run, capsys):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
+from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -127,10 +129,15 @@ class TextStream:
         return self.tokenizer.decode(self.ids)[len(self.shown):]
 
 
-def generate_cli(load: str, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0, dtype: str | None = None) -> int:
-    """`megadiff generate`: print the prompt, then its continuation as it is generated (the rate on
-    stderr); the weights in `dtype` (default: the checkpoint's training precision)."""
+def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 seed: int = 0, dtype: str | None = None, prompt_file: str | None = None) -> int:
+    """`megadiff generate`: print the prompt (or `prompt_file`'s text; '-': standard input), then
+    its continuation as it is generated (the rate on stderr); the weights in `dtype` (default: the
+    checkpoint's training precision)."""
+    if prompt is None:
+        if prompt_file != "-" and not Path(prompt_file).is_file():
+            raise ConfigError(f"--prompt-file {prompt_file} is not a file")
+        prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt)
