@@ -12,10 +12,8 @@ the others (inference/recall.py).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict
-from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -33,10 +31,11 @@ from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
-from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
+from megadiff.inference.ranks import share, share_size, sum_across_ranks
 from megadiff.inference.recall import (
     DEFAULT_SAMPLE_TOKENS, FrequentBigrams, blend_recall, recall_hits, recall_split,
 )
+from megadiff.inference.reporting import command_console, write_report
 
 SPLITS = ("valid", "test")
 
@@ -126,19 +125,6 @@ def blend_summary(sources: list[tuple[torch.Tensor, float]], buckets: int) -> di
     total = sum(weight for _, weight in sources)
     per_position = sum(losses.double().mean(0) * (weight / total) for losses, weight in sources)
     return summarize_positions(per_position, sum(losses.shape[0] for losses, _ in sources), buckets)
-
-
-def command_console() -> Console:
-    """Where a checkpoint command prints: rank 0's console; the other ranks' is silent."""
-    return Console(highlight=False, soft_wrap=True, quiet=not reports())
-
-
-def write_report(console: Console, report: dict, output: str | None) -> None:
-    """The report as JSON at `output`, when asked for (by rank 0)."""
-    if output and reports():
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1))
-        console.print(f"wrote {output}")
 
 
 def check_request(command: str, split: str, overrides: Iterable[str], **counts: int) -> None:

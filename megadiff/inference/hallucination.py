@@ -34,6 +34,7 @@ from rich.table import Table
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.inference.records import append_record, read_records
+from megadiff.inference.reporting import command_console, write_report
 
 JUDGE_INSTRUCTIONS = """Below are the input a language model was given, the reference answer(s) and the model's output.
 
@@ -243,7 +244,7 @@ def hallucination_cli(samples: Sequence[str], judge_url: str, judge_model: str, 
     judge = ChatJudge(judge_url, judge_model, os.environ.get(api_key_env))
     outputs = read_samples(samples)
     records_path = Path(records) if records else Path(samples[0]).with_suffix(".judgments.jsonl")
-    console = Console(highlight=False, soft_wrap=True)
+    console = command_console()
     report = summarize(outputs, judge_samples(outputs, judge, judge_model, records_path, workers, console),
                        judge_model)
     table = Table(title=f"free of hallucination, judged by {judge_model}")
@@ -252,9 +253,6 @@ def hallucination_cli(samples: Sequence[str], judge_url: str, judge_model: str, 
     for task, row in report.items():
         table.add_row(task, str(row["outputs"]), f"{row['accuracy']:.3f}", str(row["no_verdict"]))
     console.print(table)
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps({"judge_model": judge_model, "judge_url": judge_url,
-                                            "samples": [str(s) for s in samples], "tasks": report}, indent=1))
-        console.print(f"wrote {output}")
+    write_report(console, {"judge_model": judge_model, "judge_url": judge_url, "samples": [str(s) for s in samples],
+                           "tasks": report}, output)
     return 0

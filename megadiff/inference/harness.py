@@ -28,11 +28,11 @@ import torch.nn.functional as F
 
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
-from megadiff.inference.evaluate import command_console
 from megadiff.inference.generate import generate, greedy_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
+from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 try:

@@ -23,11 +23,11 @@ from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
-from megadiff.inference.evaluate import command_console, write_report
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, share_size, sum_across_ranks, wait_for_ranks
 from megadiff.inference.records import append_record, read_records
+from megadiff.inference.reporting import command_console, write_report
 
 ARRANGEMENTS = ("random", "by-class")
 

@@ -25,11 +25,12 @@ from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
-from megadiff.inference.evaluate import check_request, command_console, evaluation_config, write_report
+from megadiff.inference.evaluate import check_request, evaluation_config
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
+from megadiff.inference.reporting import command_console, write_report
 
 CITIES = ("Paris", "Lisbon", "Nairobi", "Lima", "Oslo", "Hanoi", "Quito", "Dakar", "Perth", "Riga", "Tunis",
           "Accra", "Kyoto", "Bergen", "Cusco", "Porto", "Seville", "Tallinn", "Windhoek", "Zagreb")

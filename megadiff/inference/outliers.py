@@ -21,12 +21,11 @@ from rich.table import Table
 from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.inference.evaluate import (
-    check_request, command_console, evaluation_config, held_out_dataset, sample_batches, write_report,
-)
+from megadiff.inference.evaluate import check_request, evaluation_config, held_out_dataset, sample_batches
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, share, share_size, sum_across_ranks
+from megadiff.inference.reporting import command_console, write_report
 from megadiff.models.differential_attention import DifferentialCoreAttention
 
 TOP = (1, 2, 3, 10, 100)
