@@ -87,7 +87,13 @@ def test_default_shots_fill_the_window(root):
     assert demos(most) + fixed <= WINDOW < demos(most + 1) + fixed
 
 
-def test_accuracy_equals_naive_constrained_decoding(root):
+def test_accuracy_equals_naive_constrained_decoding(root, monkeypatch):
+    """...with each cell's demonstrations run once, every query continuing them in the KV cache."""
+    from megadiff.models.kv_cache import KVCache
+
+    marks = []
+    real_mark = KVCache.mark
+    monkeypatch.setattr(KVCache, "mark", lambda self: marks.append(self.length) or real_mark(self))
     model = load_checkpoint(root / "run")
     tokenizer = model.tokenizer
     draw, tests = examples(root, "train"), examples(root, "test")[:8]
@@ -112,6 +118,7 @@ def test_accuracy_equals_naive_constrained_decoding(root):
                 right += answer == example.label
             assert grid[i, order].item() == pytest.approx(right / len(tests)), (count, order)
     assert len(answers) > 1, "every prompt got the same answer: the comparison would prove little"
+    assert len(marks) == len(shots) * orders and min(marks) > 0
 
 
 def _icl(rank: int, world_size: int, root: str, output: str, *extra: str) -> None:

@@ -205,3 +205,21 @@ def test_a_greedy_batch_answers_as_generation_one_prompt_at_a_time(run):
     assert greedy_batch(reference, prompts, 10, stops=stops) == expected
     with pytest.raises(ValueError, match="of one length"):
         greedy_batch(reference, [prompts[0], prompts[1][:-1]], 10)
+
+
+@pytest.mark.parametrize("variant", ["diff", "dint"])
+def test_a_rewound_cache_continues_its_marked_prefix(run, variant):
+    """Seven positions, marked; three more; rewound to the mark, three others: the whole
+    sequence's logits (DINT's running sum rewound with the keys)."""
+    model = reference_model(variant_config(variant, "single", run[1].cfg.data.tokenizer))
+    ids = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(5))
+    cache = model.new_cache()
+    with torch.no_grad():
+        model.next_token_logits(ids[:, :7], cache)
+        mark = cache.mark()
+        model.next_token_logits(ids[:, 10:13], cache)
+        cache.rewind(mark)
+        got = model.next_token_logits(ids[:, 7:10], cache)
+        whole = model(ids[:, :10])[:, -1]
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+    assert cache.length == 10

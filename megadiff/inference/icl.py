@@ -85,13 +85,16 @@ def arranged(demonstrations: Sequence[Example], arrangement: str, order_seed: in
     return [group[i] for i in range(rounds) for group in by_class.values() if i < len(group)]
 
 
-def constrained_answer(model: CausalLM, prompt: list[int], labels: Sequence[list[int]]) -> int:
+def constrained_answer(model: CausalLM, prompt: list[int], labels: Sequence[list[int]],
+                       context: SharedContext | None = None) -> int:
     """The index of the label that greedy decoding restricted to label continuations gives; the
-    prompt runs once, then each chosen token (KV cache) until one label is left (labels' token
-    sequences are prefix-free)."""
-    alive, step = list(range(len(labels))), 0
-    cache = model.new_cache(max_length=len(prompt) + max(len(tokens) for tokens in labels))
-    pending = prompt
+    prompt runs once (past the `context`'s tokens when it starts with them), then each chosen
+    token (KV cache) until one label is left (labels' token sequences are prefix-free)."""
+    if context is None:
+        cache, held = model.new_cache(max_length=len(prompt) + max(len(tokens) for tokens in labels)), 0
+    else:
+        cache, held = context.cache, context.hold(prompt)
+    alive, step, pending = list(range(len(labels))), 0, prompt[held:]
     while len(alive) > 1:
         allowed = sorted({labels[i][step] for i in alive})
         logits = model.next_token_logits(torch.tensor([pending]), cache)[0]
@@ -99,6 +102,31 @@ def constrained_answer(model: CausalLM, prompt: list[int], labels: Sequence[list
         alive = [i for i in alive if labels[i][step] == choice]
         pending, step = [choice], step + 1
     return alive[0]
+
+
+class SharedContext:
+    """The demonstrations every query of a grid cell follows, run once: a KV cache rewound to them
+    for each prompt that starts with their tokens (a prompt cut to the window, or tokens merged
+    across the boundary, runs whole instead)."""
+
+    def __init__(self, model: CausalLM, ids: list[int]):
+        self.model, self.ids = model, ids
+        self.cache = model.new_cache(max_length=model.cfg.model.seq_length)
+        self.mark = None
+
+    def hold(self, prompt: list[int]) -> int:
+        """How many of `prompt`'s first tokens the cache holds now (the demonstrations', or none)."""
+        if not (len(self.ids) < len(prompt) and prompt[:len(self.ids)] == self.ids):
+            self.cache.reset()
+            self.mark = None
+            return 0
+        if self.mark is None:
+            self.cache.reset()
+            with torch.no_grad():
+                self.model.hidden_states(torch.tensor([self.ids]), cache=self.cache)
+            self.mark = self.cache.mark()
+        self.cache.rewind(self.mark)
+        return len(self.ids)
 
 
 def label_tokens(tokenizer: Tokenizer, labels: Sequence[str]) -> list[list[int]]:
@@ -181,16 +209,16 @@ def accuracy_grid(model: CausalLM, draw: Sequence[Example], tests: Sequence[Exam
     if reports():  # the known answers count once, on one rank
         for count, order, index in cells:
             correct[shots.index(count), order] += known.get((count, order, index), False)
-    contexts: dict[tuple[int, int], str] = {}
-    for cell in share([cell for cell in cells if cell not in known]):
+    current, context, demonstrations = None, None, ""
+    for cell in share([cell for cell in cells if cell not in known]):  # a cell's examples come one after another
         count, order, index = cell
-        if (count, order) not in contexts:
-            contexts[count, order] = "".join(demonstration(example) for example in arranged(draw[:count], arrangement,
-                                                                                             order))
-        context = contexts[count, order]
-        prompt = tokenizer.encode(context + query(tests[index]))[-room:]
+        if (count, order) != current:
+            current = count, order
+            demonstrations = "".join(demonstration(example) for example in arranged(draw[:count], arrangement, order))
+            context = SharedContext(model, tokenizer.encode(demonstrations))
+        prompt = tokenizer.encode(demonstrations + query(tests[index]))[-room:]
         with torch.no_grad():
-            answer = names[constrained_answer(model, prompt, labels)] == tests[index].label
+            answer = names[constrained_answer(model, prompt, labels, context)] == tests[index].label
         correct[shots.index(count), order] += answer
         if cache is not None:
             cache.add(cell, answer)

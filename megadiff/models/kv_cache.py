@@ -49,6 +49,17 @@ class KVCache:
             if carry is not None:
                 carry.reset()
 
+    def mark(self) -> tuple[int, list]:
+        """The cache's state now, for rewind(): a prefix shared by several continuations."""
+        return self.length, [None if carry is None else carry.snapshot() for carry in self.carries]
+
+    def rewind(self, mark: tuple[int, list]) -> None:
+        """Back to the positions held at mark() (later ones are overwritten by the next call)."""
+        self.context.sequence_len_offset, snapshots = mark
+        for carry, snapshot in zip(self.carries, snapshots):
+            if carry is not None:
+                carry.restore(snapshot)
+
     @contextmanager
     def extending(self, positions: int):
         """Around a forward pass of the next `positions` positions: attaches the integral carries,

@@ -21,6 +21,13 @@ class IntegralCarry:
     def reset(self) -> None:
         self.total, self.count = None, 0
 
+    def snapshot(self) -> tuple[torch.Tensor | None, int]:
+        return (None if self.total is None else self.total.clone()), self.count
+
+    def restore(self, snapshot: tuple[torch.Tensor | None, int]) -> None:
+        total, self.count = snapshot
+        self.total = None if total is None else total.clone()
+
     def running_mean(self, first_map_out: torch.Tensor) -> torch.Tensor:
         """[B, n, H, dv] A1 V of the next n positions -> the running mean at each of them (in the
         compute dtype), counting every earlier position; the carry then includes them."""
