@@ -184,6 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
         a.samples, a.judge_url, a.judge_model, api_key_env=a.api_key_env, workers=a.workers, records=a.records,
         output=a.output))
 
+    scaling = sub.add_parser("scaling", help="fit the runs' validation losses by model size or training tokens and "
+                             "match each variant to the baseline's curve (the DIFF paper's figure 3)")
+    scaling.add_argument("runs", nargs="+", help="the runs' output_dir (config.yaml and metrics.jsonl)")
+    scaling.add_argument("--by", choices=["params", "tokens"], default="params",
+                         help="params: each run's last loss against its size; tokens: every loss a run logged "
+                         "against the tokens trained on by then")
+    scaling.add_argument("--metric", default="valid_loss", help="a metrics.jsonl key, e.g. valid_loss/NAME")
+    scaling.add_argument("--baseline", default="softmax", help="the variant whose curve the others are matched to")
+    scaling.add_argument("--at", action="append", default=[], metavar="X",
+                         help="also match this size (token count) on each variant's curve, e.g. 7.8B (repeatable)")
+    scaling.add_argument("--from", dest="start", default=None, metavar="X",
+                         help="fit only points at X or more (e.g. 40B tokens: leave out the first evaluations)")
+    scaling.add_argument("--output", default=None, help="write the fits and matches as JSON here")
+    scaling.set_defaults(run=lambda a: _target("megadiff.analysis.scaling:scaling_cli")(
+        a.runs, by=a.by, metric=a.metric, baseline=a.baseline, at=a.at, start=a.start, output=a.output))
+
     icl = sub.add_parser("icl", help="many-shot in-context classification by number of demonstrations (the DIFF "
                          "paper's figures 6-7)")
     icl.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")

@@ -12,11 +12,13 @@ from types import SimpleNamespace
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megadiff.analysis.scaling import run_points
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, read_latest_iteration
 from megadiff.config import build_config, load_config
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.prepare import ensure_prepared, prepare
 from megadiff.inference.evaluate import evaluate
+from megadiff.models.param_count import count_parameters
 from megadiff.observability.metrics import read_metrics
 from megadiff.training.pretrain import build_scheduler
 from megadiff.training.throughput import peak_tflops_of
@@ -102,6 +104,19 @@ def test_metrics_console_and_tensorboard(logged_run):
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert {"lm_loss", "lr", "grad_norm", "lambda/layer_1", "valid_loss"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("lm_loss")] == pytest.approx([r["lm_loss"] for r in train])
+
+
+def test_scaling_reads_the_runs_validation_losses(logged_run):
+    """`megadiff scaling`'s points of a real run: by tokens every valid_loss it logged (8 sequences of
+    32 tokens an iteration), by params the last one at the model's size."""
+    out, _ = logged_run
+    valid = [(r["iteration"], r["valid_loss"]) for r in read_metrics(out) if "valid_loss" in r]
+    by_tokens = run_points(out, "tokens")
+    assert [(p.iteration, p.x, p.loss, p.variant) for p in by_tokens] == [(it, it * 8 * 32, loss, "diff")
+                                                                         for it, loss in valid]
+    (by_size,) = run_points(out, "params")
+    count = count_parameters(checkpoint_config(out).model)
+    assert (by_size.iteration, by_size.loss) == valid[-1] and by_size.x == count.non_embedding + count.embedding
 
 
 @pytest.mark.slow

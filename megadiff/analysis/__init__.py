@@ -1,0 +1,1 @@
+"""Analyses across finished runs (no model is loaded): the papers' scaling comparisons."""
