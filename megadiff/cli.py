@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                      help="default: the checkpoint's training precision")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
-        a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
-        dtype=a.dtype))
+        a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+        top_k=a.top_k, seed=a.seed, dtype=a.dtype))
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")
@@ -131,14 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     needles.add_argument("--lengths", type=int, nargs="+", required=True, help="context lengths in tokens")
     needles.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                          help="where the queried needle sits: 0 = start, 1 = end")
-    needles.add_argument("--needles", type=int, default=1, help="needles in each context (one is asked for)")
+    needles.add_argument("--needles", type=int, default=1, help="needles in each context (the paper's N)")
+    needles.add_argument("--queries", type=int, default=1,
+                         help="how many of them the question asks for (the paper's R); a case scores the share found")
     needles.add_argument("--trials", type=int, default=5, help="cases per length and depth")
     needles.add_argument("--seed", type=int, default=0)
     needles.add_argument("--attention", action="store_true",
                          help="also the attention to the answer and the attention noise (the paper's Table 3)")
     needles.set_defaults(run=lambda a: _target("megadiff.inference.needles:needles_cli")(
         a.load, a.lengths, a.depths, needles=a.needles, trials=a.trials, seed=a.seed, split=a.split,
-        attention=a.attention, overrides=a.overrides, output=a.output))
+        attention=a.attention, overrides=a.overrides, output=a.output, queries=a.queries))
     outliers.set_defaults(run=lambda a: _target("megadiff.inference.outliers:outliers")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
         overrides=a.overrides, output=a.output))

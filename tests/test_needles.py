@@ -71,6 +71,28 @@ def test_a_case_holds_its_needles_question_and_answer_where_it_says(tokenizer, h
     assert starts[0] < 0.05 and 0.4 < starts[1] < 0.6 and starts[2] > 0.9
 
 
+def test_a_case_asking_for_several_needles_holds_each_answer_after_its_city(tokenizer, haystack):
+    """R = 2 of N = 4: the question names both cities, and each answer follows "The magic number of
+    CITY is" and is that city's number in its needle; the first queried needle sits at the depth."""
+    for depth in (0.0, 1.0):
+        case = build_case(tokenizer, haystack, 600, depth, 4, random.Random(5), queries=2)
+        assert len(case.tokens) == 600 and len(case.answer_spans) == 2
+        text = tokenizer.decode(case.tokens)
+        assert text.count("The magic number of") == 4 + 2
+        needles = dict(line.removeprefix("The magic number of ").removesuffix(".").split(" is ")
+                       for line in text.splitlines() if line.startswith("The magic number of ") and line.endswith("."))
+        question = tokenizer.decode(case.tokens[case.question_start:case.answer_start])
+        asked = question.split("What are the magic numbers of ")[1].split("?")[0].split(" and ")
+        assert len(asked) == 2 and set(asked) <= set(needles)
+        for city, (start, end) in zip(asked, case.answer_spans):
+            assert tokenizer.decode(case.tokens[:start]).endswith(f"The magic number of {city} is")
+            assert tokenizer.decode(case.tokens[start:end]) == f" {needles[city]}"
+        first_needle = tokenizer.decode(case.tokens[slice(*case.needle_spans[0])])
+        assert first_needle == f"\nThe magic number of {asked[0]} is {needles[asked[0]]}.\n"
+        assert (case.needle_start / case.question_start < 0.05) if depth == 0 else (case.needle_start /
+                                                                                    case.question_start > 0.9)
+
+
 def test_the_grid_is_what_an_oracle_of_known_reach_retrieves(tokenizer, haystack):
     lengths, depths = [300, 900], [0.0, 0.5, 1.0]
     everything = retrieval_grid(CopyingOracle(tokenizer.vocab_size), tokenizer, haystack, lengths, depths,
@@ -80,6 +102,11 @@ def test_the_grid_is_what_an_oracle_of_known_reach_retrieves(tokenizer, haystack
     near = retrieval_grid(CopyingOracle(tokenizer.vocab_size, reach=400), tokenizer, haystack, lengths, depths,
                           needles=3, trials=2, seed=0)
     assert near["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+    # two of two needles asked for: the second sits mid-context, out of reach in 900 tokens, so a case
+    # whose first needle is in reach (depth 1) scores one half
+    both = retrieval_grid(CopyingOracle(tokenizer.vocab_size, reach=400), tokenizer, haystack, lengths, depths,
+                          needles=2, trials=2, seed=0, queries=2)
+    assert both["queries"] == 2 and both["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.5]]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +119,10 @@ def runs(tmp_path_factory):
 def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tmp_path):
     run_dir = runs["diff"]
     out = tmp_path / "needles.json"
-    assert main(["needles", "--load", str(run_dir), "--lengths", "160", "256", "--depths", "0", "1",
-                 "--trials", "2", "--attention", "--output", str(out)]) == 0
+    assert main(["needles", "--load", str(run_dir), "--lengths", "256", "320", "--depths", "0", "1",
+                 "--trials", "2", "--needles", "2", "--queries", "2", "--attention", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["lengths"] == [160, 256] and report["depths"] == [0.0, 1.0]
+    assert report["lengths"] == [256, 320] and report["depths"] == [0.0, 1.0] and report["queries"] == 2
     assert all(0.0 <= value <= 1.0 for row in report["accuracy"] for value in row)
     assert np.shape(report["attention_to_answer"]) == np.shape(report["attention_noise"]) == (2, 2)
 
@@ -107,7 +134,14 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tm
         assert retrieved(model, case) == (greedy == case.answer)
         # and a case made to be retrieved: its answer is what the model generates
         forced = dataclasses.replace(case, tokens=case.tokens[:case.answer_start] + greedy)
-        assert retrieved(model, forced)
+        assert retrieved(model, forced) == 1.0
+    two = build_case(model.tokenizer, tokens, 256, 0.5, 2, random.Random(1), queries=2)
+    (first_start, first_end), (second_start, second_end) = two.answer_spans
+    first = _greedy(model, two.tokens[:first_start], first_end - first_start)
+    second = _greedy(model, two.tokens[:second_start], second_end - second_start)
+    expected = ((first == two.tokens[first_start:first_end]) + (second == two.tokens[second_start:second_end])) / 2
+    assert retrieved(model, two) == expected
+    assert main(["needles", "--load", str(run_dir), "--lengths", "160", "--needles", "2", "--queries", "3"]) == 2
 
 
 def _greedy(model, prompt: list[int], count: int) -> list[int]:

@@ -2,12 +2,15 @@
 retrieval, sections 3.4 and 3.3), to check what a 64K extension can use.
 
 A case of length L: held-out text (the haystack) holding N needles "The magic number of CITY is
-NUMBER." at evenly spread depths, one of them (the queried one) moved to depth D (0 = start of
+NUMBER." at evenly spread depths, one of them (the first queried) moved to depth D (0 = start of
 the context, 1 = its end), then "What is the magic number of CITY? The magic number of CITY is"
-and the answer " NUMBER". The case counts as retrieved when greedy decoding would produce the
-answer: with teacher forcing, one forward pass, the model's top token at every answer position
-is the answer's next token. Only those positions' logits are formed, so 64K contexts need no
-N x vocabulary logits.
+and the answer " NUMBER". With R query cities (the paper's R), the question asks for R of the
+needles ("What are the magic numbers of A and B? The magic number of A is") and the answers
+follow one another (" X. The magic number of B is Y"). A queried number counts as retrieved when
+greedy decoding would produce it: with teacher forcing, one forward pass, the model's top token
+at every position of the answer is the answer's next token; a case scores the share of its R
+numbers retrieved. Only those positions' logits are formed, so 64K contexts need no N x
+vocabulary logits.
 """
 from __future__ import annotations
 
@@ -42,19 +45,25 @@ class Scorer(Protocol):
 
 @dataclass(frozen=True)
 class Case:
-    tokens: list[int]                    # the whole input: context, question, answer
-    needle_spans: list[tuple[int, int]]  # [start, end) of every needle, the queried one first
-    answer_span: tuple[int, int]         # the queried number inside its needle
+    tokens: list[int]                    # the whole input: context, question, answers
+    needle_spans: list[tuple[int, int]]  # [start, end) of every needle, the queried ones first
+    answer_span: tuple[int, int]         # the first queried number inside its needle
     question_start: int
-    answer_start: int                    # where the answer begins (the question ends just before)
+    answer_spans: list[tuple[int, int]]  # [start, end) of each queried number after the question
 
     @property
     def needle_start(self) -> int:
         return self.needle_spans[0][0]
 
     @property
+    def answer_start(self) -> int:
+        """Where the first answer begins (the question ends just before)."""
+        return self.answer_spans[0][0]
+
+    @property
     def answer(self) -> list[int]:
-        return self.tokens[self.answer_start:]
+        """The first queried number's tokens."""
+        return self.tokens[slice(*self.answer_spans[0])]
 
 
 def _needle(tokenizer: Tokenizer, city: str, number: int) -> list[int]:
@@ -65,15 +74,24 @@ def _find(piece: list[int], part: list[int]) -> int | None:
     return next((i for i in range(len(piece) - len(part) + 1) if piece[i:i + len(part)] == part), None)
 
 
+def _question(tokenizer: Tokenizer, cities: list[str], numbers: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """The question and the text between the answers (R - 1 pieces), and the R answers."""
+    asked = cities[0] if len(cities) == 1 else f"{', '.join(cities[:-1])} and {cities[-1]}"
+    verb = "is the magic number" if len(cities) == 1 else "are the magic numbers"
+    prompts = [tokenizer.encode(f"\nWhat {verb} of {asked}? The magic number of {cities[0]} is")]
+    prompts += [tokenizer.encode(f". The magic number of {city} is") for city in cities[1:]]
+    return prompts, [tokenizer.encode(f" {number}") for number in numbers]
+
+
 def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: float, needles: int,
-               rng: random.Random) -> Case:
-    """One case of exactly `length` tokens (see the module docstring); haystack: tokens to draw from."""
+               rng: random.Random, queries: int = 1) -> Case:
+    """One case of exactly `length` tokens asking for `queries` of the needles (see the module
+    docstring); haystack: tokens to draw from."""
     cities = rng.sample(CITIES, needles)
     numbers = [rng.randrange(1_000_000, 10_000_000) for _ in cities]
     pieces = [_needle(tokenizer, city, number) for city, number in zip(cities, numbers)]
-    question = tokenizer.encode(f"\nWhat is the magic number of {cities[0]}? The magic number of {cities[0]} is")
-    answer = tokenizer.encode(f" {numbers[0]}")
-    room = length - sum(map(len, pieces)) - len(question) - len(answer)
+    prompts, answers = _question(tokenizer, cities[:queries], numbers[:queries])
+    room = length - sum(map(len, pieces + prompts + answers))
     if room < 0:
         raise ConfigError(f"--lengths: {length} tokens are fewer than the needles, question and answer take "
                           f"({length - room})")
@@ -91,19 +109,27 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
         spans[index] = (len(tokens), len(tokens) + len(pieces[index]))
         tokens += pieces[index]
     tokens += hay[cursor:]
-    question_start = len(tokens)
-    tokens += question
-    offset = _find(pieces[0], answer)  # the number as the answer spells it; else the whole needle
-    answer_span = spans[0] if offset is None else (spans[0][0] + offset, spans[0][0] + offset + len(answer))
-    return Case(tokens + answer, spans, answer_span, question_start, len(tokens))
+    question_start, answer_spans = len(tokens), []
+    for prompt, answer in zip(prompts, answers):
+        tokens += prompt
+        answer_spans.append((len(tokens), len(tokens) + len(answer)))
+        tokens += answer
+    offset = _find(pieces[0], answers[0])  # the number as the answer spells it; else the whole needle
+    answer_span = spans[0] if offset is None else (spans[0][0] + offset, spans[0][0] + offset + len(answers[0]))
+    return Case(tokens, spans, answer_span, question_start, answer_spans)
 
 
 @torch.no_grad()
-def retrieved(model: Scorer, case: Case) -> bool:
-    """Would greedy decoding continue the question with the answer? (teacher forcing, one pass)"""
-    positions = list(range(case.answer_start - 1, len(case.tokens) - 1))
-    logits = model.logits_at(torch.tensor([case.tokens]), positions)[0]
-    return logits.argmax(-1).tolist() == case.answer
+def retrieved(model: Scorer, case: Case) -> float:
+    """The share of the queried numbers that greedy decoding would give where the case has them
+    (teacher forcing, one pass): 1.0 or 0.0 with one query."""
+    positions = [position for start, end in case.answer_spans for position in range(start - 1, end - 1)]
+    predicted = model.logits_at(torch.tensor([case.tokens]), positions)[0].argmax(-1).tolist()
+    hits, cursor = 0, 0
+    for start, end in case.answer_spans:
+        hits += predicted[cursor:cursor + end - start] == case.tokens[start:end]
+        cursor += end - start
+    return hits / len(case.answer_spans)
 
 
 @torch.no_grad()
@@ -136,8 +162,9 @@ def attention_rows(model: CausalLM, tokens: list[int], position: int) -> list[to
 
 def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
     """(attention to the answer, attention noise) of the question's last token, the paper's Table 3:
-    the normalized attention on the queried number's tokens, and on the haystack (everything before
-    the question but the needles), each summed over those tokens and averaged over layers and heads."""
+    the normalized attention on the (first) queried number's tokens, and on the haystack (everything
+    before the question but the needles), each summed over those tokens and averaged over layers
+    and heads."""
     position = case.answer_start - 1
     answer = torch.zeros(position + 1, dtype=torch.bool)
     answer[slice(*case.answer_span)] = True
@@ -151,25 +178,26 @@ def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
 
 def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, lengths: list[int],
                    depths: list[float], needles: int, trials: int, seed: int, attention: bool = False,
-                   on_case: Callable[[Case], None] | None = None) -> dict:
-    """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack);
+                   on_case: Callable[[Case], None] | None = None, queries: int = 1) -> dict:
+    """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack),
+    each asking for `queries` of the needles;
     with `attention` (a CausalLM model), also the attention to the answer and the noise per cell.
     Each rank scores its share of the cases (calling `on_case` after each); every rank draws them
     all, in one order, from `seed`."""
     rng = random.Random(seed)
     measures = ("accuracy", "attention_to_answer", "attention_noise") if attention else ("accuracy",)
-    cases = (build_case(tokenizer, haystack, length, depth, needles, rng)
+    cases = (build_case(tokenizer, haystack, length, depth, needles, rng, queries)
              for length in lengths for depth in depths for _ in range(trials))
     results = torch.zeros(len(lengths) * len(depths) * trials, len(measures), dtype=torch.float64)
     for index, case in share(enumerate(cases)):
-        results[index, 0] = float(retrieved(model, case))
+        results[index, 0] = retrieved(model, case)
         if attention:
             results[index, 1:] = torch.tensor(attention_allocation(model, case), dtype=torch.float64)
         if on_case is not None:
             on_case(case)
     cells = sum_across_ranks(results).view(len(lengths), len(depths), trials, len(measures)).mean(2)
     grids = {name: cells[..., column].tolist() for column, name in enumerate(measures)}
-    return {"lengths": lengths, "depths": depths, "needles": needles, "trials": trials, **grids,
+    return {"lengths": lengths, "depths": depths, "needles": needles, "queries": queries, "trials": trials, **grids,
             "mean_accuracy": cells[..., 0].mean().item()}
 
 
@@ -188,12 +216,14 @@ def held_out_tokens(cfg, split: str) -> np.ndarray:
 
 def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], needles: int = 1, trials: int = 5,
                 seed: int = 0, split: str = "valid", attention: bool = False, overrides: Iterable[str] = (),
-                output: str | None = None) -> int:
+                output: str | None = None, queries: int = 1) -> int:
     """`megadiff needles --load RUN`: print (and with `output`, write as JSON) the grids."""
     lengths, depths = sorted(set(lengths)), sorted(set(depths))
     check_request("needles", split, overrides, needles=needles, trials=trials, lengths=min(lengths, default=0))
     if needles > len(CITIES) or not all(0 <= d <= 1 for d in depths) or not depths:
         raise ConfigError(f"--needles must be at most {len(CITIES)} and --depths within [0, 1]")
+    if not 1 <= queries <= needles:
+        raise ConfigError(f"--queries must be between 1 and --needles ({needles}), got {queries}")
     model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model, None, overrides)
@@ -203,10 +233,10 @@ def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], need
                             share_size(len(lengths) * len(depths) * trials))
         report = retrieval_grid(model, model.tokenizer, held_out_tokens(cfg, split), lengths, depths, needles,
                                 trials, seed, attention=attention,
-                                on_case=lambda case: task.advance(1, len(case.tokens)))
+                                on_case=lambda case: task.advance(1, len(case.tokens)), queries=queries)
     report.update(checkpoint=str(model.checkpoint_dir), trained_length=model.cfg.model.seq_length)
-    console.print(f"{report['checkpoint']}: retrieval of 1 of {needles} needles, {trials} cases per cell (trained "
-                  f"on {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")
+    console.print(f"{report['checkpoint']}: retrieval of {queries} of {needles} needles, {trials} cases per cell "
+                  f"(trained on {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")
     for name in ("accuracy", "attention_to_answer", "attention_noise"):
         if name in report:
             table = Table(title=name.replace("_", " "))
