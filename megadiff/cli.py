@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--attention-logit-bits", type=int, default=None, metavar="B",
                          help="quantize the attention logits to B bits (the DIFF paper's Figure 8; materialises "
                          "the attention maps)")
+    harness.add_argument("--gen-kwargs", default=None, metavar="K=V,...",
+                         help="generation settings over the tasks' own, e.g. max_gen_toks=1024 (the DIFF paper's "
+                         "math evaluations restrict the output to 1K and 16K tokens)")
     harness.add_argument("--output", default=None, help="write the results as JSON here")
     harness.add_argument("--log-samples", action="store_true", help="with --output: every request and its answer")
     harness.add_argument("--cache", default=None, metavar="PATH",
@@ -168,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     harness.set_defaults(run=lambda a: _target("megadiff.inference.harness:lm_eval_cli")(
         a.load, a.tasks, num_fewshot=a.num_fewshot, limit=a.limit, batch_size=a.batch_size,
         include_path=a.include_path, seed=a.seed, dtype=a.dtype, attention_logit_bits=a.attention_logit_bits,
-        output=a.output, log_samples=a.log_samples, cache=a.cache))
+        output=a.output, log_samples=a.log_samples, cache=a.cache, gen_kwargs=a.gen_kwargs))
 
     judge = sub.add_parser("hallucination", help="a judge model's verdicts on generated outputs in harness sample "
                            "logs (the DIFF paper's contextual-hallucination table)")

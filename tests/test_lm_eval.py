@@ -187,6 +187,27 @@ def test_quantized_attention_logits_reach_every_answer(runs, tasks, tmp_path):
         assert_same_answers(answers(coarse["samples"]), plain, rel=5e-5)
 
 
+def test_generation_settings_override_the_tasks(runs, tasks, tmp_path, monkeypatch):
+    """--gen-kwargs max_gen_toks=2 (the task asks for 6): every generation is decoded with a budget
+    of 2 new tokens; the other requests answer as without it."""
+    from megadiff.inference import harness
+
+    plain = answers(megadiff_lm_eval(runs["dint"], tasks, tmp_path / "plain.json")["samples"])
+    budgets = []
+
+    def recording(model, prompts, max_new_tokens, **options):
+        budgets.append(max_new_tokens)
+        return greedy_batch(model, prompts, max_new_tokens, **options)
+
+    greedy_batch = harness.greedy_batch
+    monkeypatch.setattr(harness, "greedy_batch", recording)
+    short = megadiff_lm_eval(runs["dint"], tasks, tmp_path / "short.json", extra=("--gen-kwargs", "max_gen_toks=2"))
+    assert short["gen_kwargs"] == "max_gen_toks=2" and budgets and set(budgets) == {2}
+    for key, answer in answers(short["samples"]).items():
+        if key[0] != "kjv_generate":
+            assert answer == plain[key]
+
+
 @pytest.mark.parametrize("document_masking", [True, False])
 def test_document_masked_checkpoint_never_attends_across_the_prefix(runs, document_masking):
     """The harness conditions a text's first token on an end-of-document prefix; a checkpoint

@@ -16,7 +16,7 @@ CONFIGS = ROOT / "configs"
 # the layers plus one vocabulary matrix.
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
 THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
-           "softmax-3b-64k.yaml"]
+           "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml"]
 
 
 @pytest.mark.parametrize("variant", ["diff", "softmax"])
@@ -101,3 +101,15 @@ def test_formula_equals_the_built_models(tmp_path):
     built = json.loads(out.read_text())
     for name, overrides in MODELS.items():
         assert count_parameters(build_config({}, SMALL + overrides).model).total == built[name], name
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_math_recipes_continue_the_64k_models(variant):
+    """The DIFF paper's appendix C: the 64K model itself, 20B tokens in 4M-token batches at LR 8e-5,
+    a checkpoint every 2B tokens, from the 64K run's output."""
+    math_run, long_run = (load_config(CONFIGS / f"{variant}-3b-64k{suffix}.yaml") for suffix in ("-math", ""))
+    assert math_run.model == long_run.model and math_run.checkpoint.load == long_run.output_dir
+    tokens_per_step = math_run.train.global_batch_size * math_run.model.seq_length
+    assert tokens_per_step == pytest.approx(4e6, rel=0.05) and math_run.train.lr == 8e-5
+    assert math_run.train.iters * tokens_per_step == pytest.approx(20e9, rel=1e-3)
+    assert math_run.checkpoint.save_interval * tokens_per_step == pytest.approx(2e9, rel=1e-3)

@@ -246,10 +246,11 @@ def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
 def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None, limit: float | None = None,
                 batch_size: int = 8, include_path: str | None = None, seed: int = 1234, dtype: str | None = None,
                 attention_logit_bits: int | None = None, output: str | None = None, log_samples: bool = False,
-                cache: str | None = None) -> int:
+                cache: str | None = None, gen_kwargs: str | None = None) -> int:
     """`megadiff lm-eval --load RUN --tasks ...`: print the harness's table (and write its results).
     With `cache`, the harness's CachingLM keeps each answer in CACHE_rankN.db as it is computed: a
-    rerun (after a crash or preemption) computes only the rest."""
+    rerun (after a crash or preemption) computes only the rest. `gen_kwargs` ("max_gen_toks=1024,...")
+    overrides the generation tasks' own settings, as lm_eval's --gen_kwargs does."""
     require_harness()
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -263,18 +264,20 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size), tasks=names,
                               num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples,
                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed, use_cache=cache)
+                              fewshot_random_seed=seed, use_cache=cache, gen_kwargs=gen_kwargs)
     if not reports():
         return 0
     console = command_console()
     logits = f", attention logits in {attention_logit_bits} bits" if attention_logit_bits else ""
-    console.print(f"{model.checkpoint_dir}: lm-eval, {num_fewshot or 0}-shot{logits}")
+    generation = f", generation {gen_kwargs}" if gen_kwargs else ""
+    console.print(f"{model.checkpoint_dir}: lm-eval, {num_fewshot or 0}-shot{logits}{generation}")
     console.print(make_table(results))
     if "groups" in results:
         console.print(make_table(results, "groups"))
     if output:
         kept = {key: results[key] for key in ("results", "groups", "n-shot", "versions", "samples") if key in results}
-        kept.update(checkpoint=str(model.checkpoint_dir), attention_logit_bits=attention_logit_bits)
+        kept.update(checkpoint=str(model.checkpoint_dir), attention_logit_bits=attention_logit_bits,
+                    gen_kwargs=gen_kwargs)
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(kept, indent=1, default=handle_non_serializable))
         console.print(f"wrote {output}")
