@@ -16,7 +16,8 @@ CONFIGS = ROOT / "configs"
 # the layers plus one vocabulary matrix.
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
 THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
-           "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml"]
+           "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml", "diff-3b-64k-math-sft.yaml",
+           "softmax-3b-64k-math-sft.yaml"]
 
 
 @pytest.mark.parametrize("variant", ["diff", "softmax"])
@@ -113,3 +114,15 @@ def test_math_recipes_continue_the_64k_models(variant):
     assert tokens_per_step == pytest.approx(4e6, rel=0.05) and math_run.train.lr == 8e-5
     assert math_run.train.iters * tokens_per_step == pytest.approx(20e9, rel=1e-3)
     assert math_run.checkpoint.save_interval * tokens_per_step == pytest.approx(2e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_distillation_recipes_continue_the_math_models(variant):
+    """Appendix C's second stage: the math model itself, 2B tokens in 1M-token batches at LR 1e-5,
+    the loss on the responses only."""
+    distilled, math_run = (load_config(CONFIGS / f"{variant}-3b-64k-math{suffix}.yaml") for suffix in ("-sft", ""))
+    assert distilled.model == math_run.model and distilled.checkpoint.load == math_run.output_dir
+    tokens_per_step = distilled.train.global_batch_size * distilled.model.seq_length
+    assert tokens_per_step == pytest.approx(1e6, rel=0.05) and distilled.train.lr == 1e-5
+    assert distilled.train.iters * tokens_per_step == pytest.approx(2e9, rel=1e-3)
+    assert distilled.data.response_key is not None

@@ -61,6 +61,9 @@ class DataConfig(Section):
     sources: list[str] = Field(default_factory=list, description="prepare-data input: text files (json/jsonl/txt/"
                                "parquet), directories or globs of them, or a Hugging Face dataset name")
     text_key: str = Field("text", description="the field holding a document's text in json/jsonl/parquet sources")
+    response_key: Optional[str] = Field(None, description="supervised fine-tuning: the field holding each record's "
+                                        "response, data.text_key its prompt; the loss is then computed on the "
+                                        "responses (and the EOD after each) only; see docs/data.md")
     prefix: Optional[str] = Field(None, description="the indexed dataset (<prefix>.bin/.idx) prepare-data writes; "
                                   "default for a bundled corpus: <cache_dir>/prepared/<corpus>-<tokenizer>")
     blend: list[Union[str, float]] = Field(default_factory=list, description="[w1, prefix1, w2, prefix2, ...] "

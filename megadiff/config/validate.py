@@ -130,6 +130,9 @@ def validate_data(data: DataConfig) -> None:
         _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both")
     if data.length_upsampling_unit is not None and not data.length_upsampling:
         _fail("data.length_upsampling_unit", "only used with data.length_upsampling=true")
+    if data.response_key is not None and data.length_upsampling:
+        _fail("data.response_key", "prompt/response data are not up-sampled by length: set "
+              "data.length_upsampling=false")
 
 
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:

@@ -13,7 +13,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 
 from megadiff.config import Config
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import IndexSummary, read_index, token_dtype
+from megadiff.data.indexed import IndexSummary, idx_path, loss_mask_prefix, read_index, token_dtype
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_manifest
 from megadiff.data.tokenizers import Tokenizer
@@ -31,6 +31,8 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
         summary = read_index(prefix, key)
         _check_tokenizer(prefix, summary, tokenizer, cfg.data.tokenizer)
         _check_splits(prefix, summary, cfg, key)
+        if cfg.data.response_key is not None:
+            _check_loss_mask(prefix, summary)
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, spec: str) -> None:
@@ -43,6 +45,18 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, s
     if summary.dtype.itemsize < token_dtype(tokenizer.vocab_size).itemsize:
         raise DataError(f"data.tokenizer: {prefix}.bin stores {summary.dtype} ids, too narrow for {spec!r} "
                         f"({tokenizer.vocab_size} ids): it was prepared with another tokenizer")
+
+
+def _check_loss_mask(prefix: str, summary: IndexSummary) -> None:
+    """Prompt/response data need the loss mask prepare-data writes beside their tokens, document for document."""
+    mask_prefix = loss_mask_prefix(prefix)
+    if not idx_path(mask_prefix).is_file():
+        raise DataError(f"data.response_key: {prefix} has no loss mask ({mask_prefix}.bin/.idx): it was prepared "
+                        "without data.response_key; prepare it again with it")
+    mask = read_index(mask_prefix, "data.response_key")
+    if not np.array_equal(mask.sequence_lengths, summary.sequence_lengths):
+        raise DataError(f"data.response_key: {mask_prefix} does not describe the documents of {prefix}; prepare "
+                        "the data again")
 
 
 def split_documents(sequence_lengths: np.ndarray, split: str) -> dict[str, tuple[int, int, int]]:

@@ -24,6 +24,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megadiff.config import Config, build_config
 from megadiff.data.checks import check_training_data
 from megadiff.data.locations import index_cache_dir, training_blend
+from megadiff.data.responses import ResponseMaskedGPTDataset
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
 
@@ -59,7 +60,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         dataset_cls, config = (LengthUpsampledGPTDataset,
                                LengthUpsampledGPTDatasetConfig(length_upsampling_unit=unit, **options))
     else:
-        dataset_cls, config = GPTDataset, GPTDatasetConfig(**options)
+        dataset_cls = ResponseMaskedGPTDataset if data.response_key is not None else GPTDataset
+        config = GPTDatasetConfig(**options)
     with _lone_process_is_rank_zero():
         train, valid, test = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank,
                                                            config).build()

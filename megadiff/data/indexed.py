@@ -19,6 +19,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= UINT16_IDS else np.int32)
 
 
+LOSS_MASK_DTYPE = np.dtype(np.uint8)
+
+
+def loss_mask_prefix(prefix: str | Path) -> str:
+    """Where prompt/response data keep their loss mask: an indexed dataset with the tokens' documents."""
+    return f"{prefix}-loss-mask"
+
+
 def bin_path(prefix: str | Path) -> Path:
     return Path(f"{prefix}.bin")
 

@@ -1,7 +1,9 @@
 """prepare-data: text (data.sources or a bundled corpus) -> tokenizer -> megatron indexed dataset.
 
 Every document becomes one sequence of <prefix>.bin followed by the tokenizer's EOD id
-(documents with no tokens are skipped), in source order whatever data.workers is.
+(documents with no tokens are skipped), in source order whatever data.workers is. With
+data.response_key (supervised fine-tuning) a record's prompt (data.text_key) and response make
+one document, and <prefix>-loss-mask.bin/.idx holds 1 on each response's tokens and its EOD.
 
 Each source file is tokenized on its own first, into a part under <prefix>.parts/ (its own
 .bin/.idx, its manifest written last); then the parts are concatenated into <prefix>.bin/.idx,
@@ -12,6 +14,7 @@ the same sources and tokenizer as the manifest's does nothing, so preparing agai
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -31,7 +34,9 @@ from rich.text import Text
 from megadiff.config import Config, DataConfig, load_config
 from megadiff.data.corpus import write_bundled_corpus
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import AtomicIndexedWriter, bin_path, idx_path, token_dtype
+from megadiff.data.indexed import (
+    LOSS_MASK_DTYPE, AtomicIndexedWriter, bin_path, idx_path, loss_mask_prefix, token_dtype,
+)
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.manifest import is_up_to_date, read_manifest, remove_manifest, write_manifest
 from megadiff.data.sources import Source, load_texts, resolve_sources
@@ -152,6 +157,7 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer) 
     return {
         "sources": [source.fingerprint() for source in sources],
         "text_key": data.text_key,
+        **({"response_key": data.response_key} if data.response_key is not None else {}),
         "tokenizer": {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
         "dtype": token_dtype(tokenizer.vocab_size).name,
     }
@@ -202,17 +208,28 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     # datasets converts the source to Arrow first; keep that copy beside the output, and only for this part
     work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=prefix.parent)
     try:
-        texts = load_texts([source], plan.data.text_key, work_dir)
+        response_key = plan.data.response_key
+        texts = load_texts([source], plan.data.text_key, work_dir, response_key)
         documents, tokens = 0, 0
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
-        with AtomicIndexedWriter(prefix, plan.dtype) as writer:
-            batches = (batch["text"] for batch in texts.iter(batch_size=DOCUMENTS_PER_BATCH))
-            for ids, lengths in encoder.encode_in_order(batches):
+        batches = texts.iter(batch_size=DOCUMENTS_PER_BATCH)
+        with contextlib.ExitStack() as files:
+            writer = files.enter_context(AtomicIndexedWriter(prefix, plan.dtype))
+            if response_key is None:
+                encoded = encoder.encode_in_order(batch["text"] for batch in batches)
+            else:
+                masks = files.enter_context(AtomicIndexedWriter(loss_mask_prefix(prefix), LOSS_MASK_DTYPE))
+                encoded = encoder.encode_pairs_in_order((batch["text"], batch["response"]) for batch in batches)
+            for ids, lengths, *mask in encoded:
                 writer.add_documents(ids, lengths)
+                if mask:
+                    masks.add_documents(mask[0], lengths)
                 documents, tokens = documents + int((lengths > 0).sum()), tokens + int(lengths.sum())
                 progress.update(task, advance=len(lengths), tokens=tokens)
             writer.commit()
+            if response_key is not None:  # written after the tokens: a part's manifest still comes last
+                masks.commit()
         progress.remove_task(task)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -229,13 +246,18 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
     if documents == 0:
         raise DataError(f"data.sources: {texts:,} documents but no tokens (all texts are empty) in {described}")
     filled = [plan.part_prefix(i) for i in sorted(part_stats) if part_stats[i]["documents"]]
-    if len(filled) == 1:  # nothing to concatenate: the part becomes the output
-        os.replace(bin_path(filled[0]), bin_path(plan.prefix))
-        os.replace(idx_path(filled[0]), idx_path(plan.prefix))
-    else:
-        with AtomicIndexedWriter(plan.prefix, plan.dtype) as writer:
+    # (a part's files of the output, the output, its dtype): the tokens, and prompt/response data's loss mask
+    outputs = [(lambda part: part, plan.prefix, plan.dtype)]
+    if plan.data.response_key is not None:
+        outputs.append((loss_mask_prefix, loss_mask_prefix(plan.prefix), LOSS_MASK_DTYPE))
+    for of_part, output, dtype in outputs:
+        if len(filled) == 1:  # nothing to concatenate: the part becomes the output
+            os.replace(bin_path(of_part(filled[0])), bin_path(output))
+            os.replace(idx_path(of_part(filled[0])), idx_path(output))
+            continue
+        with AtomicIndexedWriter(output, dtype) as writer:
             for part in filled:
-                writer.add_prepared(part)
+                writer.add_prepared(of_part(part))
             writer.commit()
     return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()))
 

@@ -130,23 +130,36 @@ def _load(source: Source, text_key: str, cache_dir: str):
         raise DataError(f"{source.key}: {source.describe()} {what}: {err}") from err
 
 
-def load_texts(sources: list[Source], text_key: str, cache_dir: str):
-    """All documents as one Dataset with a single "text" column (None for a missing value)."""
+def _text_column(table, source: Source, setting: str, key: str, name: str):
+    """The text field `key` of a source's table, as a one-column table named `name`."""
+    feature = table.features.get(key)
+    if feature is None:
+        raise DataError(f"{setting}: {source.key} ({source.describe()}) has no field {key!r}; "
+                        f"its fields are {list(table.features)}")
+    if getattr(feature, "dtype", None) not in TEXT_TYPES:
+        raise DataError(f"{setting}: field {key!r} of {source.key} ({source.describe()}) holds {feature}, not text")
+    column = table.select_columns([key])
+    return column.rename_column(key, name) if key != name else column
+
+
+def load_texts(sources: list[Source], text_key: str, cache_dir: str, response_key: Optional[str] = None):
+    """All documents as one Dataset with a "text" column (None for a missing value) and, with
+    `response_key` (supervised fine-tuning: "text" is then the prompt), a "response" column."""
     import datasets
 
+    columns = {"text": "data.text_key"} | ({"response": "data.response_key"} if response_key is not None else {})
     parts = []
     with _quiet_datasets():
         for source in sources:
             table, key = _load(source, text_key, cache_dir)
             if table is None:
                 continue
-            feature = table.features.get(key)
-            if feature is None:
-                raise DataError(f"data.text_key: {source.key} ({source.describe()}) has no field {key!r}; "
-                                f"its fields are {list(table.features)}")
-            if getattr(feature, "dtype", None) not in TEXT_TYPES:
-                raise DataError(f"data.text_key: field {key!r} of {source.key} ({source.describe()}) holds "
-                                f"{feature}, not text")
-            parts.append(table.select_columns([key]).rename_column(key, "text") if key != "text"
-                         else table.select_columns(["text"]))
-        return datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict({"text": []})
+            if response_key is not None and source.builder == "text":
+                raise DataError(f"data.response_key: {source.key} ({source.describe()}) is plain text, without "
+                                "fields; supervised fine-tuning reads json/jsonl/parquet records")
+            fields = {"text": key, "response": response_key}
+            parts.append(datasets.concatenate_datasets(
+                [_text_column(table, source, setting, fields[name], name) for name, setting in columns.items()],
+                axis=1))
+        empty = {name: [] for name in columns}
+        return datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict(empty)

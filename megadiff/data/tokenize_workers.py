@@ -14,6 +14,8 @@ import numpy as np
 from megadiff.data.tokenizers import load_tokenizer
 
 Encoded = tuple[np.ndarray, np.ndarray]  # (ids of the batch, concatenated; tokens per document, 0 = skipped)
+# and, for prompt/response pairs, the loss mask beside the ids: 1 on a response's tokens and its EOD
+EncodedPairs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str) -> Encoded:
@@ -27,6 +29,23 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
         pieces.append(np.asarray(ids, dtype=dtype))
         lengths.append(len(ids))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype), np.asarray(lengths, dtype=np.int64)
+
+
+def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], tokenizer_spec: str,
+                 dtype: str) -> EncodedPairs:
+    """Each pair -> prompt ids, response ids, EOD; a pair whose response encodes to no tokens (it
+    would teach nothing) is skipped."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    pieces, lengths, masks = [], [], []
+    for prompt, response in zip(prompts, responses):
+        answer = tokenizer.encode(response) + [tokenizer.eod] if response else []
+        question = tokenizer.encode(prompt) if prompt and answer else []
+        pieces.append(np.asarray(question + answer, dtype=dtype))
+        masks.append(np.repeat(np.array([0, 1], dtype=np.uint8), [len(question), len(answer)]))
+        lengths.append(len(question) + len(answer))
+    if not pieces:
+        return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.uint8)
+    return np.concatenate(pieces), np.asarray(lengths, dtype=np.int64), np.concatenate(masks)
 
 
 class Encoder:
@@ -47,16 +66,23 @@ class Encoder:
 
     def encode_in_order(self, batches: Iterable[list[Optional[str]]]) -> Iterator[Encoded]:
         """At most a few batches per worker in flight, so memory stays flat."""
+        return self._in_order(encode_documents, ((texts,) for texts in batches))
+
+    def encode_pairs_in_order(self, batches: Iterable[tuple[list, list]]) -> Iterator[EncodedPairs]:
+        """Batches of (prompts, responses), as encode_in_order."""
+        return self._in_order(encode_pairs, batches)
+
+    def _in_order(self, encode, batches: Iterable[tuple]) -> Iterator:
         if self.workers == 1:
-            for texts in batches:
-                yield encode_documents(texts, self.tokenizer_spec, self.dtype)
+            for batch in batches:
+                yield encode(*batch, self.tokenizer_spec, self.dtype)
             return
         if self._pool is None:  # started by the first part that needs tokenizing, not for finished ones
             self._pool = multiprocessing.get_context("spawn").Pool(
                 self.workers, initializer=load_tokenizer, initargs=(self.tokenizer_spec,))
         pending: collections.deque = collections.deque()
-        for texts in batches:
-            pending.append(self._pool.apply_async(encode_documents, (texts, self.tokenizer_spec, self.dtype)))
+        for batch in batches:
+            pending.append(self._pool.apply_async(encode, (*batch, self.tokenizer_spec, self.dtype)))
             if len(pending) >= 4 * self.workers:
                 yield pending.popleft().get()
         while pending:

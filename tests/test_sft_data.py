@@ -1,0 +1,112 @@
+"""Supervised fine-tuning data (data.response_key): prepare-data writes each record's prompt and
+response as one document with a loss mask beside it, and training samples keep the loss only
+where the label is a response's token (or the EOD that ends it)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megadiff.config import ConfigError, build_config
+from megadiff.data.datasets import build_datasets
+from megadiff.data.errors import DataError
+from megadiff.data.indexed import loss_mask_prefix
+from megadiff.data.prepare import prepare
+from megadiff.data.tokenizers import load_tokenizer
+from tests.conftest import kjv_verses
+from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+
+# prompts and responses of distinct single tokens, so a label's token says which one it belongs to
+PROMPT_WORD, RESPONSE_WORD = " question", " answer"
+
+
+def write_records(path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def sft_overrides(sources, prefix, tokenizer="cl100k_base") -> list[str]:
+    return [f"data.sources=[{sources}]", f"data.prefix={prefix}", "data.text_key=question",
+            "data.response_key=answer", f"data.tokenizer={tokenizer}"]
+
+
+def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in(tmp_path):
+    verses = kjv_verses()[:12]
+    records = [{"question": verses[i], "answer": verses[i + 1]} for i in range(0, 12, 2)]
+    records[2]["answer"] = ""  # teaches nothing: skipped
+    write_records(tmp_path / "src" / "a.jsonl", records[:3])  # two files: two parts, merged
+    write_records(tmp_path / "src" / "b.jsonl", records[3:])
+    data = build_config({}, sft_overrides(tmp_path / "src", tmp_path / "out" / "sft")).data
+    stats = prepare(data)
+    assert stats["documents"] == 5 and stats["skipped_empty"] == 1
+    tokenizer = load_tokenizer("cl100k_base")
+    tokens = IndexedDataset(str(tmp_path / "out" / "sft"))
+    mask = IndexedDataset(loss_mask_prefix(tmp_path / "out" / "sft"))
+    kept = [record for record in records if record["answer"]]
+    assert len(tokens) == len(mask) == len(kept)
+    for i, record in enumerate(kept):
+        prompt, response = tokenizer.encode(record["question"]), tokenizer.encode(record["answer"])
+        assert tokens[i].tolist() == prompt + response + [tokenizer.eod]
+        assert mask[i].tolist() == [0] * len(prompt) + [1] * (len(response) + 1)
+    assert prepare(data) == stats  # up to date: nothing redone
+
+
+def sft_corpus(tmp_path, records: int = 40):
+    """Records of k prompt words and m response words (k, m varying), prepared."""
+    rows = [{"question": PROMPT_WORD * (1 + i % 5), "answer": RESPONSE_WORD * (1 + i % 3)} for i in range(records)]
+    write_records(tmp_path / "src" / "sft.jsonl", rows)
+    prefix = tmp_path / "prepared" / "sft"
+    prepare(build_config({}, sft_overrides(tmp_path / "src", prefix)).data)
+    return tmp_path / "src", prefix
+
+
+def test_training_samples_keep_the_loss_on_the_responses(tmp_path):
+    sources, prefix = sft_corpus(tmp_path)
+    cfg = build_config({}, sft_overrides(sources, prefix) + [
+        "model.seq_length=16", "model.vocab_size=100288", "data.split=100,0,0", f"data.cache_dir={tmp_path / 'c'}"])
+    tokenizer = load_tokenizer("cl100k_base")
+    (prompt_id,), (response_id,) = tokenizer.encode(PROMPT_WORD), tokenizer.encode(RESPONSE_WORD)
+    train, _, _ = build_datasets(cfg, tokenizer, (12, 0, 0), seed=1)
+    for i in range(12):
+        sample = train[i]
+        labels = sample["labels"].numpy()
+        assert set(labels.tolist()) <= {prompt_id, response_id, tokenizer.eod}
+        expected = (labels == response_id) | (labels == tokenizer.eod)
+        assert sample["loss_mask"].numpy().tolist() == expected.astype(np.float32).tolist(), i
+    # the same samples without data.response_key: every label counts
+    plain = build_config(cfg.model_dump(mode="json"), ["data.response_key=null"])
+    train, _, _ = build_datasets(plain, tokenizer, (12, 0, 0), seed=1)
+    assert all(train[i]["loss_mask"].min() == 1 for i in range(12))
+
+
+def test_pretraining_on_prompt_response_data(tmp_path):
+    """End to end: a run on responses only starts from another loss than one on every token."""
+    sources, prefix = sft_corpus(tmp_path, records=200)
+    base = tiny_overrides(tmp_path / "unused", tmp_path / "cache") + ["model.vocab_size=100288", "train.iters=2"]
+    base = [o for o in base if not o.startswith("data.tokenizer=")] + ["data.bundled_corpus=null"]
+    with_responses = sft_overrides(sources, prefix) + ["data.split=100,0,0", f"output_dir={tmp_path / 'sft'}"]
+    run_pretrain(1, base + with_responses)
+    run_pretrain(1, base + with_responses[:-1] + ["data.response_key=null", f"output_dir={tmp_path / 'all'}"])
+    masked, everything = losses(tmp_path / "sft"), losses(tmp_path / "all")
+    assert len(masked) == 2 and all(np.isfinite(masked))
+    assert masked[0] != pytest.approx(everything[0], rel=1e-3)
+
+
+def test_mistakes_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="data.response_key"):
+        build_config({}, ["data.response_key=answer", "data.length_upsampling=true"])
+    kjv = tmp_path / "kjv.txt"
+    kjv.write_text(" ".join(kjv_verses()[:50]))
+    with pytest.raises(DataError, match="data.response_key: .* is plain text"):
+        prepare(build_config({}, sft_overrides(kjv, tmp_path / "txt")).data)
+    write_records(tmp_path / "plain" / "p.jsonl", [{"question": v} for v in kjv_verses()[:300]])
+    no_answers = sft_overrides(tmp_path / "plain", tmp_path / "plain-prepared")
+    with pytest.raises(DataError, match="data.response_key: .* has no field 'answer'"):
+        prepare(build_config({}, no_answers).data)
+    prepare(build_config({}, no_answers + ["data.response_key=null"]).data)
+    cfg = build_config({}, no_answers + ["model.seq_length=16", "model.vocab_size=100288", "data.split=100,0,0",
+                                         f"data.cache_dir={tmp_path / 'c'}"])
+    with pytest.raises(DataError, match="has no loss mask .* prepared without data.response_key"):
+        build_datasets(cfg, load_tokenizer("cl100k_base"), (4, 0, 0), seed=1)
