@@ -38,7 +38,8 @@ def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in
     records[2]["answer"] = ""  # teaches nothing: skipped
     write_records(tmp_path / "src" / "a.jsonl", records[:3])  # two files: two parts, merged
     write_records(tmp_path / "src" / "b.jsonl", records[3:])
-    data = build_config({}, sft_overrides(tmp_path / "src", tmp_path / "out" / "sft")).data
+    # two tokenizer processes: the pairs travel to spawned workers
+    data = build_config({}, sft_overrides(tmp_path / "src", tmp_path / "out" / "sft") + ["data.workers=2"]).data
     stats = prepare(data)
     assert stats["documents"] == 5 and stats["skipped_empty"] == 1
     tokenizer = load_tokenizer("cl100k_base")

@@ -33,8 +33,8 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
 
 def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], tokenizer_spec: str,
                  dtype: str) -> EncodedPairs:
-    """Each pair -> prompt ids, response ids, EOD; a pair whose response encodes to no tokens (it
-    would teach nothing) is skipped."""
+    """Each pair -> prompt ids, response ids, EOD; a pair with an empty response (it would teach
+    nothing) is skipped."""
     tokenizer = load_tokenizer(tokenizer_spec)
     pieces, lengths, masks = [], [], []
     for prompt, response in zip(prompts, responses):
