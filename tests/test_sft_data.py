@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from rich.console import Console
 
 from megadiff.config import ConfigError, build_config
 from megadiff.data.datasets import build_datasets
@@ -40,8 +41,10 @@ def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in
     write_records(tmp_path / "src" / "b.jsonl", records[3:])
     # two tokenizer processes: the pairs travel to spawned workers
     data = build_config({}, sft_overrides(tmp_path / "src", tmp_path / "out" / "sft") + ["data.workers=2"]).data
-    stats = prepare(data)
+    console = Console(width=400, record=True)
+    stats = prepare(data, console)
     assert stats["documents"] == 5 and stats["skipped_empty"] == 1
+    assert "sft-loss-mask.idx" in console.export_text()  # the summary names both outputs
     tokenizer = load_tokenizer("cl100k_base")
     tokens = IndexedDataset(str(tmp_path / "out" / "sft"))
     mask = IndexedDataset(loss_mask_prefix(tmp_path / "out" / "sft"))

@@ -134,7 +134,8 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
         stats = _merge(plan, part_stats)
         write_manifest(plan.prefix, plan.fingerprint, stats)
         shutil.rmtree(parts_dir(plan.prefix))
-    _print_summary(console, plan.prefix, stats)
+    outputs = [plan.prefix] + ([loss_mask_prefix(plan.prefix)] if data.response_key is not None else [])
+    _print_summary(console, outputs, stats)
     return stats
 
 
@@ -262,12 +263,13 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
     return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()))
 
 
-def _print_summary(console: Console, prefix: str, stats: dict) -> None:
-    table = Table(title=f"prepare-data: {prefix}", show_header=False)
+def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
+    """The stats and the files written: the tokens' (and a loss mask's) .bin and .idx."""
+    table = Table(title=f"prepare-data: {prefixes[0]}", show_header=False)
     table.add_row("documents", f"{stats['documents']:,}" + (f" ({stats['skipped_empty']:,} empty skipped)"
                                                             if stats["skipped_empty"] else ""))
     table.add_row("tokens (EOD included)", f"{stats['tokens']:,} as {stats['dtype']}, tokenizer {stats['tokenizer']}")
     table.add_row("speed", f"{stats['tokens_per_second']:,} tokens/s ({stats['seconds']:.1f} s)")
-    for path in (bin_path(prefix), idx_path(prefix)):
+    for path in (file for prefix in prefixes for file in (bin_path(prefix), idx_path(prefix))):
         table.add_row("output", f"{path} ({path.stat().st_size:,} bytes)")
     console.print(table)
