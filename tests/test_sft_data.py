@@ -17,6 +17,7 @@ from megadiff.data.indexed import loss_mask_prefix
 from megadiff.data.prepare import prepare
 from megadiff.data.tokenizers import load_tokenizer
 from tests.conftest import kjv_verses
+from megadiff.observability.metrics import read_metrics
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
 
 # prompts and responses of distinct single tokens, so a label's token says which one it belongs to
@@ -86,16 +87,20 @@ def test_training_samples_keep_the_loss_on_the_responses(tmp_path):
 
 
 def test_pretraining_on_prompt_response_data(tmp_path):
-    """End to end: a run on responses only starts from another loss than one on every token."""
+    """End to end: a run on responses only (averaged per token, validated) starts from another loss
+    than one on every token."""
     sources, prefix = sft_corpus(tmp_path, records=200)
     base = tiny_overrides(tmp_path / "unused", tmp_path / "cache") + ["model.vocab_size=100288", "train.iters=2"]
-    base = [o for o in base if not o.startswith("data.tokenizer=")] + ["data.bundled_corpus=null"]
-    with_responses = sft_overrides(sources, prefix) + ["data.split=100,0,0", f"output_dir={tmp_path / 'sft'}"]
-    run_pretrain(1, base + with_responses)
+    base = [o for o in base if not o.startswith("data.tokenizer=")] + ["data.bundled_corpus=null", "data.split=90,10,0"]
+    with_responses = sft_overrides(sources, prefix) + [f"output_dir={tmp_path / 'sft'}"]
+    validated = ["train.per_token_loss=true", "train.eval_interval=2", "train.eval_iters=1"]
+    run_pretrain(1, base + with_responses + validated)
     run_pretrain(1, base + with_responses[:-1] + ["data.response_key=null", f"output_dir={tmp_path / 'all'}"])
     masked, everything = losses(tmp_path / "sft"), losses(tmp_path / "all")
     assert len(masked) == 2 and all(np.isfinite(masked))
     assert masked[0] != pytest.approx(everything[0], rel=1e-3)
+    (valid,) = [r["valid_loss"] for r in read_metrics(tmp_path / "sft") if "valid_loss" in r]
+    assert np.isfinite(valid)
 
 
 def test_mistakes_are_named(tmp_path):

@@ -89,6 +89,10 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(1, ge=1)
     global_batch_size: int = Field(1, ge=1)
     iters: int = Field(100, ge=1)
+    per_token_loss: bool = Field(False, description="the loss averaged over every loss token of the global batch "
+                                 "(megatron's --calculate-per-token-loss) instead of micro-batch by micro-batch: "
+                                 "with prompt/response data, whose micro-batches hold unequal response tokens, each "
+                                 "token then weighs the same")
     lr: float = Field(3.2e-4, ge=0)
     min_lr: float = Field(0.0, ge=0)
     lr_warmup_iters: int = Field(0, ge=0)

@@ -99,5 +99,6 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         lowrank_zero_init=m.lowrank_zero_init,
         attention_backend_name=m.attention_backend,
         float8_linears=t.precision == "fp8" and t.fp8_backend == "torchao",
+        calculate_per_token_loss=t.per_token_loss,
         **recompute,
     )

@@ -35,6 +35,15 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss, {"lm_loss": loss.detach().clone()}
 
 
+def masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """megatron loss_func under calculate_per_token_loss (train.per_token_loss): this rank's summed
+    token loss and its token count. megatron adds the counts over micro-batches and DP x CP ranks
+    and divides the gradients by the total; the reported mean divides the summed sums alike."""
+    mask = loss_mask.reshape(-1).float()
+    local_sum = torch.sum(per_token_loss.float().reshape(-1) * mask)
+    return local_sum, mask.sum().to(torch.int), {"lm_loss": torch.stack([local_sum.detach(), mask.sum()])}
+
+
 def forward_step(data_iterator: Iterator, model):
     """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels,
     every layer the document boundaries when the batch has them (data.document_masking)."""
@@ -44,7 +53,8 @@ def forward_step(data_iterator: Iterator, model):
     batch = get_batch_on_this_cp_rank(batch)  # identity without context parallelism
     per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                            packed_seq_params=documents)
-    return per_token_loss, partial(masked_mean_loss, batch["loss_mask"])
+    loss_func = masked_loss_sum if model.config.calculate_per_token_loss else masked_mean_loss
+    return per_token_loss, partial(loss_func, batch["loss_mask"])
 
 
 @dataclass
@@ -56,12 +66,19 @@ class StepResult:
 
 
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int) -> float:
-    """The schedules return losses on the last pipeline stage only: average over DP, send to all stages."""
+    """The schedules return losses on the last pipeline stage only: average over DP, send to all stages.
+    Per-token losses come as (sum, tokens) pairs: their sums' ratio over the whole global batch."""
     value = torch.zeros(1, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        value[0] = sum(float(item["lm_loss"]) for item in reduced) / num_microbatches
-        dist.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if reduced and reduced[0]["lm_loss"].numel() == 2:
+            totals = torch.stack([item["lm_loss"] for item in reduced]).sum(0).to(value)
+            dist.all_reduce(totals, group=group)
+            value[0] = totals[0] / totals[1].clamp(min=1.0)
+        else:
+            value[0] = sum(float(item["lm_loss"]) for item in reduced) / num_microbatches
+            dist.all_reduce(value, group=group)
+            value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())

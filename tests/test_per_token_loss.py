@@ -1,0 +1,101 @@
+"""train.per_token_loss (megatron's calculate_per_token_loss): a step's loss is the mean over every
+loss token of the global batch, computed here from the model's own per-token losses; with equal
+token counts per micro-batch its gradients are the default's; and data-parallel and context x
+pipeline-parallel layouts reproduce one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megadiff.config import build_config, data_parallel_size
+from megadiff.parallel import initialize, shutdown
+from megadiff.training.engine import build_engine, build_optimizer
+from megadiff.training.step import train_step
+from tests.distributed import run_ranks
+from tests.parity_worker import MODEL, SEED, full_gradients, global_micro_batches, layout_independent_weights
+
+PER_TOKEN = ["train.per_token_loss=true"]
+
+
+def loss_masks(index: int, shape: torch.Size, even: bool) -> torch.Tensor:
+    """Micro-batch `index` keeps its first 8 positions (even) or 2 + 3 x index of them."""
+    mask = torch.zeros(shape)
+    mask[:, :8 if even else 2 + 3 * index] = 1.0
+    return mask
+
+
+@torch.no_grad()
+def reference_losses(engine, batches: list[dict]) -> tuple[float, float]:
+    """(mean over all loss tokens, mean of the micro-batches' means) from the model's per-token losses."""
+    sums, counts = [], []
+    for batch in batches:
+        losses = engine.model[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float()
+        sums.append(float((losses * batch["loss_mask"]).sum()))
+        counts.append(float(batch["loss_mask"].sum()))
+    return sum(sums) / sum(counts), sum(s / c for s, c in zip(sums, counts)) / len(sums)
+
+
+def run_step(rank: int, world_size: int, overrides: list[str], even: bool, out_path: str) -> None:
+    cfg = build_config({}, MODEL + ["model.variant=diff"] + overrides, world_size)
+    initialize(cfg.parallel, SEED)
+    engine = build_engine(cfg)
+    layout_independent_weights(engine.unwrapped(), SEED)
+    engine.optimizer = build_optimizer(cfg, engine.config, engine.model)
+    batches = global_micro_batches(cfg, 0)
+    for index, batch in enumerate(batches):
+        batch["loss_mask"] = loss_masks(index, batch["labels"].shape, even)
+    record = {}
+    if world_size == 1:
+        record["per_token"], record["per_micro_batch"] = reference_losses(engine, batches)
+    mine = batches[parallel_state.get_data_parallel_rank()::data_parallel_size(cfg.parallel, world_size)]
+    iterators = [iter(mine) for _ in engine.model]
+    result = train_step(engine, iterators if len(iterators) > 1 else iterators[0], len(mine),
+                        lambda e: record.update(grads=full_gradients(e)))
+    record["loss"] = result.loss
+    if rank == 0:
+        torch.save(record, out_path)
+    dist.barrier()
+    shutdown()
+
+
+def run(tmp_path, world_size: int, overrides: list[str], even: bool = False) -> dict:
+    out = tmp_path / f"{world_size}-{'-'.join(overrides)}-{even}.pt"
+    run_ranks(world_size, run_step, overrides, even, str(out))
+    return torch.load(out)
+
+
+def assert_same_gradients(got: dict, expected: dict, rel: float) -> None:
+    assert set(got) == set(expected)
+    for key, grad in expected.items():
+        assert float((got[key] - grad).abs().max() / grad.abs().max().clamp(min=1e-12)) < rel, key
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return run(tmp_path_factory.mktemp("per-token"), 1, PER_TOKEN)
+
+
+def test_the_loss_is_the_mean_over_every_loss_token(single, tmp_path):
+    assert single["loss"] == pytest.approx(single["per_token"], rel=1e-6)
+    assert single["per_token"] != pytest.approx(single["per_micro_batch"], rel=1e-3)  # unequal micro-batches
+    default = run(tmp_path, 1, [])
+    assert default["loss"] == pytest.approx(default["per_micro_batch"], rel=1e-6)
+
+
+def test_equal_micro_batches_give_the_defaults_gradients(tmp_path):
+    per_token, default = run(tmp_path, 1, PER_TOKEN, even=True), run(tmp_path, 1, [], even=True)
+    assert per_token["loss"] == pytest.approx(default["loss"], rel=1e-6)
+    assert_same_gradients(per_token["grads"], default["grads"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,layout", [
+    (2, ["parallel.distributed_optimizer=true"]),
+    (4, ["parallel.context=2", "parallel.pipeline=2"]),
+])
+def test_layouts_reproduce_one_process(single, tmp_path, world_size, layout):
+    other = run(tmp_path, world_size, PER_TOKEN + layout)
+    assert other["loss"] == pytest.approx(single["loss"], abs=2e-6)
+    assert_same_gradients(other["grads"], single["grads"], rel=1e-4)
