@@ -17,7 +17,7 @@ CONFIGS = ROOT / "configs"
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
 THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
            "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml", "diff-3b-64k-math-sft.yaml",
-           "softmax-3b-64k-math-sft.yaml", "shared-diff-3b-64k.yaml"]
+           "softmax-3b-64k-math-sft.yaml", "shared-diff-3b-64k.yaml", "dint-3b-64k.yaml"]
 
 
 @pytest.mark.parametrize("variant", ["diff", "softmax"])
@@ -128,7 +128,7 @@ def test_distillation_recipes_continue_the_math_models(variant):
     assert distilled.data.response_key is not None
 
 
-@pytest.mark.parametrize("variant", ["diff", "softmax", "shared-diff"])
+@pytest.mark.parametrize("variant", ["diff", "softmax", "shared-diff", "dint"])
 def test_64k_recipes_extend_their_4k_models(variant):
     """The same model but for the window and RoPE's base, continued from the 4K run."""
     short, long = (load_config(CONFIGS / f"{variant}-3b{suffix}.yaml") for suffix in ("", "-64k"))
