@@ -45,7 +45,8 @@ def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in
     console = Console(width=400, record=True)
     stats = prepare(data, console)
     assert stats["documents"] == 5 and stats["skipped_empty"] == 1
-    assert "sft-loss-mask.idx" in console.export_text()  # the summary names both outputs
+    summary = console.export_text()
+    assert "sft-loss-mask.idx" in summary  # the summary names both outputs
     tokenizer = load_tokenizer("cl100k_base")
     tokens = IndexedDataset(str(tmp_path / "out" / "sft"))
     mask = IndexedDataset(loss_mask_prefix(tmp_path / "out" / "sft"))
@@ -55,6 +56,8 @@ def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in
         prompt, response = tokenizer.encode(record["question"]), tokenizer.encode(record["answer"])
         assert tokens[i].tolist() == prompt + response + [tokenizer.eod]
         assert mask[i].tolist() == [0] * len(prompt) + [1] * (len(response) + 1)
+    assert stats["loss_tokens"] == sum(len(tokenizer.encode(record["answer"])) + 1 for record in kept)
+    assert f"{stats['loss_tokens']:,} (" in summary
     assert prepare(data) == stats  # up to date: nothing redone
 
 

@@ -199,8 +199,11 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
     return stats
 
 
-def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float) -> dict:
+def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float,
+           loss_tokens: int | None = None) -> dict:
+    """What a part or the whole holds; `loss_tokens`: prompt/response data's response tokens and EODs."""
     return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens,
+            **({"loss_tokens": loss_tokens} if loss_tokens is not None else {}),
             "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
             "dtype": plan.dtype.name, "tokenizer": plan.tokenizer.name}
 
@@ -211,7 +214,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     try:
         response_key = plan.data.response_key
         texts = load_texts([source], plan.data.text_key, work_dir, response_key)
-        documents, tokens = 0, 0
+        documents, tokens, loss_tokens = 0, 0, 0
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
         batches = texts.iter(batch_size=DOCUMENTS_PER_BATCH)
@@ -226,6 +229,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
                 writer.add_documents(ids, lengths)
                 if mask:
                     masks.add_documents(mask[0], lengths)
+                    loss_tokens += int(mask[0].sum(dtype=np.int64))
                 documents, tokens = documents + int((lengths > 0).sum()), tokens + int(lengths.sum())
                 progress.update(task, advance=len(lengths), tokens=tokens)
             writer.commit()
@@ -234,7 +238,8 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
         progress.remove_task(task)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return _stats(plan, len(texts), documents, tokens, time.perf_counter() - start)
+    return _stats(plan, len(texts), documents, tokens, time.perf_counter() - start,
+                  loss_tokens if response_key is not None else None)
 
 
 def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
@@ -260,7 +265,8 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
             for part in filled:
                 writer.add_prepared(of_part(part))
             writer.commit()
-    return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()))
+    loss_tokens = sum(s["loss_tokens"] for s in part_stats.values()) if plan.data.response_key is not None else None
+    return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()), loss_tokens)
 
 
 def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
@@ -269,6 +275,9 @@ def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
     table.add_row("documents", f"{stats['documents']:,}" + (f" ({stats['skipped_empty']:,} empty skipped)"
                                                             if stats["skipped_empty"] else ""))
     table.add_row("tokens (EOD included)", f"{stats['tokens']:,} as {stats['dtype']}, tokenizer {stats['tokenizer']}")
+    if "loss_tokens" in stats:
+        table.add_row("loss tokens (responses, EOD)", f"{stats['loss_tokens']:,} "
+                      f"({100 * stats['loss_tokens'] / max(stats['tokens'], 1):.1f}% of the tokens)")
     table.add_row("speed", f"{stats['tokens_per_second']:,} tokens/s ({stats['seconds']:.1f} s)")
     for path in (file for prefix in prefixes for file in (bin_path(prefix), idx_path(prefix))):
         table.add_row("output", f"{path} ({path.stat().st_size:,} bytes)")
