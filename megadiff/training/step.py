@@ -65,13 +65,13 @@ class StepResult:
     spike: bool = False         # skipped by the spike guard
 
 
-def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int) -> float:
+def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_token: bool) -> float:
     """The schedules return losses on the last pipeline stage only: average over DP, send to all stages.
-    Per-token losses come as (sum, tokens) pairs: their sums' ratio over the whole global batch."""
+    `per_token` losses come as (sum, tokens) pairs: their sums' ratio over the whole global batch."""
     value = torch.zeros(1, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if reduced and reduced[0]["lm_loss"].numel() == 2:
+        if per_token:
             totals = torch.stack([item["lm_loss"] for item in reduced]).sum(0).to(value)
             dist.all_reduce(totals, group=group)
             value[0] = totals[0] / totals[1].clamp(min=1.0)
@@ -98,7 +98,7 @@ def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, f
         micro_batch_size=cfg.train.micro_batch_size,
         forward_only=forward_only,
     )
-    return _mean_loss_on_every_rank(reduced, num_microbatches)
+    return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
 
 
 def _all_finite(engine: Engine, loss: float) -> bool:
