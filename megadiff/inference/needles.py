@@ -75,7 +75,8 @@ def _find(piece: list[int], part: list[int]) -> int | None:
 
 
 def _question(tokenizer: Tokenizer, cities: list[str], numbers: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-    """The question and the text between the answers (R - 1 pieces), and the R answers."""
+    """The R texts before the R answers (the question, then ". The magic number of CITY is" for
+    each further city), and the answers."""
     asked = cities[0] if len(cities) == 1 else f"{', '.join(cities[:-1])} and {cities[-1]}"
     verb = "is the magic number" if len(cities) == 1 else "are the magic numbers"
     prompts = [tokenizer.encode(f"\nWhat {verb} of {asked}? The magic number of {cities[0]} is")]
