@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 from rich.console import Console
@@ -96,6 +96,15 @@ class _Plan:
     def part_prefix(self, index: int) -> Path:
         return parts_dir(self.prefix) / f"{index:05d}"
 
+    @property
+    def outputs(self) -> list[tuple[Callable[[Path], Path | str], str, np.dtype]]:
+        """(a part's files of the output, the output's prefix, its dtype) of every indexed dataset
+        written: the tokens, and prompt/response data's loss mask."""
+        outputs = [(lambda part: part, self.prefix, self.dtype)]
+        if self.data.response_key is not None:
+            outputs.append((loss_mask_prefix, loss_mask_prefix(self.prefix), LOSS_MASK_DTYPE))
+        return outputs
+
     def up_to_date(self, console: Console) -> Optional[dict]:
         """The manifest's stats when the prepared data matches the sources (and say so), else None."""
         if not is_up_to_date(self.prefix, self.fingerprint):
@@ -134,8 +143,7 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
         stats = _merge(plan, part_stats)
         write_manifest(plan.prefix, plan.fingerprint, stats)
         shutil.rmtree(parts_dir(plan.prefix))
-    outputs = [plan.prefix] + ([loss_mask_prefix(plan.prefix)] if data.response_key is not None else [])
-    _print_summary(console, outputs, stats)
+    _print_summary(console, [output for _, output, _ in plan.outputs], stats)
     return stats
 
 
@@ -252,11 +260,7 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
     if documents == 0:
         raise DataError(f"data.sources: {texts:,} documents but no tokens (all texts are empty) in {described}")
     filled = [plan.part_prefix(i) for i in sorted(part_stats) if part_stats[i]["documents"]]
-    # (a part's files of the output, the output, its dtype): the tokens, and prompt/response data's loss mask
-    outputs = [(lambda part: part, plan.prefix, plan.dtype)]
-    if plan.data.response_key is not None:
-        outputs.append((loss_mask_prefix, loss_mask_prefix(plan.prefix), LOSS_MASK_DTYPE))
-    for of_part, output, dtype in outputs:
+    for of_part, output, dtype in plan.outputs:
         if len(filled) == 1:  # nothing to concatenate: the part becomes the output
             os.replace(bin_path(of_part(filled[0])), bin_path(output))
             os.replace(idx_path(of_part(filled[0])), idx_path(output))
