@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from megadiff.cli import main
 from megadiff.config import ConfigError, build_config
 from megadiff.data.datasets import build_datasets
+from megadiff.data.errors import DataError
 from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
 from megadiff.inference import recall
 from megadiff.inference.evaluate import evaluate, summarize
 from megadiff.inference.recall import recall_hits, sample_windows, training_bigram_rates
+from tests.conftest import kjv_verses
 from tests.held_out_runs import held_out_run, write_documents
 
 
@@ -44,10 +46,10 @@ def naive_hits(tokens: list[int], labels: list[int], eod: int | None = None) -> 
             for i in range(len(tokens))]
 
 
-def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int, prefix: Path | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int, prefix: Path | None = None,
+                  samples: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of the logits, per token, on the first samples of the valid split (of `prefix`),
-    and which positions are AR hits."""
+    and which positions are AR hits; with `samples`, each sample is appended to it."""
     model = load_checkpoint(run_dir)
     cfg = build_config(cfg.model_dump(mode="json"), [f"model.seq_length={seq_length}"] +
                        ([f"data.prefix={prefix}"] if prefix else []))
@@ -59,7 +61,67 @@ def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int, prefix: P
             logits = model(tokens).float()
             rows.append(F.cross_entropy(logits[0], labels[0], reduction="none"))
             hits.append(naive_hits(tokens[0].tolist(), labels[0].tolist()))
+            if samples is not None:
+                samples.append(valid[i])
     return torch.stack(rows), torch.tensor(hits)
+
+
+def _assert_scores_only(report: dict, naive: torch.Tensor, hits: torch.Tensor, scored: torch.Tensor) -> None:
+    """The report's losses are the naive ones at the `scored` positions only, by position too."""
+    assert 0 < scored.sum() < scored.numel()
+    assert report["tokens"] == int(scored.sum())
+    assert report["loss"] == pytest.approx(naive[scored].mean().item(), rel=1e-5)
+    for name, mask in (("ar_hit", hits & scored), ("others", ~hits & scored)):
+        assert report["recall"][name]["tokens"] == int(mask.sum())
+    for row in report["by_position"]:
+        lo, hi = row["positions"]
+        in_bucket, so_far = scored[:, lo:hi], scored[:, :hi]
+        if in_bucket.any():
+            assert row["mean_loss"] == pytest.approx(naive[:, lo:hi][in_bucket].mean().item(), rel=1e-5)
+        else:  # a bucket of prompts only
+            assert math.isnan(row["mean_loss"])
+        if so_far.any():
+            assert row["cumulative_loss"] == pytest.approx(naive[:, :hi][so_far].mean().item(), rel=1e-5)
+
+
+def test_eod_mask_loss_leaves_the_eod_inputs_unscored(run, tmp_path):
+    run_dir, cfg = run
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "5", "--buckets", "4", "--output", str(out),
+                 "data.eod_mask_loss=true"]) == 0
+    samples: list[dict] = []
+    naive, hits = _naive_losses(run_dir, cfg, cfg.model.seq_length, 5, samples=samples)
+    eod = load_checkpoint(run_dir).tokenizer.eod
+    scored = torch.tensor(np.stack([np.asarray(sample["tokens"]) != eod for sample in samples]))
+    _assert_scores_only(json.loads(out.read_text()), naive, hits, scored)
+
+
+def test_prompt_response_data_score_the_responses_only(run, tmp_path):
+    """On supervised fine-tuning data the loss is the responses' (as the run's own validation loss),
+    not the prompts' too."""
+    run_dir, cfg = run
+    verses = kjv_verses()[:400]
+    records = tmp_path / "sft.jsonl"
+    records.write_text("".join(json.dumps({"question": " ".join(verses[i:i + 3]), "answer": verses[i + 3]}) + "\n"
+                               for i in range(0, 400, 4)))
+    data = [f"data.sources=[{records}]", f"data.prefix={tmp_path / 'sft'}", "data.text_key=question",
+            "data.response_key=answer"]
+    prepare(build_config(cfg.model_dump(mode="json"), data).data)
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "4", "--buckets", "4", "--output", str(out),
+                 *data]) == 0
+    samples: list[dict] = []
+    sft_cfg = build_config(cfg.model_dump(mode="json"), data)
+    naive, hits = _naive_losses(run_dir, sft_cfg, cfg.model.seq_length, 4, samples=samples)
+    # which labels are a response's is test_sft_data's to check; here: only those are scored
+    scored = torch.tensor(np.stack([np.asarray(sample["loss_mask"]) == 1 for sample in samples]))
+    _assert_scores_only(json.loads(out.read_text()), naive, hits, scored)
+
+
+def test_samples_without_a_scored_token_are_refused():
+    losses = torch.rand(2, 8)
+    with pytest.raises(DataError, match="no token the loss is taken on"):
+        summarize(losses, buckets=2, scored=torch.zeros(2, 8, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("seq_length", [None, 96])  # the run's 32, and three times longer (RoPE extrapolation)

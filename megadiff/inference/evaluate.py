@@ -8,7 +8,8 @@ the mean loss of the positions in it and the cumulative mean up to its end (the 
 long-context curve: it should keep falling as the context grows). JSON with --output.
 The loss is also split as the DIFF paper's ablations (its table 6, after Zoology) split it: on
 "AR-hit" tokens, which complete a bigram seen earlier in the context (associative recall), and on
-the others (inference/recall.py).
+the others (inference/recall.py). Only the tokens training takes the loss on are scored: the
+dataset's loss mask, i.e. a prompt/response run's responses and, with data.eod_mask_loss, no EOD.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from megadiff.config import ConfigError
 from megadiff.config.loader import build_config
 from megadiff.data.checks import split_documents
 from megadiff.data.datasets import build_datasets, source_config
+from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
@@ -76,55 +78,73 @@ def held_out_dataset(cfg, tokenizer, split: str, sequences: int, console: Consol
     return dataset
 
 
-def sample_batches(dataset, indices: Sequence[int], batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(tokens, labels) [b, N] of the dataset's samples at `indices`, `batch_size` at a time."""
+def sample_batches(dataset, indices: Sequence[int], batch_size: int,
+                   keys: tuple[str, ...] = ("tokens", "labels")) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The `keys` fields [b, N] (as int64) of the dataset's samples at `indices`, `batch_size` at a time."""
     for start in range(0, len(indices), batch_size):
         items = [dataset[i] for i in indices[start:start + batch_size]]
-        yield tuple(torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long()
-                    for key in ("tokens", "labels"))
+        yield tuple(torch.from_numpy(np.stack([np.asarray(item[key]) for item in items])).long() for key in keys)
 
 
 @torch.no_grad()
 def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None,
-                    document_eod: int | None = None) -> torch.Tensor:
+                    document_eod: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples
-    (with `document_eod`, attending within documents, as data.document_masking trains). Each rank
-    computes its share of the rows; every rank returns them all."""
+    (with `document_eod`, attending within documents, as data.document_masking trains) and [sequences,
+    N] booleans: which of them training takes the loss on. Each rank computes its share of the rows;
+    every rank returns them all."""
     mine = list(share(range(sequences)))
     losses = torch.zeros(sequences, len(dataset[0]["labels"]))
-    rows = []
-    for tokens, labels in sample_batches(dataset, mine, batch_size):
+    scored = torch.zeros_like(losses)
+    rows, masks = [], []
+    for tokens, labels, loss_mask in sample_batches(dataset, mine, batch_size, ("tokens", "labels", "loss_mask")):
         rows.append(model(tokens, labels, document_eod).float().cpu())
+        masks.append(loss_mask.float())
         if on_batch is not None:
             on_batch(len(tokens))
     if rows:
-        losses[mine] = torch.cat(rows)
-    return sum_across_ranks(losses)
+        losses[mine], scored[mine] = torch.cat(rows), torch.cat(masks)
+    return sum_across_ranks(losses), sum_across_ranks(scored).bool()
 
 
-def summarize(losses: torch.Tensor, buckets: int) -> dict:
-    """Mean loss, perplexity and per-bucket (mean, cumulative mean) of [sequences, N] losses."""
-    return summarize_positions(losses.double().mean(0), losses.shape[0], buckets)
+def summarize(losses: torch.Tensor, buckets: int, scored: torch.Tensor | None = None) -> dict:
+    """Mean loss, perplexity and per-bucket (mean, cumulative mean) of the `scored` [sequences, N]
+    losses (all of them by default)."""
+    return blend_summary([(losses, scored, 1.0)], buckets)
 
 
-def summarize_positions(per_position: torch.Tensor, sequences: int, buckets: int) -> dict:
-    """summarize() from the mean loss at each position [N] over `sequences` sequences."""
-    seq_length = per_position.numel()
+def blend_summary(sources: list[tuple[torch.Tensor, torch.Tensor | None, float]], buckets: int) -> dict:
+    """summarize() of a blend from its sources' (losses, scored, weight): each source's scored tokens
+    count as much in all as its weight (normalised here) says, so that, where every position is
+    scored, the loss position by position is the weighted mean of the sources'."""
+    sums, counts = 0.0, 0.0
+    for losses, scored, weight in sources:
+        scored = torch.ones_like(losses, dtype=torch.bool) if scored is None else scored
+        if not scored.any():
+            raise DataError("evaluate: the samples hold no token the loss is taken on (every label is masked: "
+                              "prompts only, or EODs with data.eod_mask_loss); evaluate more --sequences")
+        per_token = weight / int(scored.sum())
+        sums = sums + losses.double().where(scored, 0.0).sum(0) * per_token
+        counts = counts + scored.double().sum(0) * per_token
+    tokens = sum(int(scored.sum()) if scored is not None else losses.numel() for losses, scored, _ in sources)
+    return summarize_positions(sums, counts, sum(losses.shape[0] for losses, _, _ in sources), tokens, buckets)
+
+
+def summarize_positions(sums: torch.Tensor, counts: torch.Tensor, sequences: int, tokens: int, buckets: int) -> dict:
+    """summarize() from the (weighted) sum of the scored losses and their count at each position [N]."""
+    seq_length = sums.numel()
     edges = np.linspace(0, seq_length, min(buckets, seq_length) + 1).round().astype(int)
-    cumulative = per_position.cumsum(0) / torch.arange(1, seq_length + 1, dtype=torch.float64)
-    rows = [{"positions": [int(lo), int(hi)], "mean_loss": per_position[lo:hi].mean().item(),
-             "cumulative_loss": cumulative[hi - 1].item()} for lo, hi in zip(edges[:-1], edges[1:])]
-    loss = per_position.mean().item()
-    return {"sequences": sequences, "seq_length": seq_length, "tokens": sequences * seq_length, "loss": loss,
+
+    def mean(total: torch.Tensor, count: torch.Tensor) -> float:
+        return (total / count).item() if count > 0 else float("nan")
+
+    cumulative_sums, cumulative_counts = sums.cumsum(0), counts.cumsum(0)
+    rows = [{"positions": [int(lo), int(hi)], "mean_loss": mean(sums[lo:hi].sum(), counts[lo:hi].sum()),
+             "cumulative_loss": mean(cumulative_sums[hi - 1], cumulative_counts[hi - 1])}
+            for lo, hi in zip(edges[:-1], edges[1:])]
+    loss = mean(sums.sum(), counts.sum())
+    return {"sequences": sequences, "seq_length": seq_length, "tokens": tokens, "loss": loss,
             "perplexity": math.exp(min(loss, 700.0)), "by_position": rows}
-
-
-def blend_summary(sources: list[tuple[torch.Tensor, float]], buckets: int) -> dict:
-    """summarize() of a blend from its sources' [sequences, N] losses and weights (normalised here):
-    the loss a sample of the blend has on average, position by position."""
-    total = sum(weight for _, weight in sources)
-    per_position = sum(losses.double().mean(0) * (weight / total) for losses, weight in sources)
-    return summarize_positions(per_position, sum(losses.shape[0] for losses, _ in sources), buckets)
 
 
 def check_request(command: str, split: str, overrides: Iterable[str], **counts: int) -> None:
@@ -159,16 +179,20 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     with progress:
         per_source = [_source_losses(model, source_config(cfg, prefix), split, sequences, batch_size, console,
                                      progress, frequent) for prefix in prefixes]
-    splits = [recall_split(losses, hits) for losses, hits in per_source]
+    splits = [recall_split(losses, hits, scored) for losses, scored, hits in per_source]
     if len(prefixes) == 1:
-        report = {**summarize(per_source[0][0], buckets), "recall": splits[0]}
+        losses, scored, _ = per_source[0]
+        report = {**summarize(losses, buckets, scored), "recall": splits[0]}
     else:
         # without weights megatron concatenates the prefixes: every sequence counts the same
-        weights = weights or [float(losses.shape[0]) for losses, _ in per_source]
-        report = blend_summary([(losses, weight) for (losses, _), weight in zip(per_source, weights)], buckets)
+        weights = weights or [float(losses.shape[0]) for losses, _, _ in per_source]
+        report = blend_summary([(losses, scored, weight) for (losses, scored, _), weight in zip(per_source, weights)],
+                               buckets)
         report["recall"] = blend_recall(splits, weights)
-        report["sources"] = [{"prefix": prefix, "weight": weight, **summarize(losses, buckets), "recall": split}
-                             for prefix, weight, (losses, _), split in zip(prefixes, weights, per_source, splits)]
+        report["sources"] = [{"prefix": prefix, "weight": weight, **summarize(losses, buckets, scored),
+                              "recall": split}
+                             for prefix, weight, (losses, scored, _), split in zip(prefixes, weights, per_source,
+                                                                                   splits)]
     report.update(checkpoint=str(model.checkpoint_dir), split=split, data=prefixes,
                   document_masking=cfg.data.document_masking,
                   frequent_bigrams=None if frequent is None else asdict(frequent))
@@ -178,8 +202,8 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
 
 
 def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
-                   progress: Progress, frequent: FrequentBigrams | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """position_losses() and recall_hits() of cfg's one prefix, with a progress bar of its own."""
+                   progress: Progress, frequent: FrequentBigrams | None) -> tuple[torch.Tensor, ...]:
+    """position_losses() (losses, scored) and recall_hits() of cfg's one prefix, with a progress bar of its own."""
     dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)
     count = min(sequences, len(dataset))
     task = ProgressTask(progress, cfg.data.prefix, share_size(count))
@@ -188,11 +212,11 @@ def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size:
         task.advance(batch, batch * cfg.model.seq_length)
 
     eod = model.tokenizer.eod if cfg.data.document_masking else None
-    losses = position_losses(model, dataset, count, batch_size, advance, eod)
+    losses, scored = position_losses(model, dataset, count, batch_size, advance, eod)
     if frequent is not None:  # tens of seconds at the default sample on one rank
         console.print(f"evaluate: counting bigrams in up to {frequent.sample_tokens:,} training tokens of "
                       f"{cfg.data.prefix}")
-    return losses, recall_hits(dataset, count, eod, frequent, cfg.data)
+    return losses, scored, recall_hits(dataset, count, eod, frequent, cfg.data)
 
 
 def _print(console: Console, report: dict) -> None:

@@ -116,12 +116,12 @@ def recall_hits(dataset, sequences: int, document_eod: int | None = None, freque
     return torch.from_numpy(hits)
 
 
-def recall_split(losses: torch.Tensor, hits: torch.Tensor) -> dict:
-    """Mean loss and token count of the AR-hit positions and of the others."""
+def recall_split(losses: torch.Tensor, hits: torch.Tensor, scored: torch.Tensor) -> dict:
+    """Mean loss and token count of the `scored` AR-hit positions and of the other scored ones."""
     def part(mask: torch.Tensor) -> dict:
         count = int(mask.sum())
         return {"loss": losses[mask].double().mean().item() if count else float("nan"), "tokens": count}
-    return {"ar_hit": part(hits), "others": part(~hits)}
+    return {"ar_hit": part(hits & scored), "others": part(~hits & scored)}
 
 
 def blend_recall(splits: list[dict], weights: list[float]) -> dict:
