@@ -64,6 +64,12 @@ class DataConfig(Section):
     response_key: Optional[str] = Field(None, description="supervised fine-tuning: the field holding each record's "
                                         "response, data.text_key its prompt; the loss is then computed on the "
                                         "responses (and the EOD after each) only; see docs/data.md")
+    messages_key: Optional[str] = Field(None, description="supervised fine-tuning on conversations: the field "
+                                        "holding each record's list of {role, content} messages, rendered by the "
+                                        "chat template; the loss is then computed on the assistant's turns only; "
+                                        "see docs/data.md")
+    chat_template: Optional[str] = Field(None, description="data.messages_key: the Jinja chat template, or a file "
+                                         "holding it; default: the tokenizer's own")
     prefix: Optional[str] = Field(None, description="the indexed dataset (<prefix>.bin/.idx) prepare-data writes; "
                                   "default for a bundled corpus: <cache_dir>/prepared/<corpus>-<tokenizer>")
     blend: list[Union[str, float]] = Field(default_factory=list, description="[w1, prefix1, w2, prefix2, ...] "
@@ -83,6 +89,16 @@ class DataConfig(Section):
                                           "itself at the start of pre-training (demo, tests)")
     cache_dir: str = Field("data/cache", description="bundled corpora, their prepared data and megatron's "
                            "sample-index cache; must be visible to every node")
+
+    @property
+    def masks_loss(self) -> bool:
+        """Prompt/response or conversation data: the loss only on some tokens, by a mask prepared beside them."""
+        return self.response_key is not None or self.messages_key is not None
+
+    @property
+    def loss_mask_key(self) -> str:
+        """The setting that asks for a loss mask, for messages."""
+        return "data.messages_key" if self.messages_key is not None else "data.response_key"
 
 
 class TrainConfig(Section):

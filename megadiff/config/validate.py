@@ -130,8 +130,13 @@ def validate_data(data: DataConfig) -> None:
         _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both")
     if data.length_upsampling_unit is not None and not data.length_upsampling:
         _fail("data.length_upsampling_unit", "only used with data.length_upsampling=true")
-    if data.response_key is not None and data.length_upsampling:
-        _fail("data.response_key", "prompt/response data are not up-sampled by length: set "
+    if data.response_key is not None and data.messages_key is not None:
+        _fail("data.messages_key", "set either data.response_key (a prompt and a response per record) or "
+              "data.messages_key (a conversation per record), not both")
+    if data.chat_template is not None and data.messages_key is None:
+        _fail("data.chat_template", "only used with data.messages_key")
+    if data.masks_loss and data.length_upsampling:
+        _fail(data.loss_mask_key, "prompt/response and conversation data are not up-sampled by length: set "
               "data.length_upsampling=false")
 
 

@@ -21,6 +21,7 @@ import torch
 
 from megadiff.config import Config, dump_config, load_config
 from megadiff.convert.hf_layout import ConversionError
+from megadiff.data.conversations import save_chat_template
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
 SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
@@ -47,6 +48,7 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
     GenerationConfig.from_model_config(config).save_pretrained(str(directory))
     save_torch_state_dict(_owned_copies(state), directory)  # removes shards of an earlier export
     tokenizer.save_hf(directory)
+    save_chat_template(source_cfg.data, directory)
     dump_config(source_cfg, directory / SIDECAR_CONFIG)
     if extras:
         save_file(_owned_copies(extras), str(directory / SIDECAR_UNFOLDED), metadata={"format": "pt"})

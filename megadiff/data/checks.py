@@ -31,8 +31,8 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
         summary = read_index(prefix, key)
         _check_tokenizer(prefix, summary, tokenizer, cfg.data.tokenizer)
         _check_splits(prefix, summary, cfg, key)
-        if cfg.data.response_key is not None:
-            _check_loss_mask(prefix, summary)
+        if cfg.data.masks_loss:
+            _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, spec: str) -> None:
@@ -47,15 +47,16 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, s
                         f"({tokenizer.vocab_size} ids): it was prepared with another tokenizer")
 
 
-def _check_loss_mask(prefix: str, summary: IndexSummary) -> None:
-    """Prompt/response data need the loss mask prepare-data writes beside their tokens, document for document."""
+def _check_loss_mask(prefix: str, summary: IndexSummary, key: str) -> None:
+    """Prompt/response and conversation data need the loss mask prepare-data writes beside their
+    tokens, document for document."""
     mask_prefix = loss_mask_prefix(prefix)
     if not idx_path(mask_prefix).is_file():
-        raise DataError(f"data.response_key: {prefix} has no loss mask ({mask_prefix}.bin/.idx): it was prepared "
-                        "without data.response_key; prepare it again with it")
-    mask = read_index(mask_prefix, "data.response_key")
+        raise DataError(f"{key}: {prefix} has no loss mask ({mask_prefix}.bin/.idx): it was prepared "
+                        f"without {key}; prepare it again with it")
+    mask = read_index(mask_prefix, key)
     if not np.array_equal(mask.sequence_lengths, summary.sequence_lengths):
-        raise DataError(f"data.response_key: {mask_prefix} does not describe the documents of {prefix}; prepare "
+        raise DataError(f"{key}: {mask_prefix} does not describe the documents of {prefix}; prepare "
                         "the data again")
 
 

@@ -60,7 +60,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         dataset_cls, config = (LengthUpsampledGPTDataset,
                                LengthUpsampledGPTDatasetConfig(length_upsampling_unit=unit, **options))
     else:
-        dataset_cls = ResponseMaskedGPTDataset if data.response_key is not None else GPTDataset
+        dataset_cls = ResponseMaskedGPTDataset if data.masks_loss else GPTDataset
         config = GPTDatasetConfig(**options)
     with _lone_process_is_rank_zero():
         train, valid, test = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank,

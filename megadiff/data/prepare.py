@@ -3,7 +3,9 @@
 Every document becomes one sequence of <prefix>.bin followed by the tokenizer's EOD id
 (documents with no tokens are skipped), in source order whatever data.workers is. With
 data.response_key (supervised fine-tuning) a record's prompt (data.text_key) and response make
-one document, and <prefix>-loss-mask.bin/.idx holds 1 on each response's tokens and its EOD.
+one document, and <prefix>-loss-mask.bin/.idx holds 1 on each response's tokens and its EOD;
+with data.messages_key a record's conversation, rendered by the chat template, makes one, the
+mask on the assistant's turns (data/conversations.py).
 
 Each source file is tokenized on its own first, into a part under <prefix>.parts/ (its own
 .bin/.idx, its manifest written last); then the parts are concatenated into <prefix>.bin/.idx,
@@ -15,6 +17,7 @@ the same sources and tokenizer as the manifest's does nothing, so preparing agai
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -32,6 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from megadiff.config import Config, DataConfig, load_config
+from megadiff.data.conversations import resolve_chat_template
 from megadiff.data.corpus import write_bundled_corpus
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import (
@@ -39,7 +43,7 @@ from megadiff.data.indexed import (
 )
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.manifest import is_up_to_date, read_manifest, remove_manifest, write_manifest
-from megadiff.data.sources import Source, load_texts, resolve_sources
+from megadiff.data.sources import Source, load_texts, record_fields, resolve_sources
 from megadiff.data.tokenize_workers import Encoder
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, load_tokenizer
 from megadiff.files import exclusive_lock
@@ -87,6 +91,7 @@ class _Plan:
     sources: list[Source]
     parts: list[Source]
     tokenizer: Tokenizer
+    chat_template: Optional[str]
     fingerprint: dict
 
     @property
@@ -99,9 +104,9 @@ class _Plan:
     @property
     def outputs(self) -> list[tuple[Callable[[Path], Path | str], str, np.dtype]]:
         """(a part's files of the output, the output's prefix, its dtype) of every indexed dataset
-        written: the tokens, and prompt/response data's loss mask."""
+        written: the tokens, and prompt/response or conversation data's loss mask."""
         outputs = [(lambda part: part, self.prefix, self.dtype)]
-        if self.data.response_key is not None:
+        if self.data.masks_loss:
             outputs.append((loss_mask_prefix, loss_mask_prefix(self.prefix), LOSS_MASK_DTYPE))
         return outputs
 
@@ -126,8 +131,10 @@ def _plan(data: DataConfig) -> _Plan:
         else data.sources
     sources = resolve_sources(entries)
     tokenizer = load_tokenizer(data.tokenizer)
+    chat_template = resolve_chat_template(data, tokenizer)
     parts = [part for source in sources for part in source.parts()]
-    return _Plan(data, prefix, sources, parts, tokenizer, _fingerprint(sources, data, tokenizer))
+    return _Plan(data, prefix, sources, parts, tokenizer, chat_template,
+                 _fingerprint(sources, data, tokenizer, chat_template))
 
 
 def prepare(data: DataConfig, console: Console | None = None) -> dict:
@@ -161,12 +168,14 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
                   "parts); once every share is done, run prepare-data without --part to merge them", soft_wrap=True)
 
 
-def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer) -> dict:
+def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, chat_template: Optional[str]) -> dict:
     spec = data.tokenizer if data.tokenizer in PACKAGED_TIKTOKEN else str(Path(data.tokenizer).resolve())
     return {
         "sources": [source.fingerprint() for source in sources],
         "text_key": data.text_key,
         **({"response_key": data.response_key} if data.response_key is not None else {}),
+        **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()}
+           if chat_template is not None else {}),
         "tokenizer": {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
         "dtype": token_dtype(tokenizer.vocab_size).name,
     }
@@ -196,7 +205,7 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
 
 def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress) -> dict:
     prefix, source = plan.part_prefix(index), plan.parts[index]
-    fingerprint = _fingerprint([source], plan.data, plan.tokenizer)
+    fingerprint = _fingerprint([source], plan.data, plan.tokenizer, plan.chat_template)
     with exclusive_lock(f"{prefix}.lock"):  # a plain run and --part runs may reach the same part
         if is_up_to_date(prefix, fingerprint):
             return read_manifest(prefix)["stats"]
@@ -209,7 +218,8 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
 
 def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float,
            loss_tokens: int | None = None) -> dict:
-    """What a part or the whole holds; `loss_tokens`: prompt/response data's response tokens and EODs."""
+    """What a part or the whole holds; `loss_tokens`: prompt/response data's response tokens and EODs
+    (conversations': the assistant's)."""
     return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens,
             **({"loss_tokens": loss_tokens} if loss_tokens is not None else {}),
             "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
@@ -220,19 +230,23 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     # datasets converts the source to Arrow first; keep that copy beside the output, and only for this part
     work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=prefix.parent)
     try:
-        response_key = plan.data.response_key
-        texts = load_texts([source], plan.data.text_key, work_dir, response_key)
+        data = plan.data
+        texts = load_texts([source], record_fields(data.text_key, data.response_key, data.messages_key), work_dir)
         documents, tokens, loss_tokens = 0, 0, 0
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
         batches = texts.iter(batch_size=DOCUMENTS_PER_BATCH)
         with contextlib.ExitStack() as files:
             writer = files.enter_context(AtomicIndexedWriter(prefix, plan.dtype))
-            if response_key is None:
-                encoded = encoder.encode_in_order(batch["text"] for batch in batches)
-            else:
+            if data.masks_loss:
                 masks = files.enter_context(AtomicIndexedWriter(loss_mask_prefix(prefix), LOSS_MASK_DTYPE))
+            if data.messages_key is not None:
+                encoded = encoder.encode_conversations_in_order((batch["messages"] for batch in batches),
+                                                                plan.chat_template)
+            elif data.response_key is not None:
                 encoded = encoder.encode_pairs_in_order((batch["text"], batch["response"]) for batch in batches)
+            else:
+                encoded = encoder.encode_in_order(batch["text"] for batch in batches)
             for ids, lengths, *mask in encoded:
                 writer.add_documents(ids, lengths)
                 if mask:
@@ -241,13 +255,13 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
                 documents, tokens = documents + int((lengths > 0).sum()), tokens + int(lengths.sum())
                 progress.update(task, advance=len(lengths), tokens=tokens)
             writer.commit()
-            if response_key is not None:  # written after the tokens: a part's manifest still comes last
+            if data.masks_loss:  # written after the tokens: a part's manifest still comes last
                 masks.commit()
         progress.remove_task(task)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return _stats(plan, len(texts), documents, tokens, time.perf_counter() - start,
-                  loss_tokens if response_key is not None else None)
+                  loss_tokens if data.masks_loss else None)
 
 
 def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
@@ -269,7 +283,7 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
             for part in filled:
                 writer.add_prepared(of_part(part))
             writer.commit()
-    loss_tokens = sum(s["loss_tokens"] for s in part_stats.values()) if plan.data.response_key is not None else None
+    loss_tokens = sum(s["loss_tokens"] for s in part_stats.values()) if plan.data.masks_loss else None
     return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()), loss_tokens)
 
 
@@ -280,7 +294,7 @@ def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
                                                             if stats["skipped_empty"] else ""))
     table.add_row("tokens (EOD included)", f"{stats['tokens']:,} as {stats['dtype']}, tokenizer {stats['tokenizer']}")
     if "loss_tokens" in stats:
-        table.add_row("loss tokens (responses, EOD)", f"{stats['loss_tokens']:,} "
+        table.add_row("loss tokens (responses or assistant turns, EOD)", f"{stats['loss_tokens']:,} "
                       f"({100 * stats['loss_tokens'] / max(stats['tokens'], 1):.1f}% of the tokens)")
     table.add_row("speed", f"{stats['tokens_per_second']:,} tokens/s ({stats['seconds']:.1f} s)")
     for path in (file for prefix in prefixes for file in (bin_path(prefix), idx_path(prefix))):

@@ -111,55 +111,73 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _load(source: Source, text_key: str, cache_dir: str):
+def _load(source: Source, cache_dir: str):
+    """The source's table (None for files without content); a txt source's one field is "text"."""
     import datasets
 
     try:
         if source.builder == "hub":
-            return datasets.load_dataset(source.name, split="train"), text_key
+            return datasets.load_dataset(source.name, split="train")
         options = {"sample_by": "document"} if source.builder == "text" else {}
         # an empty file holds no documents, but datasets' builders refuse it
         files = [str(f) for f in source.files if f.stat().st_size]
         if not files:
-            return None, None
-        table = datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
-        return table, ("text" if source.builder == "text" else text_key)
+            return None
+        return datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
     except Exception as err:  # datasets raises many types; all mean the same thing here
         what = ("is not a local file or directory, and loading it as a Hugging Face dataset failed"
                 if source.builder == "hub" else "could not be read")
         raise DataError(f"{source.key}: {source.describe()} {what}: {err}") from err
 
 
-def _text_column(table, source: Source, setting: str, key: str, name: str):
-    """The text field `key` of a source's table, as a one-column table named `name`."""
+def _column(table, source: Source, setting: str, key: str, name: str):
+    """The field `key` of a source's table, checked to hold what `name` needs (a list of messages
+    for "messages", else text), as a one-column table named `name`."""
+    import datasets
+
     feature = table.features.get(key)
     if feature is None:
         raise DataError(f"{setting}: {source.key} ({source.describe()}) has no field {key!r}; "
                         f"its fields are {list(table.features)}")
-    if getattr(feature, "dtype", None) not in TEXT_TYPES:
-        raise DataError(f"{setting}: field {key!r} of {source.key} ({source.describe()}) holds {feature}, not text")
+    if name == "messages":
+        fits = isinstance(feature, (list, datasets.List, datasets.LargeList))
+        wanted = "a list of messages"
+    else:
+        fits = getattr(feature, "dtype", None) in TEXT_TYPES
+        wanted = "text"
+    if not fits:
+        raise DataError(f"{setting}: field {key!r} of {source.key} ({source.describe()}) holds {feature}, not {wanted}")
     column = table.select_columns([key])
     return column.rename_column(key, name) if key != name else column
 
 
-def load_texts(sources: list[Source], text_key: str, cache_dir: str, response_key: Optional[str] = None):
-    """All documents as one Dataset with a "text" column (None for a missing value) and, with
-    `response_key` (supervised fine-tuning: "text" is then the prompt), a "response" column."""
+def record_fields(text_key: str, response_key: Optional[str] = None,
+                  messages_key: Optional[str] = None) -> dict[str, tuple[str, str]]:
+    """{column: (setting, field)} of what a record holds: its text; or a prompt ("text") and a
+    response; or a conversation ("messages")."""
+    if messages_key is not None:
+        return {"messages": ("data.messages_key", messages_key)}
+    return {"text": ("data.text_key", text_key)} | \
+        ({"response": ("data.response_key", response_key)} if response_key is not None else {})
+
+
+def load_texts(sources: list[Source], fields: dict[str, tuple[str, str]], cache_dir: str):
+    """All records as one Dataset of the `fields` columns (record_fields(); None for a missing value)."""
     import datasets
 
-    columns = {"text": "data.text_key"} | ({"response": "data.response_key"} if response_key is not None else {})
     parts = []
     with _quiet_datasets():
         for source in sources:
-            table, key = _load(source, text_key, cache_dir)
+            table = _load(source, cache_dir)
             if table is None:
                 continue
-            if response_key is not None and source.builder == "text":
-                raise DataError(f"data.response_key: {source.key} ({source.describe()}) is plain text, without "
-                                "fields; supervised fine-tuning reads json/jsonl/parquet records")
-            fields = {"text": key, "response": response_key}
+            read = fields
+            if source.builder == "text":
+                if list(fields) != ["text"]:
+                    setting = fields.get("messages", fields.get("response"))[0]
+                    raise DataError(f"{setting}: {source.key} ({source.describe()}) is plain text, without fields; "
+                                    "supervised fine-tuning reads json/jsonl/parquet records")
+                read = {"text": ("data.text_key", "text")}
             parts.append(datasets.concatenate_datasets(
-                [_text_column(table, source, setting, fields[name], name) for name, setting in columns.items()],
-                axis=1))
-        empty = {name: [] for name in columns}
-        return datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict(empty)
+                [_column(table, source, setting, key, name) for name, (setting, key) in read.items()], axis=1))
+        return datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict({name: [] for name in fields})

@@ -1,7 +1,8 @@
 """Document texts -> token ids with an EOD after each document, in order, on several processes.
 
 Workers are spawned (not forked: pre-training may call this from a process that already runs
-threads) and import only this light module and the tokenizer, which each loads once.
+threads) and import only this light module, the tokenizer, which each loads once, and for
+conversations transformers' chat template renderer.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from megadiff.data.conversations import encode_conversation
 from megadiff.data.tokenizers import load_tokenizer
 
 Encoded = tuple[np.ndarray, np.ndarray]  # (ids of the batch, concatenated; tokens per document, 0 = skipped)
-# and, for prompt/response pairs, the loss mask beside the ids: 1 on a response's tokens and its EOD
+# and, for prompt/response pairs and conversations, the loss mask beside the ids: 1 on a response's
+# (an assistant turn's) tokens and its EOD
 EncodedPairs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -36,16 +39,28 @@ def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], t
     """Each pair -> prompt ids, response ids, EOD; a pair with an empty response (it would teach
     nothing) is skipped."""
     tokenizer = load_tokenizer(tokenizer_spec)
-    pieces, lengths, masks = [], [], []
+    documents = []
     for prompt, response in zip(prompts, responses):
         answer = tokenizer.encode(response) + [tokenizer.eod] if response else []
         question = tokenizer.encode(prompt) if prompt and answer else []
-        pieces.append(np.asarray(question + answer, dtype=dtype))
-        masks.append(np.repeat(np.array([0, 1], dtype=np.uint8), [len(question), len(answer)]))
-        lengths.append(len(question) + len(answer))
-    if not pieces:
+        documents.append((question + answer, [0] * len(question) + [1] * len(answer)))
+    return _masked(documents, dtype)
+
+
+def encode_conversations(conversations: list, template: str, tokenizer_spec: str, dtype: str) -> EncodedPairs:
+    """Each conversation -> its rendering's ids and EOD, the mask on the assistant's turns
+    (data/conversations.py); one without assistant text is skipped."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    return _masked([encode_conversation(messages, template, tokenizer) for messages in conversations], dtype)
+
+
+def _masked(documents: list[tuple[list[int], list[int]]], dtype: str) -> EncodedPairs:
+    """EncodedPairs of documents given as (ids, loss mask)."""
+    if not documents:
         return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.uint8)
-    return np.concatenate(pieces), np.asarray(lengths, dtype=np.int64), np.concatenate(masks)
+    ids = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in documents])
+    masks = np.concatenate([np.asarray(mask, dtype=np.uint8) for _, mask in documents])
+    return ids, np.asarray([len(ids) for ids, _ in documents], dtype=np.int64), masks
 
 
 class Encoder:
@@ -71,6 +86,10 @@ class Encoder:
     def encode_pairs_in_order(self, batches: Iterable[tuple[list, list]]) -> Iterator[EncodedPairs]:
         """Batches of (prompts, responses), as encode_in_order."""
         return self._in_order(encode_pairs, batches)
+
+    def encode_conversations_in_order(self, batches: Iterable[list], template: str) -> Iterator[EncodedPairs]:
+        """Batches of conversations (lists of messages) rendered by `template`, as encode_in_order."""
+        return self._in_order(encode_conversations, ((conversations, template) for conversations in batches))
 
     def _in_order(self, encode, batches: Iterable[tuple]) -> Iterator:
         if self.workers == 1:

@@ -2,9 +2,10 @@
 or any Hugging Face tokenizer directory.
 
 Every tokenizer has `name`, `vocab_size` (ids in use, before the model pads its embedding),
-`eod` (the end-of-document id megatron's datasets append), `encode`, `decode` and
-`save_hf(dir)`, which writes Hugging Face tokenizer files so an exported model directory
-is complete. `load_tokenizer(spec)` takes the `data.tokenizer` config value.
+`eod` (the end-of-document id megatron's datasets append), `chat_template` (its Jinja chat
+template, if it has one), `special_tokens` (the names a chat template reads, e.g. eos_token),
+`encode`, `decode` and `save_hf(dir)`, which writes Hugging Face tokenizer files so an exported
+model directory is complete. `load_tokenizer(spec)` takes the `data.tokenizer` config value.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import tempfile
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
 from megadiff.errors import MegadiffError
 
@@ -32,6 +33,8 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eod: int
+    chat_template: Optional[str]
+    special_tokens: dict[str, str]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -49,6 +52,8 @@ class TiktokenTokenizer:
         self.encoding = tiktoken.Encoding(**getattr(registry, name)())
         self.vocab_size = self.encoding.n_vocab
         self.eod = self.encoding.eot_token
+        self.chat_template = None
+        self.special_tokens = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}  # as save_hf names them
 
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
@@ -88,6 +93,11 @@ class HFTokenizer:
         if eod is None:
             raise TokenizerError(f"tokenizer {path} has no eos token to use as end-of-document")
         self.eod = eod
+        template = self.hf.chat_template
+        # a tokenizer may hold several named templates; "default" is the one transformers applies
+        self.chat_template = template.get("default") if isinstance(template, dict) else template
+        self.special_tokens = {name: token for name, token in self.hf.special_tokens_map.items()
+                               if isinstance(token, str)}
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)

