@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--gen-kwargs", default=None, metavar="K=V,...",
                          help="generation settings over the tasks' own, e.g. max_gen_toks=1024 (the DIFF paper's "
                          "math evaluations restrict the output to 1K and 16K tokens)")
+    harness.add_argument("--apply-chat-template", action="store_true",
+                         help="ask as a conversation, with the chat template the checkpoint was fine-tuned on "
+                         "(data.chat_template, else its tokenizer's)")
+    harness.add_argument("--system-instruction", default=None, metavar="TEXT", help="a system turn before each request")
+    harness.add_argument("--fewshot-as-multiturn", action="store_true",
+                         help="with --apply-chat-template: each few-shot example as a user and an assistant turn")
     harness.add_argument("--output", default=None, help="write the results as JSON here")
     harness.add_argument("--log-samples", action="store_true", help="with --output: every request and its answer")
     harness.add_argument("--cache", default=None, metavar="PATH",
@@ -171,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     harness.set_defaults(run=lambda a: _target("megadiff.inference.harness:lm_eval_cli")(
         a.load, a.tasks, num_fewshot=a.num_fewshot, limit=a.limit, batch_size=a.batch_size,
         include_path=a.include_path, seed=a.seed, dtype=a.dtype, attention_logit_bits=a.attention_logit_bits,
-        output=a.output, log_samples=a.log_samples, cache=a.cache, gen_kwargs=a.gen_kwargs))
+        output=a.output, log_samples=a.log_samples, cache=a.cache, gen_kwargs=a.gen_kwargs,
+        apply_chat_template=a.apply_chat_template, system_instruction=a.system_instruction,
+        fewshot_as_multiturn=a.fewshot_as_multiturn))
 
     judge = sub.add_parser("hallucination", help="a judge model's verdicts on generated outputs in harness sample "
                            "logs (the DIFF paper's contextual-hallucination table)")

@@ -30,10 +30,11 @@ def prepared_data(root: Path) -> list[str]:
     return data
 
 
-def held_out_run(root: Path, variant: str, iteration: int = 1) -> tuple[Path, Config]:
-    """(run directory, its config): a single-process checkpoint of `variant` reading the data above."""
+def held_out_run(root: Path, variant: str, iteration: int = 1, overrides: tuple[str, ...] = ()) -> tuple[Path, Config]:
+    """(run directory, its config, with `overrides`): a single-process checkpoint of `variant` reading the data above."""
     data = prepared_data(root)
-    cfg = build_config(variant_config(variant, "single", str(root / "tokenizer")).model_dump(mode="json"), data)
+    cfg = build_config(variant_config(variant, "single", str(root / "tokenizer")).model_dump(mode="json"),
+                       data + list(overrides))
     output_dir = root / variant
     save_in_process(cfg, iteration_dir(output_dir / CHECKPOINTS_DIR, iteration))
     (output_dir / CHECKPOINTS_DIR / LATEST_FILE).write_text(str(iteration))

@@ -17,6 +17,7 @@ import torch
 from megadiff.cli import main
 from megadiff.convert import convert_to_hf
 from tests.conftest import kjv_verses
+from tests.test_chat_data import CHATML
 from tests.distributed import run_ranks
 from tests.held_out_runs import held_out_run
 from tests.test_held_out_ranks import counting_sequences
@@ -139,6 +140,38 @@ def test_answers_equal_the_harness_hf_model_on_the_export(runs, tasks, variant, 
     for task in TASKS:
         assert ours["results"][task].keys() == theirs["results"][task].keys()
     assert any(answers(ours["samples"])["kjv_generate", i][0] for i in range(3)), "no text was generated"
+
+
+def test_chat_requests_equal_the_harness_hf_model_on_the_export(tasks, tmp_path, capsys):
+    """--apply-chat-template asks a chat-tuned run (data.chat_template) every request as a
+    conversation, few-shot examples as turns, as the harness's Hugging Face model asks the export
+    (whose tokenizer carries the template)."""
+    run, _ = held_out_run(tmp_path / "run", "diff", overrides=("data.messages_key=messages",
+                                                               f"data.chat_template={CHATML}"))
+    system = "Answer as the scripture does."
+    chat = ("--apply-chat-template", "--system-instruction", system, "--fewshot-as-multiturn", "--num-fewshot", "1")
+    ours = megadiff_lm_eval(run, tasks, tmp_path / "ours.json", extra=chat)
+    assert ours["chat_template"] == Path(CHATML).read_text() and ours["system_instruction"] == system
+    contexts = [sample["arguments"][0][0] for sample in ours["samples"]["kjv_generate"]]
+    # a run without a template (nor its tokenizer) cannot be asked as a chat
+    assert main(["lm-eval", "--load", str(held_out_run(tmp_path / "plain", "diff")[0]), "--tasks", "kjv_choice",
+                 "--include-path", str(tasks), "--apply-chat-template"]) == 2
+    assert "trained without data.chat_template" in capsys.readouterr().err
+    assert all(c.startswith(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n") and
+               c.count("<|im_start|>assistant\n") == 2 and c.endswith("<|im_start|>assistant\n") for c in contexts)
+    hf_dir = convert_to_hf(run, tmp_path / "hf")
+    padded = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH},
+        tasks=TASKS, batch_size=1, device="cpu", log_samples=True, num_fewshot=1, apply_chat_template=True,
+        system_instruction=system, fewshot_as_multiturn=True, random_seed=1234, numpy_random_seed=1234,
+        torch_random_seed=1234, fewshot_random_seed=1234,
+        gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
+        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
+    for task in TASKS:  # the same contexts, word for word
+        assert [[request[0] for request in s["arguments"]] for s in ours["samples"][task]] == \
+            [[request[0] for request in s["arguments"]] for s in theirs["samples"][task]]
+    assert_same_answers(answers(ours["samples"]), answers(theirs["samples"]), rel=1e-4)
 
 
 def test_long_contexts_generate_side_by_side_as_one_at_a_time(runs, tmp_path, monkeypatch):
@@ -319,6 +352,8 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
     assert "no_such_task" in capsys.readouterr().err
     assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice", "--log-samples"]) == 2
     assert "--output" in capsys.readouterr().err
+    assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice", "--fewshot-as-multiturn"]) == 2
+    assert "add --apply-chat-template" in capsys.readouterr().err
     from megadiff.inference import harness
     # local tasks alone skip indexing the harness's own; mixed with those, both are found
     assert harness.known_tasks(["kjv_*"], str(tasks))[1] == sorted(TASKS)

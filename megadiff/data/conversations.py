@@ -28,22 +28,29 @@ GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
 
+def _template_text(spec: str) -> str:
+    """data.chat_template's template: the file it names, or itself."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise DataError(f"data.chat_template: {spec!r} is neither a file nor a Jinja template")
+
+
+def chat_template_of(data, tokenizer: Tokenizer) -> Optional[str]:
+    """The chat template a run's conversations are rendered with: data.chat_template, else the
+    tokenizer's own (None without either)."""
+    return _template_text(data.chat_template) if data.chat_template is not None else tokenizer.chat_template
+
+
 def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
     """The template data.messages_key's records are rendered with (None for other data), checked
     on a short conversation."""
     if data.messages_key is None:
         return None
-    if data.chat_template is not None:
-        path = Path(data.chat_template).expanduser()
-        if path.is_file():
-            template = path.read_text()
-        elif "{{" in data.chat_template or "{%" in data.chat_template:
-            template = data.chat_template
-        else:
-            raise DataError(f"data.chat_template: {data.chat_template!r} is neither a file nor a Jinja template")
-    elif tokenizer.chat_template is not None:
-        template = tokenizer.chat_template
-    else:
+    template = chat_template_of(data, tokenizer)
+    if template is None:
         raise DataError(f"data.messages_key: tokenizer {tokenizer.name!r} has no chat template; set "
                         "data.chat_template to a Jinja template or a file holding one (e.g. configs/chat/chatml.jinja)")
     conversation_pieces(PROBE, template, tokenizer.special_tokens)
@@ -53,21 +60,27 @@ def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
 def save_chat_template(data, directory: str | Path) -> None:
     """Write data.chat_template into an exported tokenizer (transformers reads chat_template.jinja),
     so the model is chatted with as it was trained; a tokenizer's own template is saved with it."""
-    if data.messages_key is not None and data.chat_template is not None:
-        path = Path(data.chat_template).expanduser()
-        template = path.read_text() if path.is_file() else data.chat_template
-        (Path(directory) / "chat_template.jinja").write_text(template)
+    if data.chat_template is not None:
+        (Path(directory) / "chat_template.jinja").write_text(_template_text(data.chat_template))
+
+
+def render_conversation(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
+                        continue_final: bool = False) -> str:
+    """The template's text of `messages`: then the assistant's generation prompt, or with
+    `continue_final` the last message left open, for the model to go on with it."""
+    return _render(messages, template, variables, generation_prompt, continue_final=continue_final)[0]
 
 
 def _render(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
-            marked: bool = False) -> tuple[str, list[tuple[int, int]]]:
+            marked: bool = False, continue_final: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and, with `marked`, the character ranges of its {% generation %} blocks."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         rendered, indices = render_jinja_template([messages], chat_template=template,
                                                   add_generation_prompt=generation_prompt,
-                                                  return_assistant_tokens_mask=marked, **variables)
+                                                  return_assistant_tokens_mask=marked,
+                                                  continue_final_message=continue_final, **variables)
     except Exception as err:  # jinja's syntax and undefined-variable errors, the template's raise_exception
         raise DataError(f"data.chat_template: the template fails on the messages {str(messages)[:120]}: "
                         f"{type(err).__name__}: {err}") from err

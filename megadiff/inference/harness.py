@@ -11,6 +11,11 @@ requests; rank 0 prints and writes the results.
 each query's row; the DIFF paper's Figure 8: HellaSwag accuracy from 16 down to 4 bits, DIFF
 against the softmax Transformer), through the reference attention that materialises the maps.
 
+`--apply-chat-template` renders every request as a conversation (the harness's user turns, few-shot
+examples as turns with `--fewshot-as-multiturn`, `--system-instruction`) with the template the
+checkpoint's conversations were trained on (data.chat_template, else its tokenizer's own): a
+fine-tuned chat model is asked as it was taught.
+
 Generation runs the context once, then each new token alone (KV cache: inference/generate.py).
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megadiff.config import ConfigError
+from megadiff.data.conversations import chat_template_of, render_conversation
 from megadiff.errors import MegadiffError
 from megadiff.inference.generate import generate, greedy_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
@@ -68,10 +74,12 @@ class GenerationPlan:
 class MegadiffLM(TemplateLM):
     """The harness's language-model interface over a loaded checkpoint."""
 
-    def __init__(self, model: CausalLM, batch_size: int = 8, max_gen_toks: int = 256):
+    def __init__(self, model: CausalLM, batch_size: int = 8, max_gen_toks: int = 256,
+                 chat_template: str | None = None):
         super().__init__()
         self.model = model
         self.tok = model.tokenizer
+        self._chat_template = chat_template
         self.batch_size = batch_size
         self.max_length = model.cfg.model.seq_length
         self.max_gen_toks = max_gen_toks
@@ -91,6 +99,16 @@ class MegadiffLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tok.encode(string)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template requests are rendered with (the harness records it with the results)."""
+        return self._chat_template if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The harness's turns as the template writes them; without the generation prompt the last
+        (assistant) turn stays open, as the harness's Hugging Face model leaves it."""
+        return render_conversation(chat_history, self._chat_template, self.tok.special_tokens,
+                                   generation_prompt=add_generation_prompt, continue_final=not add_generation_prompt)
 
     @contextmanager
     def progress(self, description: str, requests: int) -> Iterator[ProgressTask]:
@@ -237,6 +255,16 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
     return manager, manager.match_tasks(list(tasks))
 
 
+def checkpoint_chat_template(model: CausalLM) -> str:
+    """The template the checkpoint's conversations were rendered with in training (its tokenizer's own
+    when data.chat_template was not set)."""
+    template = chat_template_of(model.cfg.data, model.tokenizer)
+    if template is None:
+        raise ConfigError(f"--apply-chat-template: {model.checkpoint_dir} was trained without data.chat_template and "
+                          f"its tokenizer {model.tokenizer.name!r} has no chat template")
+    return template
+
+
 def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
     """Every layer's core attention quantizes its logits to `bits` (None: as trained)."""
     for layer in model.gpt.decoder.layers:
@@ -246,7 +274,8 @@ def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
 def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None, limit: float | None = None,
                 batch_size: int = 8, include_path: str | None = None, seed: int = 1234, dtype: str | None = None,
                 attention_logit_bits: int | None = None, output: str | None = None, log_samples: bool = False,
-                cache: str | None = None, gen_kwargs: str | None = None) -> int:
+                cache: str | None = None, gen_kwargs: str | None = None, apply_chat_template: bool = False,
+                system_instruction: str | None = None, fewshot_as_multiturn: bool = False) -> int:
     """`megadiff lm-eval --load RUN --tasks ...`: print the harness's table (and write its results).
     With `cache`, the harness's CachingLM keeps each answer in CACHE_rankN.db as it is computed: a
     rerun (after a crash or preemption) computes only the rest. `gen_kwargs` ("max_gen_toks=1024,...")
@@ -254,6 +283,8 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     require_harness()
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
+    if fewshot_as_multiturn and not apply_chat_template:
+        raise ConfigError("--fewshot-as-multiturn writes the few-shot examples as chat turns: add --apply-chat-template")
     if attention_logit_bits is not None and attention_logit_bits < 2:
         raise ConfigError("--attention-logit-bits must be >= 2 (a sign and one level)")
     if log_samples and not output:
@@ -261,23 +292,28 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     manager, names = known_tasks(tasks, include_path)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     quantize_attention_logits(model, attention_logit_bits)
-    results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size), tasks=names,
-                              num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples,
-                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed, use_cache=cache, gen_kwargs=gen_kwargs)
+    chat_template = checkpoint_chat_template(model) if apply_chat_template else None
+    results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template),
+                              tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                              log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache, gen_kwargs=gen_kwargs,
+                              apply_chat_template=apply_chat_template, system_instruction=system_instruction,
+                              fewshot_as_multiturn=fewshot_as_multiturn)
     if not reports():
         return 0
     console = command_console()
     logits = f", attention logits in {attention_logit_bits} bits" if attention_logit_bits else ""
     generation = f", generation {gen_kwargs}" if gen_kwargs else ""
-    console.print(f"{model.checkpoint_dir}: lm-eval, {num_fewshot or 0}-shot{logits}{generation}")
+    chat = ", as chat" + (" (few-shot as turns)" if fewshot_as_multiturn else "") if apply_chat_template else ""
+    console.print(f"{model.checkpoint_dir}: lm-eval, {num_fewshot or 0}-shot{logits}{generation}{chat}")
     console.print(make_table(results))
     if "groups" in results:
         console.print(make_table(results, "groups"))
     if output:
         kept = {key: results[key] for key in ("results", "groups", "n-shot", "versions", "samples") if key in results}
         kept.update(checkpoint=str(model.checkpoint_dir), attention_logit_bits=attention_logit_bits,
-                    gen_kwargs=gen_kwargs)
+                    gen_kwargs=gen_kwargs, chat_template=chat_template, system_instruction=system_instruction,
+                    fewshot_as_multiturn=fewshot_as_multiturn)
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(kept, indent=1, default=handle_non_serializable))
         console.print(f"wrote {output}")
