@@ -109,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                      help="default: the checkpoint's training precision")
+    gen.add_argument("--chat", action="store_true", help="the prompt is a user's message to a chat-tuned checkpoint, "
+                     "rendered by its chat template; prints the assistant's reply")
+    gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn first")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
         a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-        top_k=a.top_k, seed=a.seed, dtype=a.dtype))
+        top_k=a.top_k, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system))
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")

@@ -12,6 +12,7 @@ import torch
 import megadiff.inference.generate as generate_module
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, CheckpointError, iteration_dir
 from megadiff.cli import main
+from megadiff.config import build_config
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from megadiff.inference.generate import TextStream, generate, greedy_batch
@@ -144,6 +145,57 @@ def test_text_stream_holds_back_characters_until_their_last_byte(run):
     cut = TextStream(tokenizer)
     assert "".join(cut.add(token) for token in ids[:4]) == "Aé"
     assert cut.rest() == tokenizer.decode(ids[:4])[2:] != ""  # the first byte of 日, as the tokenizer decodes it
+
+
+def test_text_stream_shows_the_text_before_its_stop_text_only(run):
+    """A reply ends where the chat template closes the turn: nothing of "<|im_end|>" is shown, even
+    while its first tokens could still be text; text that only began like it is shown in the end."""
+    tokenizer = load_tokenizer(run[1].cfg.data.tokenizer)
+    ids = tokenizer.encode("Seth.<|im_end|>\n<|im_start|>user")
+    text = TextStream(tokenizer, "<|im_end|>")
+    pieces = []
+    for token in ids:
+        pieces.append(text.add(token))
+        if text.stopped:
+            break
+    assert "".join(pieces) + text.rest() == "Seth." and "<" not in "".join(pieces)
+    assert tokenizer.decode(ids[:len(pieces)]).endswith("<|im_end|>")  # stopped at its last token
+    almost = TextStream(tokenizer, "<|im_end|>")
+    ids = tokenizer.encode("a <|im b")
+    assert "".join(almost.add(token) for token in ids) + almost.rest() == "a <|im b" and not almost.stopped
+
+
+def test_generate_cli_chats_through_the_runs_template(run, capsys, tmp_path, monkeypatch):
+    """--chat: the message (after --system's turn) rendered by the run's data.chat_template up to the
+    assistant's turn is the prompt; the reply alone is printed, and generation ends with its turn."""
+    from tests.test_chat_data import CHATML
+
+    cfg = build_config(run[1].cfg.model_dump(mode="json"), ["data.messages_key=messages",
+                                                            f"data.chat_template={CHATML}"])
+    save_in_process(cfg, iteration_dir(tmp_path / CHECKPOINTS_DIR, 1))
+    (tmp_path / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    reply = tokenizer.encode("Seth.<|im_end|>\n<|im_start|>user\nAnd")
+    prompts, drawn = [], iter(reply)
+
+    class Watched(generate_module.Decoder):
+        def __init__(self, model, rows, *args, **kwargs):
+            prompts.extend(rows)
+            super().__init__(model, rows, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "Decoder", Watched)
+    monkeypatch.setattr(generate_module, "next_token", lambda *args: next(drawn))
+    assert main(["generate", "--load", str(tmp_path), "--prompt", "Who begat Enos?", "--chat", "--system", "Be brief.",
+                 "--max-new-tokens", str(len(reply))]) == 0
+    out, err = capsys.readouterr()
+    assert prompts == [tokenizer.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho begat "
+                                        "Enos?<|im_end|>\n<|im_start|>assistant\n")]
+    assert out == "Seth.\n"
+    assert f"generate: {len(tokenizer.encode('Seth.<|im_end|>'))} tokens" in err
+    assert main(["generate", "--load", str(run[0]), "--prompt", "Hi", "--chat"]) == 2
+    assert "trained without data.chat_template" in capsys.readouterr().err
+    assert main(["generate", "--load", str(run[0]), "--prompt", "Hi", "--system", "S"]) == 2
+    assert "add --chat" in capsys.readouterr().err
 
 
 def test_generate_cli_sampling_is_reproducible_with_a_seed(run, capsys):

@@ -71,6 +71,17 @@ def render_conversation(messages: list[dict], template: str, variables: dict, ge
     return _render(messages, template, variables, generation_prompt, continue_final=continue_final)[0]
 
 
+def turn_end(template: str, variables: dict) -> Optional[str]:
+    """The text the template closes an assistant's turn with (ChatML: "<|im_end|>"), where it
+    writes one after the content: where a chat model's reply ends."""
+    reply = "megadiff-reply"
+    pieces = conversation_pieces([{"role": "user", "content": "u"}, {"role": "assistant", "content": reply}],
+                                 template, variables)
+    text = next((piece for piece, assistant in pieces if assistant), "")
+    end = text[text.index(reply) + len(reply):].strip() if reply in text else ""
+    return end or None
+
+
 def _render(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
             marked: bool = False, continue_final: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and, with `marked`, the character ranges of its {% generation %} blocks."""

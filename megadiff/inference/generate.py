@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from megadiff.config import ConfigError
+from megadiff.data.conversations import chat_template_of, render_conversation, turn_end
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -110,41 +111,85 @@ def greedy_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
 
 
 class TextStream:
-    """The text of a growing list of new token ids, handed out in the pieces not yet shown."""
+    """The text of a growing list of new token ids, handed out in the pieces not yet shown; with
+    `stop_text`, the text before it only (`stopped` once it is decoded), held back while it may be
+    the start of it."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+    def __init__(self, tokenizer: Tokenizer, stop_text: str | None = None):
+        self.tokenizer, self.stop_text, self.ids, self.shown = tokenizer, stop_text, [], ""
+        self.stopped = False
 
     def add(self, token: int) -> str:
         """The text `token` adds: empty while it ends in a character whose bytes span tokens."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith(INCOMPLETE_CHARACTER):
+        text = self._text()
+        if text.endswith(INCOMPLETE_CHARACTER) and not self.stopped:
             return ""
-        piece, self.shown = text[len(self.shown):], text
+        end = len(text)
+        if self.stop_text is not None and not self.stopped:
+            end = max(len(self.shown), end - len(self.stop_text) + 1)
+        piece, self.shown = text[len(self.shown):end], text[:end]
         return piece
 
     def rest(self) -> str:
         """What is left unshown (an incomplete last character, as the tokenizer decodes it)."""
-        return self.tokenizer.decode(self.ids)[len(self.shown):]
+        return self._text()[len(self.shown):]
+
+    def _text(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        if self.stop_text is not None and self.stop_text in text:
+            self.stopped = True
+            return text[:text.index(self.stop_text)]
+        return text
+
+
+def checkpoint_chat_template(model: CausalLM, option: str) -> str:
+    """The template the checkpoint's conversations were rendered with in training (its tokenizer's
+    own where data.chat_template was not set), which `option` asks for."""
+    template = chat_template_of(model.cfg.data, model.tokenizer)
+    if template is None:
+        raise ConfigError(f"{option}: {model.checkpoint_dir} was trained without data.chat_template and its "
+                          f"tokenizer {model.tokenizer.name!r} has no chat template")
+    return template
+
+
+def chat_prompt(model: CausalLM, message: str, system: str | None = None) -> tuple[str, str | None]:
+    """(the prompt, the text ending the reply): `message` as the user's turn after an optional
+    system turn, rendered by the template the checkpoint was fine-tuned with, up to the assistant's
+    generation prompt."""
+    template = checkpoint_chat_template(model, "--chat")
+    variables = model.tokenizer.special_tokens
+    turns = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": message}]
+    return render_conversation(turns, template, variables, generation_prompt=True), turn_end(template, variables)
 
 
 def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0, dtype: str | None = None, prompt_file: str | None = None) -> int:
+                 seed: int = 0, dtype: str | None = None, prompt_file: str | None = None, chat: bool = False,
+                 system: str | None = None) -> int:
     """`megadiff generate`: print the prompt (or `prompt_file`'s text; '-': standard input), then
     its continuation as it is generated (the rate on stderr); the weights in `dtype` (default: the
-    checkpoint's training precision)."""
+    checkpoint's training precision). With `chat`, the prompt is the user's message to a chat-tuned
+    checkpoint (after `system`'s turn) and the assistant's reply alone is printed, up to the end of
+    its turn."""
+    if system is not None and not chat:
+        raise ConfigError("--system is a chat's system turn: add --chat")
     if prompt is None:
         if prompt_file != "-" and not Path(prompt_file).is_file():
             raise ConfigError(f"--prompt-file {prompt_file} is not a file")
         prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     tokenizer = model.tokenizer
+    if chat:
+        prompt, reply_end = chat_prompt(model, prompt, system)
+    else:
+        reply_end = None
+        print(prompt, end="", flush=True)
     prompt_ids = tokenizer.encode(prompt)
-    print(prompt, end="", flush=True)
-    text, started = TextStream(tokenizer), time.perf_counter()
+    text, started = TextStream(tokenizer, reply_end), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod):
+                        seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod,
+                        stop=lambda _: text.stopped):
         if token != tokenizer.eod:
             print(text.add(token), end="", flush=True)
     print(text.rest(), flush=True)

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megadiff.config import ConfigError
-from megadiff.data.conversations import chat_template_of, render_conversation
+from megadiff.data.conversations import render_conversation
 from megadiff.errors import MegadiffError
-from megadiff.inference.generate import generate, greedy_batch
+from megadiff.inference.generate import checkpoint_chat_template, generate, greedy_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
@@ -255,16 +255,6 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
     return manager, manager.match_tasks(list(tasks))
 
 
-def checkpoint_chat_template(model: CausalLM) -> str:
-    """The template the checkpoint's conversations were rendered with in training (its tokenizer's own
-    when data.chat_template was not set)."""
-    template = chat_template_of(model.cfg.data, model.tokenizer)
-    if template is None:
-        raise ConfigError(f"--apply-chat-template: {model.checkpoint_dir} was trained without data.chat_template and "
-                          f"its tokenizer {model.tokenizer.name!r} has no chat template")
-    return template
-
-
 def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
     """Every layer's core attention quantizes its logits to `bits` (None: as trained)."""
     for layer in model.gpt.decoder.layers:
@@ -292,7 +282,7 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     manager, names = known_tasks(tasks, include_path)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     quantize_attention_logits(model, attention_logit_bits)
-    chat_template = checkpoint_chat_template(model) if apply_chat_template else None
+    chat_template = checkpoint_chat_template(model, "--apply-chat-template") if apply_chat_template else None
     results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template),
                               tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                               log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
