@@ -17,6 +17,8 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import loss_mask_prefix
 from megadiff.data.prepare import prepare
 from megadiff.data.tokenizers import load_tokenizer
+from tests.conftest import kjv_verses
+from tests.pretrain_runs import DEMO_CONFIG
 
 CHATML = str(Path(__file__).resolve().parents[1] / "configs" / "chat" / "chatml.jinja")
 # ChatML whose assistant content alone is marked as the model's to generate
@@ -205,3 +207,31 @@ def test_an_export_chats_as_the_run_trained(tmp_path):
     assert exported.apply_chat_template(messages, tokenize=False) == chatml(messages)
     assert exported.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True) == \
         chatml(messages[:2]) + "<|im_start|>assistant\n"
+
+
+def test_a_chat_run_from_conversations_to_a_reply(tmp_path, small_tokenizer_dir, capsys):
+    """End to end on the CLI: conversations prepared, a run fine-tuned on their assistant turns
+    (its config keeps the template), evaluated on those turns only, and chatted with."""
+    from megadiff.cli import main
+    from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+
+    verses = kjv_verses()[:1200]
+    sources = write_conversations(tmp_path / "src", [
+        [{"role": "user", "content": verses[i]}, {"role": "assistant", "content": verses[i + 1]},
+         {"role": "user", "content": verses[i + 2]}, {"role": "assistant", "content": verses[i + 3]}]
+        for i in range(0, 1200, 4)])
+    data = chat_overrides(sources, tmp_path / "prepared" / "chat", str(small_tokenizer_dir)) + [
+        "data.bundled_corpus=null"]
+    assert main(["prepare-data", str(DEMO_CONFIG), *data]) == 0
+    run = tmp_path / "run"
+    run_pretrain(1, tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + data + [
+        "data.split=90,10,0", "train.iters=3", "train.per_token_loss=true",
+        "checkpoint.save_interval=3", f"output_dir={run}"])
+    assert len(losses(run)) == 3
+    report = tmp_path / "eval.json"
+    assert main(["evaluate", "--load", str(run), "--sequences", "4", "--output", str(report)]) == 0
+    evaluated = json.loads(report.read_text())
+    assert 0 < evaluated["tokens"] < 4 * 32  # the user turns and markup are context only
+    capsys.readouterr()
+    assert main(["generate", "--load", str(run), "--chat", "--prompt", verses[0], "--max-new-tokens", "5"]) == 0
+    assert "generate: " in capsys.readouterr().err
