@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megadiff.config import ConfigError, build_config
+from megadiff.config import ConfigError, build_config, load_config
 from megadiff.data.datasets import build_datasets
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import loss_mask_prefix
@@ -166,7 +166,7 @@ def test_mistakes_are_named(tmp_path):
     with pytest.raises(DataError, match="tokenizer 'cl100k_base' has no chat template; set data.chat_template"):
         prepared(template=None)
     assert not list((tmp_path / "out").glob("*.bin"))  # refused before tokenizing
-    with pytest.raises(DataError, match="is neither a file nor a Jinja template"):
+    with pytest.raises(ConfigError, match="data.chat_template: .*'chatml' is neither a file nor a Jinja template"):
         prepared(template="chatml")
     with pytest.raises(DataError, match="the template fails on the messages .*TemplateSyntaxError"):
         prepared(template=template_file(tmp_path, "{% for m in messages %}"))
@@ -228,6 +228,8 @@ def test_a_chat_run_from_conversations_to_a_reply(tmp_path, small_tokenizer_dir,
         "data.split=90,10,0", "train.iters=3", "train.per_token_loss=true",
         "checkpoint.save_interval=3", f"output_dir={run}"])
     assert len(losses(run)) == 3
+    # the run's config holds the template itself, not the path it was read from
+    assert load_config(run / "config.yaml").data.chat_template == Path(CHATML).read_text()
     report = tmp_path / "eval.json"
     assert main(["evaluate", "--load", str(run), "--sequences", "4", "--output", str(report)]) == 0
     evaluated = json.loads(report.read_text())

@@ -7,9 +7,10 @@ with a message naming the key.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Variant = Literal["softmax", "diff", "shared_diff", "dint"]
 DIFFERENTIAL_VARIANTS = ("diff", "shared_diff", "dint")
@@ -69,7 +70,8 @@ class DataConfig(Section):
                                         "chat template; the loss is then computed on the assistant's turns only; "
                                         "see docs/data.md")
     chat_template: Optional[str] = Field(None, description="data.messages_key: the Jinja chat template, or a file "
-                                         "holding it; default: the tokenizer's own")
+                                         "holding it (read in, so a run's saved config holds the template); "
+                                         "default: the tokenizer's own")
     prefix: Optional[str] = Field(None, description="the indexed dataset (<prefix>.bin/.idx) prepare-data writes; "
                                   "default for a bundled corpus: <cache_dir>/prepared/<corpus>-<tokenizer>")
     blend: list[Union[str, float]] = Field(default_factory=list, description="[w1, prefix1, w2, prefix2, ...] "
@@ -89,6 +91,16 @@ class DataConfig(Section):
                                           "itself at the start of pre-training (demo, tests)")
     cache_dir: str = Field("data/cache", description="bundled corpora, their prepared data and megatron's "
                            "sample-index cache; must be visible to every node")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: Optional[str]) -> Optional[str]:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+        return path.read_text()
 
     @property
     def masks_loss(self) -> bool:

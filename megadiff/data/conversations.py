@@ -28,20 +28,10 @@ GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
 
-def _template_text(spec: str) -> str:
-    """data.chat_template's template: the file it names, or itself."""
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in spec or "{%" in spec:
-        return spec
-    raise DataError(f"data.chat_template: {spec!r} is neither a file nor a Jinja template")
-
-
 def chat_template_of(data, tokenizer: Tokenizer) -> Optional[str]:
     """The chat template a run's conversations are rendered with: data.chat_template, else the
     tokenizer's own (None without either)."""
-    return _template_text(data.chat_template) if data.chat_template is not None else tokenizer.chat_template
+    return data.chat_template if data.chat_template is not None else tokenizer.chat_template
 
 
 def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
@@ -61,7 +51,7 @@ def save_chat_template(data, directory: str | Path) -> None:
     """Write data.chat_template into an exported tokenizer (transformers reads chat_template.jinja),
     so the model is chatted with as it was trained; a tokenizer's own template is saved with it."""
     if data.chat_template is not None:
-        (Path(directory) / "chat_template.jinja").write_text(_template_text(data.chat_template))
+        (Path(directory) / "chat_template.jinja").write_text(data.chat_template)
 
 
 def render_conversation(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
