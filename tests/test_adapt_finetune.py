@@ -20,6 +20,7 @@ from megadiff.adapt.schedule import lr_multiplier
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.observability.metrics import read_metrics
+from tests.test_chat_data import CHATML
 from tests.wandb_log import logged_history_and_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,6 +257,88 @@ def test_config_errors_name_their_key(workspace, tmp_path):
     from megadiff.cli import main
 
     assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
+    text = tmp_path / "kjv.txt"
+    text.write_text("In the beginning")
+    with pytest.raises(ConfigError, match=r"data.files\[0\]: .* reads JSON records"):
+        load_finetune_config(yaml_file, [f"data.files=[{text}]", "data.messages_key=messages"])
+    with pytest.raises(ConfigError, match="data.chat_template: only used with data.messages_key"):
+        load_finetune_config(yaml_file, [f"data.chat_template={CHATML}"])
+
+
+def _write_conversations(workspace: Path) -> Path:
+    """KJV verses as two-turn chats, in ShareGPT's form (the Dex paper's OpenHermes-2.5)."""
+    path = workspace / "chats.jsonl"
+    if not path.exists():
+        verses = [json.loads(line)["text"] for line in (workspace / "train.jsonl").read_text().splitlines()]
+        verses = [verse for document in verses for verse in document.split("\n")]
+        chats = [[{"from": "human", "value": verses[i]}, {"from": "gpt", "value": verses[i + 1]},
+                  {"from": "human", "value": verses[i + 2]}, {"from": "gpt", "value": verses[i + 3]}]
+                 for i in range(0, 800, 4)]
+        path.write_text("".join(json.dumps({"conversations": chat}) + "\n" for chat in chats))
+    return path
+
+
+def _chat_overrides(workspace: Path) -> list[str]:
+    return [f"data.files=[{_write_conversations(workspace)}]", "data.messages_key=conversations",
+            f"data.chat_template={CHATML}"]
+
+
+def test_conversations_label_the_assistant_turns_only(workspace, tmp_path):
+    """Packed rows keep the loss on what the assistant writes (and each chat's EOS); the labels of
+    a micro-batch are its ids there and -100 elsewhere."""
+    from transformers import AutoTokenizer
+
+    from megadiff.adapt.data import BatchReader, build_packed_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "model")
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), _chat_overrides(workspace) + [
+        f"data.cache_dir={tmp_path}"])
+    dataset = build_packed_dataset(cfg.data, tokenizer)
+    ids, mask = dataset[:]["input_ids"].flatten(), dataset[:]["loss_mask"].flatten().bool()
+    chats = [json.loads(line)["conversations"] for line in _write_conversations(workspace).read_text().splitlines()]
+    assistant = "".join("".join(f"{turn['value']}<|im_end|>\n" for turn in chat if turn["from"] == "gpt") + "<eos>"
+                        for chat in chats)
+    kept = tokenizer.decode(ids[mask].tolist())
+    assert len(kept) > len(assistant) / 2 and assistant.startswith(kept)  # the packed rows drop a tail
+    reader = BatchReader(dataset, seed=1, micro_batch=3, grad_accum=1, rank=0, world=1)
+    input_ids, labels = reader.micro_batch_at(0, 0)
+    rows = [dataset[reader.order.row(j)] for j in range(3)]
+    assert torch.equal(input_ids, torch.stack([row["input_ids"] for row in rows]))
+    expected = torch.stack([torch.where(row["loss_mask"].bool(), row["input_ids"], -100) for row in rows])
+    assert torch.equal(labels, expected) and (labels == -100).any() and (labels != -100).any()
+
+
+@pytest.mark.slow
+def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp_path):
+    """Dex instruction-tuned on chats: the first iteration's loss (the model still the original:
+    lambda(0) = 0) is the original model's cross entropy on the assistant turns of the same
+    micro-batches (both ranks, both micro-steps); the export renders chats with the template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megadiff.adapt.data import BatchReader, build_packed_dataset
+
+    output = workspace / "chat"
+    run_adapt(workspace, *_chat_overrides(workspace), f"output_dir={output}", "train.iters=1")
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), _chat_overrides(workspace) + [
+        f"data.cache_dir={tmp_path}"])
+    dataset = build_packed_dataset(cfg.data, AutoTokenizer.from_pretrained(workspace / "model"))
+    model = AutoModelForCausalLM.from_pretrained(workspace / "model").eval()
+    masked, unmasked = [], []
+    with torch.no_grad():
+        for rank in range(2):
+            reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, 2)
+            for micro_step in range(cfg.train.grad_accum):
+                input_ids, labels = reader.micro_batch_at(0, micro_step)
+                logits = model(input_ids).logits[:, :-1].flatten(0, 1)
+                masked.append(torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100))
+                unmasked.append(torch.nn.functional.cross_entropy(logits, input_ids[:, 1:].flatten()))
+    expected, everything = torch.stack(masked).mean().item(), torch.stack(unmasked).mean().item()
+    assert abs(expected - everything) > 2e-4 * everything  # what a run scoring every token would log
+    assert read_metrics(output)[0]["lm_loss"] == pytest.approx(expected, rel=2e-5)
+    exported = AutoTokenizer.from_pretrained(output / "hf")
+    chat = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Seth."}]
+    assert exported.apply_chat_template(chat, tokenize=False) == \
+        "<|im_start|>user\nWho begat Enos?<|im_end|>\n<|im_start|>assistant\nSeth.<|im_end|>\n"
 
 
 def test_adapt_imports_no_megatron():

@@ -94,6 +94,21 @@ def test_chatml_conversations_keep_the_loss_on_the_assistant_turns(tmp_path):
     assert prepare(other) != stats  # another template: prepared again
 
 
+def test_sharegpt_turns_are_messages(tmp_path):
+    """ShareGPT's {"from", "value"} turns (OpenHermes-2.5) prepare as the same messages would."""
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [[{"from": roles[m["role"]], "value": m["content"]} for m in c] if c else c for c in CONVERSATIONS]
+    prepared = {}
+    for name, conversations in (("messages", CONVERSATIONS), ("sharegpt", sharegpt)):
+        prepare(build_config({}, chat_overrides(write_conversations(tmp_path / name, conversations),
+                                                tmp_path / "out" / name)).data)
+        prepared[name] = [IndexedDataset(str(prefix)) for prefix in (tmp_path / "out" / name,
+                                                                      loss_mask_prefix(tmp_path / "out" / name))]
+    for ours, theirs in zip(prepared["messages"], prepared["sharegpt"]):
+        assert len(ours) == len(theirs) == 2
+        assert all(ours[i].tolist() == theirs[i].tolist() for i in range(2))
+
+
 def test_generation_blocks_say_which_text_is_the_assistants(tmp_path):
     sources = write_conversations(tmp_path / "src", CONVERSATIONS)
     prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", template=template_file(tmp_path, MARKED))).data)
@@ -173,7 +188,8 @@ def test_mistakes_are_named(tmp_path):
     with pytest.raises(DataError, match="renders the turns before message 2 .* differently"):
         prepared(template=template_file(tmp_path, "{{ messages | length }} turns\n" + Path(CHATML).read_text()))
     for bad, message in (("Seth", "holds .*, not a list of messages"),
-                         ([{"content": "no role"}], 'must be a list of {"role"')):
+                         ([{"content": "no role"}], 'must be a list of {"role"'),
+                         ([{"from": 1, "value": "x"}], "ShareGPT's")):
         with pytest.raises(DataError, match=message):
             prepared(sources=write_conversations(tmp_path / f"bad-{len(message)}", [bad, bad]))
     text = tmp_path / "kjv.txt"

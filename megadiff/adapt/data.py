@@ -6,6 +6,11 @@ the token stream is cut into `seq_length` pieces (the tail of each map batch of 
 dropped, as in transformers' run_clm). The order is one seeded permutation per epoch, so the
 sample behind any (iteration, micro-step, rank) is a pure function of those numbers: resuming
 at iteration k reads exactly what an uninterrupted run would have read.
+
+With data.messages_key (instruction tuning: DAA on Tulu 3's SFT mixture, Dex on OpenHermes-2.5)
+each record's conversation is rendered by the chat template (megadiff/data/conversations.py) and
+packed the same way beside a loss mask, and the labels keep the assistant's turns only (-100,
+which transformers ignores, elsewhere).
 """
 from __future__ import annotations
 
@@ -16,22 +21,27 @@ import torch
 
 from megadiff.adapt.settings import JSON_SUFFIXES, DataSection
 from megadiff.config import ConfigError
+from megadiff.data.conversations import PROBE, conversation_pieces, encode_conversation
+from megadiff.data.tokenizers import HFTokenizer
 
 
-def _load_documents(files: list[str], text_key: str, cache_dir: Optional[str]):
-    """One datasets.Dataset with a 'text' column, files in the given order."""
+IGNORED_LABEL = -100  # transformers' cross entropy skips these labels
+
+
+def _load_documents(files: list[str], key: str, column: str, cache_dir: Optional[str]):
+    """One datasets.Dataset of the records' `key` field as a `column` column, files in the given order."""
     from datasets import concatenate_datasets, load_dataset
 
+    setting = "data.messages_key" if column == "messages" else "data.text_key"
     parts = []
-    for i, name in enumerate(files):
+    for name in files:
         if name.endswith(JSON_SUFFIXES):
             part = load_dataset("json", data_files=name, split="train", cache_dir=cache_dir)
-            if text_key not in part.column_names:
-                raise ConfigError(f"data.text_key: {text_key!r} is not a field of {name} "
-                                  f"(fields: {part.column_names})")
-            part = part.select_columns([text_key])
-            if text_key != "text":
-                part = part.rename_column(text_key, "text")
+            if key not in part.column_names:
+                raise ConfigError(f"{setting}: {key!r} is not a field of {name} (fields: {part.column_names})")
+            part = part.select_columns([key])
+            if key != column:
+                part = part.rename_column(key, column)
         else:
             part = load_dataset("text", data_files=name, split="train", sample_by="document", cache_dir=cache_dir)
         parts.append(part)
@@ -39,28 +49,55 @@ def _load_documents(files: list[str], text_key: str, cache_dir: Optional[str]):
 
 
 def build_packed_dataset(data: DataSection, tokenizer):
-    """datasets.Dataset of `input_ids` rows, each exactly data.seq_length tokens."""
+    """datasets.Dataset of `input_ids` rows (and with data.messages_key, `loss_mask` rows), each
+    exactly data.seq_length tokens."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ConfigError("model.tokenizer: the tokenizer has no eos token to separate documents")
     seq_length = data.seq_length
+    conversations = data.messages_key is not None
+    template = _chat_template(data, tokenizer) if conversations else None
 
     def tokenize(batch):
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": [row + [eos] for row in ids]}
 
-    def pack(batch):
-        stream = [token for row in batch["input_ids"] for token in row]
-        usable = len(stream) - len(stream) % seq_length
-        return {"input_ids": [stream[i:i + seq_length] for i in range(0, usable, seq_length)]}
+    def tokenize_conversations(batch):
+        encoded = [encode_conversation(messages, template, _megadiff_view(tokenizer)) for messages in batch["messages"]]
+        return {"input_ids": [ids for ids, _ in encoded], "loss_mask": [mask for _, mask in encoded]}
 
-    documents = _load_documents(data.files, data.text_key, data.cache_dir)
-    tokens = documents.map(tokenize, batched=True, remove_columns=["text"], desc="tokenizing",
+    def pack(batch):
+        columns = {}
+        for name in batch:
+            stream = [token for row in batch[name] for token in row]
+            usable = len(stream) - len(stream) % seq_length
+            columns[name] = [stream[i:i + seq_length] for i in range(0, usable, seq_length)]
+        return columns
+
+    column = "messages" if conversations else "text"
+    documents = _load_documents(data.files, data.messages_key or data.text_key, column, data.cache_dir)
+    tokens = documents.map(tokenize_conversations if conversations else tokenize, batched=True,
+                           remove_columns=[column], desc="tokenizing",
                            num_proc=data.workers if data.workers > 1 else None)  # rows keep their order
     packed = tokens.map(pack, batched=True, desc=f"packing into {seq_length}-token sequences")
     if len(packed) == 0:
         raise ConfigError(f"data.files: fewer than data.seq_length={seq_length} tokens in {data.files}")
     return packed.with_format("torch")
+
+
+def _chat_template(data: DataSection, tokenizer) -> str:
+    """data.chat_template or the tokenizer's own, checked on a short conversation before any tokenizing."""
+    template = data.chat_template or tokenizer.chat_template
+    if template is None:
+        raise ConfigError("data.messages_key: the tokenizer has no chat template; set data.chat_template to a Jinja "
+                          "template or a file holding one (e.g. configs/chat/chatml.jinja)")
+    conversation_pieces(PROBE, template, _megadiff_view(tokenizer).special_tokens)
+    return template
+
+
+def _megadiff_view(tokenizer) -> HFTokenizer:
+    """The model's tokenizer as megadiff's conversations read one: no special tokens added, EOS as EOD."""
+    return HFTokenizer("model.tokenizer", tokenizer)
 
 
 class SampleOrder:
@@ -90,14 +127,21 @@ class BatchReader:
         self.order = SampleOrder(len(dataset), seed)
         self.micro_batch, self.grad_accum, self.rank, self.world = micro_batch, grad_accum, rank, world
 
-    def _rows(self, first_sample: int) -> torch.Tensor:
-        rows = [self.order.row(first_sample + j) for j in range(self.micro_batch)]
-        return torch.stack([self.dataset[r]["input_ids"] for r in rows])
+    def _rows(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of the micro-batch from `first_sample` on: labels are the ids, but
+        where a loss mask leaves a token out."""
+        rows = [self.dataset[self.order.row(first_sample + j)] for j in range(self.micro_batch)]
+        input_ids = torch.stack([row["input_ids"] for row in rows])
+        if "loss_mask" not in rows[0]:
+            return input_ids, input_ids
+        kept = torch.stack([row["loss_mask"] for row in rows]).bool()
+        return input_ids, input_ids.masked_fill(~kept, IGNORED_LABEL)
 
-    def micro_batch_at(self, iteration: int, micro_step: int) -> torch.Tensor:
+    def micro_batch_at(self, iteration: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) [micro_batch, seq_length]."""
         slot = (iteration * self.grad_accum + micro_step) * self.world + self.rank
         return self._rows(slot * self.micro_batch)
 
     def calibration_batches(self, count: int) -> list[torch.Tensor]:
-        """The first `count` micro-batches of the order, the same on every rank."""
-        return [self._rows(i * self.micro_batch) for i in range(count)]
+        """The input ids of the first `count` micro-batches of the order, the same on every rank."""
+        return [self._rows(i * self.micro_batch)[0] for i in range(count)]

@@ -28,7 +28,7 @@ import yaml
 
 from megadiff.adapt import deepspeed_setup as dss
 from megadiff.adapt.apply import adapt_with_plan, current_lambdas, plan_adaptation, set_step
-from megadiff.adapt.data import BatchReader, build_packed_dataset
+from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.schedule import warmup_cosine
@@ -118,8 +118,11 @@ def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: in
     losses = []
     lr = engine.get_lr()[0]
     for micro_step in range(grad_accum):
-        input_ids = reader.micro_batch_at(iteration - 1, micro_step).to(engine.device)
-        loss = engine(**model_inputs(input_ids, reader.document_eos), labels=input_ids).loss
+        input_ids, labels = (t.to(engine.device) for t in reader.micro_batch_at(iteration - 1, micro_step))
+        # the mean over the micro-batch's targets, given as a count: with a loss mask a micro-batch of
+        # prompts alone has none, whose mean would be NaN (its loss is then 0, no gradient)
+        targets = (labels[:, 1:] != IGNORED_LABEL).sum().clamp(min=1)
+        loss = engine(**model_inputs(input_ids, reader.document_eos), labels=labels, num_items_in_batch=targets).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
@@ -142,6 +145,8 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
 
     stage = dss.zero_stage(ds_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    if cfg.data.chat_template is not None:  # the export is chatted with as it was tuned
+        tokenizer.chat_template = cfg.data.chat_template
     model, hf_ds_config = _load_model(cfg, ds_config)
     dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,

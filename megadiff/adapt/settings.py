@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from omegaconf import OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.config import ConfigError, WandbFields, validate_wandb
 from megadiff.config.loader import format_validation_error
 from megadiff.config.loader import load_yaml_tree
+from megadiff.config.schema import read_chat_template
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -45,6 +46,12 @@ class DataSection(Section):
     files: list[str] = Field(..., min_length=1, description="text files (.txt/.md: one document per file) or "
                              "JSON lines (.json/.jsonl: one document per record)")
     text_key: str = Field("text", description="the text field of JSON records")
+    messages_key: Optional[str] = Field(None, description="instruction tuning: the field of JSON records holding "
+                                        "each conversation ({role, content} messages, or ShareGPT's {from, value} "
+                                        "turns), rendered by the chat template; the loss only on the assistant's "
+                                        "turns")
+    chat_template: Optional[str] = Field(None, description="with messages_key: a Jinja chat template or a file "
+                                         "holding it; default: the tokenizer's own")
     seq_length: int = Field(1024, ge=2, description="tokens per packed training sequence")
     seed: int = Field(1234, description="seed of the sample order (one permutation per epoch)")
     document_masking: bool = Field(False, description="attention stays within each packed document (position "
@@ -53,6 +60,8 @@ class DataSection(Section):
     cache_dir: Optional[str] = Field(None, description="datasets cache; default: the datasets library's")
     workers: int = Field(1, ge=1, description="processes tokenizing the files, on each node's first rank (the "
                          "other ranks read its cache); the packed sequences are the same for any number")
+
+    _read_chat_template = field_validator("chat_template")(read_chat_template)
 
 
 class TrainSection(Section):
@@ -153,11 +162,15 @@ def read_deepspeed_json(path: str) -> dict:
 
 
 def _check_data_files(data: DataSection) -> None:
+    suffixes = JSON_SUFFIXES if data.messages_key is not None else TEXT_SUFFIXES + JSON_SUFFIXES
     for i, name in enumerate(data.files):
         if not Path(name).is_file():
             raise ConfigError(f"data.files[{i}]: {name} does not exist")
-        if not name.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
-            raise ConfigError(f"data.files[{i}]: {name}: expected one of {TEXT_SUFFIXES + JSON_SUFFIXES}")
+        if not name.endswith(suffixes):
+            reads = " (data.messages_key reads JSON records)" if data.messages_key is not None else ""
+            raise ConfigError(f"data.files[{i}]: {name}: expected one of {suffixes}{reads}")
+    if data.chat_template is not None and data.messages_key is None:
+        raise ConfigError("data.chat_template: only used with data.messages_key")
 
 
 def validate_finetune(cfg: FinetuneConfig) -> None:

@@ -20,6 +20,17 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def read_chat_template(value: Optional[str]) -> Optional[str]:
+    """A chat_template setting's template: a file's is read in, so a run's saved config holds the
+    template itself."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+    return path.read_text()
+
+
 class ModelConfig(Section):
     variant: Variant = "diff"
     num_layers: int = Field(2, ge=1)
@@ -92,15 +103,7 @@ class DataConfig(Section):
     cache_dir: str = Field("data/cache", description="bundled corpora, their prepared data and megatron's "
                            "sample-index cache; must be visible to every node")
 
-    @field_validator("chat_template")
-    @classmethod
-    def _read_chat_template(cls, value: Optional[str]) -> Optional[str]:
-        if value is None or "{{" in value or "{%" in value:
-            return value
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"{value!r} is neither a file nor a Jinja template")
-        return path.read_text()
+    _read_chat_template = field_validator("chat_template")(read_chat_template)
 
     @property
     def masks_loss(self) -> bool:

@@ -24,6 +24,8 @@ from megadiff.data.errors import DataError
 from megadiff.data.tokenizers import Tokenizer
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant",
+                  "observation": "tool"}
 # what a template is rendered on when it is chosen, so a broken one fails before any tokenizing
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
@@ -107,16 +109,24 @@ def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tu
     return text, spans
 
 
-def _check_messages(messages) -> None:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 for m in messages):
+def as_messages(conversation) -> list[dict]:
+    """A record's conversation as chat templates read it: ShareGPT's {"from", "value"} turns (e.g.
+    OpenHermes-2.5, the Dex paper's instruction data) become {"role", "content"} messages."""
+    if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+        conversation = None
+    else:
+        conversation = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
+                        if "from" in m and "role" not in m else m for m in conversation]
+    if conversation is None or not all(isinstance(m.get("role"), str) for m in conversation):
         raise DataError(f"data.messages_key: a record's messages must be a list of {{\"role\": ..., \"content\": "
-                        f"...}} objects, found {str(messages)[:120]!r}")
+                        f"...}} (or ShareGPT's {{\"from\": ..., \"value\": ...}}) objects, found "
+                        f"{str(conversation)[:120]!r}")
+    return conversation
 
 
 def conversation_pieces(messages: list[dict], template: str, variables: dict) -> list[tuple[str, bool]]:
     """The rendered conversation as consecutive (text, whether it is the assistant's) pieces."""
-    _check_messages(messages)
+    messages = as_messages(messages)
     text, spans = _assistant_spans(messages, template, variables)
     pieces, start = [], 0
     for begin, end in spans:
@@ -132,6 +142,7 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
     (it would teach nothing) or without messages."""
     if not messages:
         return [], []
+    messages = as_messages(messages)
     ids: list[int] = []
     mask: list[int] = []
     for text, assistant in conversation_pieces(messages, template, tokenizer.special_tokens):

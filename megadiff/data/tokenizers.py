@@ -83,11 +83,12 @@ class TiktokenTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, path: str):
+    def __init__(self, path: str, hf=None):
+        """The tokenizer files in `path`, or `hf`, one already loaded from there (e.g. from a GGUF file)."""
         from transformers import AutoTokenizer
 
         self.name = path
-        self.hf = AutoTokenizer.from_pretrained(path)
+        self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path)
         self.vocab_size = len(self.hf)
         eod = self.hf.eos_token_id
         if eod is None:
