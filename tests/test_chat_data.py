@@ -82,7 +82,7 @@ def test_chatml_conversations_keep_the_loss_on_the_assistant_turns(tmp_path):
     data = build_config({}, chat_overrides(sources, tmp_path / "out" / "chat") + ["data.workers=2"]).data
     stats = prepare(data)
     tokenizer = load_tokenizer("cl100k_base")
-    assert (stats["documents"], stats["skipped_empty"]) == (2, 2)
+    assert (stats["documents"], stats["skipped_empty"], stats["inner_eods"]) == (2, 2, 0)
     assert_documents(tmp_path / "out" / "chat", tokenizer, CONVERSATIONS, chatml,
                      lambda messages: "".join(f"{m['content']}<|im_end|>\n" for m in messages
                                               if m["role"] == "assistant"))
@@ -130,7 +130,8 @@ def test_a_real_tokenizers_own_template(tmp_path):
     special tokens, and the assistant learns to end its turn with <|im_end|>."""
     directory = smollm2_tokenizer(tmp_path / "smollm2")
     sources = write_conversations(tmp_path / "src", CONVERSATIONS)
-    prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", str(directory), template=None)).data)
+    overrides = chat_overrides(sources, tmp_path / "chat", str(directory), template=None)
+    stats = prepare(build_config({}, overrides).data)
     tokenizer = load_tokenizer(str(directory))
     default_system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -145,6 +146,14 @@ def test_a_real_tokenizers_own_template(tmp_path):
     ids, bits = tokens[1], mask[1]
     im_start, im_end = tokenizer.hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert ids.tolist().count(im_start) == 4 and im_end in ids[bits == 1]
+    # its EOS is <|im_end|>, which ends every turn: counted, and document masking refused before compute
+    kept = [c for c in CONVERSATIONS if c and any(m["role"] == "assistant" for m in c)]
+    assert tokenizer.eod == im_end and stats["inner_eods"] == sum(rendering(c).count("<|im_end|>") for c in kept)
+    training = overrides + ["model.seq_length=16", f"model.vocab_size={tokenizer.vocab_size}", "data.split=100,0,0",
+                            f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(DataError, match="data.document_masking: .* would cut each conversation at every turn"):
+        build_datasets(build_config({}, training + ["data.document_masking=true"]), tokenizer, (2, 0, 0), seed=1)
+    assert build_datasets(build_config({}, training), tokenizer, (2, 0, 0), seed=1)[0] is not None
 
 
 def test_training_samples_keep_the_loss_on_the_assistant_turns(tmp_path):

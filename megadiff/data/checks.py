@@ -33,6 +33,7 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
         _check_splits(prefix, summary, cfg, key)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
+            _check_documents_whole(prefix, cfg)
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, spec: str) -> None:
@@ -58,6 +59,19 @@ def _check_loss_mask(prefix: str, summary: IndexSummary, key: str) -> None:
     if not np.array_equal(mask.sequence_lengths, summary.sequence_lengths):
         raise DataError(f"{key}: {mask_prefix} does not describe the documents of {prefix}; prepare "
                         "the data again")
+
+
+def _check_documents_whole(prefix: str, cfg: Config) -> None:
+    """Document masking cuts at every EOD: prompt/response or conversation documents that hold the
+    EOD inside (prepare-data counts them) would lose the context of their later turns."""
+    manifest = read_manifest(prefix)
+    inner = manifest["stats"].get("inner_eods", 0) if manifest else 0
+    if cfg.data.document_masking and inner:
+        eod = manifest["fingerprint"]["tokenizer"]["eod"]
+        raise DataError(f"data.document_masking: {prefix} holds the tokenizer's EOD (id {eod}) {inner:,} times inside "
+                        "its documents (e.g. a chat template that ends every turn with the EOS token, as SmolLM2's "
+                        "<|im_end|>): document masking would cut each conversation at every turn; set "
+                        "data.document_masking=false")
 
 
 def split_documents(sequence_lengths: np.ndarray, split: str) -> dict[str, tuple[int, int, int]]:

@@ -50,6 +50,11 @@ from megadiff.files import exclusive_lock
 
 DOCUMENTS_PER_BATCH = 256
 PARTS_SUFFIX = ".parts"
+# what prepared prompt/response data and conversations count besides: the tokens the loss is taken
+# on (responses or the assistant's turns, and their EODs), and the EOD ids inside documents (a
+# chat template that writes the tokenizer's EOS at every turn's end), which document masking
+# would cut the documents at
+MASKED_STATS = ("loss_tokens", "inner_eods")
 
 
 def prepare_from_config(config_path: str, overrides: Iterable[str] = (), part: Optional[str] = None) -> int:
@@ -217,11 +222,9 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
 
 
 def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float,
-           loss_tokens: int | None = None) -> dict:
-    """What a part or the whole holds; `loss_tokens`: prompt/response data's response tokens and EODs
-    (conversations': the assistant's)."""
-    return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens,
-            **({"loss_tokens": loss_tokens} if loss_tokens is not None else {}),
+           masked: dict | None = None) -> dict:
+    """What a part or the whole holds; `masked` (MASKED_STATS), of prompt/response data and conversations."""
+    return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens, **(masked or {}),
             "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
             "dtype": plan.dtype.name, "tokenizer": plan.tokenizer.name}
 
@@ -232,7 +235,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     try:
         data = plan.data
         texts = load_texts([source], record_fields(data.text_key, data.response_key, data.messages_key), work_dir)
-        documents, tokens, loss_tokens = 0, 0, 0
+        documents, tokens, masked = 0, 0, dict.fromkeys(MASKED_STATS, 0)
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
         batches = texts.iter(batch_size=DOCUMENTS_PER_BATCH)
@@ -251,7 +254,8 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
                 writer.add_documents(ids, lengths)
                 if mask:
                     masks.add_documents(mask[0], lengths)
-                    loss_tokens += int(mask[0].sum(dtype=np.int64))
+                    masked["loss_tokens"] += int(mask[0].sum(dtype=np.int64))
+                    masked["inner_eods"] += int((ids == plan.tokenizer.eod).sum()) - int((lengths > 0).sum())
                 documents, tokens = documents + int((lengths > 0).sum()), tokens + int(lengths.sum())
                 progress.update(task, advance=len(lengths), tokens=tokens)
             writer.commit()
@@ -261,7 +265,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return _stats(plan, len(texts), documents, tokens, time.perf_counter() - start,
-                  loss_tokens if data.masks_loss else None)
+                  masked if data.masks_loss else None)
 
 
 def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
@@ -283,8 +287,9 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
             for part in filled:
                 writer.add_prepared(of_part(part))
             writer.commit()
-    loss_tokens = sum(s["loss_tokens"] for s in part_stats.values()) if plan.data.masks_loss else None
-    return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()), loss_tokens)
+    masked = {key: sum(s.get(key, 0) for s in part_stats.values()) for key in MASKED_STATS} \
+        if plan.data.masks_loss else None
+    return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()), masked)
 
 
 def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
@@ -296,6 +301,9 @@ def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
     if "loss_tokens" in stats:
         table.add_row("loss tokens (responses or assistant turns, EOD)", f"{stats['loss_tokens']:,} "
                       f"({100 * stats['loss_tokens'] / max(stats['tokens'], 1):.1f}% of the tokens)")
+    if stats.get("inner_eods"):
+        table.add_row("EOD inside documents", f"{stats['inner_eods']:,}: the EOD ends turns too (a chat template "
+                      "writing the tokenizer's EOS); train without data.document_masking, which would cut there")
     table.add_row("speed", f"{stats['tokens_per_second']:,} tokens/s ({stats['seconds']:.1f} s)")
     for path in (file for prefix in prefixes for file in (bin_path(prefix), idx_path(prefix))):
         table.add_row("output", f"{path} ({path.stat().st_size:,} bytes)")
