@@ -306,6 +306,12 @@ def test_conversations_label_the_assistant_turns_only(workspace, tmp_path):
     assert torch.equal(input_ids, torch.stack([row["input_ids"] for row in rows]))
     expected = torch.stack([torch.where(row["loss_mask"].bool(), row["input_ids"], -100) for row in rows])
     assert torch.equal(labels, expected) and (labels == -100).any() and (labels != -100).any()
+    ends_with_eos = tmp_path / "eos.jinja"
+    ends_with_eos.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}")
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), _chat_overrides(workspace) + [
+        f"data.chat_template={ends_with_eos}", "data.document_masking=true"])
+    with pytest.raises(ConfigError, match="data.document_masking: .* would cut each conversation at every turn"):
+        build_packed_dataset(cfg.data, tokenizer)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 
 from megadiff.adapt.settings import JSON_SUFFIXES, DataSection
 from megadiff.config import ConfigError
-from megadiff.data.conversations import PROBE, conversation_pieces, encode_conversation
+from megadiff.data.conversations import PROBE, encode_conversation
 from megadiff.data.tokenizers import HFTokenizer
 
 
@@ -91,7 +91,11 @@ def _chat_template(data: DataSection, tokenizer) -> str:
     if template is None:
         raise ConfigError("data.messages_key: the tokenizer has no chat template; set data.chat_template to a Jinja "
                           "template or a file holding one (e.g. configs/chat/chatml.jinja)")
-    conversation_pieces(PROBE, template, _megadiff_view(tokenizer).special_tokens)
+    ids, _ = encode_conversation(PROBE, template, _megadiff_view(tokenizer))
+    if data.document_masking and tokenizer.eos_token_id in ids[:-1]:
+        raise ConfigError(f"data.document_masking: the chat template ends turns with the tokenizer's EOS "
+                          f"({tokenizer.eos_token!r}), so document masking would cut each conversation at every turn; "
+                          "set data.document_masking=false")
     return template
 
 
