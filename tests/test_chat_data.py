@@ -262,3 +262,12 @@ def test_a_chat_run_from_conversations_to_a_reply(tmp_path, small_tokenizer_dir,
     capsys.readouterr()
     assert main(["generate", "--load", str(run), "--chat", "--prompt", verses[0], "--max-new-tokens", "5"]) == 0
     assert "generate: " in capsys.readouterr().err
+
+
+def test_the_chat_recipe_reads_its_shipped_template_from_anywhere(tmp_path, monkeypatch):
+    """configs/diff-3b-chat-sft.yaml names configs/chat/chatml.jinja: found from another directory
+    too (relative paths fall back to the repository), and held in the config as text."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Path(CHATML).parents[1] / "diff-3b-chat-sft.yaml")
+    assert cfg.data.chat_template == Path(CHATML).read_text() and cfg.data.messages_key == "messages"
+    assert cfg.checkpoint.reset_iteration and cfg.train.per_token_loss

@@ -13,6 +13,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Variant = Literal["softmax", "diff", "shared_diff", "dint"]
+REPOSITORY = Path(__file__).resolve().parents[2]
 DIFFERENTIAL_VARIANTS = ("diff", "shared_diff", "dint")
 
 
@@ -21,14 +22,16 @@ class Section(BaseModel):
 
 
 def read_chat_template(value: Optional[str]) -> Optional[str]:
-    """A chat_template setting's template: a file's is read in, so a run's saved config holds the
+    """A chat_template setting's template: a file's (a relative path from the working directory, else
+    from the repository, which ships configs/chat/) is read in, so a run's saved config holds the
     template itself."""
     if value is None or "{{" in value or "{%" in value:
         return value
     path = Path(value).expanduser()
-    if not path.is_file():
-        raise ValueError(f"{value!r} is neither a file nor a Jinja template")
-    return path.read_text()
+    for candidate in (path, REPOSITORY / path):
+        if candidate.is_file():
+            return candidate.read_text()
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
 
 
 class ModelConfig(Section):
