@@ -56,14 +56,16 @@ def build_packed_dataset(data: DataSection, tokenizer):
         raise ConfigError("model.tokenizer: the tokenizer has no eos token to separate documents")
     seq_length = data.seq_length
     conversations = data.messages_key is not None
-    template = _chat_template(data, tokenizer) if conversations else None
+    # the model's tokenizer as megadiff's conversations read one: no special tokens added, EOS as EOD
+    view = HFTokenizer("model.tokenizer", tokenizer)
+    template = _chat_template(data, view) if conversations else None
 
     def tokenize(batch):
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": [row + [eos] for row in ids]}
 
     def tokenize_conversations(batch):
-        encoded = [encode_conversation(messages, template, _megadiff_view(tokenizer)) for messages in batch["messages"]]
+        encoded = [encode_conversation(messages, template, view) for messages in batch["messages"]]
         return {"input_ids": [ids for ids, _ in encoded], "loss_mask": [mask for _, mask in encoded]}
 
     def pack(batch):
@@ -85,23 +87,18 @@ def build_packed_dataset(data: DataSection, tokenizer):
     return packed.with_format("torch")
 
 
-def _chat_template(data: DataSection, tokenizer) -> str:
+def _chat_template(data: DataSection, tokenizer: HFTokenizer) -> str:
     """data.chat_template or the tokenizer's own, checked on a short conversation before any tokenizing."""
     template = data.chat_template or tokenizer.chat_template
     if template is None:
         raise ConfigError("data.messages_key: the tokenizer has no chat template; set data.chat_template to a Jinja "
                           "template or a file holding one (e.g. configs/chat/chatml.jinja)")
-    ids, _ = encode_conversation(PROBE, template, _megadiff_view(tokenizer))
-    if data.document_masking and tokenizer.eos_token_id in ids[:-1]:
+    ids, _ = encode_conversation(PROBE, template, tokenizer)
+    if data.document_masking and tokenizer.eod in ids[:-1]:
         raise ConfigError(f"data.document_masking: the chat template ends turns with the tokenizer's EOS "
-                          f"({tokenizer.eos_token!r}), so document masking would cut each conversation at every turn; "
-                          "set data.document_masking=false")
+                          f"({tokenizer.hf.eos_token!r}), so document masking would cut each conversation at every "
+                          "turn; set data.document_masking=false")
     return template
-
-
-def _megadiff_view(tokenizer) -> HFTokenizer:
-    """The model's tokenizer as megadiff's conversations read one: no special tokens added, EOS as EOD."""
-    return HFTokenizer("model.tokenizer", tokenizer)
 
 
 class SampleOrder:
