@@ -44,6 +44,15 @@ def _checkpoint_command(sub, name: str, help_text: str) -> argparse.ArgumentPars
     return parser
 
 
+def _sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
+                        help="default: the checkpoint's training precision")
+
+
 def _held_out_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
     """A checkpoint command over held-out samples cut as training cuts them."""
     parser = _checkpoint_command(sub, name, help_text)
@@ -103,18 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-file", help="the prompt's text from a file ('-': standard input), e.g. a long "
                         "context")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
-                     help="default: the checkpoint's training precision")
+    _sampling_options(gen, max_new_tokens=32)
     gen.add_argument("--chat", action="store_true", help="the prompt is a user's message to a chat-tuned checkpoint, "
                      "rendered by its chat template; prints the assistant's reply")
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn first")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
         a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
         top_k=a.top_k, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system))
+
+    chat = sub.add_parser("chat", help="talk to a chat-tuned checkpoint: a message per line of standard input")
+    chat.add_argument("--load", required=True)
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system turn first")
+    _sampling_options(chat, max_new_tokens=256)
+    chat.set_defaults(run=lambda a: _target("megadiff.inference.chat:chat_cli")(
+        a.load, system=a.system, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+        seed=a.seed, dtype=a.dtype))
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")

@@ -165,18 +165,21 @@ def test_text_stream_shows_the_text_before_its_stop_text_only(run):
     assert "".join(almost.add(token) for token in ids) + almost.rest() == "a <|im b" and not almost.stopped
 
 
-def test_generate_cli_chats_through_the_runs_template(run, capsys, tmp_path, monkeypatch):
-    """--chat: the message (after --system's turn) rendered by the run's data.chat_template up to the
-    assistant's turn is the prompt; the reply alone is printed, and generation ends with its turn."""
+@pytest.fixture
+def chat_run(run, tmp_path):
+    """A checkpoint of the run's model whose config says it was tuned on ChatML conversations."""
     from tests.test_chat_data import CHATML
 
     cfg = build_config(run[1].cfg.model_dump(mode="json"), ["data.messages_key=messages",
                                                             f"data.chat_template={CHATML}"])
     save_in_process(cfg, iteration_dir(tmp_path / CHECKPOINTS_DIR, 1))
     (tmp_path / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    reply = tokenizer.encode("Seth.<|im_end|>\n<|im_start|>user\nAnd")
-    prompts, drawn = [], iter(reply)
+    return tmp_path, load_tokenizer(cfg.data.tokenizer)
+
+
+def scripted_replies(monkeypatch, tokenizer, replies: list[str]) -> list[list[int]]:
+    """The model "draws" `replies`' tokens in turn; returns the list the prompts it was given fill."""
+    prompts, drawn = [], iter([token for reply in replies for token in tokenizer.encode(reply)])
 
     class Watched(generate_module.Decoder):
         def __init__(self, model, rows, *args, **kwargs):
@@ -185,13 +188,39 @@ def test_generate_cli_chats_through_the_runs_template(run, capsys, tmp_path, mon
 
     monkeypatch.setattr(generate_module, "Decoder", Watched)
     monkeypatch.setattr(generate_module, "next_token", lambda *args: next(drawn))
-    assert main(["generate", "--load", str(tmp_path), "--prompt", "Who begat Enos?", "--chat", "--system", "Be brief.",
-                 "--max-new-tokens", str(len(reply))]) == 0
+    return prompts
+
+
+def test_generate_cli_chats_through_the_runs_template(chat_run, capsys, monkeypatch):
+    """--chat: the message (after --system's turn) rendered by the run's data.chat_template up to the
+    assistant's turn is the prompt; the reply alone is printed, and generation ends with its turn."""
+    run_dir, tokenizer = chat_run
+    reply = "Seth.<|im_end|>\n<|im_start|>user\nAnd"
+    prompts = scripted_replies(monkeypatch, tokenizer, [reply])
+    assert main(["generate", "--load", str(run_dir), "--prompt", "Who begat Enos?", "--chat", "--system", "Be brief.",
+                 "--max-new-tokens", str(len(tokenizer.encode(reply)))]) == 0
     out, err = capsys.readouterr()
     assert prompts == [tokenizer.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho begat "
                                         "Enos?<|im_end|>\n<|im_start|>assistant\n")]
     assert out == "Seth.\n"
     assert f"generate: {len(tokenizer.encode('Seth.<|im_end|>'))} tokens" in err
+
+
+def test_chat_keeps_the_conversation_across_messages(run, chat_run, capsys, monkeypatch):
+    """`megadiff chat`: each line a message; the second prompt is the whole conversation so far,
+    the first reply included, as the template writes it."""
+    run_dir, tokenizer = chat_run
+    prompts = scripted_replies(monkeypatch, tokenizer, ["Seth.<|im_end|>", "Cainan.<|im_end|>"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who begat Enos?\n\nAnd Enos?\n"))
+    assert main(["chat", "--load", str(run_dir), "--system", "Be brief."]) == 0
+    assert capsys.readouterr().out == "Seth.\nCainan.\n"
+    first = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho begat Enos?<|im_end|>\n"
+    assert prompts == [tokenizer.encode(first + "<|im_start|>assistant\n"),
+                       tokenizer.encode(first + "<|im_start|>assistant\nSeth.<|im_end|>\n<|im_start|>user\nAnd "
+                                        "Enos?<|im_end|>\n<|im_start|>assistant\n")]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert main(["chat", "--load", str(run[0])]) == 2
+    assert "chat: " in capsys.readouterr().err
     assert main(["generate", "--load", str(run[0]), "--prompt", "Hi", "--chat"]) == 2
     assert "trained without data.chat_template" in capsys.readouterr().err
     assert main(["generate", "--load", str(run[0]), "--prompt", "Hi", "--system", "S"]) == 2

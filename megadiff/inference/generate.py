@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 import torch
 
 from megadiff.config import ConfigError
-from megadiff.data.conversations import chat_template_of, render_conversation, turn_end
 from megadiff.data.tokenizers import Tokenizer
+from megadiff.inference.chat_prompts import chat_prompt
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -143,25 +143,25 @@ class TextStream:
         return text
 
 
-def checkpoint_chat_template(model: CausalLM, option: str) -> str:
-    """The template the checkpoint's conversations were rendered with in training (its tokenizer's
-    own where data.chat_template was not set), which `option` asks for."""
-    template = chat_template_of(model.cfg.data, model.tokenizer)
-    if template is None:
-        raise ConfigError(f"{option}: {model.checkpoint_dir} was trained without data.chat_template and its "
-                          f"tokenizer {model.tokenizer.name!r} has no chat template")
-    return template
-
-
-def chat_prompt(model: CausalLM, message: str, system: str | None = None) -> tuple[str, str | None]:
-    """(the prompt, the text ending the reply): `message` as the user's turn after an optional
-    system turn, rendered by the template the checkpoint was fine-tuned with, up to the assistant's
-    generation prompt."""
-    template = checkpoint_chat_template(model, "--chat")
-    variables = model.tokenizer.special_tokens
-    turns = ([{"role": "system", "content": system}] if system is not None else []) + \
-        [{"role": "user", "content": message}]
-    return render_conversation(turns, template, variables, generation_prompt=True), turn_end(template, variables)
+def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,
+                       temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
+    """Print `prompt`'s continuation as it is generated, up to the EOD (or `stop_text`, unshown), and
+    its rate on stderr; returns the text printed."""
+    tokenizer = model.tokenizer
+    prompt_ids = tokenizer.encode(prompt)
+    text, started, shown = TextStream(tokenizer, stop_text), time.perf_counter(), []
+    for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod,
+                        stop=lambda _: text.stopped):
+        if token != tokenizer.eod:
+            shown.append(text.add(token))
+            print(shown[-1], end="", flush=True)
+    shown.append(text.rest())
+    print(shown[-1], flush=True)
+    elapsed = time.perf_counter() - started
+    print(f"generate: {len(text.ids)} tokens after a {len(prompt_ids)}-token prompt in {elapsed:.1f} s "
+          f"({len(text.ids) / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return "".join(shown)
 
 
 def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
@@ -179,21 +179,13 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
             raise ConfigError(f"--prompt-file {prompt_file} is not a file")
         prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
-    tokenizer = model.tokenizer
+    reply_end = None
     if chat:
-        prompt, reply_end = chat_prompt(model, prompt, system)
+        turns = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        prompt, reply_end = chat_prompt(model, turns, "--chat")
     else:
-        reply_end = None
         print(prompt, end="", flush=True)
-    prompt_ids = tokenizer.encode(prompt)
-    text, started = TextStream(tokenizer, reply_end), time.perf_counter()
-    for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod,
-                        stop=lambda _: text.stopped):
-        if token != tokenizer.eod:
-            print(text.add(token), end="", flush=True)
-    print(text.rest(), flush=True)
-    elapsed = time.perf_counter() - started
-    print(f"generate: {len(text.ids)} tokens after a {len(prompt_ids)}-token prompt in {elapsed:.1f} s "
-          f"({len(text.ids) / elapsed:.1f} tokens/s)", file=sys.stderr)
+    print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                       seed=seed)
     return 0

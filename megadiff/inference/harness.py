@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from megadiff.config import ConfigError
 from megadiff.data.conversations import render_conversation
 from megadiff.errors import MegadiffError
-from megadiff.inference.generate import checkpoint_chat_template, generate, greedy_batch
+from megadiff.inference.chat_prompts import checkpoint_chat_template
+from megadiff.inference.generate import generate, greedy_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports

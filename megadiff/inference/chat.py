@@ -1,0 +1,41 @@
+"""`megadiff chat`: talk to a chat-tuned checkpoint, a message per line of standard input.
+
+Each message joins the conversation (after `--system`'s turn), the whole conversation is rendered
+by the checkpoint's chat template up to the assistant's turn, and the reply is printed as it is
+generated, up to the end of its turn; it then joins the conversation too. End of input ends it.
+"""
+from __future__ import annotations
+
+import sys
+
+from megadiff.inference.chat_prompts import chat_prompt, checkpoint_chat_template
+from megadiff.inference.generate import print_continuation
+from megadiff.inference.loader import load_checkpoint
+from megadiff.models.transformer_config import PRECISION_DTYPES
+
+
+def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, dtype: str | None = None) -> int:
+    model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
+    checkpoint_chat_template(model, "chat")  # a checkpoint without one is refused before any input
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    interactive = sys.stdin.isatty()
+    for turn, line in enumerate(_messages(interactive)):
+        messages.append({"role": "user", "content": line})
+        prompt, reply_end = chat_prompt(model, messages, "chat")
+        reply = print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, seed=seed + turn)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _messages(interactive: bool):
+    """The non-empty lines of standard input, prompted for on a terminal."""
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
