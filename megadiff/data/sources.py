@@ -133,14 +133,13 @@ def _load(source: Source, cache_dir: str):
 def _column(table, source: Source, setting: str, key: str, name: str):
     """The field `key` of a source's table, checked to hold what `name` needs (a list of messages
     for "messages", else text), as a one-column table named `name`."""
-    import datasets
-
     feature = table.features.get(key)
     if feature is None:
         raise DataError(f"{setting}: {source.key} ({source.describe()}) has no field {key!r}; "
                         f"its fields are {list(table.features)}")
     if name == "messages":
-        fits = isinstance(feature, (list, datasets.List, datasets.LargeList))
+        # a plain list in datasets 3, List (or LargeList) from 4 on; Sequence where it is given
+        fits = isinstance(feature, list) or type(feature).__name__ in ("List", "LargeList", "Sequence")
         wanted = "a list of messages"
     else:
         fits = getattr(feature, "dtype", None) in TEXT_TYPES
