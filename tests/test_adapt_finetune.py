@@ -312,6 +312,9 @@ def test_conversations_label_the_assistant_turns_only(workspace, tmp_path):
         f"data.chat_template={ends_with_eos}", "data.document_masking=true"])
     with pytest.raises(ConfigError, match="data.document_masking: .* would cut each conversation at every turn"):
         build_packed_dataset(cfg.data, tokenizer)
+    untemplated = load_finetune_config(str(workspace / "adapt.yaml"), _chat_overrides(workspace)[:2])
+    with pytest.raises(ConfigError, match="data.messages_key: tokenizer .* has no chat template"):
+        build_packed_dataset(untemplated.data, tokenizer)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 
 from megadiff.adapt.settings import JSON_SUFFIXES, DataSection
 from megadiff.config import ConfigError
-from megadiff.data.conversations import PROBE, encode_conversation
+from megadiff.data.conversations import PROBE, encode_conversation, resolve_chat_template
 from megadiff.data.tokenizers import HFTokenizer
 
 
@@ -88,11 +88,9 @@ def build_packed_dataset(data: DataSection, tokenizer):
 
 
 def _chat_template(data: DataSection, tokenizer: HFTokenizer) -> str:
-    """data.chat_template or the tokenizer's own, checked on a short conversation before any tokenizing."""
-    template = data.chat_template or tokenizer.chat_template
-    if template is None:
-        raise ConfigError("data.messages_key: the tokenizer has no chat template; set data.chat_template to a Jinja "
-                          "template or a file holding one (e.g. configs/chat/chatml.jinja)")
+    """data.chat_template or the tokenizer's own, checked on a short conversation before any tokenizing;
+    refused with document masking where it ends turns with the EOS."""
+    template = resolve_chat_template(data, tokenizer)
     ids, _ = encode_conversation(PROBE, template, tokenizer)
     if data.document_masking and tokenizer.eod in ids[:-1]:
         raise ConfigError(f"data.document_masking: the chat template ends turns with the tokenizer's EOS "

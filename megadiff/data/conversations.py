@@ -125,8 +125,7 @@ def as_messages(conversation) -> list[dict]:
 
 
 def conversation_pieces(messages: list[dict], template: str, variables: dict) -> list[tuple[str, bool]]:
-    """The rendered conversation as consecutive (text, whether it is the assistant's) pieces."""
-    messages = as_messages(messages)
+    """The rendered `{role, content}` messages as consecutive (text, whether it is the assistant's) pieces."""
     text, spans = _assistant_spans(messages, template, variables)
     pieces, start = [], 0
     for begin, end in spans:
