@@ -117,17 +117,17 @@ def blend_summary(sources: list[tuple[torch.Tensor, torch.Tensor | None, float]]
     """summarize() of a blend from its sources' (losses, scored, weight): each source's scored tokens
     count as much in all as its weight (normalised here) says, so that, where every position is
     scored, the loss position by position is the weighted mean of the sources'."""
-    sums, counts = 0.0, 0.0
+    sums, counts, sequences, tokens = 0.0, 0.0, 0, 0
     for losses, scored, weight in sources:
         scored = torch.ones_like(losses, dtype=torch.bool) if scored is None else scored
         if not scored.any():
             raise DataError("evaluate: the samples hold no token the loss is taken on (every label is masked: "
-                              "prompts only, or EODs with data.eod_mask_loss); evaluate more --sequences")
+                            "prompts only, or EODs with data.eod_mask_loss); evaluate more --sequences")
         per_token = weight / int(scored.sum())
         sums = sums + losses.double().where(scored, 0.0).sum(0) * per_token
         counts = counts + scored.double().sum(0) * per_token
-    tokens = sum(int(scored.sum()) if scored is not None else losses.numel() for losses, scored, _ in sources)
-    return summarize_positions(sums, counts, sum(losses.shape[0] for losses, _, _ in sources), tokens, buckets)
+        sequences, tokens = sequences + losses.shape[0], tokens + int(scored.sum())
+    return summarize_positions(sums, counts, sequences, tokens, buckets)
 
 
 def summarize_positions(sums: torch.Tensor, counts: torch.Tensor, sequences: int, tokens: int, buckets: int) -> dict:
