@@ -28,16 +28,17 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
                         f"{tokenizer.vocab_size}")
     key = "data.blend" if cfg.data.blend else "data.prefix"
     for prefix in training_blend(cfg.data)[0]:
-        summary = read_index(prefix, key)
-        _check_tokenizer(prefix, summary, tokenizer, cfg.data.tokenizer)
+        summary, manifest = read_index(prefix, key), read_manifest(prefix)
+        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer)
         _check_splits(prefix, summary, cfg, key)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
-            _check_documents_whole(prefix, cfg)
+            if cfg.data.document_masking:
+                _check_documents_whole(prefix, manifest)
 
 
-def _check_tokenizer(prefix: str, summary: IndexSummary, tokenizer: Tokenizer, spec: str) -> None:
-    manifest = read_manifest(prefix)
+def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, tokenizer: Tokenizer,
+                     spec: str) -> None:
     prepared = manifest["fingerprint"]["tokenizer"] if manifest else None
     if prepared is not None and (prepared["vocab_size"], prepared["eod"]) != (tokenizer.vocab_size, tokenizer.eod):
         raise DataError(f"data.tokenizer: {prefix} was prepared with tokenizer {prepared['spec']!r} "
@@ -61,12 +62,11 @@ def _check_loss_mask(prefix: str, summary: IndexSummary, key: str) -> None:
                         "the data again")
 
 
-def _check_documents_whole(prefix: str, cfg: Config) -> None:
+def _check_documents_whole(prefix: str, manifest: dict | None) -> None:
     """Document masking cuts at every EOD: prompt/response or conversation documents that hold the
     EOD inside (prepare-data counts them) would lose the context of their later turns."""
-    manifest = read_manifest(prefix)
     inner = manifest["stats"].get("inner_eods", 0) if manifest else 0
-    if cfg.data.document_masking and inner:
+    if inner:
         eod = manifest["fingerprint"]["tokenizer"]["eod"]
         raise DataError(f"data.document_masking: {prefix} holds the tokenizer's EOD (id {eod}) {inner:,} times inside "
                         "its documents (e.g. a chat template that ends every turn with the EOS token, as SmolLM2's "

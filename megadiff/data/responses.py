@@ -1,8 +1,9 @@
-"""Supervised fine-tuning data: the loss on the responses only.
+"""Supervised fine-tuning data: the loss on the responses (or the assistant's turns) only.
 
-prepare-data with data.response_key stores each record as one document (prompt, response, EOD)
-and, beside the tokens, an indexed dataset of the same documents holding 1 on the response's
-tokens and its EOD (`loss_mask_prefix`). `ResponseMaskedGPTDataset` is megatron's GPTDataset,
+prepare-data with data.response_key stores each record as one document (prompt, response, EOD),
+with data.messages_key as its conversation rendered by the chat template, and, beside the tokens,
+an indexed dataset of the same documents holding 1 on the response's (the assistant's) tokens and
+the EOD (`loss_mask_prefix`). `ResponseMaskedGPTDataset` is megatron's GPTDataset,
 its samples packed across documents as usual, keeping the loss only where the label is one of
 those tokens: a prompt is context, never a target.
 """

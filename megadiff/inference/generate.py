@@ -149,19 +149,18 @@ def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = Non
     its rate on stderr; returns the text printed."""
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt)
-    text, started, shown = TextStream(tokenizer, stop_text), time.perf_counter(), []
+    text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod,
                         stop=lambda _: text.stopped):
         if token != tokenizer.eod:
-            shown.append(text.add(token))
-            print(shown[-1], end="", flush=True)
-    shown.append(text.rest())
-    print(shown[-1], flush=True)
+            print(text.add(token), end="", flush=True)
+    rest = text.rest()
+    print(rest, flush=True)
     elapsed = time.perf_counter() - started
     print(f"generate: {len(text.ids)} tokens after a {len(prompt_ids)}-token prompt in {elapsed:.1f} s "
           f"({len(text.ids) / elapsed:.1f} tokens/s)", file=sys.stderr)
-    return "".join(shown)
+    return text.shown + rest
 
 
 def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,

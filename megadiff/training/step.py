@@ -40,8 +40,8 @@ def masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     token loss and its token count. megatron adds the counts over micro-batches and DP x CP ranks
     and divides the gradients by the total; the reported mean divides the summed sums alike."""
     mask = loss_mask.reshape(-1).float()
-    local_sum = torch.sum(per_token_loss.float().reshape(-1) * mask)
-    return local_sum, mask.sum().to(torch.int), {"lm_loss": torch.stack([local_sum.detach(), mask.sum()])}
+    local_sum, tokens = torch.sum(per_token_loss.float().reshape(-1) * mask), mask.sum()
+    return local_sum, tokens.to(torch.int), {"lm_loss": torch.stack([local_sum.detach(), tokens])}
 
 
 def forward_step(data_iterator: Iterator, model):
