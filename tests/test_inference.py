@@ -15,7 +15,7 @@ from megadiff.cli import main
 from megadiff.config import build_config
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
-from megadiff.inference.generate import TextStream, generate, greedy_batch
+from megadiff.inference.generate import HeldContext, TextStream, generate, greedy_batch
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
 PROMPT = "In the beginning"
@@ -167,10 +167,11 @@ def test_text_stream_shows_the_text_before_its_stop_text_only(run):
 
 @pytest.fixture
 def chat_run(run, tmp_path):
-    """A checkpoint of the run's model whose config says it was tuned on ChatML conversations."""
+    """A checkpoint of the run's model whose config says it was tuned on ChatML conversations (in a
+    window a conversation fits)."""
     from tests.test_chat_data import CHATML
 
-    cfg = build_config(run[1].cfg.model_dump(mode="json"), ["data.messages_key=messages",
+    cfg = build_config(run[1].cfg.model_dump(mode="json"), ["data.messages_key=messages", "model.seq_length=256",
                                                             f"data.chat_template={CHATML}"])
     save_in_process(cfg, iteration_dir(tmp_path / CHECKPOINTS_DIR, 1))
     (tmp_path / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
@@ -213,11 +214,15 @@ def test_chat_keeps_the_conversation_across_messages(run, chat_run, capsys, monk
     prompts = scripted_replies(monkeypatch, tokenizer, ["Seth.<|im_end|>", "Cainan.<|im_end|>"])
     monkeypatch.setattr("sys.stdin", io.StringIO("Who begat Enos?\n\nAnd Enos?\n"))
     assert main(["chat", "--load", str(run_dir), "--system", "Be brief."]) == 0
-    assert capsys.readouterr().out == "Seth.\nCainan.\n"
+    out, err = capsys.readouterr()
+    assert out == "Seth.\nCainan.\n"
     first = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho begat Enos?<|im_end|>\n"
     assert prompts == [tokenizer.encode(first + "<|im_start|>assistant\n"),
                        tokenizer.encode(first + "<|im_start|>assistant\nSeth.<|im_end|>\n<|im_start|>user\nAnd "
                                         "Enos?<|im_end|>\n<|im_start|>assistant\n")]
+    # the second turn runs on from the first reply's keys (all but its last token, never run)
+    held = len(prompts[0]) + len(tokenizer.encode("Seth.<|im_end|>")) - 1
+    assert "(0 of them cached)" in err and f"({held} of them cached)" in err
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     assert main(["chat", "--load", str(run[0])]) == 2
     assert "chat: " in capsys.readouterr().err
@@ -304,3 +309,49 @@ def test_a_rewound_cache_continues_its_marked_prefix(run, variant):
         whole = model(ids[:, :10])[:, -1]
     torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
     assert cache.length == 10
+
+
+@pytest.mark.parametrize("variant", ["softmax", "diff", "dint"])
+def test_a_truncated_cache_continues_the_prefix_it_keeps(run, variant):
+    """Calls of 5, 1 and 3 positions, truncated to 7: DINT keeps 6 (the last call's end not past 7,
+    where its running sum is known; none but the start without `rewindable`), the others 7; the
+    rest of 12 tokens then runs to the whole sequence's logits."""
+    model = reference_model(variant_config(variant, "single", run[1].cfg.data.tokenizer))
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = model(ids)[:, -1]
+        for rewindable, kept in ((True, 6 if variant == "dint" else 7), (False, 0 if variant == "dint" else 7)):
+            cache = model.new_cache(rewindable=rewindable)
+            for start, stop in ((0, 5), (5, 6), (6, 9)):
+                model.next_token_logits(ids[:, start:stop], cache)
+            assert cache.truncate(7) == kept and cache.length == kept
+            torch.testing.assert_close(model.next_token_logits(ids[:, kept:], cache), whole, rtol=1e-5, atol=1e-5)
+    assert cache.truncate(99) == 12
+
+
+@pytest.mark.parametrize("variant", ["diff", "dint"])
+def test_a_held_context_runs_each_turn_from_what_it_holds(run, variant, monkeypatch):
+    """A conversation's prompts, each the last one with its reply and more: generation with one held
+    context equals generation afresh, and each turn runs only the positions the cache lacks (from
+    the shared prefix; for DINT from the last call's end before it); past the window it slides."""
+    model = reference_model(variant_config(variant, "single", run[1].cfg.data.tokenizer))
+    draw = torch.Generator().manual_seed(7)
+    more = [torch.randint(1, 300, (n,), generator=draw).tolist() for n in (9, 4, 3, 20)]
+    positions_run = []
+    forward = model.next_token_logits
+    monkeypatch.setattr(model, "next_token_logits", lambda ids, cache: positions_run.append(ids.shape[1]) or
+                        forward(ids, cache))
+    context, prompt, reply = HeldContext(model), [], []
+    for turn, (cut, expected_reuse) in enumerate([(0, 0), (None, 9 + 4), (9 + 5 + 2, None), (None, None)]):
+        prompt = (prompt + reply)[:cut] + more[turn]
+        expected = generate(model, prompt, max_new_tokens=5)
+        positions_run.clear()
+        reply = generate(model, prompt, max_new_tokens=5, context=context)
+        assert reply == expected
+        if turn == 2:  # the new prompt leaves the last one after 16 tokens: DINT goes back to the first reply's end
+            expected_reuse = 16 if variant == "diff" else 9 + 4
+        if turn == 3:  # 43 tokens: the window of 32 slides, the cache restarts from the last 32
+            assert len(prompt) > context.cache.max_length and positions_run[0] == context.cache.max_length
+            continue
+        assert context.reused == expected_reuse and positions_run == [len(prompt) - expected_reuse] + [1] * 4
+        assert context.ids == prompt + reply[:-1] and context.cache.length == len(context.ids)

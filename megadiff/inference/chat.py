@@ -3,13 +3,15 @@
 Each message joins the conversation (after `--system`'s turn), the whole conversation is rendered
 by the checkpoint's chat template up to the assistant's turn, and the reply is printed as it is
 generated, up to the end of its turn; it then joins the conversation too. End of input ends it.
+One KV cache serves the whole conversation: each turn runs only what the cache does not already
+hold (the new message, and whatever of the last reply the template renders otherwise).
 """
 from __future__ import annotations
 
 import sys
 
 from megadiff.inference.chat_prompts import chat_prompt, checkpoint_chat_template
-from megadiff.inference.generate import print_continuation
+from megadiff.inference.generate import HeldContext, print_continuation
 from megadiff.inference.loader import load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -19,12 +21,12 @@ def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, te
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     checkpoint_chat_template(model, "chat")  # a checkpoint without one is refused before any input
     messages = [{"role": "system", "content": system}] if system is not None else []
-    interactive = sys.stdin.isatty()
+    interactive, context = sys.stdin.isatty(), HeldContext(model)
     for turn, line in enumerate(_messages(interactive)):
         messages.append({"role": "user", "content": line})
         prompt, reply_end = chat_prompt(model, messages, "chat")
         reply = print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, seed=seed + turn)
+                                   top_k=top_k, seed=seed + turn, context=context)
         messages.append({"role": "assistant", "content": reply})
     return 0
 

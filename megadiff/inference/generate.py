@@ -3,7 +3,9 @@
 The prompt runs once; then each new token runs alone, the earlier positions' keys and values
 (and DINT's running sum) kept in a KV cache. Past the model's window, the context slides as
 in training: each step then runs the last `seq_length` tokens afresh (their positions moved).
-Prompts of one length decode side by side (`greedy_batch`): no padding, so no masks.
+Prompts of one length decode side by side (`greedy_batch`): no padding, so no masks. Prompts that
+grow from each other (a conversation's turns) can share one cache (`HeldContext`): each runs from
+the longest prefix the cache still holds.
 """
 from __future__ import annotations
 
@@ -35,19 +37,45 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class HeldContext:
+    """A KV cache kept from one generation to the next, whose prompts grow from each other (a
+    conversation's turns): each prompt runs from the longest prefix of it the cache still holds."""
+
+    def __init__(self, model: CausalLM):
+        self.cache = model.new_cache(rewindable=True)
+        self.ids: list[int] = []  # the tokens whose keys the cache holds, from its first position
+        self.reused = 0
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Truncate the cache to the longest prefix it shares with `prompt` (short of prompt's last
+        token, whose logits are wanted); returns (and keeps in `reused`) how many tokens it holds."""
+        shared, limit = 0, min(len(self.ids), len(prompt) - 1)
+        while shared < limit and self.ids[shared] == prompt[shared]:
+            shared += 1
+        self.reused = self.cache.truncate(shared)
+        del self.ids[self.reused:]
+        return self.reused
+
+
 class Decoder:
     """Next-token logits of rows of one length as each grows by a token: the prompts run once,
-    then each new token (KV cache); past the model's window the context slides as in training."""
+    then each new token (KV cache); past the model's window the context slides as in training.
+    With a `context` (one row), the prompt runs from what its cache holds, and it keeps what runs."""
 
     def __init__(self, model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
-                 vocab_in_use: int | None = None):
+                 vocab_in_use: int | None = None, context: HeldContext | None = None):
         if not all(prompts) or len({len(prompt) for prompt in prompts}) != 1:
             raise ValueError("a decoder's prompts must be non-empty and of one length")
-        self.model, self.vocab_in_use = model, vocab_in_use
+        if context is not None and len(prompts) != 1:
+            raise ValueError("a held context continues one sequence")
+        self.model, self.vocab_in_use, self.context = model, vocab_in_use, context
         self.window = model.cfg.model.seq_length
         self.rows = [list(prompt) for prompt in prompts]
-        self.cache = model.new_cache(len(prompts), min(self.window, len(prompts[0]) + max_new_tokens))
-        self.pending = [row[-self.window:] for row in self.rows]  # what the cache has not seen yet
+        if context is None:
+            self.cache, held = model.new_cache(len(prompts), min(self.window, len(prompts[0]) + max_new_tokens)), 0
+        else:
+            self.cache, held = context.cache, context.reuse(self.rows[0])
+        self.pending = [row[held:] for row in self.rows]  # what the cache has not seen yet
 
     @torch.no_grad()
     def logits(self) -> torch.Tensor:
@@ -55,7 +83,11 @@ class Decoder:
         if self.cache.length + len(self.pending[0]) > self.cache.max_length:
             self.cache.reset()
             self.pending = [row[-self.window:] for row in self.rows]
+            if self.context is not None:
+                self.context.ids.clear()
         logits = self.model.next_token_logits(torch.tensor(self.pending), self.cache).float().cpu()
+        if self.context is not None:
+            self.context.ids.extend(self.pending[0])
         if self.vocab_in_use is not None:
             logits[:, self.vocab_in_use:] = float("-inf")
         return logits
@@ -68,14 +100,14 @@ class Decoder:
 
 def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
            top_k: int = 0, seed: int = 0, vocab_in_use: int | None = None, stop_id: int | None = None,
-           stop: Callable[[list[int]], bool] | None = None) -> Iterator[int]:
+           stop: Callable[[list[int]], bool] | None = None, context: HeldContext | None = None) -> Iterator[int]:
     """The new token ids after `prompt_ids`, each as soon as it is drawn; ids >= vocab_in_use
     (embedding padding) are never produced. Generation ends after `stop_id`, or once
-    `stop(new ids)` is true (e.g. a stop string was decoded)."""
+    `stop(new ids)` is true (e.g. a stop string was decoded). `context`: the cache to continue."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     generator = torch.Generator().manual_seed(seed)
-    decoder = Decoder(model, [prompt_ids], max_new_tokens, vocab_in_use)
+    decoder = Decoder(model, [prompt_ids], max_new_tokens, vocab_in_use, context)
     new: list[int] = []
     for _ in range(max_new_tokens):
         token = next_token(decoder.logits()[0], temperature, top_k, generator)
@@ -144,21 +176,23 @@ class TextStream:
 
 
 def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,
-                       temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
+                       temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+                       context: HeldContext | None = None) -> str:
     """Print `prompt`'s continuation as it is generated, up to the EOD (or `stop_text`, unshown), and
-    its rate on stderr; returns the text printed."""
+    its rate on stderr; returns the text printed. `context`: the cache to continue (a conversation's)."""
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt)
     text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod,
-                        stop=lambda _: text.stopped):
+                        stop=lambda _: text.stopped, context=context):
         if token != tokenizer.eod:
             print(text.add(token), end="", flush=True)
     rest = text.rest()
     print(rest, flush=True)
     elapsed = time.perf_counter() - started
-    print(f"generate: {len(text.ids)} tokens after a {len(prompt_ids)}-token prompt in {elapsed:.1f} s "
+    cached = f" ({context.reused} of them cached)" if context is not None else ""
+    print(f"generate: {len(text.ids)} tokens after a {len(prompt_ids)}-token prompt{cached} in {elapsed:.1f} s "
           f"({len(text.ids) / elapsed:.1f} tokens/s)", file=sys.stderr)
     return text.shown + rest
 

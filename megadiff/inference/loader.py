@@ -124,9 +124,9 @@ class CausalLM(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.gpt.parameters()).device
 
-    def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> KVCache:
-        """A KV cache for hidden_states(cache=) (default room: the model's window)."""
-        return KVCache(self.gpt, batch_size, max_length or self.cfg.model.seq_length)
+    def new_cache(self, batch_size: int = 1, max_length: int | None = None, rewindable: bool = False) -> KVCache:
+        """A KV cache for hidden_states(cache=) (default room: the model's window); `rewindable`: see KVCache."""
+        return KVCache(self.gpt, batch_size, max_length or self.cfg.model.seq_length, rewindable)
 
     def hidden_states(self, input_ids: torch.Tensor, document_eod: int | None = None,
                       cache: KVCache | None = None) -> torch.Tensor:

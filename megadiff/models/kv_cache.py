@@ -6,6 +6,10 @@ core attention every key so far (our core attentions mask causally, bottom-right
 call's queries see the cached positions and each other causally). The DINT integral also needs the
 sum of the first map's outputs over the cached positions: an IntegralCarry per layer, attached to
 its core attention while the cache runs.
+
+A cache can also go back to an earlier length (truncate), e.g. to a conversation's prefix that the
+next prompt shares: the keys and values beyond it are simply overwritten later; DINT's running sum
+is known only where a call ended, so a `rewindable` cache keeps a snapshot of it there.
 """
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ from megadiff.ops import IntegralCarry
 
 
 class KVCache:
-    """Room for `max_length` positions of `batch_size` sequences of `gpt` (TP1/PP1)."""
+    """Room for `max_length` positions of `batch_size` sequences of `gpt` (TP1/PP1); `rewindable`:
+    truncate() may go back to any earlier call's end, not only to the start (DINT only: the other
+    variants go back to any length anyway)."""
 
-    def __init__(self, gpt, batch_size: int, max_length: int):
+    def __init__(self, gpt, batch_size: int, max_length: int, rewindable: bool = False):
         self.context = StaticInferenceContext(batch_size, max_length)
         activations = gpt.embedding.word_embeddings.weight  # keys and values share its dtype and device
         self.core_attentions = [layer.self_attention.core_attention for layer in gpt.decoder.layers]
@@ -32,6 +38,9 @@ class KVCache:
                             dtype=activations.dtype, device=activations.device)
                 for width in (attention.key_hidden_size, attention.val_hidden_size))
         self.carries = [IntegralCarry() if getattr(core, "integral", False) else None for core in self.core_attentions]
+        self.integral = any(carry is not None for carry in self.carries)
+        self.rewindable = rewindable
+        self.call_ends: dict[int, list] = {}  # length -> the carries' snapshots, when integral and rewindable
 
     @property
     def length(self) -> int:
@@ -45,6 +54,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (the buffers are reused)."""
         self.context.reset()
+        self.call_ends.clear()
         for carry in self.carries:
             if carry is not None:
                 carry.reset()
@@ -59,6 +69,23 @@ class KVCache:
         for carry, snapshot in zip(self.carries, snapshots):
             if carry is not None:
                 carry.restore(snapshot)
+        self.call_ends = {length: snapshots for length, snapshots in self.call_ends.items()
+                          if length <= self.length}
+
+    def truncate(self, length: int) -> int:
+        """Forget the positions from `length` on (at most the cached ones); returns how many are kept:
+        `length`, or with DINT the longest call's end not past it whose running sum is known."""
+        if length >= self.length:
+            return self.length
+        if not self.integral:
+            self.context.sequence_len_offset = length
+            return length
+        kept = max((end for end in self.call_ends if end <= length), default=0)
+        if kept == 0:
+            self.reset()
+        else:
+            self.rewind((kept, self.call_ends[kept]))
+        return kept
 
     @contextmanager
     def extending(self, positions: int):
@@ -76,3 +103,5 @@ class KVCache:
                 if carry is not None:
                     core.integral_carry = None
         self.context.sequence_len_offset += positions
+        if self.integral and self.rewindable:
+            self.call_ends[self.length] = self.mark()[1]
