@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megadiff.checkpoint.gather import gather_full_tensors, model_sharded_tensors
+from megadiff.checkpoint.gather import model_sharded_tensors
+from tests.full_tensors import gather_full_tensors
 from megadiff.config import build_config, data_parallel_size
 from megadiff.parallel import initialize, shutdown
 from megadiff.models.documents import document_cu_seqlens

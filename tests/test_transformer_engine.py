@@ -9,7 +9,8 @@ pytest.importorskip("transformer_engine", reason="TransformerEngine is not insta
 if not torch.cuda.is_available():
     pytest.skip("TransformerEngine needs CUDA", allow_module_level=True)
 
-from megadiff.checkpoint.gather import gather_full_tensors, model_sharded_tensors  # noqa: E402
+from megadiff.checkpoint.gather import model_sharded_tensors  # noqa: E402
+from tests.full_tensors import gather_full_tensors  # noqa: E402
 from megadiff.config import build_config  # noqa: E402
 from megadiff.models import build_model  # noqa: E402
 from megadiff.parallel import initialize  # noqa: E402

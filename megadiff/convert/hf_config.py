@@ -20,7 +20,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "diffllama", "megadiff")
 
 
 def choose_family(model: ModelConfig, remote_code: bool = False) -> str:
-    """Which Hugging Face class a megadiff model becomes (see hf_layout.FAMILIES)."""
+    """Which Hugging Face class (one of SUPPORTED_MODEL_TYPES) a megadiff model becomes."""
     if model.variant == "softmax":
         return "llama"
     if model.variant != "diff" or remote_code:

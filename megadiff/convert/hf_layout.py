@@ -20,7 +20,6 @@ import torch
 from megadiff.config import ModelConfig, resolved_head_dim, resolved_kv_heads
 from megadiff.errors import MegadiffError
 
-FAMILIES = ("llama", "diffllama", "megadiff")
 LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
 
 
