@@ -280,17 +280,17 @@ def test_generation_past_the_window_equals_a_windowed_argmax_loop(run):
     assert generate(reference, prompt, max_new_tokens=10) == ids[len(prompt):]
 
 
-def test_a_greedy_batch_answers_as_generation_one_prompt_at_a_time(run):
-    """Four prompts of 28 tokens, up to 10 new ones each (the window of 32 slides), each row
-    stopping at its own step: the rows give generate()'s answers."""
-    _, reference = run
-    prompts = torch.randint(1, 300, (4, 28), generator=torch.Generator().manual_seed(4)).tolist()
-    stops = [lambda ids, n=n: len(ids) >= n for n in (2, 5, 9, 99)]
-    expected = [generate(reference, prompt, max_new_tokens=10, stop=stop) for prompt, stop in zip(prompts, stops)]
-    assert [len(answer) for answer in expected] == [2, 5, 9, 10]
-    assert greedy_batch(reference, prompts, 10, stops=stops) == expected
-    with pytest.raises(ValueError, match="of one length"):
-        greedy_batch(reference, [prompts[0], prompts[1][:-1]], 10)
+@pytest.mark.parametrize("variant", ["diff", "dint"])
+def test_a_greedy_batch_answers_as_generation_one_prompt_at_a_time(run, variant):
+    """Five prompts of 17 to 28 tokens, up to 10 new ones each (a window of 32: the longer ones
+    slide), each row stopping at its own step: the rows give generate()'s answers."""
+    model = reference_model(variant_config(variant, "single", run[1].cfg.data.tokenizer))
+    draw = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 300, (length,), generator=draw).tolist() for length in (28, 17, 28, 20, 25)]
+    stops = [lambda ids, n=n: len(ids) >= n for n in (2, 5, 9, 99, 1)]
+    expected = [generate(model, prompt, max_new_tokens=10, stop=stop) for prompt, stop in zip(prompts, stops)]
+    assert [len(answer) for answer in expected] == [2, 5, 9, 10, 1]
+    assert greedy_batch(model, prompts, 10, stops=stops) == expected
 
 
 @pytest.mark.parametrize("variant", ["diff", "dint"])

@@ -174,26 +174,27 @@ def test_chat_requests_equal_the_harness_hf_model_on_the_export(tasks, tmp_path,
     assert_same_answers(answers(ours["samples"]), answers(theirs["samples"]), rel=1e-4)
 
 
-def test_long_contexts_generate_side_by_side_as_one_at_a_time(runs, tmp_path, monkeypatch):
-    """Contexts longer than the window are all cut to one length: their greedy generations run in
-    batches (--batch-size 4), and answer what batch 1 answers."""
+def test_contexts_of_any_length_generate_side_by_side_as_one_at_a_time(runs, tmp_path, monkeypatch):
+    """Contexts of 2 to 14 words (the longest cut to the window): their greedy generations run in
+    batches (--batch-size 4) whatever their lengths, and answer what batch 1 answers."""
     from megadiff.inference import harness
 
     verses = kjv_verses()[:24]
     data = tmp_path / "kjv_long.jsonl"
-    data.write_text("".join(json.dumps({"context": " ".join(verses[i:i + 4]), "answer": verses[i + 4]}) + "\n"
-                            for i in range(0, 20, 2)))
+    contexts = [" ".join(" ".join(verses[i:i + 3]).split()[:2 + 3 * (i % 5)]) for i in range(0, 20, 2)]
+    data.write_text("".join(json.dumps({"context": context, "answer": verses[i + 4]}) + "\n"
+                            for context, i in zip(contexts, range(0, 20, 2))))
     (tmp_path / "kjv_long.yaml").write_text(
         f"task: kjv_long\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\ntest_split: test\n"
         + TASK_YAML["kjv_generate"])
-    batch_sizes = []
-    real_hidden_states = harness.CausalLM.hidden_states
+    batches = []
+    real_greedy_batch = harness.greedy_batch
 
-    def watched(self, input_ids, *args, **kwargs):
-        batch_sizes.append(input_ids.shape[0])
-        return real_hidden_states(self, input_ids, *args, **kwargs)
+    def watched(model, prompts, *args, **kwargs):
+        batches.append([len(prompt) for prompt in prompts])
+        return real_greedy_batch(model, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(harness.CausalLM, "hidden_states", watched)
+    monkeypatch.setattr(harness, "greedy_batch", watched)
     results = {}
     for batch_size in (4, 1):
         output = tmp_path / f"batch{batch_size}.json"
@@ -201,8 +202,9 @@ def test_long_contexts_generate_side_by_side_as_one_at_a_time(runs, tmp_path, mo
                      "--batch-size", str(batch_size), "--dtype", "fp32", "--output", str(output),
                      "--log-samples"]) == 0
         results[batch_size] = answers(json.loads(output.read_text())["samples"])
-        if batch_size == 4:
-            assert sorted(set(batch_sizes)) == [2, 4]  # 10 requests: 4 + 4 + 2 rows
+        if batch_size == 4:  # 10 requests: 4 + 4 + 2 rows, longest first (cut to the window), one of several lengths
+            assert [len(rows) for rows in batches] == [4, 4, 2] and len(set(batches[1])) == 4
+            assert [length for rows in batches for length in rows] == sorted(sum(batches, []), reverse=True)
     assert results[4] == results[1] and len(results[1]) == 10
     assert any(answer[0] for answer in results[1].values()), "no text was generated"
 
@@ -267,9 +269,9 @@ def test_document_masked_checkpoint_never_attends_across_the_prefix(runs, docume
 # counts, what its rerun computes: everything not answered before the failure
 INTERRUPTIONS = {
     "in its third log-likelihood batch": (("forwards", 3), lambda total: {
-        "log-likelihoods": total["log-likelihoods"] - 2 * 3, "generations": total["generations"],
+        "log-likelihoods": total["log-likelihoods"] - 2 * 2, "generations": total["generations"],
         "rolling texts": total["rolling texts"]}),
-    "at its third generation": (("generations", 3), lambda total: {
+    "in its second generation batch": (("generations", 2 + 1), lambda total: {
         "log-likelihoods": 0, "generations": total["generations"] - 2, "rolling texts": total["rolling texts"]}),
     "at its second rolling text": (("rolling texts", 2), lambda total: {
         "log-likelihoods": 0, "generations": 0, "rolling texts": total["rolling texts"] - 1}),
@@ -279,7 +281,7 @@ INTERRUPTIONS = {
 @pytest.mark.parametrize("interruption", list(INTERRUPTIONS))
 def test_an_interrupted_run_resumes_from_its_cache(runs, tasks, tmp_path, monkeypatch, interruption):
     """--cache keeps every answer as it is computed. The harness asks log-likelihoods (batches of
-    3 here), then generations (3), then rolling log-likelihoods (4 texts): a run that fails, rerun,
+    2 here), then generations (batches of 2), then rolling log-likelihoods (4 texts): a run that fails, rerun,
     computes only what it had not, and reports what an uninterrupted run does."""
     from megadiff.inference import harness
 
@@ -300,17 +302,17 @@ def test_an_interrupted_run_resumes_from_its_cache(runs, tasks, tmp_path, monkey
     monkeypatch.setattr(harness.MegadiffLM, "_decode", counted("generations", harness.MegadiffLM._decode))
     monkeypatch.setattr(harness, "get_rolling_token_windows",
                         counted("rolling texts", harness.get_rolling_token_windows))
-    whole = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "whole.json")
+    whole = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "whole.json", batch_size=2)
     failing["at"], recomputed = INTERRUPTIONS[interruption]
     expected = recomputed(dict(computed))
     cache = ("--cache", str(tmp_path / "cache"))
     computed.update(dict.fromkeys(computed, 0))
     with pytest.raises(RuntimeError, match="preempted"):
-        run_lm_eval(runs["diff"], tasks, tmp_path / "first.json", extra=cache)
+        run_lm_eval(runs["diff"], tasks, tmp_path / "first.json", batch_size=2, extra=cache)
     assert (tmp_path / "cache_rank0.db").is_file()
     failing.clear()
     computed.update(dict.fromkeys(computed, 0))
-    resumed = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "resumed.json", extra=cache)
+    resumed = megadiff_lm_eval(runs["diff"], tasks, tmp_path / "resumed.json", batch_size=2, extra=cache)
     assert {kind: computed[kind] for kind in expected} == expected
     assert_same_answers(answers(resumed["samples"]), answers(whole["samples"]), rel=1e-6)
 

@@ -3,9 +3,9 @@
 The prompt runs once; then each new token runs alone, the earlier positions' keys and values
 (and DINT's running sum) kept in a KV cache. Past the model's window, the context slides as
 in training: each step then runs the last `seq_length` tokens afresh (their positions moved).
-Prompts of one length decode side by side (`greedy_batch`): no padding, so no masks. Prompts that
-grow from each other (a conversation's turns) can share one cache (`HeldContext`): each runs from
-the longest prefix the cache still holds.
+Greedy prompts decode side by side (`greedy_batch`), their rows kept of one length: no padding,
+so no masks. Prompts that grow from each other (a conversation's turns) can share one cache
+(`HeldContext`): each runs from the longest prefix the cache still holds.
 """
 from __future__ import annotations
 
@@ -125,20 +125,30 @@ def generate(model: CausalLM, prompt_ids: list[int], **options) -> list[int]:
 
 def greedy_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, vocab_in_use: int | None = None,
                  stop_id: int | None = None, stops: list[Callable[[list[int]], bool]] | None = None) -> list[list[int]]:
-    """generate()'s greedy answers to prompts of one length, decoded side by side; each row ends
-    where generate() ends it (after stop_id, or once its `stops[row](new ids)` is true)."""
-    decoder = Decoder(model, prompts, max_new_tokens, vocab_in_use)
+    """generate()'s greedy answers to `prompts`, decoded side by side; each row ends where generate()
+    ends it (after stop_id, or once its `stops[row](new ids)` is true).
+
+    Rows stay of one length, so no padding and no masks: the prompts run together up to the
+    shortest one's length, then each step feeds every row its next token, a longer prompt's own
+    until it is used up (its logits meanwhile unused), then its argmax. Prompts of near lengths
+    batch best (each token a longer prompt has beyond the shortest costs a step)."""
+    shortest = min(len(prompt) for prompt in prompts)
+    decoder = Decoder(model, [prompt[:shortest] for prompt in prompts],
+                      max(len(prompt) for prompt in prompts) - shortest + max_new_tokens, vocab_in_use)
     answers: list[list[int]] = [[] for _ in prompts]
     running = set(range(len(prompts)))
-    for _ in range(max_new_tokens):
+    while running:
         tokens = decoder.logits().argmax(dim=-1).tolist()
-        decoder.append(tokens)
+        step = [prompt[len(row)] if len(row) < len(prompt) else token
+                for prompt, row, token in zip(prompts, decoder.rows, tokens)]
         for row in sorted(running):
+            if len(decoder.rows[row]) < len(prompts[row]):
+                continue
             answers[row].append(tokens[row])
-            if tokens[row] == stop_id or (stops is not None and stops[row](answers[row])):
+            if (tokens[row] == stop_id or len(answers[row]) == max_new_tokens
+                    or (stops is not None and stops[row](answers[row]))):
                 running.discard(row)
-        if not running:
-            break
+        decoder.append(step)
     return answers
 
 

@@ -177,12 +177,13 @@ class MegadiffLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, when the task asks) continuations, cut at the task's stop strings.
-        Greedy requests whose prompts have one length (as long contexts have, cut to the window)
-        decode side by side, `batch_size` at a time."""
+        Greedy requests of one budget decode side by side, `batch_size` at a time, longest prompts
+        first (so a batch's prompts differ little in length, and the first shows the memory needed)."""
         plans = [self._plan(*request.args) for request in requests]
         groups: dict[tuple, list[int]] = {}
-        for index, plan in enumerate(plans):
-            groups.setdefault((len(plan.prompt), plan.max_new) if plan.greedy else ("sampled", index), []).append(index)
+        for index in sorted(range(len(plans)), key=lambda i: -len(plans[i].prompt)):
+            plan = plans[index]
+            groups.setdefault(("greedy", plan.max_new) if plan.greedy else ("sampled", index), []).append(index)
         answers: list[str] = [""] * len(requests)
         with self.progress("generations", len(requests)) as bar:
             for members in groups.values():
@@ -207,7 +208,7 @@ class MegadiffLM(TemplateLM):
         return GenerationPlan(prompt, max_new, until, temperature, int(kwargs.get("top_k") or 0))
 
     def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
-        """The new ids of greedy plans of one prompt length and budget, or of one sampled plan."""
+        """The new ids of greedy plans of one budget, or of one sampled plan."""
         stops = [partial(self._stopped, plan.until) for plan in plans]
         if plans[0].greedy:
             return greedy_batch(self.model, [plan.prompt for plan in plans], plans[0].max_new,

@@ -45,10 +45,6 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def enabled() -> bool:
-    return _mode is not None
-
-
 def enable() -> None:
     """Idempotent. Call before building megatron models, once per process."""
     global _mode
