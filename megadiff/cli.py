@@ -34,10 +34,26 @@ def _config_command(sub, name: str, target: str, help_text: str) -> None:
     parser.set_defaults(run=lambda a: _target(target)(a.config, a.overrides))
 
 
-def _checkpoint_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
-    """A command that reads a checkpoint and text it never trained on (its validation split by default)."""
+def _model_source(parser: argparse.ArgumentParser) -> None:
+    """--load a megadiff checkpoint, or --hf a transformers model (e.g. a Dex/DAA export)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--load", help="a run's output_dir, checkpoints/ or iter_* directory")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory instead (an adapted or exported "
+                        "model, or the one it was adapted from; trust_remote_code)")
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
+                        help="default: the checkpoint's training precision (--hf: its config's dtype)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="--hf: the context the model is measured in (default: its max_position_embeddings)")
+
+
+def _checkpoint_command(sub, name: str, help_text: str, hf: bool = False) -> argparse.ArgumentParser:
+    """A command that reads a checkpoint (with `hf`, or a transformers model) and text it never
+    trained on (its validation split by default)."""
     parser = sub.add_parser(name, help=help_text)
-    parser.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
+    if hf:
+        _model_source(parser)
+    else:
+        parser.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
     parser.add_argument("--split", choices=["valid", "test"], default="valid")
     parser.add_argument("--output", default=None, help="write the report as JSON here")
     parser.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... to use other data")
@@ -142,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
                                  "(the DIFF paper's activation outliers)")
     needles = _checkpoint_command(sub, "needles", "multi-needle retrieval accuracy by context length and depth "
-                                  "(haystack: the split's text)")
+                                  "(haystack: the split's text)", hf=True)
     needles.add_argument("--lengths", type=int, nargs="+", required=True, help="context lengths in tokens")
     needles.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                          help="where the queried needle sits: 0 = start, 1 = end")
@@ -155,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also the attention to the answer and the attention noise (the paper's Table 3)")
     needles.set_defaults(run=lambda a: _target("megadiff.inference.needles:needles_cli")(
         a.load, a.lengths, a.depths, needles=a.needles, trials=a.trials, seed=a.seed, split=a.split,
-        attention=a.attention, overrides=a.overrides, output=a.output, queries=a.queries))
+        attention=a.attention, overrides=a.overrides, output=a.output, queries=a.queries, hf=a.hf, dtype=a.dtype,
+        window=a.window))
     outliers.set_defaults(run=lambda a: _target("megadiff.inference.outliers:outliers")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
         overrides=a.overrides, output=a.output))
@@ -230,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     icl = sub.add_parser("icl", help="many-shot in-context classification by number of demonstrations (the DIFF "
                          "paper's figures 6-7)")
-    icl.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
+    _model_source(icl)
     icl.add_argument("--dataset", required=True, help="a Hugging Face dataset (e.g. CogComp/trec, PolyAI/banking77, "
                      "clinc_oos) or a directory of TRAIN.jsonl and TEST.jsonl")
     icl.add_argument("--dataset-config", default=None, help="the dataset's configuration (clinc_oos: plus)")
@@ -250,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     icl.set_defaults(run=lambda a: _target("megadiff.inference.icl:icl_cli")(
         a.load, a.dataset, a.dataset_config, text_key=a.text_key, label_key=a.label_key, train_split=a.train_split,
         test_split=a.test_split, shots=a.shots, examples=a.examples, orders=a.orders, arrangement=a.arrangement,
-        seed=a.seed, output=a.output, cache=a.cache))
+        seed=a.seed, output=a.output, cache=a.cache, hf=a.hf, dtype=a.dtype, window=a.window))
 
     demo = sub.add_parser("demo", help="prepare the bundled corpus, pre-train a tiny DIFF model, convert, sample")
     demo.add_argument("--output-dir", default="runs/demo")

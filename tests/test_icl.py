@@ -1,6 +1,7 @@
 """`megadiff icl`: many-shot in-context classification against prompts and constrained greedy
 decoding written out here, on a checkpoint of drawn weights and KJV verses labelled by a rule;
-two gloo ranks against one process."""
+two gloo ranks against one process; a Hugging Face model (--hf): the checkpoint's export answers as
+the checkpoint, a Dex-adapted Llama as the naive decoding through transformers."""
 from __future__ import annotations
 
 import json
@@ -122,8 +123,65 @@ def test_accuracy_equals_naive_constrained_decoding(root, monkeypatch):
 
 
 def _icl(rank: int, world_size: int, root: str, output: str, *extra: str) -> None:
-    assert main(["icl", "--load", f"{root}/run", "--dataset", root, "--examples", "7", "--orders", "2",
-                 "--output", output, *extra]) == 0
+    source = [] if "--hf" in extra else ["--load", f"{root}/run"]
+    assert main(["icl", *source, "--dataset", root, "--examples", "7", "--orders", "2", "--output", output,
+                 *extra]) == 0
+
+
+def test_an_exported_model_answers_as_its_checkpoint(root, tmp_path):
+    """--hf on the run's Hugging Face export (stock DiffLlama, run by transformers): the same
+    default shots (its max_position_embeddings is the run's window) and the same accuracies, on
+    one process or two gloo ranks."""
+    assert main(["convert", "to-hf", "--load", str(root / "run"), "--save", str(tmp_path / "hf")]) == 0
+    _icl(0, 1, str(root), str(tmp_path / "run.json"))
+    _icl(0, 1, str(root), str(tmp_path / "hf.json"), "--hf", str(tmp_path / "hf"), "--dtype", "fp32")
+    ours, theirs = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("run", "hf"))
+    assert theirs["checkpoint"] == str(tmp_path / "hf") and theirs["window"] == WINDOW
+    assert theirs["by_shots"] == ours["by_shots"] and len(ours["by_shots"]) > 2
+    run_ranks(2, _icl, str(root), str(tmp_path / "two.json"), "--hf", str(tmp_path / "hf"), "--dtype", "fp32")
+    assert json.loads((tmp_path / "two.json").read_text()) == theirs  # each rank a share, as with --load
+
+
+def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
+    """A Dex-adapted Llama saved as adaptation exports it (remote code): every cell's accuracy is
+    the naive decoding's through the transformers model, the demonstrations run once per cell
+    (the cache copied back to them for each query)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from megadiff.adapt import apply_dex
+    from megadiff.adapt.export import save_adapted
+    from megadiff.inference.hf_model import load_hf_model
+    from tests.test_adapt import perturb_adapters
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         initializer_range=0.2, max_position_embeddings=WINDOW)).eval()
+    adapted = apply_dex(llama, {}, calibration=[torch.randint(0, len(hf_tokenizer), (2, 16))])
+    perturb_adapters(adapted, 4, anneal_steps=10)
+    save_adapted(adapted, tmp_path / "dex", tokenizer=hf_tokenizer)
+    model = load_hf_model(tmp_path / "dex")
+    draw, tests = examples(root, "train"), examples(root, "test")[:8]
+    shots = [1, 3]
+    grid = accuracy_grid(model, draw, tests, shots, 1, "random")
+
+    names = ["divine", "earthly", "plain"]
+    tokenizer = model.tokenizer
+    prefix = tokenizer.encode("label:")
+    candidates = [tokenizer.encode(f"label: {name}\n")[len(prefix):] for name in names]
+    answers = set()
+    for i, count in enumerate(shots):
+        context = "".join(f"sentence: {e.text}\nlabel: {e.label}\n\n" for e in draw[:count])
+        right = 0
+        for example in tests:
+            prompt = tokenizer.encode(context + f"sentence: {example.text}\nlabel:")
+            with torch.no_grad():
+                answer = names[naive_answer(lambda ids: adapted(ids).logits, prompt, candidates)]
+            answers.add(answer)
+            right += answer == example.label
+        assert grid[i, 0].item() == pytest.approx(right / len(tests)), count
+    assert len(answers) > 1, "every prompt got the same answer: the comparison would prove little"
 
 
 def test_two_ranks_report_what_one_process_reports(root, tmp_path, capfd):

@@ -144,6 +144,41 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tm
     assert main(["needles", "--load", str(run_dir), "--lengths", "160", "--needles", "2", "--queries", "3"]) == 2
 
 
+def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
+    """--hf on the DIFF run's Hugging Face export (stock DiffLlama, run by transformers), the haystack
+    named by data.* overrides: the answer positions' logits are the checkpoint's, so are the one-pass
+    checks and the command's report."""
+    from megadiff.inference.hf_model import load_hf_model
+
+    run_dir, export = runs["diff"], tmp_path / "hf"
+    assert main(["convert", "to-hf", "--load", str(run_dir), "--save", str(export)]) == 0
+    ours, theirs = load_checkpoint(run_dir, torch.float32), load_hf_model(export, "fp32")
+    tokens = held_out_tokens(evaluation_config(ours, None, []), "valid")
+    case = build_case(ours.tokenizer, tokens, 256, 0.5, 2, random.Random(2), queries=2)
+    positions = list(range(case.answer_start - 1, len(case.tokens) - 1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.logits_at(torch.tensor([case.tokens]), positions),
+                                   ours.logits_at(torch.tensor([case.tokens]), positions), rtol=1e-4, atol=1e-4)
+    assert retrieved(theirs, case) == retrieved(ours, case)
+    one = build_case(ours.tokenizer, tokens, 160, 1.0, 2, random.Random(3))
+    forced = dataclasses.replace(one, tokens=one.tokens[:one.answer_start]
+                                 + _greedy(ours, one.tokens[:one.answer_start], len(one.answer)))
+    assert retrieved(theirs, forced) == 1.0
+
+    data = [f"data.{key}={getattr(ours.cfg.data, key)}" for key in ("prefix", "split", "cache_dir")]
+    options = ["--lengths", "256", "--depths", "0", "1", "--trials", "2", "--needles", "2"]
+    assert main(["needles", "--load", str(run_dir), *options, "--output", str(tmp_path / "run.json")]) == 0
+    assert main(["needles", "--hf", str(export), "--dtype", "fp32", *options, *data,
+                 "--output", str(tmp_path / "hf.json")]) == 0
+    report, from_hf = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("run", "hf"))
+    assert from_hf["accuracy"] == report["accuracy"] and from_hf["checkpoint"] == str(export)
+    capsys.readouterr()
+    assert main(["needles", "--hf", str(export), *options, *data, "--attention"]) == 2
+    assert "give --load, not --hf" in capsys.readouterr().err
+    assert main(["needles", "--hf", str(export), *options]) == 2  # no haystack named
+    assert "data.prefix" in capsys.readouterr().err
+
+
 def _greedy(model, prompt: list[int], count: int) -> list[int]:
     """Argmax decoding over the whole context, each step through the model's full logits."""
     ids = list(prompt)

@@ -23,7 +23,8 @@ from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.hf_model import HFCausalLM, load_model
+from megadiff.inference.loader import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, share_size, sum_across_ranks, wait_for_ranks
 from megadiff.inference.records import append_record, read_records
@@ -85,7 +86,7 @@ def arranged(demonstrations: Sequence[Example], arrangement: str, order_seed: in
     return [group[i] for i in range(rounds) for group in by_class.values() if i < len(group)]
 
 
-def constrained_answer(model: CausalLM, prompt: list[int], labels: Sequence[list[int]],
+def constrained_answer(model: CausalLM | HFCausalLM, prompt: list[int], labels: Sequence[list[int]],
                        context: SharedContext | None = None) -> int:
     """The index of the label that greedy decoding restricted to label continuations gives; the
     prompt runs once (past the `context`'s tokens when it starts with them), then each chosen
@@ -109,7 +110,7 @@ class SharedContext:
     for each prompt that starts with their tokens (a prompt cut to the window, or tokens merged
     across the boundary, runs whole instead)."""
 
-    def __init__(self, model: CausalLM, ids: list[int]):
+    def __init__(self, model: CausalLM | HFCausalLM, ids: list[int]):
         self.model, self.ids = model, ids
         self.cache = model.new_cache(max_length=model.cfg.model.seq_length)
         self.mark = None
@@ -123,7 +124,7 @@ class SharedContext:
         if self.mark is None:
             self.cache.reset()
             with torch.no_grad():
-                self.model.hidden_states(torch.tensor([self.ids]), cache=self.cache)
+                self.model.next_token_logits(torch.tensor([self.ids]), self.cache)
             self.mark = self.cache.mark()
         self.cache.rewind(self.mark)
         return len(self.ids)
@@ -193,7 +194,7 @@ def grid_cells(shots: Sequence[int], orders: int, examples: int) -> list[Cell]:
     return [(count, order, index) for count in shots for order in range(orders) for index in range(examples)]
 
 
-def accuracy_grid(model: CausalLM, draw: Sequence[Example], tests: Sequence[Example], shots: Sequence[int],
+def accuracy_grid(model: CausalLM | HFCausalLM, draw: Sequence[Example], tests: Sequence[Example], shots: Sequence[int],
                   orders: int, arrangement: str, on_answer: Callable[[int], None] | None = None,
                   known: dict[Cell, bool] | None = None, cache: AnswerCache | None = None) -> torch.Tensor:
     """[len(shots), orders] accuracy over `tests` (each rank answers its share; all return it all).
@@ -227,12 +228,14 @@ def accuracy_grid(model: CausalLM, draw: Sequence[Example], tests: Sequence[Exam
     return sum_across_ranks(correct) / len(tests)
 
 
-def icl_cli(load: str, dataset: str, dataset_config: str | None = None, text_key: str = "text",
+def icl_cli(load: str | None, dataset: str, dataset_config: str | None = None, text_key: str = "text",
             label_key: str = "label", train_split: str = "train", test_split: str = "test",
             shots: Sequence[int] | None = None, examples: int = 100, orders: int = 1, arrangement: str = "random",
-            seed: int = 0, output: str | None = None, cache: str | None = None) -> int:
-    """`megadiff icl --load RUN --dataset NAME`: print (and write) accuracy by number of shots;
-    with `cache`, answers are kept as they come and a rerun computes only the rest (AnswerCache)."""
+            seed: int = 0, output: str | None = None, cache: str | None = None, hf: str | None = None,
+            dtype: str | None = None, window: int | None = None) -> int:
+    """`megadiff icl --load RUN --dataset NAME` (or `--hf DIR`: a transformers model, e.g. an adapted
+    export): print (and write) accuracy by number of shots; with `cache`, answers are kept as they
+    come and a rerun computes only the rest (AnswerCache)."""
     if examples < 1 or orders < 1 or (shots is not None and min(shots, default=0) < 1):
         raise ConfigError("--examples, --orders and every --shots must be >= 1")
     if arrangement not in ARRANGEMENTS:
@@ -244,7 +247,7 @@ def icl_cli(load: str, dataset: str, dataset_config: str | None = None, text_key
     if shots is not None and max(shots) > len(draw):
         raise ConfigError(f"--shots {max(shots)} asks for more demonstrations than the {len(draw)} of the "
                           f"{train_split} split")
-    model = load_checkpoint(load)  # after the data's checks; under torchrun it joins the process group
+    model = load_model(load, hf, dtype, window)  # after the data's checks; under torchrun it joins the process group
     console = command_console()
     window = model.cfg.model.seq_length
     shots = sorted(set(shots)) if shots else default_shots(model.tokenizer, draw, tests, window)

@@ -29,7 +29,8 @@ from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.hf_model import load_model
+from megadiff.inference.loader import CausalLM
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
@@ -215,17 +216,21 @@ def held_out_tokens(cfg, split: str) -> np.ndarray:
     return np.concatenate([dataset[i] for i in range(begin, end)]).astype(np.int64)
 
 
-def needles_cli(load: str, lengths: Iterable[int], depths: Iterable[float], needles: int = 1, trials: int = 5,
+def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float], needles: int = 1, trials: int = 5,
                 seed: int = 0, split: str = "valid", attention: bool = False, overrides: Iterable[str] = (),
-                output: str | None = None, queries: int = 1) -> int:
-    """`megadiff needles --load RUN`: print (and with `output`, write as JSON) the grids."""
+                output: str | None = None, queries: int = 1, hf: str | None = None, dtype: str | None = None,
+                window: int | None = None) -> int:
+    """`megadiff needles --load RUN` (or `--hf DIR`: a transformers model, the haystack from the
+    data.* overrides, prepared with its tokenizer): print (and with `output`, write as JSON) the grids."""
     lengths, depths = sorted(set(lengths)), sorted(set(depths))
     check_request("needles", split, overrides, needles=needles, trials=trials, lengths=min(lengths, default=0))
     if needles > len(CITIES) or not all(0 <= d <= 1 for d in depths) or not depths:
         raise ConfigError(f"--needles must be at most {len(CITIES)} and --depths within [0, 1]")
     if not 1 <= queries <= needles:
         raise ConfigError(f"--queries must be between 1 and --needles ({needles}), got {queries}")
-    model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
+    if attention and hf is not None:
+        raise ConfigError("--attention reads a megadiff checkpoint's attention maps: give --load, not --hf")
+    model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model, None, overrides)
     ensure_prepared(cfg)

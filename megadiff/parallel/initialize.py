@@ -21,7 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group(timeout: timedelta) -> None:
+def init_process_group(timeout: timedelta) -> None:
+    """Join the ranks of torchrun or Slurm (or form a group of one): idempotent."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -57,7 +58,7 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
     """Idempotent per process: call once before building models."""
     if not torch.cuda.is_available():
         cpu_mode.enable()
-    _init_process_group(timedelta(minutes=parallel.timeout_minutes))
+    init_process_group(timedelta(minutes=parallel.timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor,

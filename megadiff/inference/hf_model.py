@@ -1,0 +1,108 @@
+"""A Hugging Face causal LM behind the calls the checkpoint commands make of a megadiff checkpoint,
+so `icl` and `needles` measure a Dex/DAA-adapted export (the adaptation papers' in-context learning
+and needle retrieval), the model it was adapted from, or any megadiff export as they measure a run.
+
+transformers runs the model as it always does (its own cache, RoPE and attention). What the
+commands read of a run's config is the window and the tokenizer: here the model's
+max_position_embeddings (or --window) and the tokenizer files beside its weights.
+"""
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from megadiff.config import Config, ConfigError, build_config
+from megadiff.data.tokenizers import Tokenizer, load_tokenizer
+from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.models.transformer_config import PRECISION_DTYPES
+from megadiff.parallel import compute_device
+from megadiff.parallel.initialize import init_process_group
+
+
+
+class HFCache:
+    """A transformers cache with the KVCache calls the commands make. A mark is a copy of the whole
+    cache: models that keep more than keys and values per layer (DINT's running sum) rewind too."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.new = lambda: DynamicCache(config=model.config)
+        self.cache = self.new()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = self.new()
+
+    def mark(self):
+        return copy.deepcopy(self.cache)
+
+    def rewind(self, mark) -> None:
+        self.cache = copy.deepcopy(mark)
+
+
+class HFCausalLM:
+    """model.next_token_logits(ids [B, n], cache) -> [B, V]; model.logits_at(ids, positions) ->
+    [B, P, V], on the model's device; `cfg` holds the window and the tokenizer."""
+
+    def __init__(self, hf, path: str | Path, window: int):
+        self.hf, self.checkpoint_dir = hf, Path(path)
+        self.tokenizer: Tokenizer = load_tokenizer(str(path))
+        self.cfg: Config = build_config({"model": {"seq_length": window}, "data": {"tokenizer": str(path)}})
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> HFCache:
+        return HFCache(self.hf)
+
+    @torch.no_grad()
+    def next_token_logits(self, input_ids: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
+        output = self.hf(input_ids=input_ids.to(self.device), past_key_values=None if cache is None else cache.cache,
+                         use_cache=cache is not None, logits_to_keep=1)
+        return output.logits[:, -1]
+
+    @torch.no_grad()
+    def logits_at(self, input_ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Only those positions' logits are formed (a 64K context's would not fit)."""
+        hidden = self.hf.get_decoder()(input_ids=input_ids.to(self.device), use_cache=False).last_hidden_state
+        return self.hf.get_output_embeddings()(hidden[:, positions])
+
+
+def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None = None) -> HFCausalLM:
+    """The transformers model in directory `path` (trust_remote_code: adapted and megadiff exports
+    ship their code), in `dtype` (default: its config's), on this rank's device; under torchrun it
+    joins the ranks' process group first (the commands share their work among ranks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"--hf {path} is not a Hugging Face model directory (no config.json)")
+    if dtype is not None and dtype not in PRECISION_DTYPES:
+        raise ConfigError(f"--dtype must be one of {list(PRECISION_DTYPES)}, got {dtype}")
+    init_process_group(timedelta(minutes=30))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    window = window or getattr(config, "max_position_embeddings", None)
+    if not window:
+        raise ConfigError(f"{path}'s config gives no max_position_embeddings: pass --window")
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
+                                              dtype=PRECISION_DTYPES[dtype] if dtype else "auto")
+    return HFCausalLM(hf.to(compute_device()).eval(), path, window)
+
+
+def load_model(load: str | None, hf: str | None, dtype: str | None = None,
+               window: int | None = None) -> CausalLM | HFCausalLM:
+    """What a command measures: a megadiff checkpoint (--load) or a transformers model (--hf)."""
+    if (load is None) == (hf is None):
+        raise ConfigError("give one of --load (a megadiff run or checkpoint) and --hf (a Hugging Face model directory)")
+    if hf is not None:
+        return load_hf_model(hf, dtype, window)
+    if window is not None:
+        raise ConfigError("--window is a Hugging Face model's: a run's window is its model.seq_length")
+    return load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
