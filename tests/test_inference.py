@@ -15,7 +15,7 @@ from megadiff.cli import main
 from megadiff.config import build_config
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
-from megadiff.inference.generate import HeldContext, TextStream, generate, greedy_batch
+from megadiff.inference.generate import HeldContext, TextStream, generate, generate_batch
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
 PROMPT = "In the beginning"
@@ -290,7 +290,27 @@ def test_a_greedy_batch_answers_as_generation_one_prompt_at_a_time(run, variant)
     stops = [lambda ids, n=n: len(ids) >= n for n in (2, 5, 9, 99, 1)]
     expected = [generate(model, prompt, max_new_tokens=10, stop=stop) for prompt, stop in zip(prompts, stops)]
     assert [len(answer) for answer in expected] == [2, 5, 9, 10, 1]
-    assert greedy_batch(model, prompts, 10, stops=stops) == expected
+    assert generate_batch(model, prompts, 10, stops=stops) == expected
+
+
+def test_a_sampled_batch_draws_each_row_from_its_own_top_k(run):
+    """Four copies of one prompt beside a longer one, drawn at temperature 2 from the top 3: every
+    new token is among the top 3 of its own row's context, the copies draw differently, and one
+    generator state gives one answer."""
+    _, reference = run
+    prompts = [[5, 6, 7]] * 4 + [[9, 10, 11, 12, 13]]
+
+    def draw():
+        return generate_batch(reference, prompts, 8, temperature=2.0, top_k=3,
+                              generator=torch.Generator().manual_seed(1))
+
+    rows = draw()
+    assert rows == draw() and len({tuple(row) for row in rows[:4]}) > 1
+    with torch.no_grad():
+        for prompt, new in zip(prompts, rows):
+            logits = reference(torch.tensor([prompt + new]))[0]
+            for step, token in enumerate(new):
+                assert token in torch.topk(logits[len(prompt) - 1 + step], 3).indices.tolist(), (prompt, step)
 
 
 @pytest.mark.parametrize("variant", ["diff", "dint"])

@@ -188,13 +188,13 @@ def test_contexts_of_any_length_generate_side_by_side_as_one_at_a_time(runs, tmp
         f"task: kjv_long\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\ntest_split: test\n"
         + TASK_YAML["kjv_generate"])
     batches = []
-    real_greedy_batch = harness.greedy_batch
+    real_generate_batch = harness.generate_batch
 
     def watched(model, prompts, *args, **kwargs):
         batches.append([len(prompt) for prompt in prompts])
-        return real_greedy_batch(model, prompts, *args, **kwargs)
+        return real_generate_batch(model, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(harness, "greedy_batch", watched)
+    monkeypatch.setattr(harness, "generate_batch", watched)
     results = {}
     for batch_size in (4, 1):
         output = tmp_path / f"batch{batch_size}.json"
@@ -207,6 +207,31 @@ def test_contexts_of_any_length_generate_side_by_side_as_one_at_a_time(runs, tmp
             assert [length for rows in batches for length in rows] == sorted(sum(batches, []), reverse=True)
     assert results[4] == results[1] and len(results[1]) == 10
     assert any(answer[0] for answer in results[1].values()), "no text was generated"
+
+
+def test_sampled_repeats_differ_and_a_seed_gives_them_again(runs, tmp_path):
+    """A task sampling 4 answers per document (do_sample, the task's repeats): the repeats decode side
+    by side yet draw differently, the same --seed gives the same answers, another seed others."""
+    data = tmp_path / "kjv_sample.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in _documents("kjv_generate")))
+    (tmp_path / "kjv_sample.yaml").write_text(
+        f"task: kjv_sample\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\ntest_split: test\n"
+        "output_type: generate_until\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{answer}}'\nrepeats: 4\n"
+        "generation_kwargs: {until: ['.'], max_gen_toks: 6, do_sample: true, temperature: 1.0}\n"
+        "metric_list: [{metric: exact_match}]\n")
+
+    def sampled(seed: int, name: str) -> list:
+        output = tmp_path / f"{name}.json"
+        assert main(["lm-eval", "--load", str(runs["dint"]), "--tasks", "kjv_sample", "--include-path", str(tmp_path),
+                     "--batch-size", "8", "--dtype", "fp32", "--seed", str(seed), "--output", str(output),
+                     "--log-samples"]) == 0
+        return [sample["resps"] for sample in json.loads(output.read_text())["samples"]["kjv_sample"]]
+
+    first = sampled(7, "first")
+    repeats = [[str(answer) for answer in _leaves(resps)] for resps in first]
+    assert [len(answers) for answers in repeats] == [4, 4, 4]
+    assert all(len(set(answers)) > 1 for answers in repeats), repeats
+    assert sampled(7, "again") == first and sampled(8, "other") != first
 
 
 def test_quantized_attention_logits_reach_every_answer(runs, tasks, tmp_path):
@@ -232,10 +257,10 @@ def test_generation_settings_override_the_tasks(runs, tasks, tmp_path, monkeypat
 
     def recording(model, prompts, max_new_tokens, **options):
         budgets.append(max_new_tokens)
-        return greedy_batch(model, prompts, max_new_tokens, **options)
+        return generate_batch(model, prompts, max_new_tokens, **options)
 
-    greedy_batch = harness.greedy_batch
-    monkeypatch.setattr(harness, "greedy_batch", recording)
+    generate_batch = harness.generate_batch
+    monkeypatch.setattr(harness, "generate_batch", recording)
     short = megadiff_lm_eval(runs["dint"], tasks, tmp_path / "short.json", extra=("--gen-kwargs", "max_gen_toks=2"))
     assert short["gen_kwargs"] == "max_gen_toks=2" and budgets and set(budgets) == {2}
     for key, answer in answers(short["samples"]).items():

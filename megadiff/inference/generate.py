@@ -3,8 +3,8 @@
 The prompt runs once; then each new token runs alone, the earlier positions' keys and values
 (and DINT's running sum) kept in a KV cache. Past the model's window, the context slides as
 in training: each step then runs the last `seq_length` tokens afresh (their positions moved).
-Greedy prompts decode side by side (`greedy_batch`), their rows kept of one length: no padding,
-so no masks. Prompts that grow from each other (a conversation's turns) can share one cache
+Prompts decode side by side (`generate_batch`), their rows kept of one length: no padding, so
+no masks. Prompts that grow from each other (a conversation's turns) can share one cache
 (`HeldContext`): each runs from the longest prefix the cache still holds.
 """
 from __future__ import annotations
@@ -26,15 +26,22 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 INCOMPLETE_CHARACTER = "\ufffd"
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
-    """logits [V] (fp32) -> one id: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
+def next_tokens(logits: torch.Tensor, temperature: float, top_k: int,
+                generator: torch.Generator | None) -> list[int]:
+    """logits [rows, V] (fp32) -> an id per row: argmax at temperature 0, else a draw from
+    softmax(logits / T) over the row's top k."""
     if temperature <= 0:
-        return int(logits.argmax())
+        return logits.argmax(dim=-1).tolist()
     if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """next_tokens() of one row of logits [V]."""
+    return next_tokens(logits[None], temperature, top_k, generator)[0]
 
 
 class HeldContext:
@@ -123,14 +130,17 @@ def generate(model: CausalLM, prompt_ids: list[int], **options) -> list[int]:
     return list(stream(model, prompt_ids, **options))
 
 
-def greedy_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, vocab_in_use: int | None = None,
-                 stop_id: int | None = None, stops: list[Callable[[list[int]], bool]] | None = None) -> list[list[int]]:
-    """generate()'s greedy answers to `prompts`, decoded side by side; each row ends where generate()
+def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, vocab_in_use: int | None = None,
+                   stop_id: int | None = None, stops: list[Callable[[list[int]], bool]] | None = None,
+                   temperature: float = 0.0, top_k: int = 0,
+                   generator: torch.Generator | None = None) -> list[list[int]]:
+    """The new ids after each of `prompts`, decoded side by side: greedy (generate()'s answers), or
+    drawn at `temperature` from each row's top k with `generator`; each row ends where generate()
     ends it (after stop_id, or once its `stops[row](new ids)` is true).
 
     Rows stay of one length, so no padding and no masks: the prompts run together up to the
     shortest one's length, then each step feeds every row its next token, a longer prompt's own
-    until it is used up (its logits meanwhile unused), then its argmax. Prompts of near lengths
+    until it is used up (its logits meanwhile unused), then the drawn one. Prompts of near lengths
     batch best (each token a longer prompt has beyond the shortest costs a step)."""
     shortest = min(len(prompt) for prompt in prompts)
     decoder = Decoder(model, [prompt[:shortest] for prompt in prompts],
@@ -138,7 +148,7 @@ def greedy_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     answers: list[list[int]] = [[] for _ in prompts]
     running = set(range(len(prompts)))
     while running:
-        tokens = decoder.logits().argmax(dim=-1).tolist()
+        tokens = next_tokens(decoder.logits(), temperature, top_k, generator)
         step = [prompt[len(row)] if len(row) < len(prompt) else token
                 for prompt, row, token in zip(prompts, decoder.rows, tokens)]
         for row in sorted(running):

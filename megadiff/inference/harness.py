@@ -3,7 +3,7 @@
 The papers report zero- and few-shot accuracy through the harness (ARC, BoolQ, HellaSwag, OBQA,
 PIQA, WinoGrande). `MegadiffLM` answers the harness's three kinds of request with the checkpoint's
 own model and tokenizer: log-likelihoods of continuations (multiple choice), rolling
-log-likelihoods of whole texts (perplexity tasks) and greedy generation up to stop strings.
+log-likelihoods of whole texts (perplexity tasks) and greedy or sampled generation up to stop strings.
 Under torchrun every rank loads the model and the harness gives each rank its share of the
 requests; rank 0 prints and writes the results.
 
@@ -35,7 +35,7 @@ from megadiff.config import ConfigError
 from megadiff.data.conversations import render_conversation
 from megadiff.errors import MegadiffError
 from megadiff.inference.chat_prompts import checkpoint_chat_template
-from megadiff.inference.generate import generate, greedy_batch
+from megadiff.inference.generate import generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
@@ -68,15 +68,16 @@ class GenerationPlan:
     top_k: int
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
+    def decoding(self) -> tuple:
+        """Plans alike in these decode side by side."""
+        return self.max_new, max(self.temperature, 0.0), self.top_k if self.temperature > 0 else 0
 
 
 class MegadiffLM(TemplateLM):
     """The harness's language-model interface over a loaded checkpoint."""
 
     def __init__(self, model: CausalLM, batch_size: int = 8, max_gen_toks: int = 256,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, seed: int = 1234):
         super().__init__()
         self.model = model
         self.tok = model.tokenizer
@@ -89,6 +90,8 @@ class MegadiffLM(TemplateLM):
         self.document_eod = self.tok.eod if model.cfg.data.document_masking else None
         self._rank, self._world_size = rank_and_world()
         self._device = model.device
+        # sampled generations draw from one stream per rank (repeats of a request differ), seeded by --seed
+        self.generator = torch.Generator().manual_seed(seed + self._rank)
 
     @property
     def eot_token_id(self) -> int:
@@ -177,13 +180,13 @@ class MegadiffLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, when the task asks) continuations, cut at the task's stop strings.
-        Greedy requests of one budget decode side by side, `batch_size` at a time, longest prompts
-        first (so a batch's prompts differ little in length, and the first shows the memory needed)."""
+        Requests of one budget and sampling decode side by side, `batch_size` at a time, longest
+        prompts first (so a batch's prompts differ little in length, and the first shows the memory
+        needed)."""
         plans = [self._plan(*request.args) for request in requests]
         groups: dict[tuple, list[int]] = {}
         for index in sorted(range(len(plans)), key=lambda i: -len(plans[i].prompt)):
-            plan = plans[index]
-            groups.setdefault(("greedy", plan.max_new) if plan.greedy else ("sampled", index), []).append(index)
+            groups.setdefault(plans[index].decoding, []).append(index)
         answers: list[str] = [""] * len(requests)
         with self.progress("generations", len(requests)) as bar:
             for members in groups.values():
@@ -208,15 +211,11 @@ class MegadiffLM(TemplateLM):
         return GenerationPlan(prompt, max_new, until, temperature, int(kwargs.get("top_k") or 0))
 
     def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
-        """The new ids of greedy plans of one budget, or of one sampled plan."""
-        stops = [partial(self._stopped, plan.until) for plan in plans]
-        if plans[0].greedy:
-            return greedy_batch(self.model, [plan.prompt for plan in plans], plans[0].max_new,
-                                vocab_in_use=self.tok.vocab_size, stop_id=self.eot_token_id, stops=stops)
-        (plan,) = plans
-        return [generate(self.model, plan.prompt, max_new_tokens=plan.max_new, temperature=plan.temperature,
-                         top_k=plan.top_k, vocab_in_use=self.tok.vocab_size, stop_id=self.eot_token_id,
-                         stop=stops[0])]
+        """The new ids of plans alike in their decoding."""
+        max_new, temperature, top_k = plans[0].decoding
+        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, vocab_in_use=self.tok.vocab_size,
+                              stop_id=self.eot_token_id, stops=[partial(self._stopped, plan.until) for plan in plans],
+                              temperature=temperature, top_k=top_k, generator=self.generator)
 
     def _stopped(self, until: Sequence[str], new_ids: list[int]) -> bool:
         text = self.tok.decode(new_ids)
@@ -285,7 +284,7 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     quantize_attention_logits(model, attention_logit_bits)
     chat_template = checkpoint_chat_template(model, "--apply-chat-template") if apply_chat_template else None
-    results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template),
+    results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template, seed=seed),
                               tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                               log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
                               torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache, gen_kwargs=gen_kwargs,

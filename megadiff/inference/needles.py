@@ -241,8 +241,9 @@ def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float
                                 trials, seed, attention=attention,
                                 on_case=lambda case: task.advance(1, len(case.tokens)), queries=queries)
     report.update(checkpoint=str(model.checkpoint_dir), trained_length=model.cfg.model.seq_length)
+    window = "window" if hf is not None else "trained on"
     console.print(f"{report['checkpoint']}: retrieval of {queries} of {needles} needles, {trials} cases per cell "
-                  f"(trained on {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")
+                  f"({window} {report['trained_length']:,} tokens); mean accuracy {report['mean_accuracy']:.2f}")
     for name in ("accuracy", "attention_to_answer", "attention_noise"):
         if name in report:
             table = Table(title=name.replace("_", " "))
