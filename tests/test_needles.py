@@ -147,7 +147,8 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tm
 def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     """--hf on the DIFF run's Hugging Face export (stock DiffLlama, run by transformers), the haystack
     named by data.* overrides: the answer positions' logits are the checkpoint's, so are the one-pass
-    checks and the command's report."""
+    checks, the command's report and the attention rows (--attention)."""
+    from megadiff.inference.hf_attention import hf_attention_rows
     from megadiff.inference.hf_model import load_hf_model
 
     run_dir, export = runs["diff"], tmp_path / "hf"
@@ -173,8 +174,11 @@ def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     report, from_hf = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("run", "hf"))
     assert from_hf["accuracy"] == report["accuracy"] and from_hf["checkpoint"] == str(export)
     capsys.readouterr()
-    assert main(["needles", "--hf", str(export), *options, *data, "--attention"]) == 2
-    assert "give --load, not --hf" in capsys.readouterr().err
+    # transformers' DiffLlama: the differential rows of the checkpoint, so its allocation
+    assert attention_allocation(theirs, case) == pytest.approx(attention_allocation(ours, case), rel=1e-4)
+    for mine, exported in zip(attention_rows(ours, case.tokens, 200), hf_attention_rows(theirs, case.tokens, 200),
+                              strict=True):
+        torch.testing.assert_close(exported, mine, rtol=1e-4, atol=1e-5)
     assert main(["needles", "--hf", str(export), *options]) == 2  # no haystack named
     assert "data.prefix" in capsys.readouterr().err
 

@@ -29,7 +29,8 @@ from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config
-from megadiff.inference.hf_model import load_model
+from megadiff.inference.hf_attention import hf_attention_rows
+from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.loader import CausalLM
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -162,7 +163,7 @@ def attention_rows(model: CausalLM, tokens: list[int], position: int) -> list[to
     return rows
 
 
-def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
+def attention_allocation(model: CausalLM | HFCausalLM, case: Case) -> tuple[float, float]:
     """(attention to the answer, attention noise) of the question's last token, the paper's Table 3:
     the normalized attention on the (first) queried number's tokens, and on the haystack (everything
     before the question but the needles), each summed over those tokens and averaged over layers
@@ -174,7 +175,8 @@ def attention_allocation(model: CausalLM, case: Case) -> tuple[float, float]:
     noise[:case.question_start] = True
     for start, end in case.needle_spans:
         noise[start:end] = False
-    rows = torch.cat(attention_rows(model, case.tokens, position)).cpu()
+    rows_of = hf_attention_rows if isinstance(model, HFCausalLM) else attention_rows
+    rows = torch.cat(rows_of(model, case.tokens, position)).cpu()
     return rows[:, answer].sum(-1).mean().item(), rows[:, noise].sum(-1).mean().item()
 
 
@@ -183,7 +185,7 @@ def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, le
                    on_case: Callable[[Case], None] | None = None, queries: int = 1) -> dict:
     """Accuracy per (length, depth) over `trials` cases each (other cities, numbers and haystack),
     each asking for `queries` of the needles;
-    with `attention` (a CausalLM model), also the attention to the answer and the noise per cell.
+    with `attention` (a CausalLM or HFCausalLM), also the attention to the answer and the noise per cell.
     Each rank scores its share of the cases (calling `on_case` after each); every rank draws them
     all, in one order, from `seed`."""
     rng = random.Random(seed)
@@ -228,8 +230,6 @@ def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float
         raise ConfigError(f"--needles must be at most {len(CITIES)} and --depths within [0, 1]")
     if not 1 <= queries <= needles:
         raise ConfigError(f"--queries must be between 1 and --needles ({needles}), got {queries}")
-    if attention and hf is not None:
-        raise ConfigError("--attention reads a megadiff checkpoint's attention maps: give --load, not --hf")
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model, None, overrides)

@@ -1,0 +1,99 @@
+"""The attention rows of a Hugging Face model's layers at one query position: what `needles
+--attention --hf` allocates between the answer and the haystack, for a model the way transformers
+runs it (Llama, Qwen2, Mistral) and for its Dex/DAA adaptations (docs/SPEC.md section 9).
+
+Every attention call goes through transformers' attention interface; for one forward pass it is
+pointed at a function that keeps the call's query row, keys and values and then attends as SDPA
+does, so nothing of the model changes. Per layer and head, the row is:
+- the softmax row, for a head as pretrained;
+- transformers' DiffLlama (heads i and i + h the two maps of differential head i): (A1 - lambda
+  A2) / (1 - lambda), as `needles --attention --load` gives a megadiff checkpoint's;
+- DAA, diff_q, diff_k: (A1 - lambda A2) / (1 - lambda), the differential row normalised to sum 1
+  as DIFF's are (a layer calls the interface twice, the second map second);
+- Dex, which changes the head's output O' = O - lambda O W_D rather than its scores: the Dex
+  paper's effective attention (its appendix F.3), the row X with X V = O', X = O' V^+ (the
+  Moore-Penrose pseudoinverse of the head's values), exact since V has more rows than columns.
+"""
+from __future__ import annotations
+
+import torch
+
+from megadiff.config import ConfigError
+
+CAPTURE = "megadiff_attention_rows"
+# the adaptations whose second map is a second softmax over the same keys
+TWO_MAPS = ("daa", "diff_q", "diff_k")
+
+
+def _softmax_row(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [1, H, 1, d], key [1, G, N, d] (G key/value heads) -> [H, N]."""
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    return torch.softmax(query.float() @ key.float().transpose(-1, -2) * scaling, dim=-1)[0, :, 0]
+
+
+def _effective_dex_rows(rows: torch.Tensor, value: torch.Tensor, module) -> torch.Tensor:
+    """rows [H, N] -> the rows whose weighted values give Dex's output on its adapted heads."""
+    value = value.repeat_interleave(rows.shape[0] // value.shape[1], dim=1)[0].float()  # [H, N, d]
+    lam = module.current_lambda().float()
+    effective = rows.clone()
+    for slot, head in enumerate(module.adapter_heads):
+        output = rows[head] @ value[head]
+        adapted = output - lam * (output @ module.dex_weight[slot].float())
+        effective[head] = adapted @ torch.linalg.pinv(value[head])
+    return effective
+
+
+def _diffllama_rows(rows: torch.Tensor, module) -> torch.Tensor:
+    """DiffLlama's 2h map rows -> its h differential rows, normalised."""
+    lam = (torch.exp((module.lambda_q1 * module.lambda_k1).sum(dtype=torch.float32))
+           - torch.exp((module.lambda_q2 * module.lambda_k2).sum(dtype=torch.float32)) + module.lambda_init)
+    first, second = rows.chunk(2)
+    return (first - lam * second) / (1 - lam)
+
+
+def _layer_rows(module, calls: list[tuple]) -> torch.Tensor:
+    method = getattr(module, "adapter_method", None)
+    (query, key, value, scaling), *second = calls
+    rows = _softmax_row(query, key, scaling)
+    if hasattr(module, "lambda_q1") and hasattr(module, "groupnorm"):  # DiffLlama: its two calls differ in V only
+        return _diffllama_rows(rows, module)
+    if method == "dex":
+        return _effective_dex_rows(rows, value, module)
+    if method in TWO_MAPS:
+        lam = module.current_lambda().float()
+        other = _softmax_row(second[0][0], second[0][1], second[0][3])
+        heads = module.adapter_heads
+        rows[heads] = (rows[heads] - lam * other[heads]) / (1 - lam)
+        return rows
+    if method is not None:
+        raise ConfigError(f"needles --attention: the effective attention of {method} is not defined "
+                          "(its maps are the pretrained ones; the change is in V)")
+    return rows
+
+
+@torch.no_grad()
+def hf_attention_rows(model, tokens: list[int], position: int) -> list[torch.Tensor]:
+    """Per layer, [heads, position + 1]: the (effective) attention of token `position` over the
+    tokens up to it, for `model` an HFCausalLM."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls: dict[torch.nn.Module, list[tuple]] = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        calls.setdefault(module, []).append((query[:, :, -1:], key, value, scaling))
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(CAPTURE, capture)
+    hf = model.hf
+    implementation = hf.config._attn_implementation
+    hf.set_attn_implementation(CAPTURE)
+    try:
+        hf(input_ids=torch.tensor([tokens[:position + 1]], device=model.device), use_cache=False, logits_to_keep=1)
+    finally:
+        hf.set_attn_implementation(implementation)
+    layers = hf.config.num_hidden_layers
+    if len(calls) != layers:
+        raise ConfigError(f"needles --attention --hf: {len(calls)} of {type(hf).__name__}'s {layers} layers attend "
+                          "through transformers' attention interface; its rows cannot be read")
+    return [_layer_rows(module, module_calls) for module, module_calls in calls.items()]

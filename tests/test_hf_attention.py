@@ -1,0 +1,136 @@
+"""`needles --attention --hf`: the attention rows read from a transformers model's layers. A plain
+Llama's (and a DAA model's, scaled back by 1 - lambda) equal the weights transformers' eager
+attention returns; a Dex head's effective row, applied to the head's values, gives the head's
+actual output; the command reports them for an adapted export."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from megadiff.adapt import apply_daa, apply_dex
+from megadiff.adapt.export import save_adapted
+from megadiff.cli import main
+from megadiff.config import ConfigError
+from megadiff.inference.hf_attention import hf_attention_rows
+from megadiff.inference.hf_model import HFCausalLM
+from tests.convert_worker import build_tokenizer
+from tests.held_out_runs import prepared_data
+from tests.test_adapt import perturb_adapters
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2
+POSITION = 23  # 24 tokens: more than a head's width, so a head's values have a left inverse
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("hf_attention") / "tokenizer")
+
+
+def tiny_llama(tokenizer_dir, attention: str = "sdpa"):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM,
+                         intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, initializer_range=0.2, max_position_embeddings=256,
+                         attn_implementation=attention)
+    return LlamaForCausalLM(config).eval()
+
+
+def adapted(tokenizer_dir, apply, config: dict, attention: str = "sdpa"):
+    model = apply(tiny_llama(tokenizer_dir, attention), config, calibration=[torch.randint(0, 200, (2, 16))])
+    perturb_adapters(model, 4, anneal_steps=10)
+    return model
+
+
+TOKENS = torch.randint(1, 200, (POSITION + 1,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def eager_rows(model) -> list[torch.Tensor]:
+    with torch.no_grad():
+        attentions = model(torch.tensor([TOKENS]), output_attentions=True).attentions
+    return [layer[0, :, POSITION] for layer in attentions]
+
+
+def test_a_plain_models_rows_are_its_eager_attention_weights(tokenizer_dir):
+    model = tiny_llama(tokenizer_dir, "eager")
+    rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+    assert model.config._attn_implementation == "eager"  # given back after the capture
+    for ours, theirs in zip(rows, eager_rows(model), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_daa_rows_are_the_differential_weights_normalised(tokenizer_dir):
+    model = adapted(tokenizer_dir, apply_daa, {"selection": "entropy"}, "eager")
+    rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+    for layer, ours, theirs in zip(model.model.layers, rows, eager_rows(model), strict=True):
+        attention = layer.self_attn
+        lam = attention.current_lambda().float()
+        heads = attention.adapter_heads
+        assert 0 < len(heads) < HEADS
+        scaled = ours.clone()
+        scaled[heads] = ours[heads] * (1 - lam)  # eager returns A1 - lambda A2, unnormalised
+        torch.testing.assert_close(scaled, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.sum(-1), torch.ones(HEADS), rtol=1e-5, atol=1e-5)
+
+
+def test_a_dex_heads_effective_row_gives_its_output(tokenizer_dir):
+    """The row applied to the head's values (recomputed here from the layer's input) is the output
+    the head hands its o_proj; heads Dex leaves alone keep their softmax row (the weights eager
+    attention returns: Dex changes outputs, not weights)."""
+    model = adapted(tokenizer_dir, apply_dex, {}, "eager")
+    inputs, outputs = [], []
+    hooks = []
+    for layer in model.model.layers:
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.append(kwargs["hidden_states"]), with_kwargs=True))
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(lambda module, args: outputs.append(args[0])))
+    rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+    for hook in hooks:
+        hook.remove()
+    softmax = eager_rows(model)
+    for layer, row, base, hidden, output in zip(model.model.layers, rows, softmax, inputs, outputs, strict=True):
+        attention = layer.self_attn
+        values = attention.v_proj(hidden)[0].view(-1, KV_HEADS, HEAD_DIM).repeat_interleave(HEADS // KV_HEADS, 1)
+        produced = output[0, POSITION].view(HEADS, HEAD_DIM)
+        for head in range(HEADS):
+            if head in attention.adapter_heads:
+                torch.testing.assert_close(row[head] @ values[:, head].detach(), produced[head].detach(),
+                                           rtol=1e-4, atol=1e-5)
+            else:
+                torch.testing.assert_close(row[head], base[head], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(row[attention.adapter_heads], base[attention.adapter_heads], atol=1e-3)
+
+
+def test_needles_reports_the_attention_of_an_adapted_export(tokenizer_dir, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    save_adapted(adapted(tokenizer_dir, apply_dex, {}), tmp_path / "dex", tokenizer=tokenizer)
+    data = prepared_data(tmp_path)
+    assert main(["needles", "--hf", str(tmp_path / "dex"), "--lengths", "160", "--depths", "0", "1", "--trials", "2",
+                 "--attention", "--output", str(tmp_path / "dex.json"), *data]) == 0
+    report = json.loads((tmp_path / "dex.json").read_text())
+    assert len(report["attention_to_answer"]) == 1 and len(report["attention_noise"][0]) == 2
+    assert all(value != 0 for row in report["attention_noise"] for value in row)
+    save_adapted(adapted(tokenizer_dir, apply_daa, {"method": "diff_v"}), tmp_path / "diff_v", tokenizer=tokenizer)
+    capsys.readouterr()
+    assert main(["needles", "--hf", str(tmp_path / "diff_v"), "--lengths", "160", "--trials", "1", "--attention",
+                 *data]) == 2
+    assert "diff_v" in capsys.readouterr().err
+
+
+def test_a_model_outside_the_attention_interface_is_refused(tokenizer_dir):
+    class Silent(torch.nn.Module):  # attends without transformers' interface
+        config = tiny_llama(tokenizer_dir).config
+
+        def set_attn_implementation(self, name):
+            pass
+
+        def forward(self, **kwargs):
+            return None
+
+        def parameters(self):
+            return iter([torch.zeros(1)])
+
+    with pytest.raises(ConfigError, match="0 of Silent's 2 layers"):
+        hf_attention_rows(HFCausalLM(Silent(), tokenizer_dir, 256), TOKENS, POSITION)
