@@ -86,9 +86,14 @@ def test_hf_export_gives_megadiff_logits(export, reference, variant, layout):
 
 
 @pytest.mark.parametrize("variant,layout", CASES)
-def test_round_trip_gives_identical_tensors(root, export, tmp_path, variant, layout):
+def test_round_trip_gives_identical_tensors(root, export, tmp_path, variant, layout, capsys):
+    capsys.readouterr()
     back = convert_from_hf(export(variant, layout), tmp_path / "back")
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("megadiff convert:")]
     original = load_checkpoint(root / layout / variant).parameters_by_name()
+    # each step as it starts, then with its time (reading, checking, writing a count of parameters)
+    assert steps[0].endswith(" ...") and steps[1].startswith(steps[0][:-4] + ": ") and steps[1].endswith(" s")
+    assert f"megadiff convert: writing {sum(t.numel() for t in original.values()):,} parameters to" in "\n".join(steps)
     restored = load_checkpoint(back).parameters_by_name()
     assert restored.keys() == original.keys()
     for name, tensor in original.items():

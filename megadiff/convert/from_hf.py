@@ -21,6 +21,7 @@ from megadiff.convert.check import compare_logits, thresholds_for
 from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, same_model, vocab_padding_multiple
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
+from megadiff.convert.steps import conversion_console, step
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
 from megadiff.inference.loader import (
     PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
@@ -72,11 +73,12 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
 
 
 def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True) -> Path:
-    console = Console(soft_wrap=True, markup=False, highlight=False)  # paths print whole, as written
+    console = conversion_console()
     out = Path(save)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
-    hf_dir = read_hf_dir(load)
+    with step(console, f"reading {load}"):
+        hf_dir = read_hf_dir(load)
     hf_config = load_hf_config(hf_dir.config_dict, hf_dir.path)
     family = hf_config.model_type
     state = dict(hf_dir.state)
@@ -96,14 +98,16 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     params = hf_to_megatron(state, dims, hf_dir.extras)
     _load_parameters(model, params)
     if check:  # before anything is written
-        reference = model
-        if precision != "fp32":
-            reference = build_single_process_model(single_process_config(cfg, "fp32"))
-            _load_parameters(reference, params)
-        result = compare_logits(CausalLM(reference, cfg), load_hf_model(hf_dir.path, family), vocab_in_use,
-                                thresholds_for(family, hf_dtype, hf_dtype))
+        with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
+            reference = model
+            if precision != "fp32":
+                reference = build_single_process_model(single_process_config(cfg, "fp32"))
+                _load_parameters(reference, params)
+            result = compare_logits(CausalLM(reference, cfg), load_hf_model(hf_dir.path, family), vocab_in_use,
+                                    thresholds_for(family, hf_dtype, hf_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
-    save_model_weights([model], cfg, out)
+    with step(console, f"writing {sum(p.numel() for p in params.values()):,} parameters to {out}"):
+        save_model_weights([model], cfg, out)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
     console.print(f"megadiff convert: {hf_dir.path} ({family}) -> {out} (megadiff {cfg.model.variant}, "

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import padded_vocab_size
@@ -17,6 +16,7 @@ from megadiff.convert.check import compare_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
 from megadiff.convert.hf_layout import Dims, megatron_to_hf
+from megadiff.convert.steps import conversion_console, step
 from megadiff.inference.loader import checkpoint_tokenizer, load_checkpoint, single_process_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,7 +30,7 @@ def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                   remote_code: bool = False) -> Path:
-    console = Console(soft_wrap=True, markup=False, highlight=False)  # paths print whole, as written
+    console = conversion_console()
     checkpoint_dir = resolve_checkpoint_dir(load)
     cfg = checkpoint_config(checkpoint_dir)
     family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read
@@ -39,17 +39,21 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     source_dtype = DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds
     target_dtype = DTYPES[dtype] if dtype else source_dtype
     hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.eod, target_dtype)
-    source = load_checkpoint(checkpoint_dir)
+    with step(console, f"reading {checkpoint_dir}"):
+        source = load_checkpoint(checkpoint_dir)
     state, extras = megatron_to_hf(source.parameters_by_name(), Dims.of(cfg.model, family))
     out = Path(save)
-    write_hf_dir(out, hf_config, cast_weights(state, target_dtype), cast_weights(extras, target_dtype), tokenizer, cfg)
+    with step(console, f"writing {sum(t.numel() for t in state.values()):,} parameters to {out}"):
+        write_hf_dir(out, hf_config, cast_weights(state, target_dtype), cast_weights(extras, target_dtype),
+                     tokenizer, cfg)
     console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "
                   f"({hf_config.architectures[0]}, {str(target_dtype).removeprefix('torch.')})")
     if check:
-        if source_dtype != torch.float32:
-            del source  # free its (GPU) memory before the check's fp32 copy is loaded
-            source = load_checkpoint(checkpoint_dir, dtype=torch.float32)
-        result = compare_logits(source, load_hf_model(out, hf_config.model_type), tokenizer.vocab_size,
-                                thresholds_for(family, source_dtype, target_dtype))
+        with step(console, "checking the export's logits against the checkpoint's"):
+            if source_dtype != torch.float32:
+                del source  # free its (GPU) memory before the check's fp32 copy is loaded
+                source = load_checkpoint(checkpoint_dir, dtype=torch.float32)
+            result = compare_logits(source, load_hf_model(out, hf_config.model_type), tokenizer.vocab_size,
+                                    thresholds_for(family, source_dtype, target_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
     return out
