@@ -142,6 +142,22 @@ def test_an_exported_model_answers_as_its_checkpoint(root, tmp_path):
     assert json.loads((tmp_path / "two.json").read_text()) == theirs  # each rank a share, as with --load
 
 
+def test_a_dint_export_answers_as_its_checkpoint(root, tmp_path):
+    """DINT exports with megadiff's own modeling code, whose cache also holds the integral's running
+    sum: the copies the demonstrations' cache is rewound to carry it, so answers are the run's."""
+    from megadiff.inference.hf_model import load_hf_model
+
+    cfg = build_config(variant_config("dint", "single", str(root / "tokenizer")).model_dump(mode="json"),
+                       [f"model.seq_length={WINDOW}"])
+    save_in_process(cfg, iteration_dir(tmp_path / "run" / CHECKPOINTS_DIR, 1))
+    (tmp_path / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
+    assert main(["convert", "to-hf", "--load", str(tmp_path / "run"), "--save", str(tmp_path / "hf")]) == 0
+    draw, tests = examples(root, "train"), examples(root, "test")[:8]
+    ours = accuracy_grid(load_checkpoint(tmp_path / "run", torch.float32), draw, tests, [1, 4], 2, "random")
+    theirs = accuracy_grid(load_hf_model(tmp_path / "hf", "fp32"), draw, tests, [1, 4], 2, "random")
+    assert torch.equal(theirs, ours)
+
+
 def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
     """A Dex-adapted Llama saved as adaptation exports it (remote code): every cell's accuracy is
     the naive decoding's through the transformers model, the demonstrations run once per cell
