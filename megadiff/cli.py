@@ -128,13 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-file", help="the prompt's text from a file ('-': standard input), e.g. a long "
                         "context")
+    prompt.add_argument("--prompts", metavar="FILE", help="a JSON-lines file of prompts ({\"prompt\": ...}, or with "
+                        "--chat {\"messages\": [...]}); completions go to --output, in batches, resumable")
+    gen.add_argument("--output", default=None, metavar="OUT", help="with --prompts: the completions, as JSON lines")
+    gen.add_argument("--batch-size", type=int, default=8, help="with --prompts: prompts decoded side by side")
     _sampling_options(gen, max_new_tokens=32)
     gen.add_argument("--chat", action="store_true", help="the prompt is a user's message to a chat-tuned checkpoint, "
                      "rendered by its chat template; prints the assistant's reply")
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn first")
-    gen.set_defaults(run=lambda a: _target("megadiff.inference.generate:generate_cli")(
+    gen.set_defaults(run=lambda a: _target("megadiff.inference.generate_file:generate_file_cli")(
+        a.load, a.prompts, a.output, chat=a.chat, system=a.system, max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature, top_k=a.top_k, seed=a.seed, dtype=a.dtype, batch_size=a.batch_size)
+        if a.prompts else _target("megadiff.inference.generate:generate_cli")(
         a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-        top_k=a.top_k, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system))
+        top_k=a.top_k, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system, output=a.output))
 
     chat = sub.add_parser("chat", help="talk to a chat-tuned checkpoint: a message per line of standard input")
     chat.add_argument("--load", required=True)

@@ -219,14 +219,16 @@ def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = Non
 
 def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0, dtype: str | None = None, prompt_file: str | None = None, chat: bool = False,
-                 system: str | None = None) -> int:
+                 system: str | None = None, output: str | None = None) -> int:
     """`megadiff generate`: print the prompt (or `prompt_file`'s text; '-': standard input), then
     its continuation as it is generated (the rate on stderr); the weights in `dtype` (default: the
     checkpoint's training precision). With `chat`, the prompt is the user's message to a chat-tuned
     checkpoint (after `system`'s turn) and the assistant's reply alone is printed, up to the end of
-    its turn."""
+    its turn. (`--prompts FILE`: inference/generate_file.py.)"""
     if system is not None and not chat:
         raise ConfigError("--system is a chat's system turn: add --chat")
+    if output is not None:
+        raise ConfigError("--output is where the completions of --prompts FILE go")
     if prompt is None:
         if prompt_file != "-" and not Path(prompt_file).is_file():
             raise ConfigError(f"--prompt-file {prompt_file} is not a file")

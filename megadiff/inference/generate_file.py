@@ -1,0 +1,154 @@
+"""`megadiff generate --prompts FILE --output OUT`: the completions of a file of prompts (samples to
+compare runs by, long-context outputs for a judge, distillation data), decoded in batches,
+data-parallel under torchrun, and resumable.
+
+Each line of FILE is a JSON object: {"prompt": TEXT}, or with --chat {"messages": [...]} (a
+conversation so far, ShareGPT turns too) or {"prompt": the user's message}; an "id" names it
+(default: its line number). Every rank takes its share of the prompts not yet done, longest
+first, and appends each batch's completions to OUT_rankN.jsonl as the batch ends; at the end rank 0
+writes OUT, one line per prompt in FILE's order: {"id", "completion", "new_tokens", "finish"}
+("stop": the EOD or, with --chat, the end of the assistant's turn; "length": --max-new-tokens).
+A rerun, with any number of ranks, generates only the prompts the rank files do not hold.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from megadiff.config import ConfigError
+from megadiff.data.conversations import as_messages
+from megadiff.data.errors import DataError
+from megadiff.inference.chat_prompts import chat_prompt
+from megadiff.inference.generate import generate_batch
+from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.progress import ProgressTask, command_progress
+from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
+from megadiff.inference.records import append_record, read_records
+from megadiff.inference.reporting import command_console
+from megadiff.models.transformer_config import PRECISION_DTYPES
+
+
+def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
+    """(id, the prompt's text or, with `chat`, its messages) of every line, checked before any model is read."""
+    if not Path(path).is_file():
+        raise ConfigError(f"--prompts {path} is not a file")
+    prompts, ids = [], set()
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--prompts {path}:{number}: not JSON ({err.msg})") from None
+        if chat and "messages" in record:
+            try:
+                prompt = as_messages(record["messages"])
+            except DataError as err:
+                raise ConfigError(f"--prompts {path}:{number}: {err}") from None
+        elif isinstance(record.get("prompt"), str):
+            prompt = [{"role": "user", "content": record["prompt"]}] if chat else record["prompt"]
+        else:
+            wanted = '"messages" or "prompt"' if chat else 'a "prompt" string'
+            raise ConfigError(f"--prompts {path}:{number}: no {wanted} field")
+        key = str(record.get("id", number))
+        if key in ids:
+            raise ConfigError(f"--prompts {path}:{number}: id {key!r} comes twice")
+        ids.add(key)
+        prompts.append((key, prompt))
+    if not prompts:
+        raise ConfigError(f"--prompts {path} holds no prompts")
+    return prompts
+
+
+class Completions:
+    """OUT_rankN.jsonl of every rank: what is done, and this rank's appends."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+        self.own_file = self.output.with_name(f"{self.output.name}_rank{rank_and_world()[0]}.jsonl")
+
+    def done(self) -> dict[str, dict]:
+        """Every rank's completions so far (read by all ranks before any writes more)."""
+        found = {record["id"]: record for file in sorted(self.output.parent.glob(f"{self.output.name}_rank*.jsonl"))
+                 for record in read_records(file)}
+        wait_for_ranks()
+        return found
+
+    def add(self, record: dict) -> None:
+        append_record(self.own_file, record)
+
+
+def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> dict:
+    eod = model.tokenizer.eod
+    text = model.tokenizer.decode([token for token in new_ids if token != eod])
+    stopped = bool(new_ids) and new_ids[-1] == eod
+    if stop_text is not None and stop_text in text:
+        text, stopped = text[:text.index(stop_text)], True
+    return {"completion": text, "new_tokens": len(new_ids), "finish": "stop" if stopped else "length"}
+
+
+def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: str, chat: bool = False,
+                  system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                  seed: int = 0, batch_size: int = 8) -> int:
+    """Generate what the rank files lack, then (rank 0) write `output`; returns how many were generated here."""
+    tokenizer, window = model.tokenizer, model.cfg.model.seq_length
+    if max_new_tokens >= window:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the window of {window}")
+    stop_text, encoded = None, {}
+    for key, prompt in prompts:
+        if chat:
+            turns = ([{"role": "system", "content": system}] if system is not None else []) + list(prompt)
+            prompt, stop_text = chat_prompt(model, turns, "--chat")
+        ids = tokenizer.encode(prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
+        encoded[key] = ids or [tokenizer.eod]
+    completions = Completions(output)
+    done = completions.done()
+    todo = sorted((key for key, _ in prompts if key not in done), key=lambda key: -len(encoded[key]))
+    mine = list(share(todo))
+    generator = torch.Generator().manual_seed(seed + rank_and_world()[0])
+    console, started = command_console(), time.perf_counter()
+    if done and reports():
+        console.print(f"generate: {len(done)} of {len(prompts)} prompts done in {output}_rank*.jsonl, "
+                      f"{len(todo)} to go")
+    with command_progress("generate") as progress:
+        task = ProgressTask(progress, f"{len(prompts)} prompts", len(mine))
+        for start in range(0, len(mine), batch_size):
+            batch = mine[start:start + batch_size]
+            stops = None if stop_text is None else \
+                [lambda ids: stop_text in tokenizer.decode(ids) for _ in batch]
+            answers = generate_batch(model, [encoded[key] for key in batch], max_new_tokens,
+                                     vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod, stops=stops,
+                                     temperature=temperature, top_k=top_k, generator=generator)
+            for key, new_ids in zip(batch, answers):
+                completions.add({"id": key, **_completion(model, new_ids, stop_text)})
+                task.advance(1, len(encoded[key]) + len(new_ids))
+    wait_for_ranks()  # every rank's last batch is in its file
+    every = completions.done()
+    if reports():
+        with Path(output).open("w", encoding="utf-8") as out:
+            for key, _ in prompts:
+                out.write(json.dumps(every[key]) + "\n")
+        new_tokens = sum(every[key]["new_tokens"] for key in todo)
+        console.print(f"generate: wrote {len(prompts)} completions to {output} ({len(todo)} generated now, "
+                      f"{new_tokens:,} new tokens in {time.perf_counter() - started:.1f} s)")
+    return len(mine)
+
+
+def generate_file_cli(load: str, prompts: str, output: str | None, chat: bool = False, system: str | None = None,
+                      max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+                      dtype: str | None = None, batch_size: int = 8) -> int:
+    """`megadiff generate --prompts FILE --output OUT`: everything is checked before the checkpoint is read."""
+    if output is None:
+        raise ConfigError("--prompts FILE needs --output OUT, where the completions go")
+    if system is not None and not chat:
+        raise ConfigError("--system is a chat's system turn: add --chat")
+    if batch_size < 1:
+        raise ConfigError("--batch-size must be >= 1")
+    requests = read_prompts(prompts, chat)
+    model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
+    generate_file(model, requests, output, chat=chat, system=system, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, seed=seed, batch_size=batch_size)
+    return 0

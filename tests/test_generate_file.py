@@ -1,0 +1,147 @@
+"""`megadiff generate --prompts FILE --output OUT`: every prompt's completion is what generating it
+alone gives, in FILE's order; chat prompts are the template's; a run stopped after a batch,
+rerun, generates only the rest; two gloo ranks write what one process does; mistakes are refused
+before the checkpoint is read."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
+from megadiff.cli import main
+from megadiff.config import build_config
+from megadiff.inference import load_checkpoint
+from megadiff.inference.generate import generate
+from tests.conftest import kjv_verses
+from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+from tests.distributed import run_ranks
+
+WINDOW = 256
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A DIFF run (window 256) trained on ChatML conversations, and a file of 7 prompts of 1 to 40 tokens."""
+    from tests.test_chat_data import CHATML
+
+    root = tmp_path_factory.mktemp("generate_file")
+    cfg = build_config(variant_config("diff", "single", str(build_tokenizer(root / "tokenizer"))).model_dump(
+        mode="json"), [f"model.seq_length={WINDOW}", "data.messages_key=messages", f"data.chat_template={CHATML}"])
+    save_in_process(cfg, iteration_dir(root / "run" / CHECKPOINTS_DIR, 1))
+    (root / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
+    verses = kjv_verses()
+    lines = [{"prompt": verses[i][:3 + 9 * i]} for i in range(6)] + [{"id": "last", "prompt": verses[9][:20]}]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return root
+
+
+def completions(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_file(root: Path, output: Path, *extra: str) -> None:
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--output",
+                 str(output), "--max-new-tokens", str(NEW), "--batch-size", "3", *extra]) == 0
+
+
+def test_each_completion_is_the_prompts_own_generation(root, tmp_path):
+    run_file(root, tmp_path / "out.jsonl")
+    model = load_checkpoint(root / "run")
+    tokenizer = model.tokenizer
+    prompts = [json.loads(line) for line in (root / "prompts.jsonl").read_text().splitlines()]
+    got = completions(tmp_path / "out.jsonl")
+    assert [row["id"] for row in got] == ["1", "2", "3", "4", "5", "6", "last"]
+    for row, prompt in zip(got, prompts):
+        new = generate(model, tokenizer.encode(prompt["prompt"]), max_new_tokens=NEW, stop_id=tokenizer.eod,
+                       vocab_in_use=tokenizer.vocab_size)
+        assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(
+            [token for token in new if token != tokenizer.eod])
+        assert row["finish"] == ("stop" if new[-1] == tokenizer.eod else "length")
+    assert any(row["completion"] for row in got)
+
+
+def test_chat_prompts_are_the_templates_and_stop_at_the_turns_end(root, tmp_path, monkeypatch):
+    from megadiff.inference import generate_file as module
+
+    seen = []
+    real = module.generate_batch
+
+    def watched(model, prompts, *args, **kwargs):
+        seen.extend(prompts)
+        answers = real(model, prompts, *args, **kwargs)
+        # a reply that ends its turn: the stop applies, and the completion keeps the text before it
+        ending = model.tokenizer.encode("Seth.<|im_end|>\n")
+        assert all(kwargs["stops"][row](ending) for row in range(len(prompts)))
+        return [ending] + answers[1:]
+
+    monkeypatch.setattr(module, "generate_batch", watched)
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"from": "human", "value": "Who begat Enos?"}]})
+                                          + "\n" + json.dumps({"id": "b", "prompt": "And Enos?"}) + "\n")
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "chats.jsonl"), "--chat",
+                 "--system", "Be brief.", "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "4"]) == 0
+    tokenizer = load_checkpoint(root / "run").tokenizer
+    system = "<|im_start|>system\nBe brief.<|im_end|>\n"
+    assert sorted(seen) == sorted(tokenizer.encode(f"{system}<|im_start|>user\n{text}<|im_end|>\n<|im_start|>"
+                                                   "assistant\n") for text in ("Who begat Enos?", "And Enos?"))
+    first = completions(tmp_path / "out.jsonl")
+    assert [row["id"] for row in first] == ["1", "b"]
+    stopped = [row for row in first if row["completion"] == "Seth."]
+    assert len(stopped) == 1 and stopped[0]["finish"] == "stop"
+
+
+def test_a_stopped_run_generates_only_the_rest(root, tmp_path, monkeypatch):
+    from megadiff.inference import generate_file as module
+
+    run_file(root, tmp_path / "whole.jsonl")
+    real, batches = module.generate_batch, []
+
+    def failing(model, prompts, *args, **kwargs):
+        batches.append(len(prompts))
+        if len(batches) == 2:
+            raise RuntimeError("preempted")
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(module, "generate_batch", failing)
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_file(root, tmp_path / "out.jsonl")
+    assert len(completions(tmp_path / "out.jsonl_rank0.jsonl")) == 3  # the first batch, kept
+    batches.clear()
+    monkeypatch.setattr(module, "generate_batch", lambda *a, **k: batches.append(len(a[1])) or real(*a, **k))
+    run_file(root, tmp_path / "out.jsonl")
+    assert batches == [3, 1]  # the 4 prompts not done
+    assert completions(tmp_path / "out.jsonl") == completions(tmp_path / "whole.jsonl")
+
+
+def _ranks(rank: int, world_size: int, root: str, output: str) -> None:
+    run_file(Path(root), Path(output))
+
+
+def test_two_ranks_write_what_one_process_writes(root, tmp_path):
+    run_ranks(2, _ranks, str(root), str(tmp_path / "two.jsonl"))
+    run_file(root, tmp_path / "one.jsonl")
+    assert completions(tmp_path / "two.jsonl") == completions(tmp_path / "one.jsonl")
+    assert (tmp_path / "two.jsonl_rank1.jsonl").is_file()
+
+
+@pytest.mark.parametrize("content,extra,message", [
+    ("not json\n", (), ":1: not JSON"),
+    ('{"text": "x"}\n', (), 'no a "prompt" string field'),
+    ('{"prompt": "a", "id": 1}\n{"prompt": "b", "id": 1}\n', (), "id '1' comes twice"),
+    ('{"messages": "hi"}\n', ("--chat",), "messages"),
+    ("\n", (), "holds no prompts"),
+])
+def test_mistakes_are_refused_before_the_checkpoint_is_read(tmp_path, capsys, content, extra, message):
+    (tmp_path / "prompts.jsonl").write_text(content)
+    assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_output_and_prompts_go_together(tmp_path, capsys):
+    assert main(["generate", "--load", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert "needs --output" in capsys.readouterr().err
+    assert main(["generate", "--load", str(tmp_path), "--prompt", "x", "--output", str(tmp_path / "o")]) == 2
+    assert "--prompts FILE" in capsys.readouterr().err
