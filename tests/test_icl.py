@@ -266,3 +266,13 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, caps
     assert "61" in capsys.readouterr().err
     assert main(["icl", "--load", missing, "--dataset", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+    assert main(["icl", "--hf", missing, "--dataset", str(root)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=300, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(tmp_path / "weightless")
+    assert main(["icl", "--hf", str(tmp_path / "weightless"), "--dataset", str(root)]) == 3
+    assert "no usable Hugging Face tokenizer files" in capsys.readouterr().err
+    assert main(["icl", "--load", missing, "--dataset", str(root), "--window", "64"]) == 2
+    assert "--window is a Hugging Face model's" in capsys.readouterr().err

@@ -88,7 +88,11 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.name = path
-        self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path)
+        try:
+            self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
+                                 f"({str(err).strip().splitlines()[0]})") from None
         self.vocab_size = len(self.hf)
         eod = self.hf.eos_token_id
         if eod is None:

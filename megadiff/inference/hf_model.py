@@ -87,6 +87,7 @@ def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None
     if dtype is not None and dtype not in PRECISION_DTYPES:
         raise ConfigError(f"--dtype must be one of {list(PRECISION_DTYPES)}, got {dtype}")
     init_process_group(timedelta(minutes=30))
+    load_tokenizer(str(path))  # a directory without tokenizer files is refused before the weights are read
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     window = window or getattr(config, "max_position_embeddings", None)
     if not window:
