@@ -18,9 +18,7 @@ from megadiff.config import Config, ConfigError, build_config
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
-from megadiff.parallel import compute_device
-from megadiff.parallel.initialize import init_process_group
-
+from megadiff.parallel import compute_device, init_process_group
 
 
 class HFCache:
