@@ -115,6 +115,22 @@ def test_a_stopped_run_generates_only_the_rest(root, tmp_path, monkeypatch):
     assert completions(tmp_path / "out.jsonl") == completions(tmp_path / "whole.jsonl")
 
 
+def test_a_rerun_asking_otherwise_is_refused(root, tmp_path, capsys):
+    """Completions kept for other settings, or for a prompt that changed under its id, are never
+    handed out: the rerun is refused, naming the file."""
+    run_file(root, tmp_path / "out.jsonl")
+    capsys.readouterr()
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW + 1)]) == 2
+    assert "another request" in capsys.readouterr().err
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text((root / "prompts.jsonl").read_text().replace('"id": "last", "prompt": "', '"id": "last", '
+                                                                    '"prompt": "Behold, '))
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(changed), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), "--batch-size", "3"]) == 2
+    assert "prompt 'last' is not the one" in capsys.readouterr().err
+
+
 def _ranks(rank: int, world_size: int, root: str, output: str) -> None:
     run_file(Path(root), Path(output))
 

@@ -12,6 +12,7 @@ A rerun, with any number of ranks, generates only the prompts the rank files do 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ra
 from megadiff.inference.records import append_record, read_records
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
+
+OUTPUT_FIELDS = ("id", "completion", "new_tokens", "finish")
 
 
 def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
@@ -64,21 +67,31 @@ def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
 
 
 class Completions:
-    """OUT_rankN.jsonl of every rank: what is done, and this rank's appends."""
+    """OUT_rankN.jsonl of every rank: what is done, and this rank's appends. Each record carries
+    the request (checkpoint and decoding) and a digest of its prompt: a rerun asking otherwise, or
+    of a prompt that changed under its id, is refused rather than handed old completions."""
 
-    def __init__(self, output: str):
-        self.output = Path(output)
+    def __init__(self, output: str, request: dict):
+        self.output, self.request = Path(output), request
         self.own_file = self.output.with_name(f"{self.output.name}_rank{rank_and_world()[0]}.jsonl")
 
-    def done(self) -> dict[str, dict]:
+    def done(self, digests: dict[str, str]) -> dict[str, dict]:
         """Every rank's completions so far (read by all ranks before any writes more)."""
-        found = {record["id"]: record for file in sorted(self.output.parent.glob(f"{self.output.name}_rank*.jsonl"))
-                 for record in read_records(file)}
+        found = {}
+        for file in sorted(self.output.parent.glob(f"{self.output.name}_rank*.jsonl")):
+            for record in read_records(file):
+                if record["request"] != self.request:
+                    raise ConfigError(f"{file} holds completions of another request ({record['request']}): give "
+                                      "this one another --output")
+                if digests.get(record["id"]) != record["prompt_digest"]:
+                    raise ConfigError(f"{file}: prompt {record['id']!r} is not the one it was completed for: give "
+                                      "another --output")
+                found[record["id"]] = record
         wait_for_ranks()
         return found
 
-    def add(self, record: dict) -> None:
-        append_record(self.own_file, record)
+    def add(self, key: str, digest: str, completion: dict) -> None:
+        append_record(self.own_file, {"request": self.request, "prompt_digest": digest, "id": key, **completion})
 
 
 def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> dict:
@@ -104,8 +117,11 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
             prompt, stop_text = chat_prompt(model, turns, "--chat")
         ids = tokenizer.encode(prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
         encoded[key] = ids or [tokenizer.eod]
-    completions = Completions(output)
-    done = completions.done()
+    digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
+    completions = Completions(output, {"checkpoint": str(Path(model.checkpoint_dir).resolve()),
+                                       "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                                       "seed": seed})
+    done = completions.done(digests)
     todo = sorted((key for key, _ in prompts if key not in done), key=lambda key: -len(encoded[key]))
     mine = list(share(todo))
     generator = torch.Generator().manual_seed(seed + rank_and_world()[0])
@@ -123,14 +139,14 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
                                      vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod, stops=stops,
                                      temperature=temperature, top_k=top_k, generator=generator)
             for key, new_ids in zip(batch, answers):
-                completions.add({"id": key, **_completion(model, new_ids, stop_text)})
+                completions.add(key, digests[key], _completion(model, new_ids, stop_text))
                 task.advance(1, len(encoded[key]) + len(new_ids))
     wait_for_ranks()  # every rank's last batch is in its file
-    every = completions.done()
+    every = completions.done(digests)
     if reports():
         with Path(output).open("w", encoding="utf-8") as out:
             for key, _ in prompts:
-                out.write(json.dumps(every[key]) + "\n")
+                out.write(json.dumps({field: every[key][field] for field in OUTPUT_FIELDS}) + "\n")
         new_tokens = sum(every[key]["new_tokens"] for key in todo)
         console.print(f"generate: wrote {len(prompts)} completions to {output} ({len(todo)} generated now, "
                       f"{new_tokens:,} new tokens in {time.perf_counter() - started:.1f} s)")
