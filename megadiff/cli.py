@@ -69,9 +69,9 @@ def _sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> N
                         help="default: the checkpoint's training precision")
 
 
-def _held_out_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+def _held_out_command(sub, name: str, help_text: str, hf: bool = False) -> argparse.ArgumentParser:
     """A checkpoint command over held-out samples cut as training cuts them."""
-    parser = _checkpoint_command(sub, name, help_text)
+    parser = _checkpoint_command(sub, name, help_text, hf)
     parser.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's model.seq_length")
     parser.add_argument("--sequences", type=int, default=16, help="samples (of each source of a blend)")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         buckets=a.buckets, overrides=a.overrides, output=a.output, frequent_bigrams=a.frequent_bigrams,
         bigram_sample_tokens=a.bigram_sample_tokens))
     outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
-                                 "(the DIFF paper's activation outliers)")
+                                 "(the DIFF paper's activation outliers)", hf=True)
     needles = _checkpoint_command(sub, "needles", "multi-needle retrieval accuracy by context length and depth "
                                   "(haystack: the split's text)", hf=True)
     needles.add_argument("--lengths", type=int, nargs="+", required=True, help="context lengths in tokens")
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         window=a.window))
     outliers.set_defaults(run=lambda a: _target("megadiff.inference.outliers:outliers")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
-        overrides=a.overrides, output=a.output))
+        overrides=a.overrides, output=a.output, hf=a.hf, dtype=a.dtype, window=a.window))
 
     harness = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a checkpoint (the papers' zero-shot "
                              "tables), no conversion")

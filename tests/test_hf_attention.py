@@ -132,5 +132,5 @@ def test_a_model_outside_the_attention_interface_is_refused(tokenizer_dir):
         def parameters(self):
             return iter([torch.zeros(1)])
 
-    with pytest.raises(ConfigError, match="0 of Silent's 2 layers"):
+    with pytest.raises(ConfigError, match="needles --attention --hf: 0 of Silent's 2 layers"):
         hf_attention_rows(HFCausalLM(Silent(), tokenizer_dir, 256), TOKENS, POSITION)

@@ -107,3 +107,23 @@ def test_cli_report_equals_naive_statistics(runs, tmp_path, variant):
         for k in TOP:
             assert report[name][f"top_{k}"] == pytest.approx(torch.topk(values, k).values[-1].item(), rel=1e-5)
         assert report[name]["median"] == pytest.approx(values.median().item(), rel=2e-3)
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_an_exported_model_reports_the_checkpoints_statistics(runs, tmp_path, variant):
+    """--hf on the run's export (stock DiffLlama or Llama, run by transformers), the held-out text
+    named by data.* overrides: every map's logits (DiffLlama's second call, the same maps with the
+    other half of V, counted once) and every layer's output, as the checkpoint reports them."""
+    assert main(["convert", "to-hf", "--load", str(runs[variant]), "--save", str(tmp_path / "hf")]) == 0
+    options = ["--sequences", "3", "--batch-size", "2"]
+    assert main(["outliers", "--load", str(runs[variant]), *options, "--output", str(tmp_path / "run.json")]) == 0
+    data = load_checkpoint(runs[variant]).cfg.data
+    assert main(["outliers", "--hf", str(tmp_path / "hf"), "--dtype", "fp32", "--seq-length", "32", *options,
+                 f"data.prefix={data.prefix}", f"data.split={data.split}", f"data.cache_dir={data.cache_dir}",
+                 "--output", str(tmp_path / "hf.json")]) == 0
+    ours, theirs = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("run", "hf"))
+    assert theirs["variant"] == ("DiffLlamaForCausalLM" if variant == "diff" else "LlamaForCausalLM")
+    for name in ("attention_logits", "hidden_states"):
+        assert theirs[name]["values"] == ours[name]["values"]
+        for key, value in ours[name].items():
+            assert theirs[name][key] == pytest.approx(value, rel=1e-4), (name, key)

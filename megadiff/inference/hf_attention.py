@@ -16,6 +16,9 @@ does, so nothing of the model changes. Per layer and head, the row is:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
 import torch
 
 from megadiff.config import ConfigError
@@ -71,29 +74,45 @@ def _layer_rows(module, calls: list[tuple]) -> torch.Tensor:
     return rows
 
 
+@contextmanager
+def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
+    """Within: every attention call of `hf`'s forward passes is shown to on_call(module, query,
+    key, value, scaling) ([B, heads, N, d] tensors as transformers hands them: rotated, keys not
+    yet repeated for grouped queries), then attends as SDPA does."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        on_call(module, query, key, value, scaling)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(CAPTURE, capture)
+    implementation = hf.config._attn_implementation
+    hf.set_attn_implementation(CAPTURE)
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(implementation)
+
+
+def require_every_layer(hf, modules: int, command: str) -> None:
+    layers = hf.config.num_hidden_layers
+    if modules != layers:
+        raise ConfigError(f"{command} --hf: {modules} of {type(hf).__name__}'s {layers} layers attend through "
+                          "transformers' attention interface; its attention cannot be read")
+
+
 @torch.no_grad()
 def hf_attention_rows(model, tokens: list[int], position: int) -> list[torch.Tensor]:
     """Per layer, [heads, position + 1]: the (effective) attention of token `position` over the
     tokens up to it, for `model` an HFCausalLM."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     calls: dict[torch.nn.Module, list[tuple]] = {}
 
-    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    def keep(module, query, key, value, scaling) -> None:
         calls.setdefault(module, []).append((query[:, :, -1:], key, value, scaling))
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
-    AttentionInterface.register(CAPTURE, capture)
-    hf = model.hf
-    implementation = hf.config._attn_implementation
-    hf.set_attn_implementation(CAPTURE)
-    try:
-        hf(input_ids=torch.tensor([tokens[:position + 1]], device=model.device), use_cache=False, logits_to_keep=1)
-    finally:
-        hf.set_attn_implementation(implementation)
-    layers = hf.config.num_hidden_layers
-    if len(calls) != layers:
-        raise ConfigError(f"needles --attention --hf: {len(calls)} of {type(hf).__name__}'s {layers} layers attend "
-                          "through transformers' attention interface; its rows cannot be read")
+    with attention_calls(model.hf, keep):
+        model.hf(input_ids=torch.tensor([tokens[:position + 1]], device=model.device), use_cache=False,
+                 logits_to_keep=1)
+    require_every_layer(model.hf, len(calls), "needles --attention")
     return [_layer_rows(module, module_calls) for module, module_calls in calls.items()]

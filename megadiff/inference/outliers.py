@@ -5,6 +5,7 @@ Over held-out samples (as `megadiff evaluate` reads them), the largest absolute 
 - attention logits: every softmax map's pre-softmax scores q.k x scale over the causal
   (query, key) pairs; a differential head has two maps;
 - hidden states: every layer's output.
+A Hugging Face model (`--hf`) is read through transformers' attention interface and layer hooks.
 Top values are exact. The median comes from a histogram of log-spaced bins (each 0.16% wide), as
 billions of values cannot be sorted; it is exact to that width. Compare a DIFF run with its
 softmax twin: the paper reports about 8x smaller top attention logits and 2x smaller top hidden
@@ -22,7 +23,9 @@ from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.evaluate import check_request, evaluation_config, held_out_dataset, sample_batches
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.hf_attention import attention_calls, require_every_layer
+from megadiff.inference.hf_model import HFCausalLM, load_model
+from megadiff.inference.loader import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, share, share_size, sum_across_ranks
 from megadiff.inference.reporting import command_console, write_report
@@ -118,12 +121,26 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = SC
         yield scores[:, :, visible]
 
 
-class ActivationRecorder:
-    """Forward hooks on every layer of a single-process GPTModel, feeding the two statistics."""
+class Recorder:
+    """The two statistics, and the hooks that feed them (removed by close())."""
 
-    def __init__(self, gpt: torch.nn.Module):
+    def __init__(self):
         self.logits, self.hidden = AbsStatistics(), AbsStatistics()
         self._handles = []
+
+    def _layer_output(self, module, args, output) -> None:
+        self.hidden.add(output[0] if isinstance(output, tuple) else output)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class ActivationRecorder(Recorder):
+    """Forward hooks on every layer of a single-process GPTModel."""
+
+    def __init__(self, gpt: torch.nn.Module):
+        super().__init__()
         for layer in gpt.decoder.layers:
             self._handles.append(layer.self_attention.core_attention.register_forward_pre_hook(self._attention))
             self._handles.append(layer.register_forward_hook(self._layer_output))
@@ -135,23 +152,46 @@ class ActivationRecorder:
             for scores in causal_scores(q, k, scale):
                 self.logits.add(scores)
 
-    def _layer_output(self, module, args, output) -> None:
-        self.hidden.add(output[0] if isinstance(output, tuple) else output)
 
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+class HFActivationRecorder(Recorder):
+    """The same statistics of a transformers model (`outliers --hf`): its attention calls' scores
+    through transformers' attention interface (each map once: DiffLlama's second call repeats its
+    queries and keys with the other half of V), its decoder layers' outputs by forward hooks."""
+
+    def __init__(self, model: HFCausalLM):
+        super().__init__()
+        self.hf = model.hf
+        self.last_maps: dict[torch.nn.Module, tuple] = {}
+        self._handles = [layer.register_forward_hook(self._layer_output) for layer in self.hf.get_decoder().layers]
+
+    def _attention(self, module, query, key, value, scaling) -> None:
+        last = self.last_maps.get(module)
+        self.last_maps[module] = (query, key)
+        if last is not None and last[0] is query and last[1] is key:
+            return
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        for scores in causal_scores(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5):
+            self.logits.add(scores)
+
+    def forward(self, tokens: torch.Tensor) -> None:
+        self.last_maps.clear()
+        with attention_calls(self.hf, self._attention):
+            self.hf(input_ids=tokens.to(next(self.hf.parameters()).device), use_cache=False, logits_to_keep=1)
+        require_every_layer(self.hf, len(self.last_maps), "outliers")
 
 
 @torch.no_grad()
-def record_activations(model: CausalLM, batches: Iterable[torch.Tensor],
+def record_activations(model: CausalLM | HFCausalLM, batches: Iterable[torch.Tensor],
                        on_batch: Callable[[torch.Tensor], None] | None = None) -> dict:
     """{"attention_logits": ..., "hidden_states": ...} over the token batches [b, N] (of every rank:
     each passes its own, calling `on_batch` after each)."""
-    recorder = ActivationRecorder(model.gpt)
+    recorder = HFActivationRecorder(model) if isinstance(model, HFCausalLM) else ActivationRecorder(model.gpt)
     try:
         for tokens in batches:
-            model.hidden_states(tokens)
+            if isinstance(model, HFCausalLM):
+                recorder.forward(tokens)
+            else:
+                model.hidden_states(tokens)
             if on_batch is not None:
                 on_batch(tokens)
     finally:
@@ -161,11 +201,13 @@ def record_activations(model: CausalLM, batches: Iterable[torch.Tensor],
     return {"attention_logits": recorder.logits.summary(), "hidden_states": recorder.hidden.summary()}
 
 
-def outliers(load: str, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
-             batch_size: int = 1, overrides: Iterable[str] = (), output: str | None = None) -> int:
-    """`megadiff outliers --load RUN`: print (and with `output`, write as JSON) the statistics."""
+def outliers(load: str | None, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
+             batch_size: int = 1, overrides: Iterable[str] = (), output: str | None = None, hf: str | None = None,
+             dtype: str | None = None, window: int | None = None) -> int:
+    """`megadiff outliers --load RUN` (or `--hf DIR`: a transformers model, its held-out text named
+    by the data.* overrides): print (and with `output`, write as JSON) the statistics."""
     check_request("outliers", split, overrides, sequences=sequences, batch_size=batch_size)
-    model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
+    model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
@@ -178,7 +220,8 @@ def outliers(load: str, split: str = "valid", seq_length: int | None = None, seq
     with command_progress("outliers") as progress:
         task = ProgressTask(progress, ", ".join(prefixes), sum(share_size(count) for count in counts))
         report = record_activations(model, batches, lambda tokens: task.advance(len(tokens), tokens.numel()))
-    report.update(checkpoint=str(model.checkpoint_dir), variant=model.cfg.model.variant, split=split,
+    variant = type(model.hf).__name__ if isinstance(model, HFCausalLM) else model.cfg.model.variant
+    report.update(checkpoint=str(model.checkpoint_dir), variant=variant, split=split,
                   data=prefixes, sequences=sum(counts), seq_length=cfg.model.seq_length)
     table = Table(title=f"{report['checkpoint']} ({report['variant']}): largest |activations| over "
                         f"{report['sequences']} sequences of {report['seq_length']} tokens")
