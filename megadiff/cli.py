@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         a.load, system=a.system, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
         seed=a.seed, dtype=a.dtype))
 
-    evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position")
+    evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position", hf=True)
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")
     evaluate.add_argument("--frequent-bigrams", type=float, default=None, metavar="PER_MILLION",
                           help="Zoology's AR-hit filter: a bigram at least this frequent in the training split "
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=lambda a: _target("megadiff.inference.evaluate:evaluate")(
         a.load, split=a.split, seq_length=a.seq_length, sequences=a.sequences, batch_size=a.batch_size,
         buckets=a.buckets, overrides=a.overrides, output=a.output, frequent_bigrams=a.frequent_bigrams,
-        bigram_sample_tokens=a.bigram_sample_tokens))
+        bigram_sample_tokens=a.bigram_sample_tokens, hf=a.hf, dtype=a.dtype, window=a.window))
     outliers = _held_out_command(sub, "outliers", "largest attention logits and hidden states of a checkpoint "
                                  "(the DIFF paper's activation outliers)", hf=True)
     needles = _checkpoint_command(sub, "needles", "multi-needle retrieval accuracy by context length and depth "

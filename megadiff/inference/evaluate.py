@@ -31,7 +31,8 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.hf_model import HFCausalLM, load_model
+from megadiff.inference.loader import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
 from megadiff.inference.recall import (
@@ -42,7 +43,7 @@ from megadiff.inference.reporting import command_console, write_report
 SPLITS = ("valid", "test")
 
 
-def evaluation_config(model: CausalLM, seq_length: int | None, overrides: Iterable[str]):
+def evaluation_config(model: CausalLM | HFCausalLM, seq_length: int | None, overrides: Iterable[str]):
     """The checkpoint's config with the evaluation's sequence length and data overrides."""
     overrides = list(overrides)
     if seq_length is not None:
@@ -87,7 +88,7 @@ def sample_batches(dataset, indices: Sequence[int], batch_size: int,
 
 
 @torch.no_grad()
-def position_losses(model: CausalLM, dataset, sequences: int, batch_size: int, on_batch=None,
+def position_losses(model: CausalLM | HFCausalLM, dataset, sequences: int, batch_size: int, on_batch=None,
                     document_eod: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[sequences, N] next-token losses (fp32, on the CPU) of the dataset's first `sequences` samples
     (with `document_eod`, attending within documents, as data.document_masking trains) and [sequences,
@@ -159,18 +160,20 @@ def check_request(command: str, split: str, overrides: Iterable[str], **counts: 
         raise ConfigError(f"{command} takes data.* overrides only (the model is the checkpoint's), got {unexpected}")
 
 
-def evaluate(load: str, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
+def evaluate(load: str | None, split: str = "valid", seq_length: int | None = None, sequences: int = 16,
              batch_size: int = 1, buckets: int = 8, overrides: Iterable[str] = (), output: str | None = None,
-             frequent_bigrams: float | None = None, bigram_sample_tokens: int | None = None) -> int:
-    """`megadiff evaluate --load RUN`: print (and with `output`, write as JSON) the held-out losses;
-    with `frequent_bigrams` (per million), Zoology's filter on the AR hits (inference/recall.py)."""
+             frequent_bigrams: float | None = None, bigram_sample_tokens: int | None = None, hf: str | None = None,
+             dtype: str | None = None, window: int | None = None) -> int:
+    """`megadiff evaluate --load RUN` (or `--hf DIR`: a transformers model, its held-out text named
+    by the data.* overrides): print (and with `output`, write as JSON) the held-out losses; with
+    `frequent_bigrams` (per million), Zoology's filter on the AR hits (inference/recall.py)."""
     sample_tokens = DEFAULT_SAMPLE_TOKENS if bigram_sample_tokens is None else bigram_sample_tokens
     check_request("evaluate", split, overrides, sequences=sequences, batch_size=batch_size, buckets=buckets,
                   bigram_sample_tokens=sample_tokens)
     if frequent_bigrams is not None and not frequent_bigrams > 0:
         raise ConfigError(f"--frequent-bigrams must be > 0 (occurrences per million), got {frequent_bigrams}")
     frequent = None if frequent_bigrams is None else FrequentBigrams(frequent_bigrams, sample_tokens)
-    model = load_checkpoint(load)  # first: under torchrun it joins the ranks' process group
+    model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
@@ -201,7 +204,7 @@ def evaluate(load: str, split: str = "valid", seq_length: int | None = None, seq
     return 0
 
 
-def _source_losses(model: CausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
+def _source_losses(model: CausalLM | HFCausalLM, cfg, split: str, sequences: int, batch_size: int, console: Console,
                    progress: Progress, frequent: FrequentBigrams | None) -> tuple[torch.Tensor, ...]:
     """position_losses() (losses, scored) and recall_hits() of cfg's one prefix, with a progress bar of its own."""
     dataset = held_out_dataset(cfg, model.tokenizer, split, sequences, console)

@@ -1,6 +1,7 @@
 """A Hugging Face causal LM behind the calls the checkpoint commands make of a megadiff checkpoint,
-so `icl` and `needles` measure a Dex/DAA-adapted export (the adaptation papers' in-context learning
-and needle retrieval), the model it was adapted from, or any megadiff export as they measure a run.
+so `evaluate`, `icl`, `needles` and `outliers` measure a Dex/DAA-adapted export (the adaptation
+papers' in-context learning and needle retrieval), the model it was adapted from, or any megadiff
+export as they measure a run.
 
 transformers runs the model as it always does (its own cache, RoPE and attention). What the
 commands read of a run's config is the window and the tokenizer: here the model's
@@ -13,10 +14,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from megadiff.config import Config, ConfigError, build_config
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.loader import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 from megadiff.parallel import compute_device, init_process_group
 
@@ -46,8 +48,9 @@ class HFCache:
 
 
 class HFCausalLM:
-    """model.next_token_logits(ids [B, n], cache) -> [B, V]; model.logits_at(ids, positions) ->
-    [B, P, V], on the model's device; `cfg` holds the window and the tokenizer."""
+    """model(ids, labels) -> next-token losses [B, N]; model.next_token_logits(ids [B, n], cache) ->
+    [B, V]; model.logits_at(ids, positions) -> [B, P, V], on the model's device; `cfg` holds the
+    window and the tokenizer."""
 
     def __init__(self, hf, path: str | Path, window: int):
         self.hf, self.checkpoint_dir = hf, Path(path)
@@ -60,6 +63,19 @@ class HFCausalLM:
 
     def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> HFCache:
         return HFCache(self.hf)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, document_eod: int | None = None) -> torch.Tensor:
+        """Next-token cross entropy [B, N] (fp32) of `labels`, as CausalLM's: the output layer runs
+        over LOSS_CHUNK_TOKENS tokens at a time (a 64K sequence's whole logits would not fit)."""
+        if document_eod is not None:
+            raise ConfigError("--hf: a Hugging Face model attends across documents; data.document_masking does not "
+                              "apply to it")
+        hidden = self.hf.get_decoder()(input_ids=input_ids.to(self.device), use_cache=False).last_hidden_state
+        labels, head = labels.to(self.device), self.hf.get_output_embeddings()
+        step = max(1, LOSS_CHUNK_TOKENS // labels.shape[0])
+        return torch.cat([F.cross_entropy(head(hidden[:, i:i + step]).float().transpose(1, 2), labels[:, i:i + step],
+                                          reduction="none") for i in range(0, labels.shape[1], step)], dim=1)
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
