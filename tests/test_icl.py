@@ -144,7 +144,8 @@ def test_an_exported_model_answers_as_its_checkpoint(root, tmp_path):
 
 def test_a_dint_export_answers_as_its_checkpoint(root, tmp_path):
     """DINT exports with megadiff's own modeling code, whose cache also holds the integral's running
-    sum: the copies the demonstrations' cache is rewound to carry it, so answers are the run's."""
+    sum: the copies the demonstrations' cache is rewound to carry it, so answers are the run's; its
+    per-token losses and chosen logits (evaluate, needles) are the run's too."""
     from megadiff.inference.hf_model import load_hf_model
 
     cfg = build_config(variant_config("dint", "single", str(root / "tokenizer")).model_dump(mode="json"),
@@ -153,9 +154,14 @@ def test_a_dint_export_answers_as_its_checkpoint(root, tmp_path):
     (tmp_path / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
     assert main(["convert", "to-hf", "--load", str(tmp_path / "run"), "--save", str(tmp_path / "hf")]) == 0
     draw, tests = examples(root, "train"), examples(root, "test")[:8]
-    ours = accuracy_grid(load_checkpoint(tmp_path / "run", torch.float32), draw, tests, [1, 4], 2, "random")
-    theirs = accuracy_grid(load_hf_model(tmp_path / "hf", "fp32"), draw, tests, [1, 4], 2, "random")
-    assert torch.equal(theirs, ours)
+    run, export = load_checkpoint(tmp_path / "run", torch.float32), load_hf_model(tmp_path / "hf", "fp32")
+    assert torch.equal(accuracy_grid(export, draw, tests, [1, 4], 2, "random"),
+                       accuracy_grid(run, draw, tests, [1, 4], 2, "random"))
+    # and what evaluate and needles ask of it: per-token losses, chosen positions' logits
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(export(ids[:, :-1], ids[:, 1:]), run(ids[:, :-1], ids[:, 1:]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(export.logits_at(ids, [3, 39]), run.logits_at(ids, [3, 39]), rtol=1e-4, atol=1e-4)
 
 
 def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
