@@ -1,10 +1,10 @@
-"""The attention rows of a Hugging Face model's layers at one query position: what `needles
---attention --hf` allocates between the answer and the haystack, for a model the way transformers
-runs it (Llama, Qwen2, Mistral) and for its Dex/DAA adaptations (docs/SPEC.md section 9).
+"""A Hugging Face model's attention, read through transformers' attention interface: every call's
+queries and keys (`outliers --hf`), and the rows at one query position that `needles --attention
+--hf` allocates between the answer and the haystack, for a model the way transformers runs it
+(Llama, Qwen2, Mistral, DiffLlama) and for its Dex/DAA adaptations (docs/SPEC.md section 9).
 
-Every attention call goes through transformers' attention interface; for one forward pass it is
-pointed at a function that keeps the call's query row, keys and values and then attends as SDPA
-does, so nothing of the model changes. Per layer and head, the row is:
+For a forward pass the interface is pointed at a function that shows each call's tensors to the
+reader and then attends as SDPA does, so nothing of the model changes. Per layer and head, the row is:
 - the softmax row, for a head as pretrained;
 - transformers' DiffLlama (heads i and i + h the two maps of differential head i): (A1 - lambda
   A2) / (1 - lambda), as `needles --attention --load` gives a megadiff checkpoint's;
@@ -83,7 +83,7 @@ def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        on_call(module, query, key, value, scaling)
+        on_call(module, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5)
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register(CAPTURE, capture)

@@ -170,7 +170,7 @@ class HFActivationRecorder(Recorder):
         if last is not None and last[0] is query and last[1] is key:
             return
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        for scores in causal_scores(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5):
+        for scores in causal_scores(query, key, scaling):
             self.logits.add(scores)
 
     def forward(self, tokens: torch.Tensor) -> None:
