@@ -83,7 +83,9 @@ class Completions:
                 if record["request"] != self.request:
                     raise ConfigError(f"{file} holds completions of another request ({record['request']}): give "
                                       "this one another --output")
-                if digests.get(record["id"]) != record["prompt_digest"]:
+                if record["id"] not in digests:  # a prompt since taken out of the file
+                    continue
+                if digests[record["id"]] != record["prompt_digest"]:
                     raise ConfigError(f"{file}: prompt {record['id']!r} is not the one it was completed for: give "
                                       "another --output")
                 found[record["id"]] = record
