@@ -24,8 +24,9 @@ from megadiff.parallel import compute_device, init_process_group
 
 
 class HFCache:
-    """A transformers cache with the KVCache calls the commands make. A mark is a copy of the whole
-    cache: models that keep more than keys and values per layer (DINT's running sum) rewind too."""
+    """A transformers cache with the KVCache calls the commands make. Where every layer holds keys
+    and values alone, a mark is a length and rewinding crops the cache; otherwise (DINT's running
+    sum, a sliding window) a mark is a copy of the whole cache."""
 
     def __init__(self, model):
         from transformers import DynamicCache
@@ -40,11 +41,20 @@ class HFCache:
     def reset(self) -> None:
         self.cache = self.new()
 
+    def _keys_and_values_only(self) -> bool:
+        from transformers.cache_utils import DynamicLayer
+
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
     def mark(self):
-        return copy.deepcopy(self.cache)
+        return self.length if self._keys_and_values_only() else copy.deepcopy(self.cache)
 
     def rewind(self, mark) -> None:
-        self.cache = copy.deepcopy(mark)
+        if isinstance(mark, int):
+            if mark < self.length:
+                self.cache.crop(mark - self.length)  # transformers crops by how many tokens to drop, negative
+        else:
+            self.cache = copy.deepcopy(mark)
 
 
 class HFCausalLM:
