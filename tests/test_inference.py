@@ -375,3 +375,7 @@ def test_a_held_context_runs_each_turn_from_what_it_holds(run, variant, monkeypa
             continue
         assert context.reused == expected_reuse and positions_run == [len(prompt) - expected_reuse] + [1] * 4
         assert context.ids == prompt + reply[:-1] and context.cache.length == len(context.ids)
+        # DINT keeps running sums from the reused prefix on only: its end, the prompt's call, each token's
+        assert sorted(context.cache.call_ends) == ([] if variant == "diff" else
+                                                   [expected_reuse] * (expected_reuse > 0) +
+                                                   list(range(len(prompt), len(prompt) + 5)))

@@ -60,6 +60,7 @@ class HeldContext:
         while shared < limit and self.ids[shared] == prompt[shared]:
             shared += 1
         self.reused = self.cache.truncate(shared)
+        self.cache.forget_call_ends_before(self.reused)  # a conversation goes back at most into its last reply
         del self.ids[self.reused:]
         return self.reused
 

@@ -87,6 +87,11 @@ class KVCache:
             self.rewind((kept, self.call_ends[kept]))
         return kept
 
+    def forget_call_ends_before(self, length: int) -> None:
+        """Drop the running sums kept at call ends before `length`: a sequence that only grows past
+        it never goes back there, and each sum is a layer's [B, 1, H, dv] per generated token."""
+        self.call_ends = {end: snapshots for end, snapshots in self.call_ends.items() if end >= length}
+
     @contextmanager
     def extending(self, positions: int):
         """Around a forward pass of the next `positions` positions: attaches the integral carries,
