@@ -35,7 +35,8 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def _attention_implementation(model: nn.Module, name: str):
+def attention_implementation(model: nn.Module, name: str):
+    """Within: `model` attends with transformers' attention function `name`, then as before."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
@@ -60,7 +61,7 @@ def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor], documen
 
     handles = [module.register_forward_hook(record(i)) for i, module in enumerate(modules)]
     try:
-        with _attention_implementation(model, "eager"), torch.no_grad():
+        with attention_implementation(model, "eager"), torch.no_grad():
             for input_ids in batches:
                 model(**model_inputs(input_ids.to(model.device), document_eos))
                 rows += input_ids.numel()

@@ -27,7 +27,7 @@ from megadiff.inference.generate import generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
-from megadiff.inference.records import append_record, read_records
+from megadiff.inference.records import RankRecords
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -72,28 +72,22 @@ class Completions:
     of a prompt that changed under its id, is refused rather than handed old completions."""
 
     def __init__(self, output: str, request: dict):
-        self.output, self.request = Path(output), request
-        self.own_file = self.output.with_name(f"{self.output.name}_rank{rank_and_world()[0]}.jsonl")
+        self.records = RankRecords(output, request, "--output")
 
     def done(self, digests: dict[str, str]) -> dict[str, dict]:
-        """Every rank's completions so far (read by all ranks before any writes more)."""
+        """Every rank's completions so far of the prompts in `digests` (id -> digest)."""
         found = {}
-        for file in sorted(self.output.parent.glob(f"{self.output.name}_rank*.jsonl")):
-            for record in read_records(file):
-                if record["request"] != self.request:
-                    raise ConfigError(f"{file} holds completions of another request ({record['request']}): give "
-                                      "this one another --output")
-                if record["id"] not in digests:  # a prompt since taken out of the file
-                    continue
-                if digests[record["id"]] != record["prompt_digest"]:
-                    raise ConfigError(f"{file}: prompt {record['id']!r} is not the one it was completed for: give "
-                                      "another --output")
-                found[record["id"]] = record
-        wait_for_ranks()
+        for file, record in self.records.read():
+            if record["id"] not in digests:  # a prompt since taken out of the file
+                continue
+            if digests[record["id"]] != record["prompt_digest"]:
+                raise ConfigError(f"{file}: prompt {record['id']!r} is not the one it was completed for: give "
+                                  "another --output")
+            found[record["id"]] = record
         return found
 
     def add(self, key: str, digest: str, completion: dict) -> None:
-        append_record(self.own_file, {"request": self.request, "prompt_digest": digest, "id": key, **completion})
+        self.records.add({"prompt_digest": digest, "id": key, **completion})
 
 
 def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> dict:

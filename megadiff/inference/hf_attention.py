@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from megadiff.adapt.selection import attention_implementation
 from megadiff.config import ConfigError
 
 CAPTURE = "megadiff_attention_rows"
@@ -87,12 +88,8 @@ def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register(CAPTURE, capture)
-    implementation = hf.config._attn_implementation
-    hf.set_attn_implementation(CAPTURE)
-    try:
+    with attention_implementation(hf, CAPTURE):
         yield
-    finally:
-        hf.set_attn_implementation(implementation)
 
 
 def require_every_layer(hf, modules: int, command: str) -> None:

@@ -26,8 +26,8 @@ from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.loader import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
-from megadiff.inference.ranks import rank_and_world, reports, share, share_size, sum_across_ranks, wait_for_ranks
-from megadiff.inference.records import append_record, read_records
+from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
+from megadiff.inference.records import RankRecords
 from megadiff.inference.reporting import command_console, write_report
 
 ARRANGEMENTS = ("random", "by-class")
@@ -169,25 +169,16 @@ class AnswerCache:
     request (same checkpoint, data, examples and seed; any shots and orders) answers only the rest."""
 
     def __init__(self, path: str, request: dict):
-        self.path, self.request = Path(path), request
-        self.own_file = self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl")
+        self.records = RankRecords(path, request, "--cache")
 
     def answers(self) -> dict[Cell, bool]:
-        """Every rank's answers so far (read by all ranks before any writes more)."""
-        found = {}
-        for file in sorted(self.path.parent.glob(f"{self.path.name}_rank*.jsonl")):
-            for record in read_records(file):
-                if record["request"] != self.request:
-                    raise ConfigError(f"{file} holds answers to another request ({record['request']}): give this "
-                                      "one another --cache")
-                found[record["shots"], record["order"], record["example"]] = record["correct"]
-        wait_for_ranks()
-        return found
+        """Every rank's answers so far."""
+        return {(record["shots"], record["order"], record["example"]): record["correct"]
+                for _, record in self.records.read()}
 
     def add(self, cell: Cell, correct: bool) -> None:
         shots, order, example = cell
-        append_record(self.own_file, {"request": self.request, "shots": shots, "order": order, "example": example,
-                                      "correct": correct})
+        self.records.add({"shots": shots, "order": order, "example": example, "correct": correct})
 
 
 def grid_cells(shots: Sequence[int], orders: int, examples: int) -> list[Cell]:

@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+from megadiff.config import ConfigError
+from megadiff.inference.ranks import rank_and_world, wait_for_ranks
+
 
 def read_records(path: Path) -> list[dict]:
     """The records in `path` (none when it does not exist)."""
@@ -33,3 +36,27 @@ def append_record(path: Path, record: dict) -> None:
         out.write((b"\n" if cut_short else b"") + json.dumps(record).encode() + b"\n")
         out.flush()
         os.fsync(out.fileno())
+
+
+class RankRecords:
+    """The records of one request in PATH_rankN.jsonl, a file per rank (so ranks never write one
+    file together): every rank reads all of them, refusing another request's, and appends to its own."""
+
+    def __init__(self, path: str | Path, request: dict, option: str):
+        self.path, self.request, self.option = Path(path), request, option
+        self.own_file = self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl")
+
+    def read(self) -> list[tuple[Path, dict]]:
+        """(file, record) of every rank's records so far (read by all ranks before any writes more)."""
+        found = []
+        for file in sorted(self.path.parent.glob(f"{self.path.name}_rank*.jsonl")):
+            for record in read_records(file):
+                if record["request"] != self.request:
+                    raise ConfigError(f"{file} holds the results of another request ({record['request']}): give "
+                                      f"this one another {self.option}")
+                found.append((file, record))
+        wait_for_ranks()
+        return found
+
+    def add(self, record: dict) -> None:
+        append_record(self.own_file, {"request": self.request, **record})
