@@ -63,6 +63,22 @@ def test_each_completion_is_the_prompts_own_generation(root, tmp_path):
     assert any(row["completion"] for row in got)
 
 
+def test_a_prompt_longer_than_the_window_keeps_its_end(root, tmp_path):
+    model = load_checkpoint(root / "run")
+    tokenizer = model.tokenizer
+    text = " ".join(kjv_verses()[:40])
+    ids = tokenizer.encode(text)
+    assert len(ids) > WINDOW
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": text}) + "\n")
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "long.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW)]) == 0
+    new = generate(model, ids[-(WINDOW - NEW):], max_new_tokens=NEW, stop_id=tokenizer.eod,
+                   vocab_in_use=tokenizer.vocab_size)
+    (row,) = completions(tmp_path / "out.jsonl")
+    assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(
+        [token for token in new if token != tokenizer.eod])
+
+
 def test_chat_prompts_are_the_templates_and_stop_at_the_turns_end(root, tmp_path, monkeypatch):
     from megadiff.inference import generate_file as module
 
