@@ -122,7 +122,8 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = SC
 
 
 class Recorder:
-    """The two statistics, and the hooks that feed them (removed by close())."""
+    """The two statistics, and the hooks that feed them (removed by close()); run(tokens) runs the
+    model over a batch."""
 
     def __init__(self):
         self.logits, self.hidden = AbsStatistics(), AbsStatistics()
@@ -139,11 +140,15 @@ class Recorder:
 class ActivationRecorder(Recorder):
     """Forward hooks on every layer of a single-process GPTModel."""
 
-    def __init__(self, gpt: torch.nn.Module):
+    def __init__(self, model: CausalLM):
         super().__init__()
-        for layer in gpt.decoder.layers:
+        self.model = model
+        for layer in model.gpt.decoder.layers:
             self._handles.append(layer.self_attention.core_attention.register_forward_pre_hook(self._attention))
             self._handles.append(layer.register_forward_hook(self._layer_output))
+
+    def run(self, tokens: torch.Tensor) -> None:
+        self.model.hidden_states(tokens)
 
     def _attention(self, module, args) -> None:
         query, key = args[0], args[1]
@@ -173,7 +178,7 @@ class HFActivationRecorder(Recorder):
         for scores in causal_scores(query, key, scaling):
             self.logits.add(scores)
 
-    def forward(self, tokens: torch.Tensor) -> None:
+    def run(self, tokens: torch.Tensor) -> None:
         self.last_maps.clear()
         with attention_calls(self.hf, self._attention):
             self.hf(input_ids=tokens.to(next(self.hf.parameters()).device), use_cache=False, logits_to_keep=1)
@@ -185,13 +190,10 @@ def record_activations(model: CausalLM | HFCausalLM, batches: Iterable[torch.Ten
                        on_batch: Callable[[torch.Tensor], None] | None = None) -> dict:
     """{"attention_logits": ..., "hidden_states": ...} over the token batches [b, N] (of every rank:
     each passes its own, calling `on_batch` after each)."""
-    recorder = HFActivationRecorder(model) if isinstance(model, HFCausalLM) else ActivationRecorder(model.gpt)
+    recorder = (HFActivationRecorder if isinstance(model, HFCausalLM) else ActivationRecorder)(model)
     try:
         for tokens in batches:
-            if isinstance(model, HFCausalLM):
-                recorder.forward(tokens)
-            else:
-                model.hidden_states(tokens)
+            recorder.run(tokens)
             if on_batch is not None:
                 on_batch(tokens)
     finally:
