@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from megadiff.inference.chat_prompts import chat_prompt, checkpoint_chat_template
+from megadiff.inference.chat_prompts import chat_renderer
 from megadiff.inference.generate import HeldContext, print_continuation
 from megadiff.inference.loader import load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -19,14 +19,13 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, dtype: str | None = None) -> int:
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
-    checkpoint_chat_template(model, "chat")  # a checkpoint without one is refused before any input
+    render, reply_end = chat_renderer(model, "chat")  # no template: refused before any input
     messages = [{"role": "system", "content": system}] if system is not None else []
     interactive, context = sys.stdin.isatty(), HeldContext(model)
     for turn, line in enumerate(_messages(interactive)):
         messages.append({"role": "user", "content": line})
-        prompt, reply_end = chat_prompt(model, messages, "chat")
-        reply = print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, seed=seed + turn, context=context)
+        reply = print_continuation(model, render(messages), reply_end, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_k=top_k, seed=seed + turn, context=context)
         messages.append({"role": "assistant", "content": reply})
     return 0
 

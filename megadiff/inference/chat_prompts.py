@@ -3,6 +3,8 @@
 --apply-chat-template` ask it."""
 from __future__ import annotations
 
+from typing import Callable
+
 from megadiff.config import ConfigError
 from megadiff.data.conversations import chat_template_of, render_conversation, turn_end
 from megadiff.inference.loader import CausalLM
@@ -17,9 +19,16 @@ def checkpoint_chat_template(model: CausalLM, option: str) -> str:
     return template
 
 
-def chat_prompt(model: CausalLM, messages: list[dict], option: str) -> tuple[str, str | None]:
-    """(the prompt, the text ending the reply): `messages` rendered up to the assistant's generation
-    prompt."""
+def chat_renderer(model: CausalLM, option: str) -> tuple[Callable[[list[dict]], str], str | None]:
+    """(messages -> the prompt: rendered up to the assistant's generation prompt, the text ending the
+    reply), the template read once for every conversation it renders."""
     template = checkpoint_chat_template(model, option)
     variables = model.tokenizer.special_tokens
-    return render_conversation(messages, template, variables, generation_prompt=True), turn_end(template, variables)
+    return (lambda messages: render_conversation(messages, template, variables, generation_prompt=True),
+            turn_end(template, variables))
+
+
+def chat_prompt(model: CausalLM, messages: list[dict], option: str) -> tuple[str, str | None]:
+    """(the prompt, the text ending the reply) of one conversation."""
+    render, reply_end = chat_renderer(model, option)
+    return render(messages), reply_end

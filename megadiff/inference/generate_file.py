@@ -22,7 +22,7 @@ import torch
 from megadiff.config import ConfigError
 from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
-from megadiff.inference.chat_prompts import chat_prompt
+from megadiff.inference.chat_prompts import chat_renderer
 from megadiff.inference.generate import generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -106,11 +106,11 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     tokenizer, window = model.tokenizer, model.cfg.model.seq_length
     if max_new_tokens >= window:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the window of {window}")
-    stop_text, encoded = None, {}
+    render, stop_text = chat_renderer(model, "--chat") if chat else (None, None)
+    encoded = {}
     for key, prompt in prompts:
         if chat:
-            turns = ([{"role": "system", "content": system}] if system is not None else []) + list(prompt)
-            prompt, stop_text = chat_prompt(model, turns, "--chat")
+            prompt = render(([{"role": "system", "content": system}] if system is not None else []) + list(prompt))
         ids = tokenizer.encode(prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
         encoded[key] = ids or [tokenizer.eod]
     digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
