@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from megadiff.inference.chat_prompts import chat_renderer
+from megadiff.inference.chat_prompts import chat_renderer, system_turns
 from megadiff.inference.generate import HeldContext, print_continuation
 from megadiff.inference.loader import load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -20,7 +20,7 @@ def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, te
              top_k: int = 0, seed: int = 0, dtype: str | None = None) -> int:
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     render, reply_end = chat_renderer(model, "chat")  # no template: refused before any input
-    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages = system_turns(system)
     interactive, context = sys.stdin.isatty(), HeldContext(model)
     for turn, line in enumerate(_messages(interactive)):
         messages.append({"role": "user", "content": line})

@@ -19,6 +19,15 @@ def checkpoint_chat_template(model: CausalLM, option: str) -> str:
     return template
 
 
+def system_turns(system: str | None, chat: bool = True) -> list[dict]:
+    """A conversation's opening: `--system`'s turn when one is given (only a chat has one)."""
+    if system is None:
+        return []
+    if not chat:
+        raise ConfigError("--system is a chat's system turn: add --chat")
+    return [{"role": "system", "content": system}]
+
+
 def chat_renderer(model: CausalLM, option: str) -> tuple[Callable[[list[dict]], str], str | None]:
     """(messages -> the prompt: rendered up to the assistant's generation prompt, the text ending the
     reply), the template read once for every conversation it renders."""

@@ -18,7 +18,7 @@ import torch
 
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
-from megadiff.inference.chat_prompts import chat_prompt
+from megadiff.inference.chat_prompts import chat_prompt, system_turns
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -226,8 +226,7 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     checkpoint's training precision). With `chat`, the prompt is the user's message to a chat-tuned
     checkpoint (after `system`'s turn) and the assistant's reply alone is printed, up to the end of
     its turn. (`--prompts FILE`: inference/generate_file.py.)"""
-    if system is not None and not chat:
-        raise ConfigError("--system is a chat's system turn: add --chat")
+    opening = system_turns(system, chat)
     if output is not None:
         raise ConfigError("--output is where the completions of --prompts FILE go")
     if prompt is None:
@@ -237,9 +236,7 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     reply_end = None
     if chat:
-        turns = ([{"role": "system", "content": system}] if system is not None else []) + \
-            [{"role": "user", "content": prompt}]
-        prompt, reply_end = chat_prompt(model, turns, "--chat")
+        prompt, reply_end = chat_prompt(model, opening + [{"role": "user", "content": prompt}], "--chat")
     else:
         print(prompt, end="", flush=True)
     print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

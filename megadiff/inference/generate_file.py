@@ -22,7 +22,7 @@ import torch
 from megadiff.config import ConfigError
 from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
-from megadiff.inference.chat_prompts import chat_renderer
+from megadiff.inference.chat_prompts import chat_renderer, system_turns
 from megadiff.inference.generate import generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -107,10 +107,11 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     if max_new_tokens >= window:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the window of {window}")
     render, stop_text = chat_renderer(model, "--chat") if chat else (None, None)
+    opening = system_turns(system, chat)
     encoded = {}
     for key, prompt in prompts:
         if chat:
-            prompt = render(([{"role": "system", "content": system}] if system is not None else []) + list(prompt))
+            prompt = render(opening + list(prompt))
         ids = tokenizer.encode(prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
         encoded[key] = ids or [tokenizer.eod]
     digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
@@ -155,8 +156,7 @@ def generate_file_cli(load: str, prompts: str, output: str | None, chat: bool = 
     """`megadiff generate --prompts FILE --output OUT`: everything is checked before the checkpoint is read."""
     if output is None:
         raise ConfigError("--prompts FILE needs --output OUT, where the completions go")
-    if system is not None and not chat:
-        raise ConfigError("--system is a chat's system turn: add --chat")
+    system_turns(system, chat)
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
     requests = read_prompts(prompts, chat)
