@@ -10,6 +10,7 @@ model directory is complete. `load_tokenizer(spec)` takes the `data.tokenizer` c
 from __future__ import annotations
 
 import gzip
+import re
 import shutil
 import tempfile
 from functools import lru_cache
@@ -72,7 +73,8 @@ class TiktokenTokenizer:
             with resources.files("bpe_openai.data").joinpath(f"{self.name}.tiktoken.gz").open("rb") as packed, \
                     gzip.open(packed) as unpacked, open(ranks, "wb") as out:
                 shutil.copyfileobj(unpacked, out)
-            backend = TikTokenConverter(vocab_file=str(ranks), pattern=self.encoding._pat_str).converted()
+            backend = TikTokenConverter(vocab_file=str(ranks),
+                                        pattern=oniguruma_pattern(self.encoding._pat_str)).converted()
         # special tokens follow the ranks with gaps (cl100k: 100257..100276); fill the gaps so ids match
         by_id = {i: token for token, i in self.encoding._special_tokens.items()}
         first = backend.get_vocab_size()
@@ -80,6 +82,14 @@ class TiktokenTokenizer:
                                     for i in range(first, self.vocab_size)])
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT)
         hf.save_pretrained(str(directory))
+
+
+def oniguruma_pattern(pattern: str) -> str:
+    """tiktoken's split pattern as the tokenizers library's Oniguruma engine must read it. There a
+    bounded repeat followed by `+` is not possessive but repeated: cl100k's `\\p{N}{1,3}+` would take
+    a whole run of digits as one piece, so "2024" would split as 20|24 where tiktoken has 202|4.
+    An atomic group is what tiktoken means."""
+    return re.sub(r"(\\p\{\w+\}\{\d+,\d+\})\+", r"(?>\1)", pattern)
 
 
 class HFTokenizer:
