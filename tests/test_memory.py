@@ -141,6 +141,11 @@ def test_what_is_not_estimated_and_what_is_only_warned_about():
     assert activations_warning(states, activations, 80 * GIB).startswith(
         f"warning: the most loaded GPU is estimated to need {(states.total + activations.total) / GIB:.1f} GiB")
     assert activations_warning(states, activations, 141 * GIB) is None
+    # on CUDA `auto` is the fused kernel where its tile holds the heads (d = 128: V 256 wide), else SDPA
+    for head_dim, chosen in ((128, "triton"), (160, "sdpa")):
+        shape = ["model.hidden_size=3840", "model.num_attention_heads=12", f"model.head_dim={head_dim}"]
+        assert activation_memory(load_config(config, shape + ["model.attention_backend=auto"]), 1) == \
+            activation_memory(load_config(config, shape + [f"model.attention_backend={chosen}"]), 1)
     # the 64K recipe recomputes whole layers: each keeps its input, the loss's logits dominate
     long = load_config(Path(config).with_name("diff-3b-64k.yaml"), [], world_size=64)
     assert activations_warning(model_state_memory(long, 64), activation_memory(long, 64), 80 * GIB) is None

@@ -5,11 +5,18 @@ import torch
 import torch.nn.functional as F
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# what the fused Triton kernel runs: one tile holds a whole head (d, and dv = 2d) of a block of rows
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax and accumulation run in fp32 for low precision, in the input dtype otherwise."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def triton_supports(dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+    return dtype in TRITON_DTYPES and max(head_dim, value_dim) <= TRITON_MAX_HEAD_DIM
 
 
 def check_shapes(q1, k1, q2, k2, v, lam, integral: bool) -> None:

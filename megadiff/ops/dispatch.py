@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from megadiff.ops.common import lambda_per_head
+from megadiff.ops.common import lambda_per_head, triton_supports
 from megadiff.ops.documents import attend_by_document
 from megadiff.ops.incremental import IntegralCarry
 from megadiff.ops.reference import differential_attention_reference
@@ -27,15 +27,17 @@ def _triton_impl() -> Callable | None:
     return getattr(module, "differential_attention_triton", None)
 
 
-def _triton_usable(q: torch.Tensor) -> bool:
-    return q.is_cuda and _triton_impl() is not None
+def _triton_usable(q: torch.Tensor, value_dim: int) -> bool:
+    return q.is_cuda and triton_supports(q.dtype, q.shape[-1], value_dim) and _triton_impl() is not None
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, value_dim: int | None = None) -> str:
+    """`auto`: the fused kernel for CUDA tensors it runs (dtype, head dims up to its tile's), else SDPA.
+    `value_dim`: V's head width (default: q's)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if _triton_usable(q) else "sdpa"
+        return "triton" if _triton_usable(q, value_dim or q.shape[-1]) else "sdpa"
     if backend == "triton" and _triton_impl() is None:
         raise RuntimeError("attention backend 'triton' requested but triton (or the kernel module) is not importable")
     return backend
@@ -72,7 +74,7 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integ
     if logit_bits is not None:
         backend = "reference"
         kwargs["logit_bits"] = logit_bits
-    chosen = resolve_backend(backend, q1)
+    chosen = resolve_backend(backend, q1, v.shape[-1])
     if chosen == "triton":  # masks documents in its tiles
         return _triton_impl()(q1, k1, q2, k2, v, lam, cu_seqlens=cu_seqlens, **kwargs)
     if cu_seqlens is not None:  # one call per document

@@ -23,7 +23,6 @@ from triton.runtime.interpreter import InterpretedFunction
 # softmax runs in base 2 (exp2 is the fast instruction); stored log-sum-exps stay natural
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)

@@ -21,25 +21,24 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megadiff.ops.common import check_shapes, document_counts, lambda_per_head, running_mean
+from megadiff.ops.common import (
+    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean,
+)
 from megadiff.ops.documents import document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward
 from megadiff.ops.triton_fwd import (
-    INTERPRETED, MAX_HEAD_DIM, Documents, KernelConfig, attention_maps_forward, shared_layout,
+    INTERPRETED, Documents, KernelConfig, attention_maps_forward, shared_layout,
 )
 
 __all__ = ["KernelConfig", "attention_maps_backward", "differential_attention_triton",
            "differential_attention_triton_maps"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _check_supported(q1, k1, q2, k2, v) -> None:
-    if any(t.dtype != q1.dtype for t in (k1, q2, k2, v)) or q1.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the Triton kernel needs q, k, v all of one dtype among {SUPPORTED_DTYPES}, got "
+    if any(t.dtype != q1.dtype for t in (k1, q2, k2, v)) or q1.dtype not in TRITON_DTYPES:
+        raise TypeError(f"the Triton kernel needs q, k, v all of one dtype among {TRITON_DTYPES}, got "
                         f"{[t.dtype for t in (q1, k1, q2, k2, v)]}")
-    if max(q1.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton kernel supports head dims up to {MAX_HEAD_DIM}, "
+    if max(q1.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernel supports head dims up to {TRITON_MAX_HEAD_DIM}, "
                          f"got d={q1.shape[-1]}, dv={v.shape[-1]}")
     if q1.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
