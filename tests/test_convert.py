@@ -121,6 +121,30 @@ def test_diffllama_holds_head_norm_weight_folded_into_o_proj(root, export, refer
         torch.testing.assert_close(back(tokens()), reference("diff", "tp2")(tokens()), rtol=1e-4, atol=2e-5)
 
 
+def test_a_bf16_export_of_an_fp32_run_comes_back_with_its_head_norm_weights(root, tmp_path):
+    """The sidecar holds the pre-fold tensors in the export's dtype, o_proj is folded from them: from-hf
+    recognises the fold and restores the norm weights (not unit ones with the norm merged into o_proj)."""
+    checkpoint = root / "tp2" / "diff"
+    hf_dir = convert_to_hf(checkpoint, tmp_path / "hf", dtype="bf16")
+    restored = load_checkpoint(convert_from_hf(hf_dir, tmp_path / "back")).parameters_by_name()
+    source = load_checkpoint(checkpoint).parameters_by_name()
+    for name in ("core_attention.head_norm_weight", "linear_proj.weight"):
+        name = "decoder.layers.1.self_attention." + name
+        assert torch.equal(restored[name], source[name].to(torch.bfloat16)), name
+
+
+def test_an_export_into_an_earlier_exports_directory_keeps_none_of_its_files(root, tmp_path):
+    """A chat run exported into the directory first: the base run's export must not chat with its template."""
+    from transformers import AutoTokenizer
+
+    hf_dir = tmp_path / "hf"
+    convert_to_hf(root / "tp2" / "diff", hf_dir, check=False)
+    (hf_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert AutoTokenizer.from_pretrained(hf_dir).chat_template is not None
+    convert_to_hf(root / "tp2" / "diff", hf_dir, check=False)
+    assert AutoTokenizer.from_pretrained(hf_dir).chat_template is None
+
+
 def test_constant_lambda_diff_is_refused_as_diffllama_and_exports_with_remote_code(root, reference, tmp_path):
     checkpoint = root / "tp2" / "diff_constant_lambda"
     with pytest.raises(ConversionError, match="constant 0.8.*DiffLlama.*--remote-code"):

@@ -9,17 +9,18 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from megadiff.checkpoint.format import checkpoint_config
+from megadiff.config import ConfigError
 from megadiff.convert import convert_from_hf, convert_to_hf
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from tests.convert_worker import TEXT, build_tokenizer
 
 
-def stock_llama(directory, tied: bool):
+def stock_llama(directory, tied: bool, rope_theta: float = 500.0):
     build_tokenizer(directory)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
                          tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -55,3 +56,25 @@ def test_stock_llama_becomes_a_megadiff_softmax_checkpoint(tmp_path, tied):
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_rotary_buffers_of_older_exports_are_left_behind(tmp_path):
+    """transformers before 4.31 saved each layer's rotary_emb.inv_freq; it ignores them on load, so does from-hf."""
+    from safetensors.torch import save_file
+
+    llama = stock_llama(tmp_path / "llama", tied=False)
+    weights = tmp_path / "llama" / "model.safetensors"
+    state = load_file(str(weights))
+    inv_freq = llama.model.rotary_emb.inv_freq
+    state.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone() for i in range(2)})
+    save_file(state, str(weights), metadata={"format": "pt"})
+    ours = load_checkpoint(convert_from_hf(tmp_path / "llama", tmp_path / "megadiff"))
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+
+
+def test_a_rope_base_megatron_cannot_hold_is_refused_by_name(tmp_path):
+    stock_llama(tmp_path / "llama", tied=False, rope_theta=10000.5)
+    with pytest.raises(ConfigError, match=r"model.rope_theta: 10000.5 must be an integer"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff")

@@ -81,7 +81,8 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
         hf_dir = read_hf_dir(load)
     hf_config = load_hf_config(hf_dir.config_dict, hf_dir.path)
     family = hf_config.model_type
-    state = dict(hf_dir.state)
+    # transformers before 4.31 saved RoPE's frequencies with each layer; they follow from config.json
+    state = {name: tensor for name, tensor in hf_dir.state.items() if not name.endswith(".rotary_emb.inv_freq")}
     if hf_config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
     hf_dtype = state["model.embed_tokens.weight"].dtype

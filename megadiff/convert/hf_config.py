@@ -33,19 +33,11 @@ def choose_family(model: ModelConfig, remote_code: bool = False) -> str:
     return "diffllama"
 
 
-def _rope_theta(model: ModelConfig) -> float:
-    # megatron builds RoPE from int(rope_theta); the export must use the same frequencies
-    if model.rope_theta != int(model.rope_theta):
-        raise ConversionError(f"model.rope_theta = {model.rope_theta}: megatron truncates it to {int(model.rope_theta)}; "
-                              "use an integer value")
-    return float(int(model.rope_theta))
-
-
 def _common_fields(model: ModelConfig, vocab_size: int, eod: int, dtype: torch.dtype) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=model.hidden_size,
                 intermediate_size=resolved_ffn_hidden_size(model), num_hidden_layers=model.num_layers,
                 max_position_embeddings=model.seq_length, rms_norm_eps=model.norm_eps,
-                rope_parameters={"rope_type": "default", "rope_theta": _rope_theta(model)},
+                rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
                 tie_word_embeddings=model.tie_embeddings, bos_token_id=eod, eos_token_id=eod, pad_token_id=None,
                 dtype=dtype)
 

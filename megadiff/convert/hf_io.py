@@ -40,9 +40,11 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
     from huggingface_hub import save_torch_state_dict
     from safetensors.torch import save_file
     from transformers import GenerationConfig
+    from transformers.utils.hub import CHAT_TEMPLATE_FILE
 
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in (SIDECAR_UNFOLDED, *CODE_FILES):  # from an earlier export into the same directory
+    # from an earlier export into the same directory (a chat run's template would outlive it)
+    for stale in (SIDECAR_UNFOLDED, CHAT_TEMPLATE_FILE, *CODE_FILES):
         (directory / stale).unlink(missing_ok=True)
     config.save_pretrained(str(directory))
     GenerationConfig.from_model_config(config).save_pretrained(str(directory))

@@ -41,11 +41,12 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.eod, target_dtype)
     with step(console, f"reading {checkpoint_dir}"):
         source = load_checkpoint(checkpoint_dir)
-    state, extras = megatron_to_hf(source.parameters_by_name(), Dims.of(cfg.model, family))
+    # cast before DiffLlama's head-norm fold: from-hf refolds the sidecar's tensors to recognise o_proj
+    state, extras = megatron_to_hf(cast_weights(source.parameters_by_name(), target_dtype),
+                                   Dims.of(cfg.model, family))
     out = Path(save)
     with step(console, f"writing {sum(t.numel() for t in state.values()):,} parameters to {out}"):
-        write_hf_dir(out, hf_config, cast_weights(state, target_dtype), cast_weights(extras, target_dtype),
-                     tokenizer, cfg)
+        write_hf_dir(out, hf_config, state, extras, tokenizer, cfg)
     console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "
                   f"({hf_config.architectures[0]}, {str(target_dtype).removeprefix('torch.')})")
     if check:
