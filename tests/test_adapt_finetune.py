@@ -283,7 +283,7 @@ def _chat_overrides(workspace: Path) -> list[str]:
             f"data.chat_template={CHATML}"]
 
 
-def test_conversations_label_the_assistant_turns_only(workspace, tmp_path):
+def test_conversations_label_the_assistant_turns_only(workspace, tmp_path, monkeypatch):
     """Packed rows keep the loss on what the assistant writes (and each chat's EOS); the labels of
     a micro-batch are its ids there and -100 elsewhere."""
     from transformers import AutoTokenizer
@@ -315,6 +315,12 @@ def test_conversations_label_the_assistant_turns_only(workspace, tmp_path):
     untemplated = load_finetune_config(str(workspace / "adapt.yaml"), _chat_overrides(workspace)[:2])
     with pytest.raises(ConfigError, match="data.messages_key: tokenizer .* has no chat template"):
         build_packed_dataset(untemplated.data, tokenizer)
+    # the adaptation refuses them before it loads the model
+    from megadiff.adapt import finetune
+
+    monkeypatch.setattr(finetune, "_load_model", lambda *args: pytest.fail("the model was loaded before the data"))
+    with pytest.raises(ConfigError, match="data.messages_key: tokenizer .* has no chat template"):
+        finetune._prepare(untemplated, {}, rank=0, world=1)
 
 
 @pytest.mark.slow

@@ -147,8 +147,9 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     if cfg.data.chat_template is not None:  # the export is chatted with as it was tuned
         tokenizer.chat_template = cfg.data.chat_template
-    model, hf_ds_config = _load_model(cfg, ds_config)
+    # the data first: its refusals (template, fields, too few tokens) come before minutes of loading weights
     dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
+    model, hf_ds_config = _load_model(cfg, ds_config)
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,
                          document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
