@@ -103,6 +103,20 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     assert [e["iteration"] for e in result["events"]] == [1, 2, 3, 4, 5]  # stopped at the third skip
 
 
+def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path):
+    """fp16 starts at a loss scale of 2^32: its first steps overflow, and the scaler skips them and
+    halves the scale until the gradients fit. Those are no NaN steps: the run neither stops at
+    train.max_skipped_nan_iters (10) nor stays at its first weights."""
+    output = tmp_path / "fp16"
+    run_pretrain(1, base + ["train.precision=fp16", "train.iters=30", f"output_dir={output}"])
+    records = read_metrics(output)
+    assert records[0]["loss_scale"] == 2.0 ** 32 and records[0]["loss_scale_overflows"] == 1
+    assert 10 < records[-1]["loss_scale_overflows"] < 30 and all(r["skipped_iterations"] == 0 for r in records)
+    first_update = next(r for r in records if "grad_norm" in r)
+    assert first_update["loss_scale"] <= 2.0 ** 22  # halved at each overflow (after megatron's hysteresis of 2)
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.3
+
+
 @pytest.mark.slow
 def test_loss_spikes_are_skipped_counted_and_the_guard_resumes(base, tmp_path):
     run = base + ["train.skip_spike_sigma=6", "train.spike_window=4", "train.iters=10"]

@@ -167,6 +167,8 @@ class Pretraining:
                 state.consumed_samples += t.global_batch_size
                 if result.spike:
                     state.skipped_spikes += 1
+                elif result.overflow:
+                    state.loss_scale_overflows += 1
                 elif not result.updated:
                     state.skipped_iterations += 1
                 elapsed = time.perf_counter() - started
@@ -177,10 +179,12 @@ class Pretraining:
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
                               "skipped_iterations": state.skipped_iterations,
                               "skipped_spikes": state.skipped_spikes if self.spike_guard else None,
+                              **self._loss_scale(state),
                               **self.throughput.metrics(elapsed)}
                     self._log({k: v for k, v in record.items() if v is not None})
                 self._report_profile(self.profiler.stop(state.iteration))
-                if not result.updated and not result.spike and state.skipped_iterations > t.max_skipped_nan_iters:
+                if not (result.updated or result.spike or result.overflow) and \
+                        state.skipped_iterations > t.max_skipped_nan_iters:
                     raise TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a "
                                         f"non-finite loss or gradient (train.max_skipped_nan_iters = "
                                         f"{t.max_skipped_nan_iters}); last loss {result.loss}. The weights were "
@@ -213,6 +217,13 @@ class Pretraining:
                 self.metrics.close()
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
         return exit_code
+
+    def _loss_scale(self, state) -> dict:
+        """fp16: the loss scaler's scale and how many steps it skipped (a few while it finds its scale)."""
+        if self.cfg.train.precision != "fp16":
+            return {}
+        return {"loss_scale": float(self.engine.optimizer.get_loss_scale()),
+                "loss_scale_overflows": state.loss_scale_overflows}
 
     def _report_profile(self, written: list[Path]) -> None:
         if written:  # every profiling rank says so, not only the logging one

@@ -25,6 +25,7 @@ class TrainState:
     consumed_samples: int = 0
     skipped_iterations: int = 0
     skipped_spikes: int = 0
+    loss_scale_overflows: int = 0  # fp16: steps its loss scaler skipped
     spike_history: dict = field(default_factory=dict)  # the spike guard's window (training/spikes.py)
     scheduler: dict | None = None
     layout: dict = field(default_factory=dict)

@@ -63,6 +63,7 @@ class StepResult:
     grad_norm: float | None
     updated: bool               # False when the step was skipped (non-finite loss or gradients, or a spike)
     spike: bool = False         # skipped by the spike guard
+    overflow: bool = False      # skipped by fp16's loss scaler, which lowered the scale
 
 
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_token: bool) -> float:
@@ -101,10 +102,11 @@ def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, f
     return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
 
 
-def _all_finite(engine: Engine, loss: float) -> bool:
-    """Loss and every reduced gradient finite, agreed by all ranks (each may hold other gradients)."""
-    finite = math.isfinite(loss) and all(bool(torch.isfinite(buffer.grad_data).all())
-                                         for chunk in engine.model for buffer in chunk.buffers)
+def _all_finite(engine: Engine, loss: float, gradients: bool) -> bool:
+    """Loss (and with `gradients`, every reduced gradient) finite, agreed by all ranks (each may hold
+    other gradients)."""
+    finite = math.isfinite(loss) and (not gradients or all(bool(torch.isfinite(buffer.grad_data).all())
+                                                           for chunk in engine.model for buffer in chunk.buffers))
     flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=engine.model[0].buffers[0].grad_data.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not bool(flag.item())
@@ -122,7 +124,10 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
         chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
     loss = run_forward_backward(engine, data_iterator, num_microbatches)
-    if not _all_finite(engine, loss):  # an update from NaN/inf gradients would poison every weight
+    # fp16's loss scaler finds overflowing gradients itself: it skips their update and lowers the scale,
+    # which it would never do for a step skipped here (every later step would overflow again)
+    scaled = engine.cfg.train.precision == "fp16"
+    if not _all_finite(engine, loss, gradients=not scaled):  # an update from NaN/inf gradients would poison every weight
         return StepResult(loss=loss, grad_norm=None, updated=False)
     if before_update is not None:
         before_update(engine)
@@ -132,4 +137,5 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
         if spike_guard.is_spike(loss, grad_norm):
             return StepResult(loss=loss, grad_norm=grad_norm, updated=False, spike=True)
     updated, grad_norm, _ = engine.optimizer.step()
-    return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm), updated=bool(updated))
+    return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm), updated=bool(updated),
+                      overflow=scaled and not updated)
