@@ -96,11 +96,14 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     assert [r["skipped_iterations"] for r in records] == [0, 1, 1, 2, 2, 2]
     assert math.isnan(records[1]["lm_loss"]) and math.isfinite(records[-1]["lm_loss"])
 
-    run_ranks(1, poisoned_run, base + ["train.iters=20", "train.max_skipped_nan_iters=2",
-                                       f"output_dir={tmp_path / 'stops'}"], list(range(3, 21)), str(report))
+    # a background save of iteration 2, still being written, is committed before the run stops
+    run_ranks(1, poisoned_run, base + ["train.iters=20", "train.max_skipped_nan_iters=2", "checkpoint.save_interval=2",
+                                       "checkpoint.async_save=true", f"output_dir={tmp_path / 'stops'}"],
+              list(range(3, 21)), str(report))
     result = json.loads(report.read_text())
     assert result["exit_code"] == 3
     assert [e["iteration"] for e in result["events"]] == [1, 2, 3, 4, 5]  # stopped at the third skip
+    assert read_latest_iteration(tmp_path / "stops" / CHECKPOINTS_DIR) == 4
 
 
 def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path):

@@ -211,6 +211,9 @@ class Pretraining:
             if saved_at != state.iteration:
                 self._save()
             self.checkpoints.close()
+        except TrainingError:
+            self.checkpoints.close()  # every rank stops at this step: a background save still commits
+            raise
         finally:
             preemption.restore()
             if self.metrics is not None:
