@@ -82,9 +82,16 @@ def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> Non
     os.replace(_staging_dir(checkpoints_dir, iteration), final)
     write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n".encode())
     if keep_last:
-        saved = sorted(p for p in checkpoints_dir.glob("iter_*") if p.is_dir() and p.suffix != PARTIAL_SUFFIX)
-        for old in saved[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        _remove_older(checkpoints_dir, iteration, keep_last)
+
+
+def _remove_older(checkpoints_dir: Path, committed: int, keep_last: int) -> None:
+    """Keep the last `keep_last` checkpoints up to the committed one. Later iterations (a run restarted
+    from an earlier marker left them) are not counted, so the commit can never remove itself."""
+    saved = sorted(int(p.name.removeprefix("iter_")) for p in checkpoints_dir.glob("iter_*")
+                   if p.is_dir() and p.name.removeprefix("iter_").isdigit())
+    for old in [iteration for iteration in saved if iteration <= committed][:-keep_last]:
+        shutil.rmtree(iteration_dir(checkpoints_dir, old), ignore_errors=True)
 
 
 class CheckpointWriter:
