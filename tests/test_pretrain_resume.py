@@ -4,6 +4,7 @@ Real `megadiff pretrain` processes (torchrun for several ranks) on the bundled K
 """
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -77,3 +78,20 @@ def test_resume_into_another_layout_continues_the_curve(base, runs, tmp_path):
     assert "resharded from" in rerun.stdout
     assert losses(resumed) == pytest.approx(losses(runs["full"]), abs=1e-5)
     assert len(losses(resumed)) == ITERS
+
+
+def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(base, tmp_path):
+    """Stopped at iteration 3 after 3 x 8 samples. Rerun with global batches of 4: it reads on from sample 24
+    to the end (a sampler sized for 6 x 4 samples ran dry before); of 16: refused, 24 samples are no whole
+    number of its batches; with another optimizer: refused by name, before any data or model is built."""
+    output = tmp_path / "run"
+    run_pretrain(1, base + [f"output_dir={output}", f"train.exit_interval={STOP}"])
+    for change, message in ((["train.global_batch_size=16"], "train.global_batch_size: .* has consumed 24 samples"),
+                            (["parallel.distributed_optimizer=true"], "parallel.distributed_optimizer: the optimizer "
+                                                                      "state of .* was saved with False")):
+        refused = run_pretrain(1, base + [f"output_dir={output}"] + change, expect=2)
+        assert re.search(message, refused.stderr), refused.stderr[-2000:]
+    run_pretrain(1, base + [f"output_dir={output}", "train.global_batch_size=4"])
+    records = read_metrics(output)
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    assert [r["consumed_samples"] for r in records] == [8, 16, 24, 28, 32, 36]

@@ -33,7 +33,7 @@ from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_nam
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
-from megadiff.training.state import restore
+from megadiff.training.state import plan_start, restore
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
 
@@ -83,12 +83,16 @@ class Pretraining:
             memory_warning = activations_warning(self.model_states, activations, device_bytes)
         # W&B starts first: a login or project problem should stop the run before data and model
         self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
-        self.datasets, self.valid_sets, tokenizer = _prepare_data(cfg)
+        start = plan_start(cfg)  # its refusals come before data and model
+        t = cfg.train
+        iteration, consumed = start.position()
+        # the samples this run reads: a resumed run may have another global batch size than its checkpoint's
+        self.train_samples = consumed + max(t.iters - iteration, 0) * t.global_batch_size
+        self.datasets, self.valid_sets, tokenizer = _prepare_data(cfg, self.train_samples)
         self.document_eod = tokenizer.eod if cfg.data.document_masking else None
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
-        self.state, how = restore(cfg, self.engine, self.scheduler)
-        t = cfg.train
+        self.state, how = restore(cfg, start, self.engine, self.scheduler)
         self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
                             if t.skip_spike_sigma else None)
         self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
@@ -153,7 +157,7 @@ class Pretraining:
 
     def train(self) -> int:
         cfg, t, state = self.cfg, self.cfg.train, self.state
-        batches = self._loader(self.datasets[0], state.consumed_samples, t.iters * t.global_batch_size)
+        batches = self._loader(self.datasets[0], state.consumed_samples, self.train_samples)
         preemption = PreemptionHandler(started=self.started, budget_minutes=t.exit_duration_minutes)
         exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
         try:
@@ -237,9 +241,9 @@ class Pretraining:
             self.metrics.print(message)
 
 
-def _prepare_data(cfg: Config):
+def _prepare_data(cfg: Config, train_samples: int):
     """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build
-    (train, valid, test), the validation sets ({"valid_loss": the valid split, and with
+    (train, valid, test) with `train_samples` training samples, the validation sets ({"valid_loss": the valid split, and with
     train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}) and the tokenizer."""
     from megadiff.data.datasets import build_datasets, source_config, source_names
     from megadiff.data.locations import training_blend
@@ -251,7 +255,7 @@ def _prepare_data(cfg: Config):
     dist.barrier()
     t = cfg.train
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
+    num_samples = (train_samples, t.eval_iters * t.global_batch_size, 0)
     # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
     datasets = build_datasets(cfg, tokenizer, num_samples, t.seed)
     valid_sets = {"valid_loss": datasets[1]}

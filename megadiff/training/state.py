@@ -59,22 +59,64 @@ def _starting_checkpoint(cfg: Config) -> tuple[Path | None, bool]:
     return None, False
 
 
-def restore(cfg: Config, engine, scheduler) -> tuple[TrainState, str]:
-    """Load the starting checkpoint, if any, into the engine and scheduler; says what it did."""
+def _check_same_optimizer(saved: Config, cfg: Config, where: Path) -> None:
+    """megatron-core loads optimizer state only into the optimizer that saved it."""
+    for key, before, now in (("parallel.distributed_optimizer", saved.parallel.distributed_optimizer,
+                              cfg.parallel.distributed_optimizer),
+                             ("train.precision", saved.train.precision, cfg.train.precision)):
+        if before != now:
+            raise ConfigError(f"{key}: the optimizer state of {where} was saved with {before!r}, this run has "
+                              f"{now!r}. Keep {before!r}, or start a new output_dir from it with checkpoint.load="
+                              f"{where} checkpoint.load_optimizer=false")
+
+
+@dataclass
+class Start:
+    """Where a run starts, known before its data and model are built."""
+    path: Path | None = None        # the checkpoint loaded, if any
+    own: bool = False               # this run's own: it resumes exactly (RNG states included)
+    saved: dict | None = None       # the checkpoint's training state; None for a model-only checkpoint
+    load_optimizer: bool = False
+    continues: bool = False         # its iteration count, data position and LR schedule go on
+
+    def position(self) -> tuple[int, int]:
+        """(iterations done, samples consumed) the run starts from."""
+        return (self.saved["iteration"], self.saved["consumed_samples"]) if self.continues else (0, 0)
+
+
+def plan_start(cfg: Config) -> Start:
+    """The starting checkpoint, checked against the config (model, optimizer, batch size) before
+    any data is prepared or model built."""
     path, own = _starting_checkpoint(cfg)
-    fresh = TrainState(layout=current_layout(cfg))
     if path is None:
-        return fresh, "starting from scratch"
-    _check_same_model(checkpoint_config(path), cfg, path)
+        return Start()
+    saved_cfg = checkpoint_config(path)
+    _check_same_model(saved_cfg, cfg, path)
     saved = read_train_state(path)  # None for a model-only checkpoint (e.g. converted from HF)
-    load_training_checkpoint(path, engine.unwrapped(), engine.optimizer,
-                             load_optimizer=saved is not None and (own or cfg.checkpoint.load_optimizer),
-                             restore_rng=own and saved is not None and saved["layout"] == fresh.layout)
-    if not own and (saved is None or cfg.checkpoint.reset_iteration):
-        return fresh, f"initialised from {path} (iteration count, data position and LR schedule start afresh)"
-    state = TrainState(**saved)
+    load_optimizer = saved is not None and (own or cfg.checkpoint.load_optimizer)
+    if load_optimizer:
+        _check_same_optimizer(saved_cfg, cfg, path)
+    start = Start(path, own, saved, load_optimizer,
+                  continues=saved is not None and (own or not cfg.checkpoint.reset_iteration))
+    consumed, batch = start.position()[1], cfg.train.global_batch_size
+    if consumed % batch:
+        raise ConfigError(f"train.global_batch_size: {path} has consumed {consumed} samples, not a whole number of "
+                          f"global batches of {batch}; keep the checkpoint's {saved_cfg.train.global_batch_size}")
+    return start
+
+
+def restore(cfg: Config, start: Start, engine, scheduler) -> tuple[TrainState, str]:
+    """Load the starting checkpoint, if any, into the engine and scheduler; says what it did."""
+    fresh = TrainState(layout=current_layout(cfg))
+    if start.path is None:
+        return fresh, "starting from scratch"
+    load_training_checkpoint(start.path, engine.unwrapped(), engine.optimizer, load_optimizer=start.load_optimizer,
+                             restore_rng=start.own and start.saved is not None and start.saved["layout"] == fresh.layout)
+    if not start.continues:
+        return fresh, f"initialised from {start.path} (iteration count, data position and LR schedule start afresh)"
+    state = TrainState(**start.saved)
     if state.scheduler is not None:
         scheduler.load_state_dict(state.scheduler)
     resharded = "" if state.layout == fresh.layout else f", resharded from {state.layout}"
     state.layout = fresh.layout
-    return state, f"resumed from {path} at iteration {state.iteration}{resharded}"
+    return state, f"resumed from {start.path} at iteration {state.iteration}{resharded}"
