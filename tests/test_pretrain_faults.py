@@ -12,6 +12,7 @@ import pytest
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
+from megadiff.preemption import REQUEUE_EXIT_CODE
 from tests.distributed import run_ranks
 from tests.pretrain_faults import killed_while_saving, poisoned_run
 from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
@@ -81,6 +82,22 @@ def test_preemption_under_torchrun_checkpoints_and_resumes_exactly(base, tmp_pat
     run_pretrain(2, run + [f"output_dir={reference}", f"train.exit_interval={end}"])
     assert losses(out) == losses(reference)
     assert len(losses(out)) == end
+
+
+def test_preemption_reaching_the_data_loader_workers_checkpoints(base, tmp_path):
+    """`scancel --signal=USR1` (slurm/job.sh) signals every process of the step, loader workers too."""
+    out = tmp_path / "workers"
+    launcher = subprocess.Popen(pretrain_command(1, base + [f"train.iters={LONG}", "train.dataloader_workers=2",
+                                                            f"output_dir={out}"]),
+                                env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_iteration(out, 2, launcher)
+    trainer = psutil.Process(launcher.pid)
+    workers = trainer.children(recursive=True)
+    assert len(workers) >= 2
+    for process in [trainer, *workers]:
+        process.send_signal(signal.SIGUSR1)
+    stopped = _stopped_at(launcher, out)
+    assert launcher.returncode == REQUEUE_EXIT_CODE and stopped >= 2
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ data-parallel rank reads the same micro-batches.
 """
 from __future__ import annotations
 
+import signal
 from functools import partial
 from typing import Iterator
 
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from megadiff.models.documents import document_cu_seqlens
+from megadiff.preemption import PREEMPTION_SIGNALS
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -50,12 +52,19 @@ def _collate(samples: list[dict], document_eod: int | None) -> dict[str, torch.T
     return batch
 
 
+def _leave_preemption_to_the_trainer(worker_id: int) -> None:
+    """Slurm's `scancel --signal` reaches every process of the job step: a loader worker killed by it
+    would crash the run before the training process checkpoints and exits for requeue."""
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0,
                        document_eod: int | None = None) -> DataLoader:
     """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents."""
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, worker_init_fn=_leave_preemption_to_the_trainer)
 
 
 class IterationBatches:
