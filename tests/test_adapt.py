@@ -37,12 +37,12 @@ VARIANTS = {
 }
 
 
-def tiny_model(arch: str, init: float = 0.02, seed: int = 0):
+def tiny_model(arch: str, init: float = 0.02, seed: int = 0, **settings):
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
     config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, initializer_range=init,
-                        max_position_embeddings=128)
+                        max_position_embeddings=128, **settings)
     return model_cls(config).eval()
 
 
@@ -320,10 +320,12 @@ def test_freeze_policy(arch):
         if arch == "qwen2":  # Qwen2's K/V projections have biases
             expected |= {prefix + "k_proj.bias", prefix + "v_proj.bias"}
     assert trained(dex) == expected
-    for method, extra in (("daa", "daa_weight"), ("diff_k", "input_weight")):
+    for method, extra in (("daa", "daa_weight"), ("diff_k", "input_weight")):  # DAA appendix E.2
         daa = apply_daa(tiny_model(arch), {"method": method})
         attention = {n for n, _ in daa.named_parameters() if ".self_attn." in n}
-        assert trained(daa) == attention and any(n.endswith(extra) for n in attention)
+        assert trained(daa) == attention | {"lm_head.weight"} and any(n.endswith(extra) for n in attention)
+    tied = apply_daa(tiny_model(arch, tie_word_embeddings=True))  # its head is the embedding: that stays frozen
+    assert trained(tied) == {n for n, _ in tied.named_parameters() if ".self_attn." in n}
     everything = apply_dex(tiny_model(arch), {"selection": "all", "trainable": ["*"]})
     assert trained(everything) == {n for n, _ in everything.named_parameters()}
     with pytest.raises(AdaptationError, match="trainable"):

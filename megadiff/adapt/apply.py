@@ -90,6 +90,10 @@ def plan_adaptation(model: nn.Module, config: AdaptationConfig,
     }
 
 
+def has_tied_head(model: nn.Module) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 def set_trainable(model: nn.Module, patterns: list[str]) -> list[str]:
     """requires_grad = name matches one of the fnmatch patterns; returns the trained names."""
     names = [name for name, _ in model.named_parameters()]
@@ -114,7 +118,8 @@ def adapt_with_plan(model: nn.Module, plan: dict, trainable: list[str]) -> nn.Mo
 
 def _apply(model, config, calibration, methods) -> nn.Module:
     config = coerce_config(config, methods)
-    return adapt_with_plan(model, plan_adaptation(model, config, calibration), config.resolved_trainable)
+    return adapt_with_plan(model, plan_adaptation(model, config, calibration),
+                           config.trainable_patterns(has_tied_head(model)))
 
 
 def apply_dex(model: nn.Module, config: AdaptationConfig | dict | None = None,

@@ -17,12 +17,14 @@ Method = Literal["dex", "daa", "diff_q", "diff_k", "diff_v"]
 DAA_METHODS = ("daa",) + INPUT_METHODS
 
 # Parameters trained by default (fnmatch patterns on parameter names)
+LM_HEAD = "lm_head.*"
 PAPER_TRAINABLE = {
     # Dex section 3.4: W_K, W_V, W_O, W_D and lambda_learn; W_Q, FFN, norms, embeddings frozen
     "dex": ["*.self_attn.k_proj.*", "*.self_attn.v_proj.*", "*.self_attn.o_proj.*",
             "*.self_attn.dex_weight", "*.self_attn.lambda_learn"],
-    # DAA appendix E: every parameter of the attention modules, the rest frozen
-    **{method: ["*.self_attn.*"] for method in DAA_METHODS},
+    # DAA appendix E.2 (its Llama models): every parameter of the attention modules and the LM head
+    # (E.1's GPT-2 kept the head frozen), the rest frozen
+    **{method: ["*.self_attn.*", LM_HEAD] for method in DAA_METHODS},
 }
 
 
@@ -67,9 +69,12 @@ class AdaptationConfig(BaseModel):
             return self.selection
         return "entropy" if self.method == "dex" else "all"
 
-    @property
-    def resolved_trainable(self) -> list[str]:
-        return list(self.trainable) if self.trainable is not None else PAPER_TRAINABLE[self.method]
+    def trainable_patterns(self, tied_head: bool) -> list[str]:
+        """adaptation.trainable, else the paper's policy. A head tied to the embeddings is no parameter
+        of its own (DAA's Llama-3.2-1B): then the attention modules alone train, as they did there."""
+        if self.trainable is not None:
+            return list(self.trainable)
+        return [pattern for pattern in PAPER_TRAINABLE[self.method] if not (tied_head and pattern == LM_HEAD)]
 
 
 def coerce_config(config: AdaptationConfig | dict | None, methods: tuple[str, ...]) -> AdaptationConfig:

@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from megadiff.adapt import deepspeed_setup as dss
-from megadiff.adapt.apply import adapt_with_plan, current_lambdas, plan_adaptation, set_step
+from megadiff.adapt.apply import adapt_with_plan, current_lambdas, has_tied_head, plan_adaptation, set_step
 from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
@@ -153,7 +153,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,
                          document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
-    adapt_with_plan(model, plan, cfg.adaptation.resolved_trainable)
+    adapt_with_plan(model, plan, cfg.adaptation.trainable_patterns(has_tied_head(model)))
     return tokenizer, model, reader, plan, hf_ds_config
 
 
