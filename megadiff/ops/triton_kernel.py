@@ -119,7 +119,7 @@ class _DifferentialAttention(torch.autograd.Function):
             if grad_first_map is not None:
                 do1 = do1 + grad_first_map.float()
             delta1, delta2 = _rowsum(do1, o1f), _rowsum(do2, o2f)
-            do1, do2 = (t.to(q1.dtype) for t in (do1, do2))
+            do1, do2 = shared_layout(*(t.to(q1.dtype) for t in (do1, do2)))  # the kernels read both with dO1's strides
         dq1, dk1, dq2, dk2, dv = attention_maps_backward(
             q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, _rows_last(delta1), _rows_last(delta2),
             causal=ctx.causal, scale=ctx.scale, config=ctx.config, documents=ctx.documents)
