@@ -271,3 +271,23 @@ def test_the_chat_recipe_reads_its_shipped_template_from_anywhere(tmp_path, monk
     cfg = load_config(Path(CHATML).parents[1] / "diff-3b-chat-sft.yaml")
     assert cfg.data.chat_template == Path(CHATML).read_text() and cfg.data.messages_key == "messages"
     assert cfg.checkpoint.reset_iteration and cfg.train.per_token_loss
+
+
+def test_the_templates_special_tokens_are_special_a_messages_are_text(tmp_path, small_tokenizer_dir):
+    """A template that ends each turn with the EOS writes the EOD id there; a user who types the
+    EOS's text gets text, not the EOD (which would end the conversation under document masking)."""
+    template = template_file(tmp_path, "{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + eos_token + "
+                                       "'\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- 'assistant: ' -}}"
+                                       "{%- endif -%}")
+    conversation = [{"role": "user", "content": "What does <|endoftext|> mean?"},
+                    {"role": "assistant", "content": "It ends a text: <|endoftext|>."}]
+    sources = write_conversations(tmp_path / "src", [conversation, conversation])
+    stats = prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", str(small_tokenizer_dir),
+                                                    template)).data)
+    tokenizer = load_tokenizer(str(small_tokenizer_dir))
+    tokens, mask = IndexedDataset(str(tmp_path / "chat")), IndexedDataset(loss_mask_prefix(tmp_path / "chat"))
+    ids, bits = tokens[0].tolist(), mask[0].astype(bool)
+    assert stats["inner_eods"] == 2 * 2 and ids.count(tokenizer.eod) == 3  # the two turns' ends and the EOD
+    rendering = "".join(f"{m['role']}: {m['content']}<|endoftext|>\n" for m in conversation)
+    assert tokenizer.decode(ids[:-1]) == rendering
+    assert tokenizer.decode(np.asarray(ids[:-1])[bits[:-1]].tolist()) == "It ends a text: <|endoftext|>.<|endoftext|>\n"

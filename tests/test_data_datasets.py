@@ -215,7 +215,7 @@ def test_data_prepared_with_another_tokenizer(corpus, tmp_path):
     for ext in (".bin", ".idx"):
         shutil.copy(f"{corpus[0]}{ext}", tmp_path / f"docs{ext}")
     prepared_with = {"spec": "o200k_base", "vocab_size": 200019, "eod": 199999}
-    write_manifest(tmp_path / "docs", {"tokenizer": prepared_with}, {})
+    write_manifest(tmp_path / "docs", {"tokenizer": prepared_with}, {}, [tmp_path / "docs"])
     with pytest.raises(DataError, match="data.tokenizer: .*docs was prepared with tokenizer 'o200k_base'"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
     (tmp_path / "docs.manifest.json").unlink()
@@ -270,3 +270,45 @@ def test_malformed_blends_are_config_errors(blend, message):
 def test_data_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         build_config({}, overrides)
+
+
+# ---- blends without weights, index caches of data prepared again ---------------------------------
+
+def test_a_blend_without_weights_is_weighted_by_tokens_and_has_the_samples_asked_for(tmp_path):
+    # A (ids < 500) holds about three times B's tokens; megatron alone would stop the blend after one epoch of each
+    write_documents(tmp_path / "a", synthetic_documents(150, seed=1, high=500))
+    write_documents(tmp_path / "b", synthetic_documents(50, seed=2, low=500))
+    tokens = {name: Path(f"{tmp_path / name}.bin").stat().st_size for name in ("a", "b")}
+    cfg = config(tmp_path, f"data.blend=[{tmp_path / 'a'},{tmp_path / 'b'}]", "data.split=1,0,0")
+    train = build_datasets(cfg, TOKENIZER, (2000, 0, 0), seed=0)[0]
+    assert len(train) >= 2000
+    from_a = [bool((train[i]["tokens"][train[i]["tokens"] != EOD] < 500).all()) for i in range(2000)]
+    assert abs(np.mean(from_a) - tokens["a"] / sum(tokens.values())) < 0.03
+
+
+def test_a_split_built_shorter_than_asked_is_refused_before_training(corpus, tmp_path, monkeypatch):
+    class ShortBuilder:
+        def __init__(self, *args):
+            pass
+
+        def build(self):
+            return [list(range(5)), None, None]
+
+    monkeypatch.setattr("megadiff.data.datasets.BlendedMegatronDatasetBuilder", ShortBuilder)
+    with pytest.raises(DataError, match="data.prefix: the train split was built with 5 samples, fewer than the 10 "
+                                        "asked for"):
+        build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=1,0,0"), TOKENIZER, (10, 0, 0), 0)
+
+
+def test_data_prepared_again_gets_new_index_caches(tmp_path):
+    cfg = config(tmp_path, f"data.prefix={tmp_path / 'docs'}", "data.split=1,0,0")
+    write_documents(tmp_path / "docs", synthetic_documents(60, seed=1))
+    build_datasets(cfg, TOKENIZER, (100, 0, 0), seed=0)
+    documents = synthetic_documents(200, seed=7, max_len=200)  # the prefix prepared again from other sources
+    write_documents(tmp_path / "docs", documents)
+    train = build_datasets(cfg, TOKENIZER, (100, 0, 0), seed=0)[0]
+    assert train.document_index.max() == len(documents) - 1
+    stream = np.concatenate([documents[d] for d in train.document_index])
+    for i in range(0, len(train), 37):
+        k = int(train.shuffle_index[i])
+        assert train[i]["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()

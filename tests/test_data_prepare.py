@@ -22,6 +22,7 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import token_dtype
 from megadiff.data.prepare import ensure_prepared, prepare
 from megadiff.data.tokenizers import load_tokenizer
+from tests.conftest import kjv_verses
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = 24  # a KJV subset keeps each preparation well under a second
@@ -343,3 +344,94 @@ def test_a_small_hugging_face_tokenizer_gets_uint16_tokens(corpus, small_tokeniz
     tokenizer = load_tokenizer(str(small_tokenizer_dir))
     assert read_back(prefix) == [tokenizer.encode(d) + [tokenizer.eod] for d in corpus[1]]
     assert stats["dtype"] == "uint16" and Path(f"{prefix}.bin").stat().st_size == 2 * stats["tokens"]
+
+
+def test_a_missing_local_directory_or_unknown_hub_name_is_refused_before_tokenizing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("corpus/web").mkdir(parents=True)
+    Path("corpus/web/0.jsonl").write_text(json.dumps({"text": "In the beginning"}) + "\n")
+    calls = _count_encodings(monkeypatch)
+    for missing, message in (("corpus/books", r"data.sources\[1\]: file or directory not found: corpus/books "
+                                              r"\(the local path does not exist\)"),
+                             ("nobody-megadiff/no-such-dataset",
+                              r"data.sources\[1\]: nobody-megadiff/no-such-dataset is not a local file or directory, "
+                              r"and loading it as a Hugging Face dataset failed")):
+        with pytest.raises(DataError, match=message):
+            prepare(data_config(tmp_path, f"data.sources=[corpus/web/*.jsonl,{missing}]", "data.prefix=out/x"))
+        assert not calls and not Path("out/x.parts").exists()
+
+
+def test_a_file_named_twice_is_refused(tmp_path):
+    """A directory and one of its files: that file's documents would be trained on twice."""
+    (tmp_path / "corpus").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "corpus" / f"{name}.jsonl").write_text(json.dumps({"text": name}) + "\n")
+    with pytest.raises(DataError, match=r"data.sources\[1\]: .*a.jsonl is also one of data.sources\[0\]'s files"):
+        prepare(data_config(tmp_path, f"data.sources=[{tmp_path / 'corpus'},{tmp_path / 'corpus' / 'a.jsonl'}]",
+                            f"data.prefix={tmp_path / 'out'}"))
+
+
+def test_a_prefix_inside_its_source_directory_does_not_read_its_own_files(tmp_path, capsys):
+    source = tmp_path / "corpus"
+    source.mkdir()
+    (source / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(5)))
+    data = data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={source / 'prepared' / 'corpus'}")
+    first = prepare(data)
+    (source / "prepared" / "corpus.parts").mkdir()  # a stopped run's parts, with their manifests
+    (source / "prepared" / "corpus.parts" / "00000.manifest.json").write_text("{}")
+    capsys.readouterr()
+    assert prepare(data)["documents"] == first["documents"] == 5
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_a_special_tokens_text_in_a_document_is_text(small_tokenizer_dir, tmp_path):
+    """A web page quoting "<|endoftext|>" keeps it as text: only the EOD appended ends the document."""
+    text = "A model once wrote <|endoftext|> in the middle of this page."
+    source = tmp_path / "web.jsonl"
+    source.write_text(json.dumps({"text": text}) + "\n")
+    prefix = tmp_path / "web"
+    prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={prefix}",
+                        f"data.tokenizer={small_tokenizer_dir}"))
+    tokenizer = load_tokenizer(str(small_tokenizer_dir))
+    (ids,) = read_back(prefix)
+    assert [i for i, token in enumerate(ids) if token == tokenizer.eod] == [len(ids) - 1]
+    assert tokenizer.decode(ids[:-1]) == text
+
+
+def _save_bpe(directory: Path, texts: list[str]) -> None:
+    """A byte-level BPE (300 ids, EOS <|endoftext|>) trained on `texts`, saved as Hugging Face files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(str(directory))
+
+
+def test_a_retrained_tokenizer_directory_prepares_again_and_old_data_is_refused(tmp_path, capsys):
+    """Retrained in place: the same path, vocabulary size and EOS id, but other merges."""
+    from megadiff.data.checks import check_training_data
+
+    directory, verses = tmp_path / "tok", kjv_verses()
+    _save_bpe(directory, verses[:2000])
+    source = tmp_path / "c.jsonl"
+    source.write_text(json.dumps({"text": "the quick brown fox jumps over the lazy dog, and sleeps"}) + "\n")
+    overrides = [f"data.sources=[{source}]", f"data.prefix={tmp_path / 'out'}", f"data.tokenizer={directory}"]
+    prepare(data_config(tmp_path, *overrides))
+    _save_bpe(directory, verses[20000:22000])
+    load_tokenizer.cache_clear()
+    tokenizer = load_tokenizer(str(directory))
+    training = build_config({}, overrides + ["model.seq_length=4", "model.vocab_size=512", "data.split=1,0,0"])
+    with pytest.raises(DataError, match=r"data.tokenizer: .*out was prepared with tokenizer .*, which split text "
+                                        r"otherwise"):
+        check_training_data(training, tokenizer)
+
+    capsys.readouterr()
+    prepare(data_config(tmp_path, *overrides))
+    assert "up to date" not in capsys.readouterr().out
+    assert read_back(tmp_path / "out") == [tokenizer.encode(json.loads(source.read_text())["text"]) + [tokenizer.eod]]
+    check_training_data(training, tokenizer)

@@ -4,6 +4,7 @@ where the label is a response's token (or the EOD that ends it)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,3 +123,32 @@ def test_mistakes_are_named(tmp_path):
                                          f"data.cache_dir={tmp_path / 'c'}"])
     with pytest.raises(DataError, match="has no loss mask .* prepared without data.response_key"):
         build_datasets(cfg, load_tokenizer("cl100k_base"), (4, 0, 0), seed=1)
+
+
+def test_a_lost_loss_mask_is_prepared_again(tmp_path, capsys):
+    """The manifest records the loss mask's files too: a rerun restores them rather than calling
+    the data up to date, which training would then refuse."""
+    write_records(tmp_path / "src" / "a.jsonl", [{"question": f"q{i}?", "answer": f"answer {i}"} for i in range(20)])
+    data = build_config({}, sft_overrides(tmp_path / "src", tmp_path / "sft")).data
+    prepare(data)
+    mask = loss_mask_prefix(tmp_path / "sft")
+    written = {ext: Path(f"{mask}{ext}").read_bytes() for ext in (".bin", ".idx")}
+    for ext in (".bin", ".idx"):
+        Path(f"{mask}{ext}").unlink()
+    capsys.readouterr()
+    prepare(data)
+    assert "up to date" not in capsys.readouterr().out
+    assert {ext: Path(f"{mask}{ext}").read_bytes() for ext in (".bin", ".idx")} == written
+    prepare(data)
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_a_special_tokens_text_in_a_prompt_or_response_is_text(tmp_path, small_tokenizer_dir):
+    records = [{"question": "What is <|endoftext|>?", "answer": "It reads <|endoftext|> as text."}]
+    write_records(tmp_path / "src" / "a.jsonl", records)
+    prepare(build_config({}, sft_overrides(tmp_path / "src", tmp_path / "sft", str(small_tokenizer_dir))).data)
+    tokenizer = load_tokenizer(str(small_tokenizer_dir))
+    tokens = IndexedDataset(str(tmp_path / "sft"))  # referenced: its items are views of its memory map
+    ids = tokens[0].tolist()
+    assert [i for i, token in enumerate(ids) if token == tokenizer.eod] == [len(ids) - 1]
+    assert tokenizer.decode(ids[:-1]) == records[0]["question"] + records[0]["answer"]

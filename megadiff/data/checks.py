@@ -15,7 +15,7 @@ from megadiff.config import Config
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import IndexSummary, idx_path, loss_mask_prefix, read_index, token_dtype
 from megadiff.data.locations import training_blend
-from megadiff.data.manifest import read_manifest
+from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
 from megadiff.data.tokenizers import Tokenizer
 
 SPLITS = ("train", "valid", "test")
@@ -47,6 +47,12 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
     if summary.dtype.itemsize < token_dtype(tokenizer.vocab_size).itemsize:
         raise DataError(f"data.tokenizer: {prefix}.bin stores {summary.dtype} ids, too narrow for {spec!r} "
                         f"({tokenizer.vocab_size} ids): it was prepared with another tokenizer")
+    splits = tokenizer_fingerprint(spec, tokenizer).get("splits")  # a directory's; tiktoken's are fixed
+    if prepared is not None and None not in (prepared.get("splits"), splits) and prepared["splits"] != splits:
+        raise DataError(f"data.tokenizer: {prefix} was prepared with tokenizer {prepared['spec']!r}, which split text "
+                        f"otherwise than {spec!r} now does (the same vocabulary size and EOD, but another "
+                        "vocabulary, merges or normalisation, e.g. retrained): its tokens would mean other text; "
+                        "prepare it again")
 
 
 def _check_loss_mask(prefix: str, summary: IndexSummary, key: str) -> None:

@@ -11,8 +11,9 @@ Otherwise an assistant message's text is what rendering the conversation through
 rendering the conversation before it with the generation prompt (the prefix rule TRL uses too),
 which holds for templates that render a turn alike whatever follows it; a template that does not
 is refused, naming the message. Each piece is encoded on its own, so the mask falls on token
-boundaries; tokens are encoded as documents are, so a HF tokenizer reads the template's special
-tokens (and any in a message) as special, tiktoken none.
+boundaries. A Hugging Face tokenizer reads the special tokens the template writes (<|im_start|>,
+the EOS) as special ids, while a special token's text inside a message stays text, as in
+documents (tiktoken reads none as special).
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "func
                   "observation": "tool"}
 # what a template is rendered on when it is chosen, so a broken one fails before any tokenizing
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+# wrap a special token's text inside a message while the conversation is rendered, so that it can
+# be told apart from the template's own special tokens (Unicode noncharacters: never in text)
+LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
+LITERAL = re.compile(f"{LITERAL_OPEN}(.*?){LITERAL_CLOSE}", re.DOTALL)
 
 
 def chat_template_of(data, tokenizer: Tokenizer) -> Optional[str]:
@@ -144,10 +149,31 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
     messages = as_messages(messages)
     ids: list[int] = []
     mask: list[int] = []
-    for text, assistant in conversation_pieces(messages, template, tokenizer.special_tokens):
-        piece = tokenizer.encode(text)
+    marked = _mark_special_texts(messages, tokenizer.special_texts)
+    for text, assistant in conversation_pieces(marked, template, tokenizer.special_tokens):
+        piece = _encode_piece(text, tokenizer)
         ids += piece
         mask += [int(assistant)] * len(piece)
     if not any(mask):
         return [], []
     return ids + [tokenizer.eod], mask + [int(messages[-1]["role"] == "assistant")]
+
+
+def _mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) -> list[dict]:
+    """`messages` whose text contents hold each special token's text wrapped in LITERAL_OPEN/CLOSE."""
+    if not special_texts:
+        return messages
+    pattern = re.compile("|".join(re.escape(text) for text in sorted(special_texts, key=len, reverse=True)))
+    return [{**message, "content": pattern.sub(lambda found: LITERAL_OPEN + found.group() + LITERAL_CLOSE,
+                                               message["content"])}
+            if isinstance(message.get("content"), str) else message for message in messages]
+
+
+def _encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:
+    """A rendered piece's ids: the template's text with its special tokens as their ids, the texts
+    _mark_special_texts wrapped (a message's) as ordinary text."""
+    ids: list[int] = []
+    for index, chunk in enumerate(LITERAL.split(text)):  # odd chunks were wrapped
+        if chunk:
+            ids += tokenizer.encode_ordinary(chunk) if index % 2 else tokenizer.encode(chunk)
+    return ids

@@ -4,7 +4,9 @@
 `tokens`, `labels` (tokens shifted by one), `loss_mask` and `position_ids`, each
 model.seq_length long (no attention mask: the model applies a causal one). A split whose
 data.split weight is 0 comes back as None. Sample order depends only on the seed; the
-document/sample/shuffle indices are cached under <data.cache_dir>/indices.
+document/sample/shuffle indices are cached under <data.cache_dir>/indices, named by a hash that
+covers the prepared files' sizes and manifest, so data prepared again gets new ones.
+A blend of prefixes without weights is weighted by their tokens.
 
 Under torch.distributed every rank must call it: megatron builds the index cache on rank 0,
 then the other ranks load it after a barrier (so data.cache_dir must be shared by all nodes).
@@ -15,15 +17,18 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megadiff.config import Config, build_config
-from megadiff.data.checks import check_training_data
+from megadiff.config import Config, DataConfig, build_config
+from megadiff.data.checks import SPLITS, check_training_data
+from megadiff.data.errors import DataError
+from megadiff.data.indexed import bin_path, idx_path, read_index
 from megadiff.data.locations import index_cache_dir, training_blend
+from megadiff.data.manifest import read_manifest
 from megadiff.data.responses import ResponseMaskedGPTDataset
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
@@ -39,9 +44,31 @@ class MegatronTokenizerView:
     unique_identifiers: dict
 
 
-def megatron_tokenizer(tokenizer: Tokenizer) -> MegatronTokenizerView:
+def megatron_tokenizer(tokenizer: Tokenizer, prefixes: list[str]) -> MegatronTokenizerView:
+    """The view of `tokenizer` for datasets over `prefixes`. megatron's cache hash covers the
+    tokenizer but nothing of the data: the prefixes' file identities ride along in its identifiers,
+    so that indices built for data since prepared again are never reused."""
     return MegatronTokenizerView(tokenizer.vocab_size, tokenizer.eod,
-                                 {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod})
+                                 {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                                  "data": {prefix: _file_identity(prefix) for prefix in prefixes}})
+
+
+def _file_identity(prefix: str) -> dict:
+    """The sizes of <prefix>.bin/.idx and what its manifest says they were made from: alike on every
+    node (a copy of the files keeps both, not their modification times), other for data prepared again."""
+    manifest = read_manifest(prefix) or {}
+    return {"bytes": [path.stat().st_size for path in (bin_path(prefix), idx_path(prefix))],
+            "made_from": manifest.get("fingerprint")}
+
+
+def megatron_blend(data: DataConfig) -> tuple[list[str], Optional[list[float]]]:
+    """training_blend(data) as megatron must get it. Without weights megatron reads each prefix of
+    a blend once and stops the blend at the end of the shortest, however many samples were asked
+    for: several prefixes without weights are weighted by their tokens instead."""
+    prefixes, weights = training_blend(data)
+    if weights is None and len(prefixes) > 1:
+        weights = [float(read_index(prefix).tokens) for prefix in prefixes]
+    return prefixes, weights
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int], seed: int,
@@ -49,9 +76,10 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
     """(train, valid, test) with at least num_samples[i] samples each (None where data.split gives 0)."""
     check_training_data(cfg, tokenizer)  # megatron would loop forever on a split without tokens
     data = cfg.data
+    blend = megatron_blend(data)
     options = dict(
-        random_seed=seed, sequence_length=cfg.model.seq_length, blend=training_blend(data), split=data.split,
-        path_to_cache=str(index_cache_dir(data)), tokenizer=megatron_tokenizer(tokenizer),
+        random_seed=seed, sequence_length=cfg.model.seq_length, blend=blend, split=data.split,
+        path_to_cache=str(index_cache_dir(data)), tokenizer=megatron_tokenizer(tokenizer, blend[0]),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,
     )
@@ -63,9 +91,19 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         dataset_cls = ResponseMaskedGPTDataset if data.masks_loss else GPTDataset
         config = GPTDatasetConfig(**options)
     with _lone_process_is_rank_zero():
-        train, valid, test = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank,
-                                                           config).build()
-    return train, valid, test
+        datasets = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank, config).build()
+    _check_sizes(datasets, num_samples, "data.blend" if data.blend else "data.prefix")
+    return tuple(datasets)
+
+
+def _check_sizes(datasets: list, num_samples: tuple[int, int, int], key: str) -> None:
+    """Every split built holds the samples asked for: a shorter one would end training with an
+    IndexError partway through."""
+    for name, dataset, wanted in zip(SPLITS, datasets, num_samples):
+        if dataset is not None and len(dataset) < wanted:
+            raise DataError(f"{key}: the {name} split was built with {len(dataset):,} samples, fewer than the "
+                            f"{wanted:,} asked for (train.iters or train.eval_iters times train.global_batch_size): "
+                            "training would stop partway with an IndexError; lower those, or give the blend weights")
 
 
 def source_config(cfg: Config, prefix: str) -> Config:

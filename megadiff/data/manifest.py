@@ -1,19 +1,25 @@
 """<prefix>.manifest.json: what a prepared dataset was made from, written last as its completion mark.
 
 prepare-data skips its work when the manifest's fingerprint (sources with their sizes and
-modification times, text key, tokenizer, token dtype) equals the current one and the
-.bin/.idx still have the sizes it recorded.
+modification times, text key, tokenizer, token dtype) equals the current one and every indexed
+dataset it wrote (the tokens, and a loss mask) still has the .bin/.idx sizes it recorded.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from megadiff.data.indexed import bin_path, idx_path
+from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer
 from megadiff.files import write_atomically
 
 FORMAT = 1
+# what makes a tokenizer.json split text as it does (not its padding, truncation or post-processor)
+SPLITTING_FIELDS = ("normalizer", "pre_tokenizer", "model", "added_tokens")
+# without a tokenizer.json: the vocabulary files a slow tokenizer is built from
+VOCABULARY_FILE_PATTERNS = ("vocab*", "merges*", "*.tiktoken", "*.model", "added_tokens.json")
 
 
 def manifest_path(prefix: str | Path) -> Path:
@@ -27,19 +33,46 @@ def read_manifest(prefix: str | Path) -> Optional[dict]:
         return None
 
 
-def _output_sizes(prefix: str | Path) -> Optional[list[int]]:
-    files = (bin_path(prefix), idx_path(prefix))
+def tokenizer_digest(directory: str | Path) -> str:
+    """A hash of how a Hugging Face tokenizer directory splits text: a retrained tokenizer may keep
+    its vocabulary size and EOS id, yet tokenize otherwise. Metadata (tokenizer_config.json, a chat
+    template) is left out, so an exported copy of the same tokenizer hashes alike."""
+    directory = Path(directory)
+    fast = directory / "tokenizer.json"
+    digest = hashlib.sha256()
+    if fast.is_file():
+        spec = json.loads(fast.read_text(encoding="utf-8"))
+        digest.update(json.dumps({field: spec.get(field) for field in SPLITTING_FIELDS}, sort_keys=True).encode())
+        return digest.hexdigest()
+    files = sorted({path for pattern in VOCABULARY_FILE_PATTERNS for path in directory.glob(pattern) if path.is_file()})
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer) -> dict:
+    """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text."""
+    if spec in PACKAGED_TIKTOKEN:
+        return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+    return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+            "splits": tokenizer_digest(spec)}
+
+
+def _output_sizes(outputs: Sequence[str | Path]) -> Optional[list[int]]:
+    files = [path for prefix in outputs for path in (bin_path(prefix), idx_path(prefix))]
     return [f.stat().st_size for f in files] if all(f.is_file() for f in files) else None
 
 
-def is_up_to_date(prefix: str | Path, fingerprint: dict) -> bool:
+def is_up_to_date(prefix: str | Path, fingerprint: dict, outputs: Sequence[str | Path]) -> bool:
+    """Whether the manifest at `prefix` matches `fingerprint` and the indexed datasets `outputs` are intact."""
     manifest = read_manifest(prefix)
     return (manifest is not None and manifest.get("format") == FORMAT and manifest.get("fingerprint") == fingerprint
-            and manifest.get("output_bytes") == _output_sizes(prefix))
+            and manifest.get("output_bytes") == _output_sizes(outputs))
 
 
-def write_manifest(prefix: str | Path, fingerprint: dict, stats: dict) -> None:
-    manifest = {"format": FORMAT, "fingerprint": fingerprint, "stats": stats, "output_bytes": _output_sizes(prefix)}
+def write_manifest(prefix: str | Path, fingerprint: dict, stats: dict, outputs: Sequence[str | Path]) -> None:
+    """Record `fingerprint`, `stats` and the sizes of every indexed dataset written (`outputs`)."""
+    manifest = {"format": FORMAT, "fingerprint": fingerprint, "stats": stats, "output_bytes": _output_sizes(outputs)}
     write_atomically(manifest_path(prefix), (json.dumps(manifest, indent=2) + "\n").encode())
 
 

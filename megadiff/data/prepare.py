@@ -42,10 +42,12 @@ from megadiff.data.indexed import (
     LOSS_MASK_DTYPE, AtomicIndexedWriter, bin_path, idx_path, loss_mask_prefix, token_dtype,
 )
 from megadiff.data.locations import corpus_dir, data_prefix
-from megadiff.data.manifest import is_up_to_date, read_manifest, remove_manifest, write_manifest
+from megadiff.data.manifest import (
+    is_up_to_date, manifest_path, read_manifest, remove_manifest, tokenizer_fingerprint, write_manifest,
+)
 from megadiff.data.sources import Source, load_texts, record_fields, resolve_sources
 from megadiff.data.tokenize_workers import Encoder
-from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, load_tokenizer
+from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.files import exclusive_lock
 
 DOCUMENTS_PER_BATCH = 256
@@ -115,9 +117,13 @@ class _Plan:
             outputs.append((loss_mask_prefix, loss_mask_prefix(self.prefix), LOSS_MASK_DTYPE))
         return outputs
 
+    def output_prefixes(self, part: Optional[Path] = None) -> list[str | Path]:
+        """The indexed datasets written at the prefix (or at a part's): what its manifest records."""
+        return [output if part is None else of_part(part) for of_part, output, _ in self.outputs]
+
     def up_to_date(self, console: Console) -> Optional[dict]:
         """The manifest's stats when the prepared data matches the sources (and say so), else None."""
-        if not is_up_to_date(self.prefix, self.fingerprint):
+        if not is_up_to_date(self.prefix, self.fingerprint, self.output_prefixes()):
             return None
         stats = read_manifest(self.prefix)["stats"]
         console.print(f"prepare-data: {self.prefix} is up to date ({stats['documents']:,} documents, "
@@ -134,7 +140,8 @@ def _plan(data: DataConfig) -> _Plan:
     prefix = data_prefix(data)
     entries = [str(write_bundled_corpus(data.bundled_corpus, corpus_dir(data)))] if data.bundled_corpus \
         else data.sources
-    sources = resolve_sources(entries)
+    # a prefix inside a source directory must not read its own manifest and parts as sources
+    sources = resolve_sources(entries, ignored=(manifest_path(prefix), parts_dir(prefix)))
     tokenizer = load_tokenizer(data.tokenizer)
     chat_template = resolve_chat_template(data, tokenizer)
     parts = [part for source in sources for part in source.parts()]
@@ -153,9 +160,9 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
         remove_manifest(plan.prefix)
         part_stats = _prepare_parts(plan, range(len(plan.parts)))
         stats = _merge(plan, part_stats)
-        write_manifest(plan.prefix, plan.fingerprint, stats)
+        write_manifest(plan.prefix, plan.fingerprint, stats, plan.output_prefixes())
         shutil.rmtree(parts_dir(plan.prefix))
-    _print_summary(console, [output for _, output, _ in plan.outputs], stats)
+    _print_summary(console, plan.output_prefixes(), stats)
     return stats
 
 
@@ -174,14 +181,13 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
 
 
 def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, chat_template: Optional[str]) -> dict:
-    spec = data.tokenizer if data.tokenizer in PACKAGED_TIKTOKEN else str(Path(data.tokenizer).resolve())
     return {
         "sources": [source.fingerprint() for source in sources],
         "text_key": data.text_key,
         **({"response_key": data.response_key} if data.response_key is not None else {}),
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()}
            if chat_template is not None else {}),
-        "tokenizer": {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
+        "tokenizer": tokenizer_fingerprint(data.tokenizer, tokenizer),
         "dtype": token_dtype(tokenizer.vocab_size).name,
     }
 
@@ -210,14 +216,14 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
 
 def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress) -> dict:
     prefix, source = plan.part_prefix(index), plan.parts[index]
-    fingerprint = _fingerprint([source], plan.data, plan.tokenizer, plan.chat_template)
+    fingerprint = plan.fingerprint | {"sources": [source.fingerprint()]}
     with exclusive_lock(f"{prefix}.lock"):  # a plain run and --part runs may reach the same part
-        if is_up_to_date(prefix, fingerprint):
+        if is_up_to_date(prefix, fingerprint, plan.output_prefixes(prefix)):
             return read_manifest(prefix)["stats"]
         remove_manifest(prefix)
         label = f"tokenizing part {index + 1}/{len(plan.parts)}" if len(plan.parts) > 1 else "tokenizing"
         stats = _tokenize(prefix, source, plan, encoder, progress, label)
-        write_manifest(prefix, fingerprint, stats)
+        write_manifest(prefix, fingerprint, stats, plan.output_prefixes(prefix))
     return stats
 
 

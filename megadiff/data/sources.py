@@ -2,7 +2,8 @@
 
 A source is a file (json/jsonl with one document per record, parquet, or txt with one
 document per file; optionally .gz/.bz2/.xz compressed), a directory or glob of such files
-(sorted), or otherwise a dataset name loaded from the Hugging Face hub (split "train").
+(sorted), or otherwise a dataset name loaded from the Hugging Face hub (split "train"). Every
+source is checked when the plan is made, before any tokenizing: a hub name must load.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import contextlib
 import glob
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from megadiff.data.errors import DataError
 
@@ -48,18 +49,34 @@ def builder_for(path: Path) -> Optional[str]:
     return BUILDERS.get(suffixes[-1]) if suffixes else None
 
 
-def _files_of(entry: str, key: str) -> Optional[list[Path]]:
+def _is_ignored(path: Path, ignored: tuple[Path, ...]) -> bool:
+    """Whether `path` is one of the `ignored` (resolved) files or lies in one of the `ignored` directories."""
+    path = path.resolve()
+    return any(path == other or other in path.parents for other in ignored)
+
+
+def _readable_files(paths: Iterable[Path], ignored: tuple[Path, ...]) -> list[Path]:
+    """The files among `paths` a builder reads, but the `ignored` ones, sorted."""
+    return sorted(p for p in paths if p.is_file() and builder_for(p) and not _is_ignored(p, ignored))
+
+
+def _looks_local(entry: str) -> bool:
+    """A name that is no hub dataset's ("owner/name"): deeper, or under a local directory."""
+    parts = Path(entry).parts
+    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+
+
+def _files_of(entry: str, key: str, ignored: tuple[Path, ...]) -> Optional[list[Path]]:
     """The local files an entry names, or None when it names no local path (a hub dataset)."""
     kinds = "json/jsonl/txt/parquet"
     if glob.has_magic(entry):
-        files = [Path(p) for p in sorted(glob.glob(entry, recursive=True))
-                 if Path(p).is_file() and builder_for(Path(p))]
+        files = _readable_files((Path(p) for p in glob.glob(entry, recursive=True)), ignored)
         if not files:
             raise DataError(f"{key}: no {kinds} files match {entry!r}")
         return files
     path = Path(entry).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and builder_for(p))
+        files = _readable_files(path.rglob("*"), ignored)
         if not files:
             raise DataError(f"{key}: directory {path} holds no {kinds} files")
         return files
@@ -69,22 +86,30 @@ def _files_of(entry: str, key: str) -> Optional[list[Path]]:
         return [path]
     if builder_for(path) or entry.startswith((".", "/", "~")):
         raise DataError(f"{key}: file not found: {path}")
+    if _looks_local(entry):
+        raise DataError(f"{key}: file or directory not found: {path} (the local path does not exist)")
     return None
 
 
-def resolve_sources(entries: list[str]) -> list[Source]:
-    """Check every entry exists now, before any work; consecutive files of one kind load together."""
+def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[Source]:
+    """Check every entry exists now, before any work; consecutive files of one kind load together.
+    Directories and globs leave out the `ignored` files and directories (what prepare-data writes)."""
     if not entries:
         raise DataError("data.sources: empty; list the files to prepare (json/jsonl/txt/parquet) "
                         "or set data.bundled_corpus")
+    ignored = tuple(Path(p).resolve() for p in ignored)
     sources: list[Source] = []
+    named_by: dict[Path, str] = {}  # each file, by the entry that named it first
     for i, entry in enumerate(entries):
         key = f"data.sources[{i}]"
-        files = _files_of(entry, key)
+        files = _files_of(entry, key, ignored)
         if files is None:
-            sources.append(Source(key, "hub", name=entry))
+            sources.append(_hub_source(key, entry))
             continue
         for path in files:
+            first = named_by.setdefault(path.resolve(), key)
+            if first != key:  # e.g. a directory and one of its files: its documents would be trained on twice
+                raise DataError(f"{key}: {path} is also one of {first}'s files; name each file once")
             builder = builder_for(path)
             last = sources[-1] if sources else None
             if last is not None and last.key == key and last.builder == builder:
@@ -92,6 +117,25 @@ def resolve_sources(entries: list[str]) -> list[Source]:
             else:
                 sources.append(Source(key, builder, (path,)))
     return sources
+
+
+def _hub_source(key: str, name: str) -> Source:
+    """A hub dataset's source, once its builder loads: a name that does not fails before any tokenizing."""
+    import datasets
+
+    source = Source(key, "hub", name=name)
+    try:
+        with _quiet_datasets():
+            datasets.load_dataset_builder(name)
+    except Exception as err:  # datasets raises many types; all mean the same thing here
+        raise _unloadable(source, err) from err
+    return source
+
+
+def _unloadable(source: Source, err: Exception) -> DataError:
+    what = ("is not a local file or directory, and loading it as a Hugging Face dataset failed"
+            if source.builder == "hub" else "could not be read")
+    return DataError(f"{source.key}: {source.describe()} {what}: {err}")
 
 
 @contextlib.contextmanager
@@ -125,9 +169,7 @@ def _load(source: Source, cache_dir: str):
             return None
         return datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
     except Exception as err:  # datasets raises many types; all mean the same thing here
-        what = ("is not a local file or directory, and loading it as a Hugging Face dataset failed"
-                if source.builder == "hub" else "could not be read")
-        raise DataError(f"{source.key}: {source.describe()} {what}: {err}") from err
+        raise _unloadable(source, err) from err
 
 
 def _column(table, source: Source, setting: str, key: str, name: str):

@@ -22,11 +22,12 @@ EncodedPairs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str) -> Encoded:
-    """A document that encodes to no tokens (empty or missing text) is skipped, not stored as a lone EOD."""
+    """A document that encodes to no tokens (empty or missing text) is skipped, not stored as a lone EOD.
+    A special token's text in a document is text: only the EOD appended ends the document."""
     tokenizer = load_tokenizer(tokenizer_spec)
     pieces, lengths = [], []
     for text in texts:
-        ids = tokenizer.encode(text) if text else []
+        ids = tokenizer.encode_ordinary(text) if text else []
         if ids:
             ids.append(tokenizer.eod)
         pieces.append(np.asarray(ids, dtype=dtype))
@@ -41,8 +42,8 @@ def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], t
     tokenizer = load_tokenizer(tokenizer_spec)
     documents = []
     for prompt, response in zip(prompts, responses):
-        answer = tokenizer.encode(response) + [tokenizer.eod] if response else []
-        question = tokenizer.encode(prompt) if prompt and answer else []
+        answer = tokenizer.encode_ordinary(response) + [tokenizer.eod] if response else []
+        question = tokenizer.encode_ordinary(prompt) if prompt and answer else []
         documents.append((question + answer, [0] * len(question) + [1] * len(answer)))
     return _masked(documents, dtype)
 

@@ -2,10 +2,13 @@
 or any Hugging Face tokenizer directory.
 
 Every tokenizer has `name`, `vocab_size` (ids in use, before the model pads its embedding),
-`eod` (the end-of-document id megatron's datasets append), `chat_template` (its Jinja chat
-template, if it has one), `special_tokens` (the names a chat template reads, e.g. eos_token),
-`encode`, `decode` and `save_hf(dir)`, which writes Hugging Face tokenizer files so an exported
-model directory is complete. `load_tokenizer(spec)` takes the `data.tokenizer` config value.
+`undecodable_ids` (those below vocab_size that no token has, never to be generated), `eod` (the
+end-of-document id megatron's datasets append), `chat_template` (its Jinja chat template, if it
+has one), `special_tokens` (the names a chat template reads, e.g. eos_token), `special_texts`
+(the texts `encode` reads as special tokens), `encode` (prompts, rendered chat templates),
+`encode_ordinary` (documents: a special token's text stays text), `decode` and `save_hf(dir)`,
+which writes Hugging Face tokenizer files so an exported model directory is complete.
+`load_tokenizer(spec)` takes the `data.tokenizer` config value.
 """
 from __future__ import annotations
 
@@ -33,11 +36,15 @@ class TokenizerError(MegadiffError, ValueError):
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
+    undecodable_ids: frozenset[int]
     eod: int
     chat_template: Optional[str]
     special_tokens: dict[str, str]
+    special_texts: tuple[str, ...]
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_ordinary(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -50,17 +57,25 @@ class TiktokenTokenizer:
         from bpe_openai import registry
 
         self.name = name
-        self.encoding = tiktoken.Encoding(**getattr(registry, name)())
+        spec = getattr(registry, name)()
+        self.encoding = tiktoken.Encoding(**spec)
         self.vocab_size = self.encoding.n_vocab
+        # ids with neither a rank nor a special token (cl100k: 100256 and 100261-100275): tiktoken cannot decode them
+        self.undecodable_ids = frozenset(range(self.vocab_size)) - set(spec["mergeable_ranks"].values()) \
+            - set(spec["special_tokens"].values())
         self.eod = self.encoding.eot_token
         self.chat_template = None
         self.special_tokens = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}  # as save_hf names them
 
+    special_texts: tuple[str, ...] = ()  # tiktoken reads no text as a special token
+
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
+    encode_ordinary = encode
+
     def decode(self, ids: list[int]) -> str:
-        return self.encoding.decode([i for i in ids if i < self.vocab_size])
+        return self.encoding.decode([i for i in ids if i < self.vocab_size and i not in self.undecodable_ids])
 
     def save_hf(self, directory: str | Path) -> None:
         """tokenizer.json with the same ids as tiktoken (special tokens at their real ids)."""
@@ -93,6 +108,8 @@ def oniguruma_pattern(pattern: str) -> str:
 
 
 class HFTokenizer:
+    undecodable_ids: frozenset[int] = frozenset()  # every id below len(hf) decodes
+
     def __init__(self, path: str, hf=None):
         """The tokenizer files in `path`, or `hf`, one already loaded from there (e.g. from a GGUF file)."""
         from transformers import AutoTokenizer
@@ -113,9 +130,17 @@ class HFTokenizer:
         self.chat_template = template.get("default") if isinstance(template, dict) else template
         self.special_tokens = {name: token for name, token in self.hf.special_tokens_map.items()
                                if isinstance(token, str)}
+        # the texts `encode` reads as special tokens' ids (chat markup such as <|im_start|>, the EOS)
+        self.special_texts = tuple(token.content for token in self.hf.added_tokens_decoder.values() if token.special)
 
     def encode(self, text: str) -> list[int]:
+        """Special tokens' texts in `text` become their ids: for prompts and chat templates' renderings."""
         return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Special tokens' texts in `text` stay text, as tiktoken's encode reads them: for documents,
+        where a literal "<|endoftext|>" must not end the document."""
+        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
