@@ -64,6 +64,7 @@ def _sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> N
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1 = every id")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                         help="default: the checkpoint's training precision")
@@ -138,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn first")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate_file:generate_file_cli")(
         a.load, a.prompts, a.output, chat=a.chat, system=a.system, max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature, top_k=a.top_k, seed=a.seed, dtype=a.dtype, batch_size=a.batch_size)
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, batch_size=a.batch_size)
         if a.prompts else _target("megadiff.inference.generate:generate_cli")(
         a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-        top_k=a.top_k, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system, output=a.output))
+        top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system, output=a.output))
 
     chat = sub.add_parser("chat", help="talk to a chat-tuned checkpoint: a message per line of standard input")
     chat.add_argument("--load", required=True)
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_options(chat, max_new_tokens=256)
     chat.set_defaults(run=lambda a: _target("megadiff.inference.chat:chat_cli")(
         a.load, system=a.system, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-        seed=a.seed, dtype=a.dtype))
+        top_p=a.top_p, seed=a.seed, dtype=a.dtype))
 
     evaluate = _held_out_command(sub, "evaluate", "held-out loss of a checkpoint, overall and by position", hf=True)
     evaluate.add_argument("--buckets", type=int, default=8, help="position buckets of the report")

@@ -310,3 +310,24 @@ def test_an_exported_model_reports_the_checkpoints_losses(run, tmp_path, capsys)
     capsys.readouterr()
     assert main(["evaluate", "--hf", str(tmp_path / "hf"), *options, *data, "data.document_masking=true"]) == 2
     assert "attends across documents" in capsys.readouterr().err
+
+
+def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path):
+    """Granite divides its logits by logits_scaling after the head: --hf's chunked losses and chosen
+    logits are those of the model's forward."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from megadiff.inference.hf_model import HFCausalLM
+    from tests.convert_worker import build_tokenizer
+
+    torch.manual_seed(0)
+    hf = GraniteForCausalLM(GraniteConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                          logits_scaling=8.0)).eval()
+    model = HFCausalLM(hf, build_tokenizer(tmp_path), 32)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    with torch.no_grad():
+        logits = hf(ids).logits
+    torch.testing.assert_close(model(ids, labels), F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
+    torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])

@@ -13,7 +13,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_d
 from megadiff.cli import main
 from megadiff.config import build_config
 from megadiff.inference import load_checkpoint
-from megadiff.inference.generate import generate
+from megadiff.inference.generate import decodable_ids, generate
 from tests.conftest import kjv_verses
 from tests.convert_worker import build_tokenizer, save_in_process, variant_config
 from tests.distributed import run_ranks
@@ -56,7 +56,7 @@ def test_each_completion_is_the_prompts_own_generation(root, tmp_path):
     assert [row["id"] for row in got] == ["1", "2", "3", "4", "5", "6", "last"]
     for row, prompt in zip(got, prompts):
         new = generate(model, tokenizer.encode(prompt["prompt"]), max_new_tokens=NEW, stop_id=tokenizer.eod,
-                       vocab_in_use=tokenizer.vocab_size)
+                       decodable=decodable_ids(model))
         assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(
             [token for token in new if token != tokenizer.eod])
         assert row["finish"] == ("stop" if new[-1] == tokenizer.eod else "length")
@@ -73,7 +73,7 @@ def test_a_prompt_longer_than_the_window_keeps_its_end(root, tmp_path):
     assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "long.jsonl"), "--output",
                  str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW)]) == 0
     new = generate(model, ids[-(WINDOW - NEW):], max_new_tokens=NEW, stop_id=tokenizer.eod,
-                   vocab_in_use=tokenizer.vocab_size)
+                   decodable=decodable_ids(model))
     (row,) = completions(tmp_path / "out.jsonl")
     assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(
         [token for token in new if token != tokenizer.eod])

@@ -254,6 +254,9 @@ def test_an_interrupted_run_resumes_from_its_cache(root, tmp_path, monkeypatch, 
     assert main(["icl", "--load", f"{root}/run", "--dataset", str(root), "--examples", "7", "--seed", "1",
                  *cache]) == 2
     assert "another request" in capsys.readouterr().err
+    assert main(["icl", "--load", f"{root}/run", "--dataset", str(root), "--examples", "7", "--dtype", "bf16",
+                 *cache]) == 2  # the answers of fp32 weights are not those of bf16 ones
+    assert "another request" in capsys.readouterr().err
 
     run_ranks(2, _icl, str(root), str(tmp_path / "two.json"), "--cache", str(tmp_path / "ranks"))
     computed["answers"] = 0

@@ -5,6 +5,7 @@ too), and seeded sampling that is reproducible and stays within the top-k."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from megadiff.cli import main
 from megadiff.config import build_config
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
-from megadiff.inference.generate import HeldContext, TextStream, generate, generate_batch
+from megadiff.inference.generate import (
+    HeldContext, TextStream, decodable_ids, generate, generate_batch, next_tokens,
+)
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
 PROMPT = "In the beginning"
@@ -372,6 +375,7 @@ def test_a_held_context_runs_each_turn_from_what_it_holds(run, variant, monkeypa
             expected_reuse = 16 if variant == "diff" else 9 + 4
         if turn == 3:  # 43 tokens: the window of 32 slides, the cache restarts from the last 32
             assert len(prompt) > context.cache.max_length and positions_run[0] == context.cache.max_length
+            assert context.reused == 0  # what chat reports as cached: nothing, once the context slid
             continue
         assert context.reused == expected_reuse and positions_run == [len(prompt) - expected_reuse] + [1] * 4
         assert context.ids == prompt + reply[:-1] and context.cache.length == len(context.ids)
@@ -379,3 +383,68 @@ def test_a_held_context_runs_each_turn_from_what_it_holds(run, variant, monkeypa
         assert sorted(context.cache.call_ends) == ([] if variant == "diff" else
                                                    [expected_reuse] * (expected_reuse > 0) +
                                                    list(range(len(prompt), len(prompt) + 5)))
+
+
+def test_a_document_masked_checkpoint_generates_within_documents(run):
+    """data.document_masking: each new token sees only its own document, as the masked whole forward
+    (and so the harness's scores) sees it: a prompt's text before an EOD is never attended to, and
+    after a prompt ended by an EOD the continuation is a document of its own. One prompt at a time
+    or side by side."""
+    cfg = build_config(variant_config("diff", "single", run[1].cfg.data.tokenizer).model_dump(mode="json"),
+                       ["data.document_masking=true"])
+    model = reference_model(cfg)
+    eod = model.tokenizer.eod
+    prompts = [[eod], [5, 6, eod], [5, 6, eod, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15]]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(5):
+                ids.append(int(model(torch.tensor([ids]), document_eod=eod)[0, -1].argmax()))
+            expected.append(ids[len(prompt):])
+    assert [generate(model, prompt, max_new_tokens=5) for prompt in prompts] == expected
+    assert generate_batch(model, prompts, 5) == expected
+
+
+def test_nucleus_sampling_draws_from_the_likeliest_ids_reaching_top_p():
+    """Probabilities 0.5, 0.3, 0.2: top_p 0.6 draws from the first two only (both), top_p 0.01 is greedy."""
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(400, 3)
+    generator = torch.Generator().manual_seed(0)
+    assert set(next_tokens(logits, 1.0, 0, generator, top_p=0.6)) == {0, 1}
+    assert set(next_tokens(logits, 1.0, 0, generator, top_p=0.01)) == {0}
+    assert set(next_tokens(logits, 1.0, 0, generator)) == {0, 1, 2}
+
+
+def test_generation_draws_only_ids_the_tokenizer_decodes(run):
+    """cl100k_base has ids no token has (100256, 100261-100275): generation never draws them nor the
+    embedding's padding, and decoding one is no error."""
+    tokenizer = load_tokenizer("cl100k_base")
+    holes = [100256] + list(range(100261, 100276))
+    decodable = decodable_ids(SimpleNamespace(tokenizer=tokenizer, vocab_size=100352))
+    assert (~decodable).nonzero().flatten().tolist() == holes + list(range(tokenizer.vocab_size, 100352))
+    assert TextStream(tokenizer).add(100256) == "" and tokenizer.decode([100256, 9906]) == "Hello"
+    _, reference = run
+    greedy = generate(reference, [5, 6, 7], max_new_tokens=1)
+    allowed = torch.ones(reference.vocab_size, dtype=torch.bool)
+    allowed[greedy] = False
+    assert generate(reference, [5, 6, 7], max_new_tokens=1, decodable=allowed) != greedy
+
+
+def test_a_budget_below_one_new_token_is_refused_before_the_checkpoint_is_read(run, capsys, tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n')
+    missing = str(tmp_path / "no-run")
+    for command, option, value, message in [
+            (["generate", "--prompt", "Hi"], "--max-new-tokens", "0", "max_new_tokens"),
+            (["generate", "--prompts", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "out")],
+             "--max-new-tokens", "-1", "max_new_tokens"),
+            (["chat"], "--max-new-tokens", "0", "max_new_tokens"),
+            (["generate", "--prompt", "Hi"], "--top-p", "0", "top_p")]:
+        assert main([command[0], "--load", missing, *command[1:], option, value]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        generate_batch(run[1], [[5, 6, 7]], 0)
+
+
+def test_generate_cli_samples_from_the_nucleus(run, capsys):
+    """--top-p small enough that the nucleus is the likeliest id alone: greedy text at any temperature."""
+    assert cli_text(run[0], capsys, "--temperature", "5", "--top-p", "1e-9", "--seed", "3") == cli_text(run[0], capsys)

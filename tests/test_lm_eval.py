@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megadiff.cli import main
+from megadiff.config import ConfigError
 from megadiff.convert import convert_to_hf
 from tests.conftest import kjv_verses
 from tests.test_chat_data import CHATML
@@ -388,3 +389,45 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
     monkeypatch.setattr(harness, "HARNESS_MISSING", True)
     assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice"]) == 3
     assert "pip install" in capsys.readouterr().err
+
+
+def document_masked(run: Path):
+    from megadiff.inference.loader import CausalLM, load_checkpoint
+
+    loaded = load_checkpoint(run, torch.float32)
+    data = loaded.cfg.data.model_copy(update={"document_masking": True})
+    return CausalLM(loaded.gpt, loaded.cfg.model_copy(update={"data": data}), loaded.checkpoint_dir)
+
+
+def test_a_document_masked_checkpoint_generates_what_its_scores_call_greedy(runs):
+    """An empty context (the end-of-document prefix alone): the generated ids are the ones the
+    harness's own log-likelihood calls greedy, attention kept within documents in both."""
+    from megadiff.inference.harness import MegadiffLM
+
+    lm = MegadiffLM(document_masked(runs["diff"]))
+    (plan,) = plans = [lm._plan("", {"until": ["@@@"], "max_gen_toks": 6, "do_sample": False})]
+    (new,) = lm._decode(plans)
+    assert plan.prompt == [lm.eot_token_id] and len(new) > 1
+    assert lm.score([(plan.prompt, new)])[0][1]
+
+
+def test_generation_follows_top_p_and_refuses_what_it_cannot_do(runs, tasks, tmp_path, monkeypatch):
+    """A nucleus of one id (top_p=1e-9) samples the greedy answer; a kwarg generation would ignore
+    is refused, and --gen-kwargs asking so (or more tokens than the window) before the checkpoint is read."""
+    from megadiff.inference import harness
+    from megadiff.inference.loader import load_checkpoint
+
+    lm = harness.MegadiffLM(load_checkpoint(runs["diff"], torch.float32), max_gen_toks=6)
+    context = "In the beginning God created"
+    greedy = lm.generate_until([SimpleNamespace(args=(context, {"until": ["@@"], "do_sample": False}))])
+    nucleus = {"until": ["@@"], "do_sample": True, "temperature": 1.0, "top_p": 1e-9}
+    assert lm.generate_until([SimpleNamespace(args=(context, nucleus))] * 3) == greedy * 3
+    assert lm._plan(context, {"num_beams": 1, "do_sample": False}).max_new == 6
+    for kwargs, message in (({"num_beams": 4}, "num_beams"), ({"min_p": 0.1}, "min_p"),
+                            ({"do_sample": True, "temperature": 1.0, "top_p": 0.0}, "top_p")):
+        with pytest.raises(ConfigError, match=message):
+            lm._plan(context, kwargs)
+    monkeypatch.setattr(harness, "load_checkpoint", lambda *args: pytest.fail("the checkpoint was read"))
+    for gen_kwargs, message in (("num_beams=4", "num_beams"), (f"max_gen_toks={SEQ_LENGTH}", "window")):
+        assert main(["lm-eval", "--load", str(runs["diff"]), "--tasks", "kjv_generate", "--include-path", str(tasks),
+                     "--gen-kwargs", gen_kwargs]) == 2

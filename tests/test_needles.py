@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.cli import main
+from megadiff.config import ConfigError
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluation_config
@@ -237,3 +238,13 @@ def test_attention_allocation_sums_the_rows_over_the_answer_and_the_haystack(run
     assert to_answer == pytest.approx(rows[:, list(range(*case.answer_span))].sum(-1).mean().item(), rel=1e-5)
     assert noise == pytest.approx(rows[:, haystack_positions].sum(-1).mean().item(), rel=1e-5)
     assert 0 < len(haystack_positions) < case.question_start
+
+
+def test_a_length_the_haystack_cannot_fill_is_refused_before_any_case_is_scored(tokenizer, haystack, monkeypatch):
+    from megadiff.inference import needles
+
+    scored = []
+    monkeypatch.setattr(needles, "retrieved", lambda model, case: scored.append(case) or 0.0)
+    with pytest.raises(ConfigError, match="haystack tokens"):
+        retrieval_grid(None, tokenizer, haystack[:500], [120, 300, 5000], [0.0, 1.0], 1, 2, seed=0)
+    assert scored == []

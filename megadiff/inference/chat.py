@@ -11,13 +11,14 @@ from __future__ import annotations
 import sys
 
 from megadiff.inference.chat_prompts import chat_renderer, system_turns
-from megadiff.inference.generate import HeldContext, print_continuation
+from megadiff.inference.generate import HeldContext, check_generation, print_continuation
 from megadiff.inference.loader import load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 
 def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, dtype: str | None = None) -> int:
+             top_k: int = 0, seed: int = 0, dtype: str | None = None, top_p: float = 1.0) -> int:
+    check_generation(max_new_tokens, top_k, top_p)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     render, reply_end = chat_renderer(model, "chat")  # no template: refused before any input
     messages = system_turns(system)
@@ -25,7 +26,8 @@ def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, te
     for turn, line in enumerate(_messages(interactive)):
         messages.append({"role": "user", "content": line})
         reply = print_continuation(model, render(messages), reply_end, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_k=top_k, seed=seed + turn, context=context)
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + turn,
+                                   context=context)
         messages.append({"role": "assistant", "content": reply})
     return 0
 

@@ -1,4 +1,4 @@
-"""Text generation from a megadiff checkpoint: greedy, or sampling with temperature / top-k.
+"""Text generation from a megadiff checkpoint: greedy, or sampling with temperature / top-k / top-p.
 
 The prompt runs once; then each new token runs alone, the earlier positions' keys and values
 (and DINT's running sum) kept in a KV cache. Past the model's window, the context slides as
@@ -6,13 +6,17 @@ in training: each step then runs the last `seq_length` tokens afresh (their posi
 Prompts decode side by side (`generate_batch`), their rows kept of one length: no padding, so
 no masks. Prompts that grow from each other (a conversation's turns) can share one cache
 (`HeldContext`): each runs from the longest prefix the cache still holds.
+A checkpoint trained with data.document_masking attends within documents here too: a prompt runs
+from after its last EOD, and a row whose document begins after what the cache holds (a prompt
+ended by an EOD, once its first new token is drawn) runs whole, with document masking, each step.
+Only ids the tokenizer can decode are drawn (not the embedding's padding, nor a tokenizer's holes).
 """
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -26,22 +30,67 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 INCOMPLETE_CHARACTER = "\ufffd"
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, top_k: int,
-                generator: torch.Generator | None) -> list[int]:
+def check_generation(max_new_tokens: int, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Refuse a budget or sampling that generation cannot honour (before any checkpoint is read)."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens (--max-new-tokens) must be >= 1, got {max_new_tokens}")
+    if top_k < 0:
+        raise ConfigError(f"top_k (--top-k) must be >= 0 (0: every id), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p (--top-p) must be within (0, 1] (1: every id), got {top_p}")
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [rows, V] with every id outside the row's nucleus at -inf: the likeliest ids whose
+    probabilities, taken in order, first reach `top_p` (the likeliest id always)."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(ordered, dim=-1)
+    likelier_mass = probs.cumsum(dim=-1) - probs
+    return logits.scatter(-1, order, ordered.masked_fill(likelier_mass >= top_p, float("-inf")))
+
+
+def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None,
+                top_p: float = 1.0) -> list[int]:
     """logits [rows, V] (fp32) -> an id per row: argmax at temperature 0, else a draw from
-    softmax(logits / T) over the row's top k."""
+    softmax(logits / T) over the row's top k, then over its nucleus of mass top_p."""
     if temperature <= 0:
         return logits.argmax(dim=-1).tolist()
+    logits = logits / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        logits = nucleus(logits, top_p)
+    probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator,
+               top_p: float = 1.0) -> int:
     """next_tokens() of one row of logits [V]."""
-    return next_tokens(logits[None], temperature, top_k, generator)[0]
+    return next_tokens(logits[None], temperature, top_k, generator, top_p)[0]
+
+
+def decodable_ids(model: CausalLM) -> torch.Tensor:
+    """[V] booleans over the model's padded vocabulary: the ids its tokenizer can decode."""
+    tokenizer = model.tokenizer
+    decodable = torch.zeros(model.vocab_size, dtype=torch.bool)
+    decodable[:tokenizer.vocab_size] = True
+    decodable[sorted(tokenizer.undecodable_ids)] = False
+    return decodable
+
+
+def document_eod(model: CausalLM) -> int | None:
+    """The EOD a data.document_masking checkpoint never attended across (None: it attends to every token)."""
+    return model.tokenizer.eod if model.cfg.data.document_masking else None
+
+
+def attended_part(ids: list[int], eod: int | None) -> list[int]:
+    """What of `ids` their last token attends to: all of them, or with document masking (`eod`) the
+    document it ends, from after the last EOD before it (RoPE is relative: no position need move)."""
+    if eod is None:
+        return ids
+    return ids[next((i + 1 for i in range(len(ids) - 2, -1, -1) if ids[i] == eod), 0):]
 
 
 class HeldContext:
@@ -64,21 +113,31 @@ class HeldContext:
         del self.ids[self.reused:]
         return self.reused
 
+    def forget(self) -> None:
+        """The cache no longer holds the sequence from its start (the context slid, or runs whole)."""
+        self.ids.clear()
+        self.reused = 0
+
 
 class Decoder:
     """Next-token logits of rows of one length as each grows by a token: the prompts run once,
     then each new token (KV cache); past the model's window the context slides as in training.
-    With a `context` (one row), the prompt runs from what its cache holds, and it keeps what runs."""
+    With a `context` (one row), the prompt runs from what its cache holds, and it keeps what runs.
+    `decodable` [V]: the ids that may be drawn (default: all). With document masking, once a row's
+    document begins after the cache's first position, the rows run whole each step (see the module)."""
 
     def __init__(self, model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
-                 vocab_in_use: int | None = None, context: HeldContext | None = None):
+                 decodable: torch.Tensor | None = None, context: HeldContext | None = None):
         if not all(prompts) or len({len(prompt) for prompt in prompts}) != 1:
             raise ValueError("a decoder's prompts must be non-empty and of one length")
         if context is not None and len(prompts) != 1:
             raise ValueError("a held context continues one sequence")
-        self.model, self.vocab_in_use, self.context = model, vocab_in_use, context
+        self.model, self.decodable, self.context = model, decodable, context
         self.window = model.cfg.model.seq_length
         self.rows = [list(prompt) for prompt in prompts]
+        self.eod = document_eod(model)
+        self.last_eods = [max((i for i, token in enumerate(row) if token == self.eod), default=-1) for row in self.rows]
+        self.whole = False
         if context is None:
             self.cache, held = model.new_cache(len(prompts), min(self.window, len(prompts[0]) + max_new_tokens)), 0
         else:
@@ -86,39 +145,62 @@ class Decoder:
         self.pending = [row[held:] for row in self.rows]  # what the cache has not seen yet
 
     @torch.no_grad()
-    def logits(self) -> torch.Tensor:
-        """[rows, V] fp32 on the host: each row's next-token logits (padding ids at -inf)."""
+    def logits(self, wanted: Iterable[int] | None = None) -> torch.Tensor:
+        """[rows, V] fp32 on the host: each row's next-token logits (undecodable ids at -inf).
+        `wanted`: the rows whose logits are used (default: all; a finished row's may cross documents)."""
+        self.whole = self.whole or self._crosses_documents(range(len(self.rows)) if wanted is None else wanted)
+        logits = self._whole_logits() if self.whole else self._cached_logits()
+        if self.decodable is not None:
+            logits[:, ~self.decodable] = float("-inf")
+        return logits
+
+    def _crosses_documents(self, wanted: Iterable[int]) -> bool:
+        """Whether the cache would show a wanted row's last token an earlier document."""
+        if self.eod is None:
+            return False
+        attended = min(self.cache.length + len(self.pending[0]), self.window)
+        return any(len(self.rows[row]) - attended <= self.last_eods[row] < len(self.rows[row]) - 1 for row in wanted)
+
+    def _cached_logits(self) -> torch.Tensor:
         if self.cache.length + len(self.pending[0]) > self.cache.max_length:
             self.cache.reset()
             self.pending = [row[-self.window:] for row in self.rows]
             if self.context is not None:
-                self.context.ids.clear()
+                self.context.forget()
         logits = self.model.next_token_logits(torch.tensor(self.pending), self.cache).float().cpu()
         if self.context is not None:
             self.context.ids.extend(self.pending[0])
-        if self.vocab_in_use is not None:
-            logits[:, self.vocab_in_use:] = float("-inf")
         return logits
 
+    def _whole_logits(self) -> torch.Tensor:
+        """The rows' last `window` tokens run afresh, attention kept within their documents."""
+        if self.context is not None:
+            self.context.forget()
+        ids = torch.tensor([row[-self.window:] for row in self.rows])
+        return self.model.output_logits(self.model.hidden_states(ids, self.eod)[-1:])[0].float().cpu()
+
     def append(self, tokens: list[int]) -> None:
-        for row, token in zip(self.rows, tokens):
+        for index, (row, token) in enumerate(zip(self.rows, tokens)):
             row.append(token)
+            if token == self.eod:
+                self.last_eods[index] = len(row) - 1
         self.pending = [[token] for token in tokens]
 
 
 def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-           top_k: int = 0, seed: int = 0, vocab_in_use: int | None = None, stop_id: int | None = None,
-           stop: Callable[[list[int]], bool] | None = None, context: HeldContext | None = None) -> Iterator[int]:
-    """The new token ids after `prompt_ids`, each as soon as it is drawn; ids >= vocab_in_use
-    (embedding padding) are never produced. Generation ends after `stop_id`, or once
+           top_k: int = 0, seed: int = 0, decodable: torch.Tensor | None = None, stop_id: int | None = None,
+           stop: Callable[[list[int]], bool] | None = None, context: HeldContext | None = None,
+           top_p: float = 1.0) -> Iterator[int]:
+    """The new token ids after `prompt_ids`, each as soon as it is drawn; only ids `decodable`
+    ([V] booleans, decodable_ids()) are produced. Generation ends after `stop_id`, or once
     `stop(new ids)` is true (e.g. a stop string was decoded). `context`: the cache to continue."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     generator = torch.Generator().manual_seed(seed)
-    decoder = Decoder(model, [prompt_ids], max_new_tokens, vocab_in_use, context)
+    decoder = Decoder(model, [attended_part(prompt_ids, document_eod(model))], max_new_tokens, decodable, context)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        token = next_token(decoder.logits()[0], temperature, top_k, generator)
+        token = next_token(decoder.logits()[0], temperature, top_k, generator, top_p)
         decoder.append([token])
         new.append(token)
         yield token
@@ -131,25 +213,29 @@ def generate(model: CausalLM, prompt_ids: list[int], **options) -> list[int]:
     return list(stream(model, prompt_ids, **options))
 
 
-def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, vocab_in_use: int | None = None,
-                   stop_id: int | None = None, stops: list[Callable[[list[int]], bool]] | None = None,
-                   temperature: float = 0.0, top_k: int = 0,
-                   generator: torch.Generator | None = None) -> list[list[int]]:
+def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
+                   decodable: torch.Tensor | None = None, stop_id: int | None = None,
+                   stops: list[Callable[[list[int]], bool]] | None = None, temperature: float = 0.0, top_k: int = 0,
+                   generator: torch.Generator | None = None, top_p: float = 1.0) -> list[list[int]]:
     """The new ids after each of `prompts`, decoded side by side: greedy (generate()'s answers), or
-    drawn at `temperature` from each row's top k with `generator`; each row ends where generate()
-    ends it (after stop_id, or once its `stops[row](new ids)` is true).
+    drawn at `temperature` from each row's top k and nucleus top_p with `generator`; each row ends
+    where generate() ends it (after stop_id, or once its `stops[row](new ids)` is true).
 
     Rows stay of one length, so no padding and no masks: the prompts run together up to the
     shortest one's length, then each step feeds every row its next token, a longer prompt's own
     until it is used up (its logits meanwhile unused), then the drawn one. Prompts of near lengths
     batch best (each token a longer prompt has beyond the shortest costs a step)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"generate_batch needs max_new_tokens >= 1, got {max_new_tokens}")
+    eod = document_eod(model)
+    prompts = [attended_part(prompt, eod) for prompt in prompts]
     shortest = min(len(prompt) for prompt in prompts)
     decoder = Decoder(model, [prompt[:shortest] for prompt in prompts],
-                      max(len(prompt) for prompt in prompts) - shortest + max_new_tokens, vocab_in_use)
+                      max(len(prompt) for prompt in prompts) - shortest + max_new_tokens, decodable)
     answers: list[list[int]] = [[] for _ in prompts]
     running = set(range(len(prompts)))
     while running:
-        tokens = next_tokens(decoder.logits(), temperature, top_k, generator)
+        tokens = next_tokens(decoder.logits(running), temperature, top_k, generator, top_p)
         step = [prompt[len(row)] if len(row) < len(prompt) else token
                 for prompt, row, token in zip(prompts, decoder.rows, tokens)]
         for row in sorted(running):
@@ -198,14 +284,14 @@ class TextStream:
 
 def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,
                        temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                       context: HeldContext | None = None) -> str:
+                       context: HeldContext | None = None, top_p: float = 1.0) -> str:
     """Print `prompt`'s continuation as it is generated, up to the EOD (or `stop_text`, unshown), and
     its rate on stderr; returns the text printed. `context`: the cache to continue (a conversation's)."""
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt)
     text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        seed=seed, vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod,
+                        top_p=top_p, seed=seed, decodable=decodable_ids(model), stop_id=tokenizer.eod,
                         stop=lambda _: text.stopped, context=context):
         if token != tokenizer.eod:
             print(text.add(token), end="", flush=True)
@@ -220,12 +306,13 @@ def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = Non
 
 def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0, dtype: str | None = None, prompt_file: str | None = None, chat: bool = False,
-                 system: str | None = None, output: str | None = None) -> int:
+                 system: str | None = None, output: str | None = None, top_p: float = 1.0) -> int:
     """`megadiff generate`: print the prompt (or `prompt_file`'s text; '-': standard input), then
     its continuation as it is generated (the rate on stderr); the weights in `dtype` (default: the
     checkpoint's training precision). With `chat`, the prompt is the user's message to a chat-tuned
     checkpoint (after `system`'s turn) and the assistant's reply alone is printed, up to the end of
     its turn. (`--prompts FILE`: inference/generate_file.py.)"""
+    check_generation(max_new_tokens, top_k, top_p)
     opening = system_turns(system, chat)
     if output is not None:
         raise ConfigError("--output is where the completions of --prompts FILE go")
@@ -240,5 +327,5 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     else:
         print(prompt, end="", flush=True)
     print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                       seed=seed)
+                       top_p=top_p, seed=seed)
     return 0

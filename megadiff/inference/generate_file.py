@@ -23,7 +23,7 @@ from megadiff.config import ConfigError
 from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
 from megadiff.inference.chat_prompts import chat_renderer, system_turns
-from megadiff.inference.generate import generate_batch
+from megadiff.inference.generate import check_generation, decodable_ids, generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
@@ -101,7 +101,7 @@ def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> d
 
 def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: str, chat: bool = False,
                   system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                  seed: int = 0, batch_size: int = 8) -> int:
+                  seed: int = 0, batch_size: int = 8, top_p: float = 1.0) -> int:
     """Generate what the rank files lack, then (rank 0) write `output`; returns how many were generated here."""
     tokenizer, window = model.tokenizer, model.cfg.model.seq_length
     if max_new_tokens >= window:
@@ -117,11 +117,12 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
     completions = Completions(output, {"checkpoint": str(Path(model.checkpoint_dir).resolve()),
                                        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-                                       "seed": seed})
+                                       "top_p": top_p, "seed": seed})
     done = completions.done(digests)
     todo = sorted((key for key, _ in prompts if key not in done), key=lambda key: -len(encoded[key]))
     mine = list(share(todo))
     generator = torch.Generator().manual_seed(seed + rank_and_world()[0])
+    decodable = decodable_ids(model)
     console, started = command_console(), time.perf_counter()
     if done and reports():
         console.print(f"generate: {len(done)} of {len(prompts)} prompts done in {output}_rank*.jsonl, "
@@ -133,8 +134,8 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
             stops = None if stop_text is None else \
                 [lambda ids: stop_text in tokenizer.decode(ids) for _ in batch]
             answers = generate_batch(model, [encoded[key] for key in batch], max_new_tokens,
-                                     vocab_in_use=tokenizer.vocab_size, stop_id=tokenizer.eod, stops=stops,
-                                     temperature=temperature, top_k=top_k, generator=generator)
+                                     decodable=decodable, stop_id=tokenizer.eod, stops=stops,
+                                     temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             for key, new_ids in zip(batch, answers):
                 completions.add(key, digests[key], _completion(model, new_ids, stop_text))
                 task.advance(1, len(encoded[key]) + len(new_ids))
@@ -152,15 +153,16 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
 
 def generate_file_cli(load: str, prompts: str, output: str | None, chat: bool = False, system: str | None = None,
                       max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                      dtype: str | None = None, batch_size: int = 8) -> int:
+                      dtype: str | None = None, batch_size: int = 8, top_p: float = 1.0) -> int:
     """`megadiff generate --prompts FILE --output OUT`: everything is checked before the checkpoint is read."""
     if output is None:
         raise ConfigError("--prompts FILE needs --output OUT, where the completions go")
+    check_generation(max_new_tokens, top_k, top_p)
     system_turns(system, chat)
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
     requests = read_prompts(prompts, chat)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     generate_file(model, requests, output, chat=chat, system=system, max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_k=top_k, seed=seed, batch_size=batch_size)
+                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size)
     return 0

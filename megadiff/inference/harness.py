@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import ConfigError
 from megadiff.data.conversations import render_conversation
 from megadiff.errors import MegadiffError
 from megadiff.inference.chat_prompts import checkpoint_chat_template
-from megadiff.inference.generate import generate_batch
+from megadiff.inference.generate import check_generation, decodable_ids, document_eod, generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
@@ -47,7 +48,9 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+    from lm_eval.utils import (
+        get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table, simple_parse_args_string,
+    )
 except ImportError:  # the command says how to install it; importing megadiff never needs it
     TemplateLM = object
     HARNESS_MISSING = True
@@ -56,6 +59,24 @@ else:
 
 # (context ids, continuation ids): the continuation's tokens are the ones scored
 TokenPair = tuple[list[int], list[int]]
+# the generation kwargs generation here follows (until and max_gen_toks aside), and others other
+# backends take, at the value that changes nothing: any other is refused rather than ignored
+HONOURED_GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
+NEUTRAL_GEN_KWARGS = {"num_beams": 1, "repetition_penalty": 1.0}
+
+
+def generation_settings(gen_kwargs: dict, default_max_gen_toks: int, window: int) -> dict:
+    """lm_eval's normalised generation kwargs, refused where generation here cannot honour them."""
+    kwargs = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks)
+    ignored = sorted(key for key, value in kwargs.items() if key not in HONOURED_GEN_KWARGS + ("until", "max_gen_toks")
+                     and (key not in NEUTRAL_GEN_KWARGS or NEUTRAL_GEN_KWARGS[key] != value))
+    if ignored:
+        raise ConfigError(f"lm-eval: generation here does not do {ignored} (it follows {list(HONOURED_GEN_KWARGS)}, "
+                          "until and max_gen_toks)")
+    if kwargs["max_gen_toks"] >= window:
+        raise ConfigError(f"the task generates up to {kwargs['max_gen_toks']} tokens; the model's window is {window}")
+    check_generation(kwargs["max_gen_toks"], int(kwargs.get("top_k") or 0), float(kwargs.get("top_p", 1.0)))
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -66,11 +87,13 @@ class GenerationPlan:
     until: list[str]
     temperature: float
     top_k: int
+    top_p: float
 
     @property
     def decoding(self) -> tuple:
         """Plans alike in these decode side by side."""
-        return self.max_new, max(self.temperature, 0.0), self.top_k if self.temperature > 0 else 0
+        sampled = self.temperature > 0
+        return self.max_new, max(self.temperature, 0.0), self.top_k if sampled else 0, self.top_p if sampled else 1.0
 
 
 class MegadiffLM(TemplateLM):
@@ -87,7 +110,7 @@ class MegadiffLM(TemplateLM):
         self.max_gen_toks = max_gen_toks
         # a checkpoint trained with data.document_masking never attended across an end-of-document
         # token: nor does the harness's end-of-document prefix (empty contexts, rolling windows) here
-        self.document_eod = self.tok.eod if model.cfg.data.document_masking else None
+        self.document_eod = document_eod(model)
         self._rank, self._world_size = rank_and_world()
         self._device = model.device
         # sampled generations draw from one stream per rank (repeats of a request differ), seeded by --seed
@@ -200,22 +223,21 @@ class MegadiffLM(TemplateLM):
 
     def _plan(self, context: str, gen_kwargs: dict) -> GenerationPlan:
         """What one request asks: its prompt ids, length, stop strings and sampling."""
-        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        kwargs = generation_settings(gen_kwargs, self.max_gen_toks, self.max_length)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok.decode([self.eot_token_id]))
         max_new = kwargs.pop("max_gen_toks")
-        if max_new >= self.max_length:
-            raise ConfigError(f"the task generates up to {max_new} tokens; the model's window is {self.max_length}")
         # an empty context is conditioned on the end-of-document token, as in log-likelihoods
         prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
         temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
-        return GenerationPlan(prompt, max_new, until, temperature, int(kwargs.get("top_k") or 0))
+        return GenerationPlan(prompt, max_new, until, temperature, int(kwargs.get("top_k") or 0),
+                              float(kwargs.get("top_p", 1.0)))
 
     def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
         """The new ids of plans alike in their decoding."""
-        max_new, temperature, top_k = plans[0].decoding
-        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, vocab_in_use=self.tok.vocab_size,
+        max_new, temperature, top_k, top_p = plans[0].decoding
+        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, decodable=decodable_ids(self.model),
                               stop_id=self.eot_token_id, stops=[partial(self._stopped, plan.until) for plan in plans],
-                              temperature=temperature, top_k=top_k, generator=self.generator)
+                              temperature=temperature, top_k=top_k, top_p=top_p, generator=self.generator)
 
     def _stopped(self, until: Sequence[str], new_ids: list[int]) -> bool:
         text = self.tok.decode(new_ids)
@@ -281,6 +303,9 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     if log_samples and not output:
         raise ConfigError("--log-samples writes every request's answer into --output: give one")
     manager, names = known_tasks(tasks, include_path)
+    if gen_kwargs:  # before any request runs (a task's own settings are checked as its requests come)
+        window = checkpoint_config(resolve_checkpoint_dir(load)).model.seq_length
+        generation_settings(simple_parse_args_string(gen_kwargs), default_max_gen_toks=1, window=window)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     quantize_attention_logits(model, attention_logit_bits)
     chat_template = checkpoint_chat_template(model, "--apply-chat-template") if apply_chat_template else None

@@ -81,11 +81,12 @@ class HFCausalLM:
         if document_eod is not None:
             raise ConfigError("--hf: a Hugging Face model attends across documents; data.document_masking does not "
                               "apply to it")
-        hidden = self.hf.get_decoder()(input_ids=input_ids.to(self.device), use_cache=False).last_hidden_state
-        labels, head = labels.to(self.device), self.hf.get_output_embeddings()
+        hidden = self._hidden_states(input_ids)
+        labels = labels.to(self.device)
         step = max(1, LOSS_CHUNK_TOKENS // labels.shape[0])
-        return torch.cat([F.cross_entropy(head(hidden[:, i:i + step]).float().transpose(1, 2), labels[:, i:i + step],
-                                          reduction="none") for i in range(0, labels.shape[1], step)], dim=1)
+        return torch.cat([F.cross_entropy(self._logits(hidden[:, i:i + step]).float().transpose(1, 2),
+                                          labels[:, i:i + step], reduction="none")
+                          for i in range(0, labels.shape[1], step)], dim=1)
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
@@ -96,8 +97,25 @@ class HFCausalLM:
     @torch.no_grad()
     def logits_at(self, input_ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """Only those positions' logits are formed (a 64K context's would not fit)."""
-        hidden = self.hf.get_decoder()(input_ids=input_ids.to(self.device), use_cache=False).last_hidden_state
-        return self.hf.get_output_embeddings()(hidden[:, positions])
+        return self._logits(self._hidden_states(input_ids)[:, positions])
+
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, N, H]: the decoder's output, which the model's forward hands to its head."""
+        return self.hf.get_decoder()(input_ids=input_ids.to(self.device), use_cache=False).last_hidden_state
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, n, H] decoder states -> [B, n, V] as the model's own forward makes them: its forward runs
+        with the decoder answering `hidden`, so what it does after the head (Granite's logits_scaling,
+        Gemma2's final_logit_softcapping, Cohere's logit_scale) is done too."""
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        decoder = self.hf.get_decoder()
+        decoder.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+        try:
+            placeholder = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            return self.hf(input_ids=placeholder, use_cache=False).logits
+        finally:
+            del decoder.forward  # the class's own again
 
 
 def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None = None) -> HFCausalLM:

@@ -166,7 +166,7 @@ Cell = tuple[int, int, int]
 
 class AnswerCache:
     """`--cache PATH`: every answer appended to PATH_rankN.jsonl as it comes; a rerun of the same
-    request (same checkpoint, data, examples and seed; any shots and orders) answers only the rest."""
+    request (same checkpoint, window, dtype, data, examples and seed; any shots and orders) answers only the rest."""
 
     def __init__(self, path: str, request: dict):
         self.records = RankRecords(path, request, "--cache")
@@ -245,7 +245,7 @@ def icl_cli(load: str | None, dataset: str, dataset_config: str | None = None, t
     answers = None if cache is None else AnswerCache(cache, {
         "checkpoint": str(Path(model.checkpoint_dir).resolve()), "dataset": dataset, "dataset_config": dataset_config,
         "text_key": text_key, "label_key": label_key, "train_split": train_split, "test_split": test_split,
-        "examples": len(tests), "seed": seed, "arrangement": arrangement})
+        "examples": len(tests), "seed": seed, "arrangement": arrangement, "window": window, "dtype": dtype})
     known = {} if answers is None else answers.answers()
     cells = grid_cells(shots, orders, len(tests))
     to_answer = sum(cell not in known for cell in cells)

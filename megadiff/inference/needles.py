@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -180,6 +180,14 @@ def attention_allocation(model: CausalLM | HFCausalLM, case: Case) -> tuple[floa
     return rows[:, answer].sum(-1).mean().item(), rows[:, noise].sum(-1).mean().item()
 
 
+def draw_cases(tokenizer: Tokenizer, haystack: np.ndarray, lengths: list[int], depths: list[float], needles: int,
+               trials: int, seed: int, queries: int = 1) -> Iterator[Case]:
+    """Every case of the grid, length by length, depth by depth, trial by trial, drawn from `seed`."""
+    rng = random.Random(seed)
+    return (build_case(tokenizer, haystack, length, depth, needles, rng, queries)
+            for length in lengths for depth in depths for _ in range(trials))
+
+
 def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, lengths: list[int],
                    depths: list[float], needles: int, trials: int, seed: int, attention: bool = False,
                    on_case: Callable[[Case], None] | None = None, queries: int = 1) -> dict:
@@ -188,10 +196,12 @@ def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, le
     with `attention` (a CausalLM or HFCausalLM), also the attention to the answer and the noise per cell.
     Each rank scores its share of the cases (calling `on_case` after each); every rank draws them
     all, in one order, from `seed`."""
-    rng = random.Random(seed)
     measures = ("accuracy", "attention_to_answer", "attention_noise") if attention else ("accuracy",)
-    cases = (build_case(tokenizer, haystack, length, depth, needles, rng, queries)
-             for length in lengths for depth in depths for _ in range(trials))
+    # each case is drawn once before any is scored: a length the haystack (or the needles) cannot
+    # fit is refused at once, not after every shorter length's cases were scored
+    for _ in draw_cases(tokenizer, haystack, lengths, depths, needles, trials, seed, queries):
+        pass
+    cases = draw_cases(tokenizer, haystack, lengths, depths, needles, trials, seed, queries)
     results = torch.zeros(len(lengths) * len(depths) * trials, len(measures), dtype=torch.float64)
     for index, case in share(enumerate(cases)):
         results[index, 0] = retrieved(model, case)
