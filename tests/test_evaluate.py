@@ -17,6 +17,7 @@ from megadiff.cli import main
 from megadiff.config import ConfigError, build_config
 from megadiff.data.datasets import build_datasets
 from megadiff.data.errors import DataError
+from megadiff.data.indexed import read_index
 from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
 from megadiff.inference import recall
@@ -149,7 +150,7 @@ def test_cli_report_equals_naive_cross_entropy(run, tmp_path, seq_length):
 @pytest.mark.parametrize("weights", [[0.25, 0.75], None])
 def test_a_blend_reports_each_source_and_their_weighted_mean(run, tmp_path, weights):
     """Each source as if evaluated alone; overall, position by position, the weighted mean (without
-    weights, each sequence counts the same, as megatron concatenates the prefixes then)."""
+    weights, by the sources' tokens, as training blends them then)."""
     run_dir, cfg = run
     prefixes = [Path(cfg.data.prefix), Path(cfg.data.prefix).with_name("later")]
     blend = [str(p) for p in prefixes] if weights is None else \
@@ -160,7 +161,9 @@ def test_a_blend_reports_each_source_and_their_weighted_mean(run, tmp_path, weig
     report = json.loads(out.read_text())
     naive_and_hits = [_naive_losses(run_dir, cfg, cfg.model.seq_length, 3, prefix) for prefix in prefixes]
     naive = [losses for losses, _ in naive_and_hits]
-    shares = [0.25, 0.75] if weights else [0.5, 0.5]
+    tokens = [read_index(str(prefix)).tokens for prefix in prefixes]
+    shares = [0.25, 0.75] if weights else [count / sum(tokens) for count in tokens]
+    assert len(set(shares)) == 2  # the sources differ in size: a mean by sequences would not pass
     assert report["recall"]["ar_hit"]["loss"] == pytest.approx(
         sum(s * losses[hits].mean().item() for s, (losses, hits) in zip(shares, naive_and_hits)), rel=1e-5)
     for source, prefix, losses, share in zip(report["sources"], prefixes, naive, shares):

@@ -26,7 +26,7 @@ from rich.table import Table
 from megadiff.config import ConfigError
 from megadiff.config.loader import build_config
 from megadiff.data.checks import split_documents
-from megadiff.data.datasets import build_datasets, source_config
+from megadiff.data.datasets import build_datasets, megatron_blend, source_config
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
@@ -177,7 +177,7 @@ def evaluate(load: str | None, split: str = "valid", seq_length: int | None = No
     console = command_console()
     cfg = evaluation_config(model, seq_length, overrides)
     ensure_prepared(cfg)
-    prefixes, weights = training_blend(cfg.data)
+    prefixes, weights = megatron_blend(cfg.data)  # an unweighted blend is weighted by tokens, as in training
     progress = command_progress("evaluate")
     with progress:
         per_source = [_source_losses(model, source_config(cfg, prefix), split, sequences, batch_size, console,
@@ -187,8 +187,6 @@ def evaluate(load: str | None, split: str = "valid", seq_length: int | None = No
         losses, scored, _ = per_source[0]
         report = {**summarize(losses, buckets, scored), "recall": splits[0]}
     else:
-        # without weights megatron concatenates the prefixes: every sequence counts the same
-        weights = weights or [float(losses.shape[0]) for losses, _, _ in per_source]
         report = blend_summary([(losses, scored, weight) for (losses, scored, _), weight in zip(per_source, weights)],
                                buckets)
         report["recall"] = blend_recall(splits, weights)
