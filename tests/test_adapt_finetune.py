@@ -384,6 +384,23 @@ def test_deepspeed_auto_values_and_schedule(workspace):
     assert steps[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(steps[4:], steps[5:]))
 
 
+def test_a_special_tokens_text_in_a_document_is_text(workspace, tmp_path):
+    """A literal EOS text inside a document is text, as prepare-data reads it: the EOS id only ends documents."""
+    from transformers import AutoTokenizer
+
+    from megadiff.adapt.data import build_packed_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "model")
+    documents = [f"line {i} says {tokenizer.eos_token} in the middle of its text" for i in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"data.files=[{tmp_path / 'docs.jsonl'}]",
+                                                               f"data.cache_dir={tmp_path / 'cache'}"])
+    stream = build_packed_dataset(cfg.data, tokenizer)[:]["input_ids"].flatten().tolist()
+    as_text = [tokenizer(d, split_special_tokens=True, add_special_tokens=False)["input_ids"] for d in documents]
+    assert all(tokenizer.eos_token_id not in ids for ids in as_text)
+    assert stream == [token for ids in as_text for token in ids + [tokenizer.eos_token_id]][:len(stream)]
+
+
 def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):
     from transformers import AutoTokenizer
 

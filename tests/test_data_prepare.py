@@ -435,3 +435,38 @@ def test_a_retrained_tokenizer_directory_prepares_again_and_old_data_is_refused(
     assert "up to date" not in capsys.readouterr().out
     assert read_back(tmp_path / "out") == [tokenizer.encode(json.loads(source.read_text())["text"]) + [tokenizer.eod]]
     check_training_data(training, tokenizer)
+
+
+def test_the_tokenizer_hash_reads_what_splits_text_not_how_the_file_is_written(tmp_path):
+    """tokenizers before 0.20 wrote BPE merges as "a b" strings, later versions as pairs: an exported
+    copy of a hub tokenizer must hash as the original does."""
+    from megadiff.data.manifest import tokenizer_digest
+
+    _save_bpe(tmp_path / "pairs", kjv_verses()[:2000])
+    spec = json.loads((tmp_path / "pairs" / "tokenizer.json").read_text())
+    assert spec["model"]["merges"] and isinstance(spec["model"]["merges"][0], list)
+    spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
+    (tmp_path / "strings").mkdir()
+    (tmp_path / "strings" / "tokenizer.json").write_text(json.dumps(spec))
+    assert tokenizer_digest(tmp_path / "strings") == tokenizer_digest(tmp_path / "pairs")
+    _save_bpe(tmp_path / "other", kjv_verses()[20000:22000])
+    assert tokenizer_digest(tmp_path / "other") != tokenizer_digest(tmp_path / "pairs")
+
+
+def test_data_prepared_before_tokenizers_were_hashed_stays_up_to_date(tmp_path, capsys):
+    """A manifest without the tokenizer's hash, and with the tokens' sizes only (no loss mask's), as
+    earlier versions wrote them: what it records still matches, so upgrading tokenizes nothing again."""
+    _save_bpe(tmp_path / "tok", kjv_verses()[:2000])
+    source = tmp_path / "qa.jsonl"
+    source.write_text(json.dumps({"question": "Who begat Enos?", "answer": "Seth"}) + "\n")
+    data = data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={tmp_path / 'sft'}",
+                       "data.text_key=question", "data.response_key=answer", f"data.tokenizer={tmp_path / 'tok'}")
+    prepare(data)
+    manifest_file = tmp_path / "sft.manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["fingerprint"]["tokenizer"]["splits"]
+    manifest["output_bytes"] = manifest["output_bytes"][:2]
+    manifest_file.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    prepare(data)
+    assert "up to date" in capsys.readouterr().out

@@ -60,8 +60,8 @@ def build_packed_dataset(data: DataSection, tokenizer):
     view = HFTokenizer("model.tokenizer", tokenizer)
     template = _chat_template(data, view) if conversations else None
 
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+    def tokenize(batch):  # a special token's text in a document is text, as prepare-data reads it
+        ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return {"input_ids": [row + [eos] for row in ids]}
 
     def tokenize_conversations(batch):

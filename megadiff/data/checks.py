@@ -6,6 +6,9 @@ without tokens.
 """
 from __future__ import annotations
 
+from functools import cache
+from typing import Callable
+
 import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix, parse_and_normalize_split,
@@ -27,9 +30,11 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
                         f"{cfg.data.tokenizer!r} ({tokenizer.vocab_size} ids); set model.vocab_size >= "
                         f"{tokenizer.vocab_size}")
     key = "data.blend" if cfg.data.blend else "data.prefix"
+    # how the tokenizer splits text (a directory's hash, None for tiktoken's): read once, if a manifest asks
+    splits = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer).get("splits"))
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
-        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer)
+        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits)
         _check_splits(prefix, summary, cfg, key)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
@@ -38,7 +43,7 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, tokenizer: Tokenizer,
-                     spec: str) -> None:
+                     spec: str, splits: Callable[[], str | None]) -> None:
     prepared = manifest["fingerprint"]["tokenizer"] if manifest else None
     if prepared is not None and (prepared["vocab_size"], prepared["eod"]) != (tokenizer.vocab_size, tokenizer.eod):
         raise DataError(f"data.tokenizer: {prefix} was prepared with tokenizer {prepared['spec']!r} "
@@ -47,8 +52,7 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
     if summary.dtype.itemsize < token_dtype(tokenizer.vocab_size).itemsize:
         raise DataError(f"data.tokenizer: {prefix}.bin stores {summary.dtype} ids, too narrow for {spec!r} "
                         f"({tokenizer.vocab_size} ids): it was prepared with another tokenizer")
-    splits = tokenizer_fingerprint(spec, tokenizer).get("splits")  # a directory's; tiktoken's are fixed
-    if prepared is not None and None not in (prepared.get("splits"), splits) and prepared["splits"] != splits:
+    if prepared is not None and "splits" in prepared and splits() not in (None, prepared["splits"]):
         raise DataError(f"data.tokenizer: {prefix} was prepared with tokenizer {prepared['spec']!r}, which split text "
                         f"otherwise than {spec!r} now does (the same vocabulary size and EOD, but another "
                         "vocabulary, merges or normalisation, e.g. retrained): its tokens would mean other text; "

@@ -41,7 +41,10 @@ def tokenizer_digest(directory: str | Path) -> str:
     fast = directory / "tokenizer.json"
     digest = hashlib.sha256()
     if fast.is_file():
-        spec = json.loads(fast.read_text(encoding="utf-8"))
+        from tokenizers import Tokenizer as FastTokenizer
+
+        # as the installed library writes it: older versions wrote merges in another form
+        spec = json.loads(FastTokenizer.from_file(str(fast)).to_str())
         digest.update(json.dumps({field: spec.get(field) for field in SPLITTING_FIELDS}, sort_keys=True).encode())
         return digest.hexdigest()
     files = sorted({path for pattern in VOCABULARY_FILE_PATTERNS for path in directory.glob(pattern) if path.is_file()})
@@ -66,8 +69,24 @@ def _output_sizes(outputs: Sequence[str | Path]) -> Optional[list[int]]:
 def is_up_to_date(prefix: str | Path, fingerprint: dict, outputs: Sequence[str | Path]) -> bool:
     """Whether the manifest at `prefix` matches `fingerprint` and the indexed datasets `outputs` are intact."""
     manifest = read_manifest(prefix)
-    return (manifest is not None and manifest.get("format") == FORMAT and manifest.get("fingerprint") == fingerprint
-            and manifest.get("output_bytes") == _output_sizes(outputs))
+    return (manifest is not None and manifest.get("format") == FORMAT
+            and _same_inputs(manifest.get("fingerprint"), fingerprint)
+            and _same_outputs(manifest.get("output_bytes"), _output_sizes(outputs)))
+
+
+# Manifests written before tokenizer directories were hashed and loss masks' sizes recorded hold
+# less: they stand for what they record, so upgrading does not tokenize a whole corpus again.
+
+def _same_inputs(recorded: dict | None, current: dict) -> bool:
+    if recorded == current or recorded is None:
+        return recorded == current
+    unhashed = {key: value for key, value in current["tokenizer"].items() if key != "splits"}
+    return "splits" not in recorded.get("tokenizer", {}) and recorded == {**current, "tokenizer": unhashed}
+
+
+def _same_outputs(recorded: list | None, sizes: list | None) -> bool:
+    """`sizes` (the tokens' .bin/.idx first) against the manifest's, which may hold the tokens' only."""
+    return sizes is not None and recorded in (sizes, sizes[:2])
 
 
 def write_manifest(prefix: str | Path, fingerprint: dict, stats: dict, outputs: Sequence[str | Path]) -> None:

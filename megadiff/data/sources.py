@@ -109,7 +109,8 @@ def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[So
         for path in files:
             first = named_by.setdefault(path.resolve(), key)
             if first != key:  # e.g. a directory and one of its files: its documents would be trained on twice
-                raise DataError(f"{key}: {path} is also one of {first}'s files; name each file once")
+                raise DataError(f"{key}: {path} is also one of {first}'s files; name each file once (to weigh a "
+                                "source more, prepare it as a prefix of its own and give data.blend weights)")
             builder = builder_for(path)
             last = sources[-1] if sources else None
             if last is not None and last.key == key and last.builder == builder:
