@@ -401,6 +401,25 @@ def test_a_special_tokens_text_in_a_document_is_text(workspace, tmp_path):
     assert stream == [token for ids in as_text for token in ids + [tokenizer.eos_token_id]][:len(stream)]
 
 
+def test_a_resumed_adaptation_trains_what_its_plan_recorded(workspace):
+    """The plan file records the trained parameters: a rerun keeps them (its optimizer state holds
+    those) even where the defaults changed since, and refuses other ones asked for explicitly."""
+    from transformers import AutoModelForCausalLM
+
+    from megadiff.adapt.apply import has_tied_head
+    from megadiff.adapt.finetune import _with_trainable
+
+    model = AutoModelForCausalLM.from_pretrained(workspace / "model")
+    daa = load_finetune_config(str(workspace / "adapt.yaml"), ["adaptation.method=daa"])
+    default = daa.adaptation.trainable_patterns(has_tied_head(model))
+    assert _with_trainable({"method": "daa"}, daa, model)["trainable"] == default
+    earlier = {"method": "daa", "trainable": ["*.self_attn.*"]}
+    assert _with_trainable(earlier, daa, model)["trainable"] == ["*.self_attn.*"] != default
+    other = load_finetune_config(str(workspace / "adapt.yaml"), ["adaptation.method=daa", 'adaptation.trainable=["*"]'])
+    with pytest.raises(ConfigError, match=r"adaptation.trainable: \['\*'\], but .* trains \['\*.self_attn.\*'\]"):
+        _with_trainable(earlier, other, model)
+
+
 def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):
     from transformers import AutoTokenizer
 

@@ -36,7 +36,7 @@ from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.observability.wandb_sink import wandb_sink
-from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
+from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
 
 PLAN_FILE = "adaptation.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -90,7 +90,7 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
         if plan["method"] != cfg.adaptation.method:
             raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                               f"{plan['method']!r} run; use another output_dir")
-        return plan
+        return _with_trainable(plan, cfg, model)
     selection = cfg.adaptation.resolved_selection
     if selection in MEASURED_SELECTIONS:
         with dss.calibration_parameters(model, stage, selection):
@@ -98,11 +98,21 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
                                    reader.document_eos)
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
         plan = plan_adaptation(model, cfg.adaptation)
-    shared = [plan]
+    shared = [_with_trainable(plan, cfg, model)]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:
         plan_file.write_text(json.dumps(shared[0], indent=1))
     return shared[0]
+
+
+def _with_trainable(plan: dict, cfg: FinetuneConfig, model) -> dict:
+    """The plan with the parameters its run trains: a resumed run keeps those its optimizer state holds,
+    whatever the defaults now (a run from before they were recorded takes the config's)."""
+    asked = cfg.adaptation.trainable_patterns(has_tied_head(model))
+    if "trainable" in plan and cfg.adaptation.trainable is not None and plan["trainable"] != asked:
+        raise ConfigError(f"adaptation.trainable: {asked}, but {cfg.output_dir} trains {plan['trainable']} "
+                          "(its optimizer state holds those); use another output_dir")
+    return {"trainable": asked, **plan}
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -153,7 +163,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,
                          document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
-    adapt_with_plan(model, plan, cfg.adaptation.trainable_patterns(has_tied_head(model)))
+    adapt_with_plan(model, plan, plan["trainable"])
     return tokenizer, model, reader, plan, hf_ds_config
 
 
@@ -218,7 +228,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             engine.save_checkpoint(str(checkpoint_dir), tag=f"iter_{iteration:07d}",
                                    client_state={"iteration": iteration})
         if exit_now and iteration < cfg.train.iters:
-            exit_code = REQUEUE_EXIT_CODE if stop.signalled else 0
+            exit_code = requeue_exit_code(rank) if stop.signalled else 0
             if writer is not None:
                 reason = (signal_name(stop.received) if stop.signalled else
                           "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")

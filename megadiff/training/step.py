@@ -125,8 +125,10 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
     engine.optimizer.zero_grad()
     loss = run_forward_backward(engine, data_iterator, num_microbatches)
     # fp16's loss scaler finds overflowing gradients itself: it skips their update and lowers the scale,
-    # which it would never do for a step skipped here (every later step would overflow again)
-    scaled = engine.cfg.train.precision == "fp16"
+    # which it would never do for a step skipped here (every later step would overflow again). At its
+    # lowest scale it can lower nothing: gradients still not finite there are a NaN step's.
+    scaled = engine.cfg.train.precision == "fp16" and \
+        float(engine.optimizer.get_loss_scale()) > engine.optimizer.config.min_loss_scale
     if not _all_finite(engine, loss, gradients=not scaled):  # an update from NaN/inf gradients would poison every weight
         return StepResult(loss=loss, grad_norm=None, updated=False)
     if before_update is not None:
