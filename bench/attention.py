@@ -167,10 +167,14 @@ def run_shape(shape: Shape, args, device, dtype) -> list[dict]:
             row["status"] = "out of memory"
         except Exception as error:  # noqa: BLE001 -- one failing method must not lose the others' numbers
             row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         print(f"  {name:<24} {_brief(row)}", flush=True)
         rows.append(row)
+        if device.type == "cuda":
+            try:
+                torch.cuda.empty_cache()
+            except RuntimeError as error:  # a sticky CUDA error (an illegal access): the device is lost for good
+                print(f"  the device failed ({str(error).splitlines()[0][:200]}); keeping the rows measured", flush=True)
+                break
     _add_ratios(rows)
     return rows
 

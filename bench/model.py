@@ -110,10 +110,15 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
     steps = args.warmup + args.steps
     pool = zipf_batches(cfg, args.micro_batches * steps, device, args.seed)
 
+    skipped = []  # steps that made no update (non-finite gradients): faster, so not a fair timing
+
     def step():
         index = len(row["losses"]) * args.micro_batches
         micro = iter(pool[index:index + args.micro_batches])
-        row["losses"].append(train_step(engine, micro, args.micro_batches).loss)
+        result = train_step(engine, micro, args.micro_batches)
+        row["losses"].append(result.loss)
+        if not result.updated:
+            skipped.append(len(row["losses"]))
 
     for _ in range(args.warmup):  # compilation: Triton autotuning, torch.compile of the float8 casts
         step()
@@ -121,7 +126,10 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step_ms = timed_ms(step, device, args.steps)
-    row.update(step_ms=step_ms, status="ok" if all(map(math.isfinite, row["losses"])) else "non-finite loss")
+    status = "ok" if all(map(math.isfinite, row["losses"])) else "non-finite loss"
+    if status == "ok" and skipped:
+        status = f"{len(skipped)} updates skipped (non-finite gradients)"
+    row.update(step_ms=step_ms, status=status)
     row["tokens_per_s"] = row["tokens_per_step"] / (step_ms / 1e3)
     row["tflops_per_device"] = training_flops_per_token(cfg.model) * row["tokens_per_s"] / 1e12
     if args.peak_tflops:
@@ -144,9 +152,11 @@ def measure_safely(args, run: Run, device: torch.device) -> dict:
         status = "out of memory" if isinstance(error, torch.OutOfMemoryError) else \
             f"error: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         row = dict(asdict(run), run=run.name, status=status, losses=[])
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    # only now: inside `except` the traceback still holds measure_run's frame, its engine (weights
+    # and Adam state) with it, which the next run would find still allocated
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     summary = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}"
                if "tokens_per_s" in row else "")
     print(f"  {row['status']}: {summary}", flush=True)
