@@ -10,8 +10,10 @@ A spent time budget (Megatron's --exit-duration-in-mins) is a planned stop, like
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -19,6 +21,16 @@ import torch.distributed as dist
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+REQUEUE_MARKER_ENV = "MEGADIFF_REQUEUE_MARKER"  # set by slurm/job.sh
+
+
+def requeue_exit_code(rank: int) -> int:
+    """REQUEUE_EXIT_CODE, rank 0 first leaving the file $MEGADIFF_REQUEUE_MARKER names: under torchrun a
+    Slurm batch script sees torchrun's exit code (1 when a worker exits otherwise than 0), not ours."""
+    marker = os.environ.get(REQUEUE_MARKER_ENV)
+    if marker and rank == 0:
+        Path(marker).touch()
+    return REQUEUE_EXIT_CODE
 
 
 class PreemptionHandler:

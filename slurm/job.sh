@@ -6,8 +6,9 @@
 # limit, or `scancel --batch --signal=USR1 JOBID`) is forwarded to every process of the job's
 # steps: the training checkpoints after its current iteration and stops with exit code 75. The
 # job is then requeued (it needs `#SBATCH --requeue`) and reruns the same command, which resumes
-# from that checkpoint. A step that exits 75 on its own (its tasks were signalled directly) is
-# requeued too. SIGTERM (scancel, the time limit) reaches the step from Slurm as well: the script
+# from that checkpoint. A step whose training stopped for preemption on its own (its tasks were
+# signalled directly, e.g. --signal without B:) is requeued too: it exits 75, or under torchrun
+# leaves $MEGADIFF_REQUEUE_MARKER. SIGTERM (scancel, the time limit) reaches the step from Slurm as well: the script
 # waits while the training checkpoints and does not requeue. Otherwise the job ends with the
 # step's exit code.
 
@@ -21,10 +22,17 @@ if [[ $# -lt 1 ]]; then
 fi
 
 # The first node hosts the rendezvous (whatever MASTER_ADDR the submitting shell had); a port
-# from the job id keeps two jobs sharing a node apart.
+# from the job id keeps two jobs sharing a node apart. The node count and each node's rank are
+# Slurm's too: sbatch hands the job the submitting shell's environment, NNODES and NODE_RANK with it.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+export NNODES=$SLURM_JOB_NUM_NODES
+unset NODE_RANK
+# Rank 0 (on this first node) leaves this file when it stops for preemption: through torchrun, the
+# step's exit code is torchrun's own (1 when a worker exits otherwise than 0), not 75
+export MEGADIFF_REQUEUE_MARKER="${TMPDIR:-/tmp}/megadiff-requeue-${SLURM_JOB_ID}"
+rm -f "$MEGADIFF_REQUEUE_MARKER"
 say "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} nodes ($SLURM_JOB_NODELIST), rendezvous at" \
     "$MASTER_ADDR:$MASTER_PORT, arguments: $*"
 
@@ -43,6 +51,17 @@ _note_termination() {
     say "SIGTERM: the training checkpoints and stops; the job is not requeued"
 }
 
+# A busy controller may refuse a moment: a requeue that never happens must not end the job as done.
+_requeue() {
+    local attempt
+    for attempt in 1 2 3 4 5; do
+        scontrol requeue "$SLURM_JOB_ID" && exit 0
+        sleep $(( attempt * 10 ))
+    done
+    say "scontrol requeue failed 5 times: the job ends here; resubmit it to resume from its checkpoint"
+    exit "$REQUEUE_EXIT_CODE"
+}
+
 run_step_requeue_on_preemption() {
     trap _forward_preemption USR1
     trap _note_termination TERM
@@ -55,10 +74,11 @@ run_step_requeue_on_preemption() {
         if (( status > 128 )) && kill -0 "$step" 2>/dev/null; then continue; fi
         break
     done
-    if (( !_megadiff_terminated )) && { (( status == REQUEUE_EXIT_CODE )) || (( _megadiff_preempted && status != 0 )); }; then
+    local preempted=$(( status == REQUEUE_EXIT_CODE || (_megadiff_preempted && status != 0) ))
+    [[ -e $MEGADIFF_REQUEUE_MARKER ]] && preempted=1
+    if (( !_megadiff_terminated && preempted )); then
         say "the step stopped for preemption (exit code $status): requeueing (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
-        scontrol requeue "$SLURM_JOB_ID"
-        exit 0
+        _requeue
     fi
     say "the step finished with exit code $status"
     exit "$status"

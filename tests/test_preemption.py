@@ -6,7 +6,7 @@ import signal
 
 import torch.distributed as dist
 
-from megadiff.preemption import PreemptionHandler
+from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV, PreemptionHandler, requeue_exit_code
 from tests.distributed import run_ranks
 
 
@@ -61,3 +61,11 @@ def _agree(rank: int, world_size: int) -> None:
 
 def test_every_rank_agrees_on_either_flag():
     run_ranks(2, _agree)
+
+
+def test_the_requeue_exit_code_leaves_the_slurm_scripts_marker_on_rank_0(tmp_path, monkeypatch):
+    marker = tmp_path / "requeue"
+    assert requeue_exit_code(0) == REQUEUE_EXIT_CODE and not marker.exists()  # no Slurm script asked for one
+    monkeypatch.setenv(REQUEUE_MARKER_ENV, str(marker))
+    assert requeue_exit_code(1) == REQUEUE_EXIT_CODE and not marker.exists()
+    assert requeue_exit_code(0) == REQUEUE_EXIT_CODE and marker.exists()

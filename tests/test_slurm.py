@@ -32,6 +32,9 @@ PREEMPTIONS = {
     # the training processes are the tasks: they exit 75 and srun passes it on
     "task per GPU, signal to the tasks": (
         "pretrain_per_gpu.sbatch", [], "stopped for preemption (exit code 75)"),
+    # --signal without B: torchrun's exit code is its own; rank 0's marker tells the batch script
+    "torchrun per node, signal to the tasks": (
+        "pretrain.sbatch", [], "the step stopped for preemption (exit code 1)"),
 }
 
 

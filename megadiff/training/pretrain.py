@@ -29,7 +29,7 @@ from megadiff.observability.metrics import MetricsWriter
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.parallel import compute_device, initialize, shutdown
-from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
+from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
@@ -204,7 +204,7 @@ class Pretraining:
                 stop_early = preemption.agreed(compute_device())
                 if stop_early or (t.exit_interval and state.iteration % t.exit_interval == 0):
                     if preemption.signalled:
-                        exit_code = REQUEUE_EXIT_CODE
+                        exit_code = requeue_exit_code(self.rank)
                         self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
                                   f"{state.iteration}, then exiting with code {exit_code} (requeue)")
                     elif preemption.out_of_time:
