@@ -16,14 +16,12 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.config import ConfigError, WandbFields, validate_wandb
-from megadiff.config.loader import format_validation_error
-from megadiff.config.loader import load_yaml_tree
+from megadiff.config.loader import apply_overrides, format_validation_error, load_yaml_tree
 from megadiff.config.schema import read_chat_template
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -104,7 +102,7 @@ class FinetuneConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     deepspeed: str = Field(..., description="DeepSpeed JSON; relative paths: from the working directory, "
-                           "else from the YAML file's directory")
+                           "else from the directory of the YAML file that sets it")
     output_dir: str
     export_dir: Optional[str] = Field(None, description="the final HF directory; default: <output_dir>/hf")
 
@@ -113,25 +111,12 @@ class FinetuneConfig(Section):
         return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "hf"
 
 
-def _resolve(path: str, config_dir: Optional[Path]) -> str:
-    candidate = Path(path)
-    if not candidate.is_absolute() and not candidate.exists() and config_dir is not None:
-        if (config_dir / candidate).exists():
-            return str((config_dir / candidate).resolve())
-    return path
-
-
 def load_finetune_config(path: str | Path | None, overrides: list[str] = ()) -> FinetuneConfig:
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.sub=value")
     data = load_yaml_tree(Path(path)) if path is not None else {}
-    merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
     try:
-        cfg = FinetuneConfig.model_validate(OmegaConf.to_container(merged, resolve=True))
+        cfg = FinetuneConfig.model_validate(apply_overrides(data, overrides))
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
-    cfg.deepspeed = _resolve(cfg.deepspeed, Path(path).resolve().parent if path is not None else None)
     validate_finetune(cfg)
     return cfg
 

@@ -1,20 +1,116 @@
 """YAML + `key.sub=value` overrides -> a validated `Config`.
 
-A YAML file may name `base: other.yaml` (relative to itself) to inherit from.
+A YAML file may name `base: other.yaml` (relative to itself) to inherit from. Files read numbers as the
+overrides do (OmegaConf's YAML 1.2 floats: 1e-4 is a float), and a key given twice in a mapping is an error.
+A relative `deepspeed` or `data.chat_template` path is read from the working directory, else from the
+directory of the file that sets it.
 """
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Iterable
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
 from megadiff.config.schema import Config
 from megadiff.config.validate import ConfigError, validate_config
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+FLOAT_TAG = "tag:yaml.org,2002:float"
+TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+MERGE_TAG = "tag:yaml.org,2002:merge"
+# OmegaConf's float pattern for override values: YAML 1.1's needs a dot, so it reads 1e-4 as a string
+YAML12_FLOAT = re.compile(r"""^(?:
+     [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+    |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+# Keys naming a file shipped beside the config that sets them (configs/adapt/ -> ../deepspeed/zero2.json)
+FILE_RELATIVE_KEYS = ("deepspeed", "data.chat_template")
+
+
+def config_file_resolvers() -> dict:
+    """PyYAML's safe implicit resolvers as OmegaConf sets them for override values: its float pattern, no dates."""
+    resolvers = {first: [(tag, pattern) for tag, pattern in candidates if tag not in (FLOAT_TAG, TIMESTAMP_TAG)]
+                 for first, candidates in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first in "-+0123456789.":
+        resolvers.setdefault(first, []).append((FLOAT_TAG, YAML12_FLOAT))
+    return resolvers
+
+
+class ConfigFileLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading scalars as OmegaConf reads override values, refusing duplicate keys."""
+
+    yaml_implicit_resolvers = config_file_resolvers()
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        self.refuse_duplicate_keys(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def refuse_duplicate_keys(self, node: yaml.MappingNode) -> None:
+        """PyYAML keeps the last of a repeated key, silently dropping the first (a whole section, say)."""
+        first_lines = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
+                continue
+            key = self.construct_object(key_node)
+            if key in first_lines:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first_lines[key]})", key_node.start_mark)
+            first_lines[key] = key_node.start_mark.line + 1
+
+
+class ConfigFileDumper(yaml.SafeDumper):
+    """Quotes the strings ConfigFileLoader reads as other types ('1e-4'), so a dumped config loads back the same."""
+
+    yaml_implicit_resolvers = ConfigFileLoader.yaml_implicit_resolvers
+
+
+def describe_error(err: Exception) -> str:
+    """A PyYAML or OmegaConf error in one line (theirs span several, naming "<unicode string>" or object types)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        return err.problem + (f" ({err.context})" if err.context else "")
+    return str(err).splitlines()[0]
+
+
+def read_yaml_file(path: Path) -> dict:
+    """One config file's top-level mapping; bad YAML is a ConfigError naming the file and line."""
+    try:
+        data = yaml.load(path.read_text(), Loader=ConfigFileLoader) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: {describe_error(err)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def file_relative(value: str, directory: Path) -> str:
+    """A relative path from the working directory, else from `directory` (made absolute there)."""
+    # os.path, not Path: a chat_template may be a whole Jinja template, which os.path.exists just answers False
+    if os.path.isabs(value) or os.path.exists(value) or not os.path.exists(directory / value):
+        return value
+    return str((directory / value).resolve())
+
+
+def anchor_relative_paths(data: dict, directory: Path) -> None:
+    """Point the FILE_RELATIVE_KEYS paths that `data` sets at files beside it, before inheritance merges
+    files from other directories (in place)."""
+    for dotted in FILE_RELATIVE_KEYS:
+        *parents, name = dotted.split(".")
+        section = data
+        for parent in parents:
+            section = section.get(parent) if isinstance(section, dict) else None
+        if isinstance(section, dict) and isinstance(section.get(name), str):
+            section[name] = file_relative(section[name], directory)
 
 
 def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -23,14 +119,55 @@ def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"base: circular inheritance through {path}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    data = read_yaml_file(path)
+    anchor_relative_paths(data, path.parent)
     base = data.pop("base", None)
     if base is None:
         return data
     parent = load_yaml_tree((path.parent / base), seen + (path,))
-    return OmegaConf.to_container(OmegaConf.merge(parent, data))
+    return OmegaConf.to_container(merge_layer(parent, data, str(path)))
+
+
+def dropped_comment(value: str) -> str:
+    """The YAML comment ending an override's value ('' if none), which OmegaConf would silently drop."""
+    try:
+        tokens = list(yaml.scan(value, Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        return ""  # parse_override reports it
+    return value[tokens[-2].end_mark.index:].strip()  # what follows the last token before the stream's end
+
+
+def parse_override(item: str) -> DictConfig:
+    """One `key.sub=value` override as a tree; a malformed one is a ConfigError naming it."""
+    key, equals, value = item.partition("=")
+    if not equals:
+        raise ConfigError(f"override {item!r} must look like key.sub=value")
+    if comment := dropped_comment(value):
+        raise ConfigError(f"override {item!r}: ' #' starts a YAML comment, which would drop {comment!r}; quote a "
+                          f"value holding it (\"{key}='{value}'\") or leave the comment out")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except (yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"override {item!r}: {describe_error(err)}") from None
+
+
+def merge_layer(tree: dict | DictConfig, layer: dict | DictConfig, source: str) -> DictConfig:
+    """`layer` merged over `tree`; a clash (a mapping given for a list, say) is a ConfigError naming `source`."""
+    try:
+        return OmegaConf.merge(tree, layer)
+    except (OmegaConfBaseException, TypeError) as err:  # OmegaConf raises a bare TypeError for container clashes
+        raise ConfigError(f"{source}: {describe_error(err)}") from None
+
+
+def apply_overrides(data: dict, overrides: Iterable[str] = ()) -> dict:
+    """`data` with the overrides applied in order, a later one winning, and `${...}` interpolations resolved."""
+    tree = OmegaConf.create(data)
+    for item in overrides:
+        tree = merge_layer(tree, parse_override(item), f"override {item!r}")
+    try:
+        return OmegaConf.to_container(tree, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{err.full_key}: {describe_error(err)}") from None
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -43,13 +180,9 @@ def format_validation_error(err: ValidationError) -> str:
 
 
 def build_config(data: dict, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:
-    overrides = list(overrides)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.sub=value")
-    merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(overrides))
+    tree = apply_overrides(data, overrides)
     try:
-        cfg = Config.model_validate(OmegaConf.to_container(merged, resolve=True))
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
     validate_config(cfg, world_size)
@@ -62,4 +195,4 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), world_si
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    Path(path).write_text(yaml.dump(cfg.model_dump(mode="json"), Dumper=ConfigFileDumper, sort_keys=False))

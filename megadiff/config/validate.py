@@ -53,6 +53,8 @@ def validate_model(model: ModelConfig) -> None:
         _fail("model.num_kv_heads", f"model.num_attention_heads ({h}) must be a multiple of num_kv_heads ({h_kv})")
     if resolved_head_dim(model) % 2:
         _fail("model.head_dim", f"{resolved_head_dim(model)} must be even for rotary embeddings")
+    if not math.isfinite(model.rope_theta):  # before int(), which raises OverflowError on inf
+        _fail("model.rope_theta", f"{model.rope_theta} must be finite")
     if model.rope_theta != int(model.rope_theta):  # megatron-core's RoPE takes an integer base
         _fail("model.rope_theta", f"{model.rope_theta} must be an integer (megatron would use {int(model.rope_theta)})")
     if model.variant == "shared_diff" and model.lowrank_rank < 1:

@@ -1,0 +1,114 @@
+"""Config files and overrides read alike: YAML 1.2 floats, duplicate keys, malformed overrides and files,
+and relative paths from the file that sets them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megadiff.adapt.settings import load_finetune_config
+from megadiff.config import ConfigError, build_config, dump_config, load_config
+from megadiff.config.loader import load_yaml_tree
+
+BLEND = "[3e-1, /data/a, 7e-1, /data/b]"
+
+
+def test_scientific_notation_in_a_file_is_a_float_as_in_an_override(tmp_path):
+    (tmp_path / "run.yaml").write_text(f"data:\n  blend: {BLEND}\ntrain:\n  lr: 1e-4\n  min_lr: .5e-5\n"
+                                       "logging:\n  wandb_run_name: '1e3'\n")
+    from_file = load_config(tmp_path / "run.yaml")
+    assert from_file.data.blend == [0.3, "/data/a", 0.7, "/data/b"]
+    assert from_file == load_config(None, [f"data.blend={BLEND}", "train.lr=1e-4", "train.min_lr=.5e-5",
+                                           "logging.wandb_run_name='1e3'"])
+    dump_config(from_file, tmp_path / "saved.yaml")  # a string that reads as a float is written quoted
+    assert load_config(tmp_path / "saved.yaml") == from_file
+
+
+@pytest.mark.parametrize("text,line,key", [
+    ("train:\n  lr: 0.1\nlogging:\n  log_interval: 5\ntrain:\n  iters: 10\n", 5, "'train'"),
+    ("train:\n  lr: 0.1\n  lr: 0.2\n", 3, "'lr'"),
+])
+def test_a_key_given_twice_is_refused_naming_file_key_and_line(tmp_path, text, line, key):
+    (tmp_path / "dup.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=rf"dup.yaml, line {line}: key {key} is given twice"):
+        load_config(tmp_path / "dup.yaml")
+
+
+def test_a_merge_key_is_no_duplicate_but_a_key_repeated_beside_it_is(tmp_path):
+    (tmp_path / "merge.yaml").write_text("x: &d {lr: 0.1, iters: 5}\ntrain:\n  <<: *d\n  lr: 0.2\n")
+    assert load_yaml_tree(tmp_path / "merge.yaml")["train"] == {"lr": 0.2, "iters": 5}
+    (tmp_path / "merge.yaml").write_text("x: &d {lr: 0.1}\ntrain:\n  <<: *d\n  iters: 5\n  iters: 6\n")
+    with pytest.raises(ConfigError, match="line 5: key 'iters' is given twice"):
+        load_yaml_tree(tmp_path / "merge.yaml")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("output_dir=/a/run #2", r"override 'output_dir=/a/run #2': ' #' starts a YAML comment, which would drop '#2'"),
+    ("data.blend=[0.5,a", r"override 'data.blend=\[0.5,a': did not find expected ',' or '\]'"),
+    ("output_dir=${nope}", r"output_dir: Interpolation key 'nope' not found"),
+    ("output_dir=${oc.env:MEGADIFF_TEST_UNSET}", r"output_dir: .*MEGADIFF_TEST_UNSET"),
+])
+def test_bad_overrides_are_config_errors_naming_them(override, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, [override])
+
+
+def test_a_quoted_value_keeps_its_hash():
+    assert build_config({}, ["output_dir='/a/run #2'", "logging.wandb_run_name=a#b"]).output_dir == "/a/run #2"
+    with pytest.raises(ConfigError, match="would drop"):
+        build_config({}, ["logging.wandb_run_name=run #2"])
+
+
+def test_bad_yaml_in_a_file_is_a_config_error_and_exit_code_2(tmp_path, capsys):
+    from megadiff.cli import main
+
+    (tmp_path / "bad.yaml").write_text("train:\n  lr: [1e-3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml, line 3: expected ',' or '\]'"):
+        load_config(tmp_path / "bad.yaml")
+    assert main(["params", str(tmp_path / "bad.yaml")]) == 2
+    assert "megadiff: config error: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999"])
+def test_an_infinite_rope_theta_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="model.rope_theta"):
+        build_config({}, [f"model.rope_theta={value}"])
+
+
+def _adapt_workspace(root):
+    """A shared adaptation config naming ../deepspeed/zero2.json beside it, a user's config inheriting
+    it from elsewhere, and a decoy JSON where the user's own directory would lead."""
+    (root / "shared/adapt").mkdir(parents=True)
+    (root / "shared/deepspeed").mkdir()
+    (root / "shared/deepspeed/zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    (root / "shared/adapt/dex.yaml").write_text("train:\n  iters: 2\ndeepspeed: ../deepspeed/zero2.json\n"
+                                                "output_dir: out\n")
+    (root / "deepspeed").mkdir()
+    (root / "deepspeed/zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    (root / "user").mkdir()
+    (root / "user/my.yaml").write_text(f"base: {root / 'shared/adapt/dex.yaml'}\n")
+    (root / "model").mkdir()
+    (root / "model/config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                        "num_attention_heads": 2}))
+    (root / "model/tokenizer.json").write_text("{}")
+    (root / "d.jsonl").write_text('{"text": "a"}\n')
+    (root / "elsewhere/deeper").mkdir(parents=True)
+
+
+def test_a_relative_deepspeed_path_is_read_from_the_file_that_sets_it(tmp_path, monkeypatch):
+    _adapt_workspace(tmp_path)
+    monkeypatch.chdir(tmp_path / "elsewhere/deeper")
+    cfg = load_finetune_config(tmp_path / "user/my.yaml", [f"model.path={tmp_path / 'model'}",
+                                                           f"data.files=[{tmp_path / 'd.jsonl'}]"])
+    assert cfg.deepspeed == str(tmp_path / "shared/deepspeed/zero2.json")
+
+
+def test_a_relative_chat_template_is_read_from_the_file_that_sets_it(tmp_path, monkeypatch):
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft/turns.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "sft/base.yaml").write_text("data:\n  messages_key: messages\n  chat_template: turns.jinja\n")
+    (tmp_path / "run.yaml").write_text("base: sft/base.yaml\n")
+    monkeypatch.chdir(tmp_path / "sft")  # the working directory still comes first, as before
+    assert load_config(tmp_path / "run.yaml").data.chat_template.startswith("{% for m")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(tmp_path / "run.yaml").data.chat_template.startswith("{% for m")
