@@ -15,8 +15,9 @@ from megadiff.config import build_config
 from megadiff.inference import load_checkpoint
 from megadiff.inference.generate import decodable_ids, generate
 from tests.conftest import kjv_verses
-from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+from tests.convert_worker import save_in_process, variant_config
 from tests.distributed import run_ranks
+from tests.test_inference import MARKUP_MESSAGE, chatml_tokenizer, training_prompt
 
 WINDOW = 256
 NEW = 6
@@ -24,11 +25,12 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    """A DIFF run (window 256) trained on ChatML conversations, and a file of 7 prompts of 1 to 40 tokens."""
+    """A DIFF run (window 256) trained on ChatML conversations (ChatML's special tokens in its
+    tokenizer), and a file of 7 prompts of 1 to 40 tokens."""
     from tests.test_chat_data import CHATML
 
     root = tmp_path_factory.mktemp("generate_file")
-    cfg = build_config(variant_config("diff", "single", str(build_tokenizer(root / "tokenizer"))).model_dump(
+    cfg = build_config(variant_config("diff", "single", str(chatml_tokenizer(root / "tokenizer"))).model_dump(
         mode="json"), [f"model.seq_length={WINDOW}", "data.messages_key=messages", f"data.chat_template={CHATML}"])
     save_in_process(cfg, iteration_dir(root / "run" / CHECKPOINTS_DIR, 1))
     (root / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
@@ -108,6 +110,22 @@ def test_chat_prompts_are_the_templates_and_stop_at_the_turns_end(root, tmp_path
     assert len(stopped) == 1 and stopped[0]["finish"] == "stop"
 
 
+def test_special_texts_inside_messages_stay_text_as_in_training(root, tmp_path, monkeypatch):
+    """A message holding special tokens' texts is prompted as training encodes its conversation."""
+    from megadiff.inference import generate_file as module
+
+    seen = []
+    real = module.generate_batch
+    monkeypatch.setattr(module, "generate_batch", lambda model, prompts, *a, **k: seen.extend(prompts) or
+                        real(model, prompts, *a, **k))
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"prompt": MARKUP_MESSAGE}) + "\n")
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "chats.jsonl"), "--chat",
+                 "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "2"]) == 0
+    model = load_checkpoint(root / "run")
+    assert seen == [training_prompt([{"role": "user", "content": MARKUP_MESSAGE}], model.cfg.data.chat_template,
+                                    model.tokenizer)]
+
+
 def test_a_stopped_run_generates_only_the_rest(root, tmp_path, monkeypatch):
     from megadiff.inference import generate_file as module
 
@@ -145,6 +163,26 @@ def test_a_rerun_asking_otherwise_is_refused(root, tmp_path, capsys):
     assert main(["generate", "--load", str(root / "run"), "--prompts", str(changed), "--output",
                  str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), "--batch-size", "3"]) == 2
     assert "prompt 'last' is not the one" in capsys.readouterr().err
+
+
+def test_completions_kept_before_the_request_held_top_p_were_sampled_from_every_id(root, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Rank files written before the request recorded top_p (all ids: top_p 1) serve a rerun at
+    top_p 1; a rerun at another top_p is refused."""
+    from megadiff.inference import generate_file as module
+
+    run_file(root, tmp_path / "out.jsonl")
+    rank_file = tmp_path / "out.jsonl_rank0.jsonl"
+    older = completions(rank_file)
+    for record in older:
+        del record["request"]["top_p"]
+    rank_file.write_text("".join(json.dumps(record) + "\n" for record in older))
+    monkeypatch.setattr(module, "generate_batch", lambda *args, **kwargs: pytest.fail("a kept completion was redone"))
+    run_file(root, tmp_path / "out.jsonl")
+    capsys.readouterr()
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), "--top-p", "0.5"]) == 2
+    assert "another request" in capsys.readouterr().err
 
 
 def _ranks(rank: int, world_size: int, root: str, output: str) -> None:

@@ -267,6 +267,34 @@ def test_an_interrupted_run_resumes_from_its_cache(root, tmp_path, monkeypatch, 
                                                                                  "ranks_rank1.jsonl"]
 
 
+def test_a_cache_serves_the_weights_and_window_it_was_answered_with(root, tmp_path, monkeypatch, capsys):
+    """The request holds the dtype the weights are in: --dtype naming the run's own (fp32) takes
+    what omitting it kept. A cache kept before requests held window and dtype was answered with the
+    model's own: a rerun leaving both to the model takes it, one asking for bf16 is refused."""
+    from megadiff.inference import icl
+
+    computed = []
+    real_answer = icl.constrained_answer
+    monkeypatch.setattr(icl, "constrained_answer", lambda *args: computed.append(1) or real_answer(*args))
+    cache = tmp_path / "answers"
+
+    def run(*extra: str) -> int:
+        return main(["icl", "--load", f"{root}/run", "--dataset", str(root), "--examples", "3", "--shots", "1",
+                     "--cache", str(cache), *extra])
+
+    assert run() == 0 and len(computed) == 3
+    assert run("--dtype", "fp32") == 0 and len(computed) == 3
+    rank_file = tmp_path / "answers_rank0.jsonl"
+    older = [json.loads(line) for line in rank_file.read_text().splitlines()]
+    for record in older:
+        del record["request"]["window"], record["request"]["dtype"]
+    rank_file.write_text("".join(json.dumps(record) + "\n" for record in older))
+    assert run() == 0 and len(computed) == 3
+    capsys.readouterr()
+    assert run("--dtype", "bf16") == 2
+    assert "another request" in capsys.readouterr().err
+
+
 def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, capsys):
     missing = str(tmp_path / "no-run")
     assert main(["icl", "--load", missing, "--dataset", str(root), "--label-key", "intent"]) == 2

@@ -175,6 +175,21 @@ def test_chat_requests_equal_the_harness_hf_model_on_the_export(tasks, tmp_path,
     assert_same_answers(answers(ours["samples"]), answers(theirs["samples"]), rel=1e-4)
 
 
+def test_special_texts_inside_chat_turns_stay_text_as_in_training(runs):
+    """A request rendered as a conversation whose turns hold special tokens' texts (the EOD) is
+    encoded as training encodes that conversation: those texts stay text."""
+    from megadiff.inference.harness import MegadiffLM
+    from megadiff.inference.loader import load_checkpoint
+    from tests.test_inference import MARKUP_MESSAGE, training_prompt
+
+    template = Path(CHATML).read_text()
+    lm = MegadiffLM(load_checkpoint(runs["diff"]), chat_template=template)
+    turns = [{"role": "system", "content": "Answer <|endoftext|> briefly."},
+             {"role": "user", "content": MARKUP_MESSAGE}]
+    ids = lm.tok_encode(lm.apply_chat_template(turns))
+    assert ids == training_prompt(turns, template, lm.tok) and lm.eot_token_id not in ids
+
+
 def test_contexts_of_any_length_generate_side_by_side_as_one_at_a_time(runs, tmp_path, monkeypatch):
     """Contexts of 2 to 14 words (the longest cut to the window): their greedy generations run in
     batches (--batch-size 4) whatever their lengths, and answer what batch 1 answers."""
@@ -409,6 +424,21 @@ def test_a_document_masked_checkpoint_generates_what_its_scores_call_greedy(runs
     (new,) = lm._decode(plans)
     assert plan.prompt == [lm.eot_token_id] and len(new) > 1
     assert lm.score([(plan.prompt, new)])[0][1]
+
+
+def test_generation_kwargs_of_null_are_the_defaults_and_a_top_k_of_minus_one_is_off():
+    """None (a task's YAML null) leaves a kwarg to its default, and vLLM's top_k=-1 means every id, in
+    greedy and sampled decoding alike; other negative top_k and a top_p of 0 are still refused."""
+    from megadiff.inference.harness import generation_settings
+
+    greedy = generation_settings({"do_sample": False, "top_k": -1, "top_p": None, "temperature": None}, 6, SEQ_LENGTH)
+    assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, 0, 1.0)
+    sampled = generation_settings({"do_sample": True, "temperature": 0.7, "top_k": -1, "top_p": None}, 6, SEQ_LENGTH)
+    assert (sampled["temperature"], sampled["top_k"], sampled["top_p"]) == (0.7, 0, 1.0)
+    assert generation_settings({"top_k": 5, "top_p": 0.9, "max_gen_toks": None}, 6, SEQ_LENGTH)["max_gen_toks"] == 6
+    for kwargs, message in (({"top_k": -2}, "top_k"), ({"top_p": 0.0}, "top_p")):
+        with pytest.raises(ConfigError, match=message):
+            generation_settings(kwargs, 6, SEQ_LENGTH)
 
 
 def test_generation_follows_top_p_and_refuses_what_it_cannot_do(runs, tasks, tmp_path, monkeypatch):

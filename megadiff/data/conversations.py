@@ -149,9 +149,9 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
     messages = as_messages(messages)
     ids: list[int] = []
     mask: list[int] = []
-    marked = _mark_special_texts(messages, tokenizer.special_texts)
+    marked = mark_special_texts(messages, tokenizer.special_texts)
     for text, assistant in conversation_pieces(marked, template, tokenizer.special_tokens):
-        piece = _encode_piece(text, tokenizer)
+        piece = encode_piece(text, tokenizer)
         ids += piece
         mask += [int(assistant)] * len(piece)
     if not any(mask):
@@ -159,7 +159,7 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
     return ids + [tokenizer.eod], mask + [int(messages[-1]["role"] == "assistant")]
 
 
-def _mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) -> list[dict]:
+def mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) -> list[dict]:
     """`messages` whose text contents hold each special token's text wrapped in LITERAL_OPEN/CLOSE."""
     if not special_texts:
         return messages
@@ -169,9 +169,9 @@ def _mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) ->
             if isinstance(message.get("content"), str) else message for message in messages]
 
 
-def _encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:
+def encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:
     """A rendered piece's ids: the template's text with its special tokens as their ids, the texts
-    _mark_special_texts wrapped (a message's) as ordinary text."""
+    mark_special_texts wrapped (a message's) as ordinary text."""
     ids: list[int] = []
     for index, chunk in enumerate(LITERAL.split(text)):  # odd chunks were wrapped
         if chunk:

@@ -1,12 +1,17 @@
 """A chat-tuned checkpoint's prompts: conversations rendered by the chat template it was trained on
 (data.chat_template, else its tokenizer's own), as `generate --chat`, `chat` and `lm-eval
---apply-chat-template` ask it."""
+--apply-chat-template` ask it, and encoded as training encodes them: the template's special tokens
+become their ids, while a special token's text inside a message stays text (a user cannot end a
+turn, or a document, by typing "<|im_end|>" or "<|endoftext|>")."""
 from __future__ import annotations
 
 from typing import Callable
 
 from megadiff.config import ConfigError
-from megadiff.data.conversations import chat_template_of, render_conversation, turn_end
+from megadiff.data.conversations import (
+    chat_template_of, encode_piece, mark_special_texts, render_conversation, turn_end,
+)
+from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.loader import CausalLM
 
 
@@ -28,13 +33,27 @@ def system_turns(system: str | None, chat: bool = True) -> list[dict]:
     return [{"role": "system", "content": system}]
 
 
+def render_chat(messages: list[dict], template: str, tokenizer: Tokenizer, generation_prompt: bool = True,
+                continue_final: bool = False) -> str:
+    """The prompt of `messages` (render_conversation's), every special token's text inside a message
+    marked as training marks it, for encode_prompt to keep as text."""
+    return render_conversation(mark_special_texts(messages, tokenizer.special_texts), template,
+                               tokenizer.special_tokens, generation_prompt, continue_final)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The ids the model is given for `prompt`, a plain text or render_chat's: special tokens' texts
+    become their ids, except the ones marked inside messages (plain text holds no marks)."""
+    return encode_piece(prompt, tokenizer)
+
+
 def chat_renderer(model: CausalLM, option: str) -> tuple[Callable[[list[dict]], str], str | None]:
     """(messages -> the prompt: rendered up to the assistant's generation prompt, the text ending the
     reply), the template read once for every conversation it renders."""
     template = checkpoint_chat_template(model, option)
-    variables = model.tokenizer.special_tokens
-    return (lambda messages: render_conversation(messages, template, variables, generation_prompt=True),
-            turn_end(template, variables))
+    tokenizer = model.tokenizer
+    return (lambda messages: render_chat(messages, template, tokenizer),
+            turn_end(template, tokenizer.special_tokens))
 
 
 def chat_prompt(model: CausalLM, messages: list[dict], option: str) -> tuple[str, str | None]:

@@ -22,7 +22,7 @@ import torch
 
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
-from megadiff.inference.chat_prompts import chat_prompt, system_turns
+from megadiff.inference.chat_prompts import chat_prompt, encode_prompt, system_turns
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -288,7 +288,7 @@ def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = Non
     """Print `prompt`'s continuation as it is generated, up to the EOD (or `stop_text`, unshown), and
     its rate on stderr; returns the text printed. `context`: the cache to continue (a conversation's)."""
     tokenizer = model.tokenizer
-    prompt_ids = tokenizer.encode(prompt)
+    prompt_ids = encode_prompt(tokenizer, prompt)
     text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, decodable=decodable_ids(model), stop_id=tokenizer.eod,

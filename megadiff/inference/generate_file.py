@@ -22,7 +22,7 @@ import torch
 from megadiff.config import ConfigError
 from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
-from megadiff.inference.chat_prompts import chat_renderer, system_turns
+from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
 from megadiff.inference.generate import check_generation, decodable_ids, generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -32,6 +32,8 @@ from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 OUTPUT_FIELDS = ("id", "completion", "new_tokens", "finish")
+# what completions kept before the request recorded top_p were sampled with
+REQUEST_DEFAULTS = {"top_p": 1.0}
 
 
 def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
@@ -72,7 +74,7 @@ class Completions:
     of a prompt that changed under its id, is refused rather than handed old completions."""
 
     def __init__(self, output: str, request: dict):
-        self.records = RankRecords(output, request, "--output")
+        self.records = RankRecords(output, request, "--output", REQUEST_DEFAULTS)
 
     def done(self, digests: dict[str, str]) -> dict[str, dict]:
         """Every rank's completions so far of the prompts in `digests` (id -> digest)."""
@@ -112,7 +114,7 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     for key, prompt in prompts:
         if chat:
             prompt = render(opening + list(prompt))
-        ids = tokenizer.encode(prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
+        ids = encode_prompt(tokenizer, prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
         encoded[key] = ids or [tokenizer.eod]
     digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
     completions = Completions(output, {"checkpoint": str(Path(model.checkpoint_dir).resolve()),

@@ -13,8 +13,9 @@ against the softmax Transformer), through the reference attention that materiali
 
 `--apply-chat-template` renders every request as a conversation (the harness's user turns, few-shot
 examples as turns with `--fewshot-as-multiturn`, `--system-instruction`) with the template the
-checkpoint's conversations were trained on (data.chat_template, else its tokenizer's own): a
-fine-tuned chat model is asked as it was taught.
+checkpoint's conversations were trained on (data.chat_template, else its tokenizer's own), and
+encoded as training encodes them (inference/chat_prompts.py): a fine-tuned chat model is asked as
+it was taught.
 
 Generation runs the context once, then each new token alone (KV cache: inference/generate.py).
 """
@@ -33,9 +34,8 @@ import torch.nn.functional as F
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import ConfigError
-from megadiff.data.conversations import render_conversation
 from megadiff.errors import MegadiffError
-from megadiff.inference.chat_prompts import checkpoint_chat_template
+from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
 from megadiff.inference.generate import check_generation, decodable_ids, document_eod, generate_batch
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -63,11 +63,14 @@ TokenPair = tuple[list[int], list[int]]
 # backends take, at the value that changes nothing: any other is refused rather than ignored
 HONOURED_GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 NEUTRAL_GEN_KWARGS = {"num_beams": 1, "repetition_penalty": 1.0}
+VLLM_NO_TOP_K = -1  # what vLLM's top_k takes for every id (a task written for vLLM may say so)
 
 
 def generation_settings(gen_kwargs: dict, default_max_gen_toks: int, window: int) -> dict:
-    """lm_eval's normalised generation kwargs, refused where generation here cannot honour them."""
-    kwargs = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks)
+    """lm_eval's normalised generation kwargs, refused where generation here cannot honour them; a
+    kwarg given as None (YAML's null) is its default, and top_k and top_p are set (0 and 1: every id)."""
+    kwargs = normalize_gen_kwargs({key: value for key, value in gen_kwargs.items() if value is not None},
+                                  default_max_gen_toks)
     ignored = sorted(key for key, value in kwargs.items() if key not in HONOURED_GEN_KWARGS + ("until", "max_gen_toks")
                      and (key not in NEUTRAL_GEN_KWARGS or NEUTRAL_GEN_KWARGS[key] != value))
     if ignored:
@@ -75,7 +78,9 @@ def generation_settings(gen_kwargs: dict, default_max_gen_toks: int, window: int
                           "until and max_gen_toks)")
     if kwargs["max_gen_toks"] >= window:
         raise ConfigError(f"the task generates up to {kwargs['max_gen_toks']} tokens; the model's window is {window}")
-    check_generation(kwargs["max_gen_toks"], int(kwargs.get("top_k") or 0), float(kwargs.get("top_p", 1.0)))
+    top_k = int(kwargs.get("top_k", 0))
+    kwargs.update(top_k=0 if top_k == VLLM_NO_TOP_K else top_k, top_p=float(kwargs.get("top_p", 1.0)))
+    check_generation(kwargs["max_gen_toks"], kwargs["top_k"], kwargs["top_p"])
     return kwargs
 
 
@@ -125,7 +130,7 @@ class MegadiffLM(TemplateLM):
         return str(self.tok.name)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tok.encode(string)
+        return encode_prompt(self.tok, string)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """The template requests are rendered with (the harness records it with the results)."""
@@ -134,8 +139,8 @@ class MegadiffLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The harness's turns as the template writes them; without the generation prompt the last
         (assistant) turn stays open, as the harness's Hugging Face model leaves it."""
-        return render_conversation(chat_history, self._chat_template, self.tok.special_tokens,
-                                   generation_prompt=add_generation_prompt, continue_final=not add_generation_prompt)
+        return render_chat(chat_history, self._chat_template, self.tok, generation_prompt=add_generation_prompt,
+                           continue_final=not add_generation_prompt)
 
     @contextmanager
     def progress(self, description: str, requests: int) -> Iterator[ProgressTask]:
@@ -229,8 +234,7 @@ class MegadiffLM(TemplateLM):
         # an empty context is conditioned on the end-of-document token, as in log-likelihoods
         prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
         temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
-        return GenerationPlan(prompt, max_new, until, temperature, int(kwargs.get("top_k") or 0),
-                              float(kwargs.get("top_p", 1.0)))
+        return GenerationPlan(prompt, max_new, until, temperature, kwargs["top_k"], kwargs["top_p"])
 
     def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
         """The new ids of plans alike in their decoding."""

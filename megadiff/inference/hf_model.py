@@ -71,6 +71,10 @@ class HFCausalLM:
     def device(self) -> torch.device:
         return next(self.hf.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
     def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> HFCache:
         return HFCache(self.hf)
 

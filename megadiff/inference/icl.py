@@ -166,10 +166,11 @@ Cell = tuple[int, int, int]
 
 class AnswerCache:
     """`--cache PATH`: every answer appended to PATH_rankN.jsonl as it comes; a rerun of the same
-    request (same checkpoint, window, dtype, data, examples and seed; any shots and orders) answers only the rest."""
+    request (same checkpoint, window, dtype, data, examples and seed; any shots and orders) answers only the rest.
+    `defaults`: the settings caches kept before the request held them were answered with (RankRecords)."""
 
-    def __init__(self, path: str, request: dict):
-        self.records = RankRecords(path, request, "--cache")
+    def __init__(self, path: str, request: dict, defaults: dict | None = None):
+        self.records = RankRecords(path, request, "--cache", defaults)
 
     def answers(self) -> dict[Cell, bool]:
         """Every rank's answers so far."""
@@ -179,6 +180,15 @@ class AnswerCache:
     def add(self, cell: Cell, correct: bool) -> None:
         shots, order, example = cell
         self.records.add({"shots": shots, "order": order, "example": example, "correct": correct})
+
+
+def model_settings(model: CausalLM | HFCausalLM, window: int | None, dtype: str | None) -> tuple[dict, dict]:
+    """(the window and dtype `model` runs with, as a cache's request records them: resolved, so that
+    --dtype naming the weights' own dtype asks what omitting it asks; those of them left to the model,
+    --window or --dtype omitted: the ones caches kept before requests recorded them were answered with)."""
+    settings = {"window": model.cfg.model.seq_length, "dtype": str(model.dtype)}
+    options = {"window": window, "dtype": dtype}
+    return settings, {key: value for key, value in settings.items() if options[key] is None}
 
 
 def grid_cells(shots: Sequence[int], orders: int, examples: int) -> list[Cell]:
@@ -240,12 +250,13 @@ def icl_cli(load: str | None, dataset: str, dataset_config: str | None = None, t
                           f"{train_split} split")
     model = load_model(load, hf, dtype, window)  # after the data's checks; under torchrun it joins the process group
     console = command_console()
-    window = model.cfg.model.seq_length
+    settings, own_settings = model_settings(model, window, dtype)
+    window = settings["window"]
     shots = sorted(set(shots)) if shots else default_shots(model.tokenizer, draw, tests, window)
     answers = None if cache is None else AnswerCache(cache, {
         "checkpoint": str(Path(model.checkpoint_dir).resolve()), "dataset": dataset, "dataset_config": dataset_config,
         "text_key": text_key, "label_key": label_key, "train_split": train_split, "test_split": test_split,
-        "examples": len(tests), "seed": seed, "arrangement": arrangement, "window": window, "dtype": dtype})
+        "examples": len(tests), "seed": seed, "arrangement": arrangement, **settings}, own_settings)
     known = {} if answers is None else answers.answers()
     cells = grid_cells(shots, orders, len(tests))
     to_answer = sum(cell not in known for cell in cells)

@@ -124,6 +124,11 @@ class CausalLM(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.gpt.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it computes in: its weights' (DIFF's lambda vectors stay fp32 whatever it is)."""
+        return self.gpt.embedding.word_embeddings.weight.dtype
+
     def new_cache(self, batch_size: int = 1, max_length: int | None = None, rewindable: bool = False) -> KVCache:
         """A KV cache for hidden_states(cache=) (default room: the model's window); `rewindable`: see KVCache."""
         return KVCache(self.gpt, batch_size, max_length or self.cfg.model.seq_length, rewindable)

@@ -40,10 +40,13 @@ def append_record(path: Path, record: dict) -> None:
 
 class RankRecords:
     """The records of one request in PATH_rankN.jsonl, a file per rank (so ranks never write one
-    file together): every rank reads all of them, refusing another request's, and appends to its own."""
+    file together): every rank reads all of them, refusing another request's, and appends to its own.
+    `defaults`: keys a request gained after records were first kept, at the value the older records,
+    lacking them, were made with; a stored request lacking one is this one where it holds that value."""
 
-    def __init__(self, path: str | Path, request: dict, option: str):
+    def __init__(self, path: str | Path, request: dict, option: str, defaults: dict | None = None):
         self.path, self.request, self.option = Path(path), request, option
+        self.defaults = defaults or {}
         self.own_file = self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl")
 
     def read(self) -> list[tuple[Path, dict]]:
@@ -51,7 +54,7 @@ class RankRecords:
         found = []
         for file in sorted(self.path.parent.glob(f"{self.path.name}_rank*.jsonl")):
             for record in read_records(file):
-                if record["request"] != self.request:
+                if {**self.defaults, **record["request"]} != self.request:
                     raise ConfigError(f"{file} holds the results of another request ({record['request']}): give "
                                       f"this one another {self.option}")
                 found.append((file, record))
