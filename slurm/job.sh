@@ -22,11 +22,12 @@ if [[ $# -lt 1 ]]; then
 fi
 
 # The first node hosts the rendezvous (whatever MASTER_ADDR the submitting shell had); a port
-# from the job id keeps two jobs sharing a node apart. The node count and each node's rank are
+# from the job id keeps two jobs sharing a node apart, below Linux's ephemeral ports (32768-60999),
+# which an outgoing connection of the node may hold. The node count and each node's rank are
 # Slurm's too: sbatch hands the job the submitting shell's environment, NNODES and NODE_RANK with it.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
-export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+export MASTER_PORT=${MASTER_PORT:-$(( 10000 + SLURM_JOB_ID % 20000 ))}
 export NNODES=$SLURM_JOB_NUM_NODES
 unset NODE_RANK
 # Rank 0 (on this first node) leaves this file when it stops for preemption: through torchrun, the
