@@ -117,7 +117,7 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         micro = iter(pool[index:index + args.micro_batches])
         result = train_step(engine, micro, args.micro_batches)
         row["losses"].append(result.loss)
-        if not result.updated:
+        if not result.updated and len(row["losses"]) > args.warmup:  # the timed steps only
             skipped.append(len(row["losses"]))
 
     for _ in range(args.warmup):  # compilation: Triton autotuning, torch.compile of the float8 casts

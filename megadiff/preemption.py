@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,7 +30,10 @@ def requeue_exit_code(rank: int) -> int:
     Slurm batch script sees torchrun's exit code (1 when a worker exits otherwise than 0), not ours."""
     marker = os.environ.get(REQUEUE_MARKER_ENV)
     if marker and rank == 0:
-        Path(marker).touch()
+        try:
+            Path(marker).touch()
+        except OSError as err:  # the checkpoint matters more: the job then needs resubmitting by hand
+            print(f"megadiff: could not leave the requeue marker {marker} ({err.strerror})", file=sys.stderr)
     return REQUEUE_EXIT_CODE
 
 

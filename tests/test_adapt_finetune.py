@@ -412,12 +412,14 @@ def test_a_resumed_adaptation_trains_what_its_plan_recorded(workspace):
     model = AutoModelForCausalLM.from_pretrained(workspace / "model")
     daa = load_finetune_config(str(workspace / "adapt.yaml"), ["adaptation.method=daa"])
     default = daa.adaptation.trainable_patterns(has_tied_head(model))
-    assert _with_trainable({"method": "daa"}, daa, model)["trainable"] == default
+    assert _with_trainable({"method": "daa"}, daa, model, saved=False)["trainable"] == default
     earlier = {"method": "daa", "trainable": ["*.self_attn.*"]}
-    assert _with_trainable(earlier, daa, model)["trainable"] == ["*.self_attn.*"] != default
+    assert _with_trainable(earlier, daa, model, saved=True)["trainable"] == ["*.self_attn.*"] != default
+    # a plan saved before plans recorded it: DAA then trained its attention modules alone
+    assert _with_trainable({"method": "daa"}, daa, model, saved=True)["trainable"] == ["*.self_attn.*"]
     other = load_finetune_config(str(workspace / "adapt.yaml"), ["adaptation.method=daa", 'adaptation.trainable=["*"]'])
     with pytest.raises(ConfigError, match=r"adaptation.trainable: \['\*'\], but .* trains \['\*.self_attn.\*'\]"):
-        _with_trainable(earlier, other, model)
+        _with_trainable(earlier, other, model, saved=True)
 
 
 def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):

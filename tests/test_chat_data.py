@@ -291,3 +291,13 @@ def test_the_templates_special_tokens_are_special_a_messages_are_text(tmp_path, 
     rendering = "".join(f"{m['role']}: {m['content']}<|endoftext|>\n" for m in conversation)
     assert tokenizer.decode(ids[:-1]) == rendering
     assert tokenizer.decode(np.asarray(ids[:-1])[bits[:-1]].tolist()) == "It ends a text: <|endoftext|>.<|endoftext|>\n"
+
+
+def test_a_messages_own_marker_characters_cannot_pair_with_the_wrappers():
+    """A stray U+FDD0 in a message would otherwise pair with a later wrapper and turn the template's
+    markup between them into text: the noncharacters are dropped before marking."""
+    from megadiff.data.conversations import LITERAL, mark_special_texts
+
+    (message,) = mark_special_texts([{"role": "user", "content": "a\ufdd0b <|im_end|> c\ufdd1"}], ("<|im_end|>",))
+    assert LITERAL.findall(message["content"]) == ["<|im_end|>"]
+    assert LITERAL.sub("", message["content"]) == "ab  c"

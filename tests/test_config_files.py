@@ -3,12 +3,14 @@ and relative paths from the file that sets them."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import yaml
 
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError, build_config, dump_config, load_config
-from megadiff.config.loader import load_yaml_tree
+from megadiff.config.loader import load_yaml_tree, read_saved_config
 
 BLEND = "[3e-1, /data/a, 7e-1, /data/b]"
 
@@ -42,9 +44,47 @@ def test_a_merge_key_is_no_duplicate_but_a_key_repeated_beside_it_is(tmp_path):
         load_yaml_tree(tmp_path / "merge.yaml")
 
 
+def test_a_nested_merge_of_an_anchor_holding_a_merge_is_no_duplicate(tmp_path):
+    """PyYAML merges an anchored mapping in place: the check reads the mappings as written."""
+    (tmp_path / "merge.yaml").write_text("a: &a {k: 1}\nx:\n  y:\n    b: &b\n      <<: *a\n      k: 2\nc:\n  <<: *b\n")
+    assert load_yaml_tree(tmp_path / "merge.yaml") == {"a": {"k": 1}, "x": {"y": {"b": {"k": 2}}}, "c": {"k": 1}}
+
+
+def test_a_config_saved_before_yaml_12_numbers_loads_as_it_was_written(tmp_path):
+    """config.yaml files megadiff wrote for YAML 1.1 readers hold strings like 3e-4 unquoted (a run
+    name of a learning-rate sweep): they still load, as strings; and what it writes now loads back alike."""
+    cfg = build_config({}, ["logging.wandb_run_name='3e-4'", "output_dir='1e-3'"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))  # as megadiff wrote them
+    assert "wandb_run_name: 3e-4\n" in saved.read_text()
+    assert build_config(read_saved_config(saved)) == cfg
+    dump_config(cfg, saved)
+    assert build_config(read_saved_config(saved)) == cfg
+
+
+@pytest.mark.parametrize("text,message", [
+    ("output_dir: runs/${oc.env:USER\n", "output_dir: missing BRACE_CLOSE"),
+    ("data:\n  sources: !!set {a, b}\n", "data.sources: Value 'set' is not a supported primitive type"),
+    ("train:\n  ~: 1\n", "train: Incompatible key type 'NoneType'"),
+    ("base: 5\n", "base must name a config file, got 5"),
+])
+def test_a_file_omegaconf_cannot_hold_is_a_config_error(tmp_path, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    (tmp_path / "latin1.yaml").write_bytes("output_dir: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.yaml: not UTF-8 text"):
+        load_config(tmp_path / "latin1.yaml")
+
+
 @pytest.mark.parametrize("override,message", [
     ("output_dir=/a/run #2", r"override 'output_dir=/a/run #2': ' #' starts a YAML comment, which would drop '#2'"),
     ("data.blend=[0.5,a", r"override 'data.blend=\[0.5,a': did not find expected ',' or '\]'"),
+    ("data.blend=[0.5, a] #b", r"would drop '#b'"),
+    ("train=lr: 0.1 #fast", r"would drop '#fast'"),  # a block mapping: its value ends before a BlockEnd
     ("output_dir=${nope}", r"output_dir: Interpolation key 'nope' not found"),
     ("output_dir=${oc.env:MEGADIFF_TEST_UNSET}", r"output_dir: .*MEGADIFF_TEST_UNSET"),
 ])

@@ -69,3 +69,9 @@ def test_the_requeue_exit_code_leaves_the_slurm_scripts_marker_on_rank_0(tmp_pat
     monkeypatch.setenv(REQUEUE_MARKER_ENV, str(marker))
     assert requeue_exit_code(1) == REQUEUE_EXIT_CODE and not marker.exists()
     assert requeue_exit_code(0) == REQUEUE_EXIT_CODE and marker.exists()
+
+
+def test_a_marker_that_cannot_be_written_does_not_stop_the_preemption_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(REQUEUE_MARKER_ENV, str(tmp_path / "missing" / "requeue"))
+    assert requeue_exit_code(0) == REQUEUE_EXIT_CODE
+    assert "could not leave the requeue marker" in capsys.readouterr().err

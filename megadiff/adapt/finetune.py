@@ -28,6 +28,7 @@ import yaml
 
 from megadiff.adapt import deepspeed_setup as dss
 from megadiff.adapt.apply import adapt_with_plan, current_lambdas, has_tied_head, plan_adaptation, set_step
+from megadiff.adapt.config import DAA_METHODS
 from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
@@ -35,10 +36,13 @@ from megadiff.adapt.schedule import warmup_cosine
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
+from megadiff.config.loader import ConfigFileDumper
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
 
 PLAN_FILE = "adaptation.json"
+# what the DAA methods trained by default before plan files recorded it (Dex's default is unchanged)
+EARLIER_TRAINABLE = {method: ["*.self_attn.*"] for method in DAA_METHODS}
 CHECKPOINT_DIR = "checkpoints"
 
 
@@ -90,7 +94,7 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
         if plan["method"] != cfg.adaptation.method:
             raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                               f"{plan['method']!r} run; use another output_dir")
-        return _with_trainable(plan, cfg, model)
+        return _with_trainable(plan, cfg, model, saved=True)
     selection = cfg.adaptation.resolved_selection
     if selection in MEASURED_SELECTIONS:
         with dss.calibration_parameters(model, stage, selection):
@@ -98,17 +102,20 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
                                    reader.document_eos)
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
         plan = plan_adaptation(model, cfg.adaptation)
-    shared = [_with_trainable(plan, cfg, model)]
+    shared = [_with_trainable(plan, cfg, model, saved=False)]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:
         plan_file.write_text(json.dumps(shared[0], indent=1))
     return shared[0]
 
 
-def _with_trainable(plan: dict, cfg: FinetuneConfig, model) -> dict:
-    """The plan with the parameters its run trains: a resumed run keeps those its optimizer state holds,
-    whatever the defaults now (a run from before they were recorded takes the config's)."""
+def _with_trainable(plan: dict, cfg: FinetuneConfig, model, saved: bool) -> dict:
+    """The plan with the parameters its run trains: a resumed (`saved`) run keeps those its optimizer
+    state holds, whatever the defaults now."""
     asked = cfg.adaptation.trainable_patterns(has_tied_head(model))
+    if saved and "trainable" not in plan and cfg.adaptation.trainable is None:
+        # a plan from before plans recorded it, when the DAA methods trained their attention modules alone
+        return {"trainable": EARLIER_TRAINABLE.get(plan["method"], asked), **plan}
     if "trainable" in plan and cfg.adaptation.trainable is not None and plan["trainable"] != asked:
         raise ConfigError(f"adaptation.trainable: {asked}, but {cfg.output_dir} trains {plan['trainable']} "
                           "(its optimizer state holds those); use another output_dir")
@@ -185,7 +192,8 @@ def finetune(cfg: FinetuneConfig) -> int:
     wandb = None
     if rank == 0:
         resolved = cfg.model_dump(mode="json")
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
+        (output_dir / "config.yaml").write_text(yaml.dump(resolved, Dumper=ConfigFileDumper, sort_keys=False))
         # before the model loads: a W&B login or project problem stops the run at once
         wandb = wandb_sink(output_dir, cfg.logging, resolved)
     torch.manual_seed(cfg.train.seed)

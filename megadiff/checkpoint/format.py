@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megadiff.config import Config, build_config
-from megadiff.config.loader import load_yaml_tree
+from megadiff.config.loader import read_saved_config
 from megadiff.errors import MegadiffError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -66,7 +66,7 @@ RETIRED_CONFIG_KEYS = {"logging": ("rank0_only",)}
 
 
 def checkpoint_config(checkpoint_dir: str | Path) -> Config:
-    saved = load_yaml_tree(Path(checkpoint_dir) / CONFIG_FILE)
+    saved = read_saved_config(Path(checkpoint_dir) / CONFIG_FILE)
     for section, keys in RETIRED_CONFIG_KEYS.items():
         for key in keys:
             (saved.get(section) or {}).pop(key, None)

@@ -32,6 +32,8 @@ YAML12_FLOAT = re.compile(r"""^(?:
     |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X)
+# The first line of the configs megadiff writes: they are read as ConfigFileLoader reads (see read_saved_config)
+SAVED_HEADER = "# megadiff: a resolved config (read with YAML 1.2 numbers)\n"
 # Keys naming a file shipped beside the config that sets them (configs/adapt/ -> ../deepspeed/zero2.json)
 FILE_RELATIVE_KEYS = ("deepspeed", "data.chat_template")
 
@@ -50,17 +52,20 @@ class ConfigFileLoader(yaml.SafeLoader):
 
     yaml_implicit_resolvers = config_file_resolvers()
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    def compose_mapping_node(self, anchor) -> yaml.MappingNode:
+        # as written, before construction merges `<<` keys into the mappings (in place, for anchors)
+        node = super().compose_mapping_node(anchor)
         self.refuse_duplicate_keys(node)
-        return super().construct_mapping(node, deep=deep)
+        return node
 
-    def refuse_duplicate_keys(self, node: yaml.MappingNode) -> None:
+    @staticmethod
+    def refuse_duplicate_keys(node: yaml.MappingNode) -> None:
         """PyYAML keeps the last of a repeated key, silently dropping the first (a whole section, say)."""
         first_lines = {}
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
                 continue
-            key = self.construct_object(key_node)
+            key = key_node.value
             if key in first_lines:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice (first on line {first_lines[key]})", key_node.start_mark)
@@ -83,7 +88,9 @@ def describe_error(err: Exception) -> str:
 def read_yaml_file(path: Path) -> dict:
     """One config file's top-level mapping; bad YAML is a ConfigError naming the file and line."""
     try:
-        data = yaml.load(path.read_text(), Loader=ConfigFileLoader) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigFileLoader) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}, line {mark.line + 1}" if mark is not None else str(path)
@@ -124,6 +131,8 @@ def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     base = data.pop("base", None)
     if base is None:
         return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must name a config file, got {base!r}")
     parent = load_yaml_tree((path.parent / base), seen + (path,))
     return OmegaConf.to_container(merge_layer(parent, data, str(path)))
 
@@ -131,10 +140,11 @@ def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 def dropped_comment(value: str) -> str:
     """The YAML comment ending an override's value ('' if none), which OmegaConf would silently drop."""
     try:
-        tokens = list(yaml.scan(value, Loader=yaml.SafeLoader))
+        tokens = [token for token in yaml.scan(value, Loader=yaml.SafeLoader)
+                  if not isinstance(token, (yaml.BlockEndToken, yaml.StreamEndToken))]
     except yaml.YAMLError:
         return ""  # parse_override reports it
-    return value[tokens[-2].end_mark.index:].strip()  # what follows the last token before the stream's end
+    return value[tokens[-1].end_mark.index:].strip()  # what follows the value's last token
 
 
 def parse_override(item: str) -> DictConfig:
@@ -161,7 +171,10 @@ def merge_layer(tree: dict | DictConfig, layer: dict | DictConfig, source: str) 
 
 def apply_overrides(data: dict, overrides: Iterable[str] = ()) -> dict:
     """`data` with the overrides applied in order, a later one winning, and `${...}` interpolations resolved."""
-    tree = OmegaConf.create(data)
+    try:
+        tree = OmegaConf.create(data)
+    except OmegaConfBaseException as err:  # a value OmegaConf cannot hold (a set), a key it refuses (null)
+        raise ConfigError(f"{err.full_key or 'config'}: {describe_error(err)}") from None
     for item in overrides:
         tree = merge_layer(tree, parse_override(item), f"override {item!r}")
     try:
@@ -195,4 +208,19 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), world_si
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.dump(cfg.model_dump(mode="json"), Dumper=ConfigFileDumper, sort_keys=False))
+    Path(path).write_text(SAVED_HEADER + yaml.dump(cfg.model_dump(mode="json"), Dumper=ConfigFileDumper,
+                                                   sort_keys=False))
+
+
+def read_saved_config(path: str | Path) -> dict:
+    """A config dump_config wrote (a run's or checkpoint's config.yaml, an export's sidecar). Those
+    written before its header were for YAML 1.1 readers, leaving strings such as 3e-4 unquoted: they
+    are read as they were written."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{path}: {err.strerror}") from None
+    if text.startswith(SAVED_HEADER):
+        return read_yaml_file(path)
+    return yaml.safe_load(text) or {}

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megadiff.config import Config, dump_config, load_config
+from megadiff.config import Config, build_config, dump_config
+from megadiff.config.loader import read_saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import save_chat_template
 
@@ -100,7 +101,7 @@ def read_hf_dir(path: str | Path) -> HFDirectory:
         config_dict=json.loads((directory / "config.json").read_text()),
         state=_read_weights(_weight_files(directory)),
         extras=_read_weights([extras_file]) if extras_file.is_file() else {},
-        source_cfg=load_config(config_file) if config_file.is_file() else None,
+        source_cfg=build_config(read_saved_config(config_file)) if config_file.is_file() else None,
     )
 
 

@@ -160,13 +160,17 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
 
 
 def mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) -> list[dict]:
-    """`messages` whose text contents hold each special token's text wrapped in LITERAL_OPEN/CLOSE."""
+    """`messages` whose text contents hold each special token's text wrapped in LITERAL_OPEN/CLOSE (and
+    none of those noncharacters of their own, which would pair with a wrapper)."""
     if not special_texts:
         return messages
     pattern = re.compile("|".join(re.escape(text) for text in sorted(special_texts, key=len, reverse=True)))
-    return [{**message, "content": pattern.sub(lambda found: LITERAL_OPEN + found.group() + LITERAL_CLOSE,
-                                               message["content"])}
-            if isinstance(message.get("content"), str) else message for message in messages]
+
+    def marked(text: str) -> str:
+        text = text.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, "")
+        return pattern.sub(lambda found: LITERAL_OPEN + found.group() + LITERAL_CLOSE, text)
+    return [{**message, "content": marked(message["content"])} if isinstance(message.get("content"), str)
+            else message for message in messages]
 
 
 def encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:

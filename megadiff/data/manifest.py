@@ -16,8 +16,10 @@ from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer
 from megadiff.files import write_atomically
 
 FORMAT = 1
-# what makes a tokenizer.json split text as it does (not its padding, truncation or post-processor)
-SPLITTING_FIELDS = ("normalizer", "pre_tokenizer", "model", "added_tokens")
+# text every kind of pre-tokenizer and merge meets: a tokenizer retrained with its vocabulary's ids
+# unchanged still splits some of it otherwise
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog; it's 2024-11-25, $1,299.99 (#000123456789). "
+              "Größe, naïve façade; 東京は2024年に; Ελληνικά; 😀👍🏽 x²+y³\n\n\tindented   spaces\r\nend")
 # without a tokenizer.json: the vocabulary files a slow tokenizer is built from
 VOCABULARY_FILE_PATTERNS = ("vocab*", "merges*", "*.tiktoken", "*.model", "added_tokens.json")
 
@@ -43,9 +45,10 @@ def tokenizer_digest(directory: str | Path) -> str:
     if fast.is_file():
         from tokenizers import Tokenizer as FastTokenizer
 
-        # as the installed library writes it: older versions wrote merges in another form
-        spec = json.loads(FastTokenizer.from_file(str(fast)).to_str())
-        digest.update(json.dumps({field: spec.get(field) for field in SPLITTING_FIELDS}, sort_keys=True).encode())
+        # what it does, not how its file is written (merges and defaults differ between library versions)
+        tokenizer = FastTokenizer.from_file(str(fast))
+        vocabulary = sorted(tokenizer.get_vocab(with_added_tokens=True).items())
+        digest.update(json.dumps([vocabulary, tokenizer.encode(PROBE_TEXT, add_special_tokens=False).ids]).encode())
         return digest.hexdigest()
     files = sorted({path for pattern in VOCABULARY_FILE_PATTERNS for path in directory.glob(pattern) if path.is_file()})
     for path in files:
