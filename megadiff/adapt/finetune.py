@@ -24,7 +24,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 
 from megadiff.adapt import deepspeed_setup as dss
 from megadiff.adapt.apply import adapt_with_plan, current_lambdas, has_tied_head, plan_adaptation, set_step
@@ -36,7 +35,7 @@ from megadiff.adapt.schedule import warmup_cosine
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
-from megadiff.config.loader import ConfigFileDumper
+from megadiff.config.loader import config_yaml
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
 
@@ -193,7 +192,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     if rank == 0:
         resolved = cfg.model_dump(mode="json")
         # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
-        (output_dir / "config.yaml").write_text(yaml.dump(resolved, Dumper=ConfigFileDumper, sort_keys=False))
+        (output_dir / "config.yaml").write_text(config_yaml(resolved))
         # before the model loads: a W&B login or project problem stops the run at once
         wandb = wandb_sink(output_dir, cfg.logging, resolved)
     torch.manual_seed(cfg.train.seed)

@@ -207,9 +207,13 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), world_si
     return build_config(data, overrides, world_size)
 
 
+def config_yaml(tree: dict) -> str:
+    """A config tree as YAML that config files are read back from alike (strings such as 3e-4 quoted)."""
+    return yaml.dump(tree, Dumper=ConfigFileDumper, sort_keys=False)
+
+
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(SAVED_HEADER + yaml.dump(cfg.model_dump(mode="json"), Dumper=ConfigFileDumper,
-                                                   sort_keys=False))
+    Path(path).write_text(SAVED_HEADER + config_yaml(cfg.model_dump(mode="json")))
 
 
 def read_saved_config(path: str | Path) -> dict:

@@ -18,6 +18,7 @@ documents (tiktoken reads none as special).
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -164,13 +165,19 @@ def mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) -> 
     none of those noncharacters of their own, which would pair with a wrapper)."""
     if not special_texts:
         return messages
-    pattern = re.compile("|".join(re.escape(text) for text in sorted(special_texts, key=len, reverse=True)))
+    pattern = _special_text_pattern(special_texts)
 
     def marked(text: str) -> str:
         text = text.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, "")
         return pattern.sub(lambda found: LITERAL_OPEN + found.group() + LITERAL_CLOSE, text)
     return [{**message, "content": marked(message["content"])} if isinstance(message.get("content"), str)
             else message for message in messages]
+
+
+@lru_cache(maxsize=8)
+def _special_text_pattern(special_texts: tuple[str, ...]) -> re.Pattern:
+    """Any of the texts, the longest first (built once per tokenizer, not per conversation)."""
+    return re.compile("|".join(re.escape(text) for text in sorted(special_texts, key=len, reverse=True)))
 
 
 def encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:

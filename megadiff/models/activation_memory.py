@@ -34,7 +34,7 @@ from megadiff.config import (
     resolved_head_dim,
 )
 from megadiff.models.param_count import qkv_widths
-from megadiff.ops.common import TRITON_MAX_HEAD_DIM
+from megadiff.ops.common import triton_fits
 
 FP32 = 4
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations between layers
@@ -95,7 +95,8 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
     saved = tokens * q_width * element + share.kv_tokens * (k_width + v_width) * element
     backend = m.attention_backend
     if backend == "auto":  # as ops.resolve_backend chooses: V's heads are 2d wide
-        backend = "triton" if device == "cuda" and 2 * resolved_head_dim(m) <= TRITON_MAX_HEAD_DIM else "sdpa"
+        backend = "triton" if device == "cuda" and triton_fits(resolved_head_dim(m), 2 * resolved_head_dim(m)) \
+            else "sdpa"
     if backend == "reference" or (backend == "sdpa" and device != "cuda"):
         raise NotEstimated(f"attention backend {backend!r} on {device} keeps the N x N maps")
     outputs = 2 * q_width * element                     # A1 V and A2 V, H x 2d each

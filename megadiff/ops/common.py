@@ -15,8 +15,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in LOW_PRECISION else dtype
 
 
+def triton_fits(head_dim: int, value_dim: int) -> bool:
+    """Whether the fused kernel's tiles hold heads this wide."""
+    return max(head_dim, value_dim) <= TRITON_MAX_HEAD_DIM
+
+
 def triton_supports(dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
-    return dtype in TRITON_DTYPES and max(head_dim, value_dim) <= TRITON_MAX_HEAD_DIM
+    return dtype in TRITON_DTYPES and triton_fits(head_dim, value_dim)
 
 
 def check_shapes(q1, k1, q2, k2, v, lam, integral: bool) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.ops.common import (
-    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean,
+    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean, triton_fits,
 )
 from megadiff.ops.documents import document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward
@@ -37,7 +37,7 @@ def _check_supported(q1, k1, q2, k2, v) -> None:
     if any(t.dtype != q1.dtype for t in (k1, q2, k2, v)) or q1.dtype not in TRITON_DTYPES:
         raise TypeError(f"the Triton kernel needs q, k, v all of one dtype among {TRITON_DTYPES}, got "
                         f"{[t.dtype for t in (q1, k1, q2, k2, v)]}")
-    if max(q1.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
+    if not triton_fits(q1.shape[-1], v.shape[-1]):
         raise ValueError(f"the Triton kernel supports head dims up to {TRITON_MAX_HEAD_DIM}, "
                          f"got d={q1.shape[-1]}, dv={v.shape[-1]}")
     if q1.device.type != "cuda" and not INTERPRETED:
