@@ -19,7 +19,7 @@ from megadiff.config import ConfigError, build_config
 from megadiff.data.checks import check_training_data
 from megadiff.data.datasets import build_datasets
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import AtomicIndexedWriter, token_dtype
+from megadiff.data.indexed import AtomicIndexedWriter, read_index, token_count, token_dtype
 from megadiff.data.manifest import write_manifest
 from megadiff.data.upsampling import length_repeats
 from tests.distributed import run_ranks
@@ -284,6 +284,17 @@ def test_a_blend_without_weights_is_weighted_by_tokens_and_has_the_samples_asked
     assert len(train) >= 2000
     from_a = [bool((train[i]["tokens"][train[i]["tokens"] != EOD] < 500).all()) for i in range(2000)]
     assert abs(np.mean(from_a) - tokens["a"] / sum(tokens.values())) < 0.03
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_the_token_count_from_the_header_is_the_index_s(tmp_path, dtype):
+    """Blend weights count a prefix's tokens from its .bin size and the .idx header's token width:
+    what reading the whole index (a length per document) would give."""
+    with AtomicIndexedWriter(tmp_path / "docs", np.dtype(dtype)) as writer:
+        for doc in synthetic_documents(40, seed=3):
+            writer.add_documents(doc, np.array([len(doc)]))
+        writer.commit()
+    assert token_count(tmp_path / "docs") == read_index(tmp_path / "docs").tokens
 
 
 def test_a_split_built_shorter_than_asked_is_refused_before_training(corpus, tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megadiff.config import Config, DataConfig, build_config
 from megadiff.data.checks import SPLITS, check_training_data
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import bin_path, idx_path, read_index
+from megadiff.data.indexed import bin_path, idx_path, token_count
 from megadiff.data.locations import index_cache_dir, training_blend
 from megadiff.data.manifest import read_manifest
 from megadiff.data.responses import ResponseMaskedGPTDataset
@@ -67,7 +67,7 @@ def megatron_blend(data: DataConfig) -> tuple[list[str], Optional[list[float]]]:
     for: several prefixes without weights are weighted by their tokens instead."""
     prefixes, weights = training_blend(data)
     if weights is None and len(prefixes) > 1:
-        weights = [float(read_index(prefix).tokens) for prefix in prefixes]
+        weights = [float(token_count(prefix)) for prefix in prefixes]
     return prefixes, weights
 
 

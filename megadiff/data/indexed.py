@@ -84,6 +84,17 @@ class IndexSummary:
         return int(self.sequence_lengths.sum())
 
 
+def token_count(prefix: str | Path) -> int:
+    """The tokens of <prefix>.bin from its size and the token width its .idx header names: read_index's
+    `tokens` for a prefix it accepted, without reading an index of a token count per document."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    with open(idx_path(prefix), "rb") as stream:
+        stream.seek(len(_INDEX_HEADER) + 8)  # the header, then the format version
+        code = struct.unpack("<B", stream.read(1))[0]
+    return bin_path(prefix).stat().st_size // DType.size(code)
+
+
 def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
     """Read <prefix>.idx and check that <prefix>.bin holds exactly the tokens it describes."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
