@@ -74,6 +74,7 @@ def _grid() -> dict[str, Case]:
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
         "autotuned-dint": Case(blocks=None, autotuned=True, integral=True, per_head_lam=True, batch=1),
         "autotuned-full-diff": Case(blocks=None, autotuned=True, causal=False, n_q=20, n_k=45, batch=1),
+        "autotuned-full-diff-shorter-keys": Case(blocks=None, autotuned=True, causal=False, n_q=20, n_k=20, batch=1),
         "bf16": Case(dtype=torch.bfloat16, per_head_lam=True, n_q=64, n_k=64, d=32, dv=64, batch=1),
         "fp16-dint": Case(dtype=torch.float16, integral=True, n_q=40, n_k=40, d=32, dv=64, batch=1),
         # documents (masked in the kernels' tiles) shorter and longer than a tile, starting inside tiles
@@ -186,6 +187,14 @@ def test_matches_reference(interpreted, name):
         assert all(choice != "None" for choice in got["tuned"].values()), f"not every kernel was tuned: {got['tuned']}"
 
 
+def test_autotuning_per_length_class(interpreted):
+    """Shapes alike but for their keys' length class (64 against 32) get tiles tuned for each: every
+    kernel's autotuner holds one choice more after the second."""
+    first, second = (interpreted[name] for name in ("autotuned-full-diff", "autotuned-full-diff-shorter-keys"))
+    assert not isinstance(first, str) and not isinstance(second, str), "an autotuned case raised"
+    assert {kind: n + 1 for kind, n in first["tunings"].items()} == second["tunings"]
+
+
 MAPS_CASE = Case(n_q=21, n_k=40)
 
 
@@ -218,6 +227,25 @@ def test_refusals():
     if not triton_kernel.INTERPRETED:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             triton_kernel.differential_attention_triton(q1, k1, q2, k2, v, lam)
+
+
+def test_document_bounds_read_once_per_tensor(monkeypatch):
+    """Every layer of a micro-batch masks the same documents: their bounds are read (a host sync on
+    CUDA) once per cu_seqlens tensor and shape, and read anew for another or a modified tensor."""
+    triton_kernel = pytest.importorskip("megadiff.ops.triton_kernel")
+    reads, read_spans = [], triton_kernel.document_spans
+    monkeypatch.setattr(triton_kernel, "document_spans", lambda *args: reads.append(args) or read_spans(*args))
+    q, k = torch.zeros(2, 37, 4, 16), torch.zeros(2, 37, 2, 16)
+    cu_seqlens = torch.tensor([0, 5, 20, 37, 40, 74])
+    first = triton_kernel._documents(cu_seqlens, True, q, k)
+    assert triton_kernel._documents(cu_seqlens, True, q, k) is first and len(reads) == 1
+    chunk = triton_kernel._documents(cu_seqlens, True, q[:, 17:], k)  # a context-parallel chunk's queries
+    assert torch.equal(chunk.starts, first.starts[:, 17:]) and len(reads) == 2
+    assert triton_kernel._documents(cu_seqlens, True, q, k) is first and len(reads) == 2
+    cu_seqlens[1] = 6
+    modified = triton_kernel._documents(cu_seqlens, True, q, k)
+    assert len(reads) == 3 and modified.starts[0, 5].item() == 0
+    assert triton_kernel._documents(cu_seqlens.clone(), True, q, k) is not modified and len(reads) == 4
 
 
 def test_long_sequence_views_get_int32_safe_layouts():
@@ -296,11 +324,14 @@ def _autotuning_on_cpu():
         kernel_call()
         return [time.perf_counter() - start] * len(quantiles)
 
-    def tuned() -> dict[str, str]:
-        """The tiles the autotuner chose for each kernel (none if it never ran)."""
-        kernels = {"fwd": triton_fwd._fwd_kernel, "dkdv": triton_bwd._dkdv_kernel, "dq": triton_bwd._dq_kernel}
-        return {kind: str(getattr(triton_fwd._autotuned(kernel, kind), "best_config", None))
-                for kind, kernel in kernels.items()}
+    kernels = {"fwd": triton_fwd._fwd_kernel, "dkdv": triton_bwd._dkdv_kernel, "dq": triton_bwd._dq_kernel}
+
+    def tuned() -> dict:
+        """The tiles the autotuner last chose for each kernel (none if it never ran), and how many
+        choices (one per tuning key) each kernel's autotuner holds."""
+        tuners = {kind: triton_fwd._autotuned(kernel, kind) for kind, kernel in kernels.items()}
+        return {"tuned": {kind: str(getattr(tuner, "best_config", None)) for kind, tuner in tuners.items()},
+                "tunings": {kind: len(tuner.cache) for kind, tuner in tuners.items()}}
 
     saved = Autotuner.__dict__["do_bench"]
     Autotuner.do_bench = property(lambda self: wall_clock)
@@ -324,7 +355,7 @@ def _interpreter_main(path: str) -> None:
         try:
             if case.autotuned:
                 with _autotuning_on_cpu() as tuned:
-                    results[name] = {**kernel_results(name, case), "tuned": tuned()}
+                    results[name] = {**kernel_results(name, case), **tuned()}
             else:
                 results[name] = kernel_results(name, case)
         except Exception:  # noqa: BLE001 -- reported by the matching test

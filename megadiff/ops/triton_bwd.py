@@ -21,7 +21,7 @@ import triton.language as tl
 
 from megadiff.ops.triton_fwd import (
     LOG2E, Documents, KernelConfig, bnh_strides, document_key_tiles, dot_precision, in_document, key_range, launch,
-    load_tile, padded_dim, store_tile, visible,
+    load_tile, padded_dim, store_tile, tuning_lengths, visible,
 )
 
 
@@ -96,7 +96,7 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                 n_q, n_k, n_heads, group, qk_scale, scale,
+                 n_q, n_k, n_heads, group, qk_scale, scale, tune_n_q, tune_n_k,
                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
                  DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -184,7 +184,7 @@ def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC
                stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                stride_dqb, stride_dqn, stride_dqh,
-               n_q, n_k, n_heads, group, qk_scale, scale,
+               n_q, n_k, n_heads, group, qk_scale, scale, tune_n_q, tune_n_k,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
                DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -261,7 +261,7 @@ def attention_maps_backward(q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delt
     inputs = (q1, q2, k1, k2, v, do1, do1 if tied else do2, lse1, lse2, delta1, delta2, lam_h,
               *((documents.starts, documents.ends) if documents is not None else (lse1, lse1)))  # placeholders
     in_strides = (*bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(do1))
-    sizes = (n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e), scale)
+    sizes = (n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e), scale, *tuning_lengths(n_q, n_k))
     meta = dict(HEAD_D=d, HEAD_DV=dv_dim, BLOCK_D=padded_dim(d), BLOCK_DV=padded_dim(dv_dim), CAUSAL=causal,
                 TIED=tied, DOCUMENTS=documents is not None, DOT_PREC=dot_precision(q1.dtype))
     launch(_dkdv_kernel, "dkdv", n_k, b * n_kv,

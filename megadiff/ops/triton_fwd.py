@@ -164,7 +164,7 @@ def _fwd_tiles(acc1, l1, m1, acc2, l2, m2, q1, q2, K1, K2, V, stride_kn, stride_
 def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2, DOC_START,
                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                 stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-                n_q, n_k, n_heads, group, qk_scale,
+                n_q, n_k, n_heads, group, qk_scale, tune_n_q, tune_n_k,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 COMBINE: tl.constexpr, DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -282,17 +282,24 @@ def _prune(kind: str):
     return prune
 
 
+def tuning_lengths(n_q: int, n_k: int) -> tuple[int, int]:
+    """The kernels' tune_n_q, tune_n_k: the lengths rounded up to powers of two (at least 16). Tiles
+    tuned at 4K would otherwise serve 64K, or a decoding step's single query; rounding keeps generation,
+    whose keys grow by one per step, from retuning at every step."""
+    return tuple(max(16, 1 << (n - 1).bit_length()) for n in (n_q, n_k))
+
+
 @functools.cache
 def _autotuned(kernel, kind: str):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                for m, n, w, s in CANDIDATES[kind]]
     # the mode flags a kernel takes (COMBINE: the forward's epilogue, TIED: the backward's inputs,
-    # DOCUMENTS: document masking)
-    # change what a program holds, so each mode is tuned apart; cache_results keeps the choice on disk
-    # for the next process (benchmarks, then training) on the same GPU and Triton version
+    # DOCUMENTS: document masking) change what a program holds, so each mode is tuned apart, as is each
+    # length class; cache_results keeps the choice on disk for the next process (benchmarks, then
+    # training) on the same GPU and Triton version
     modes = [name for name in ("COMBINE", "TIED", "DOCUMENTS") if name in kernel.arg_names]
-    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", *modes], cache_results=True,
-                           prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
+    return triton.autotune(configs, key=["HEAD_D", "HEAD_DV", "CAUSAL", *modes, "tune_n_q", "tune_n_k"],
+                           cache_results=True, prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
 
 
 def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: dict,
@@ -330,7 +337,7 @@ def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: flo
             lam_h if lam_h is not None else lse1, o1, o2, out if out is not None else o1,  # unread placeholders
             lse1, lse2, documents.starts if documents is not None else lse1,
             *bnh_strides(q1), *bnh_strides(k1), *bnh_strides(v), *bnh_strides(o1),
-            n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e))
+            n_q, n_k, n_heads, n_heads // n_kv, scale * math.log2(math.e), *tuning_lengths(n_q, n_k))
     meta = dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=padded_dim(d), BLOCK_DV=padded_dim(dv), CAUSAL=causal,
                 COMBINE=lam_h is not None, DOCUMENTS=documents is not None, DOT_PREC=dot_precision(q1.dtype))
     launch(_fwd_kernel, "fwd", n_q, b * n_heads, args, meta, config)
