@@ -138,6 +138,27 @@ def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path
 
 
 @pytest.mark.slow
+def test_fp16_overflows_at_the_lowest_loss_scale_are_non_finite_steps(base, tmp_path):
+    """Gradients that overflow whatever the scale (the loss stays finite): the scaler halves its scale
+    from 2^32 down to its floor (1), one skipped step each after megatron's hysteresis; there it can
+    lower nothing, and the steps count as non-finite ones until train.max_skipped_nan_iters stops the
+    run with the weights never changed."""
+    report = tmp_path / "report.json"
+    run_ranks(1, poisoned_run, base + ["train.precision=fp16", "train.iters=60", "train.max_skipped_nan_iters=2",
+                                       f"output_dir={tmp_path / 'fp16'}"],
+              list(range(1, 61)), str(report), 1e30, True)
+    result = json.loads(report.read_text())
+    assert result["exit_code"] == 3
+    assert not any(event["updated"] or event["params_changed"] for event in result["events"])
+    records = read_metrics(tmp_path / "fp16")
+    floor = next(i for i, r in enumerate(records) if r["loss_scale"] == 1.0)
+    assert records[floor - 1]["loss_scale"] == 2.0 and all(math.isfinite(r["lm_loss"]) for r in records)
+    # the step that brought the scale to 1 was the scaler's; the next three are not, the third stops the run
+    assert [r["skipped_iterations"] for r in records[floor:]] == [0, 1, 2, 3]
+    assert records[-1]["loss_scale_overflows"] == floor + 1 == 33  # 2^32 -> 1: 32 halvings, + 1 for hysteresis
+
+
+@pytest.mark.slow
 def test_loss_spikes_are_skipped_counted_and_the_guard_resumes(base, tmp_path):
     run = base + ["train.skip_spike_sigma=6", "train.spike_window=4", "train.iters=10"]
     report = tmp_path / "report.json"
