@@ -20,6 +20,7 @@ from megadiff.adapt.schedule import lr_multiplier
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.observability.metrics import read_metrics
+from tests.distributed import run_ranks
 from tests.test_chat_data import CHATML
 from tests.wandb_log import logged_history_and_config
 
@@ -208,6 +209,47 @@ def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     uninterrupted = [{k: r[k] for k in keys} for r in read_metrics(workspace / "bf16")]
     assert len(uninterrupted) == ITERS
     assert [{k: r[k] for k in keys} for r in read_metrics(resumed)] == uninterrupted
+
+
+def counted_adaptation(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
+    """`megadiff adapt` in a spawned rank, recording the mode of each forward of a decoder layer's MLP
+    (the layer's own forward is transformers' checkpointing wrapper): [training, grad enabled]."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from megadiff.adapt.finetune import finetune
+
+    forwards, original = [], LlamaMLP.forward
+
+    def forward(self, *args, **kwargs):
+        forwards.append([self.training, torch.is_grad_enabled()])
+        return original(self, *args, **kwargs)
+
+    LlamaMLP.forward = forward
+    assert finetune(load_finetune_config(config, overrides)) == 0
+    Path(report).write_text(json.dumps(forwards))
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_each_layer_in_training_mode(workspace, tmp_path, monkeypatch):
+    """Training forwards run in training mode (from_pretrained leaves the model in eval mode, in which
+    dropout and gradient checkpointing do nothing); with train.gradient_checkpointing every decoder
+    layer runs again in the backward, and the losses and gradient norms stay the same."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    iters, grad_accum, layers = 2, 2, 2
+    forwards, curves = {}, {}
+    for checkpointing in ("false", "true"):
+        output, report = tmp_path / f"checkpointing-{checkpointing}", tmp_path / f"forwards-{checkpointing}.json"
+        run_ranks(1, counted_adaptation, str(workspace / "adapt.yaml"),
+                  [f"output_dir={output}", f"train.iters={iters}", f"train.grad_accum={grad_accum}",
+                   f"train.gradient_checkpointing={checkpointing}"], str(report))
+        forwards[checkpointing] = json.loads(report.read_text())
+        curves[checkpointing] = [r[key] for r in read_metrics(output) for key in ("lm_loss", "grad_norm")]
+    for checkpointing, recomputed in (("false", 1), ("true", 2)):
+        training = [f for f in forwards[checkpointing] if f[1]]
+        assert training == [[True, True]] * (iters * grad_accum * layers * recomputed)
+        assert all(not mode for mode, _ in forwards[checkpointing] if mode is not True)  # head selection's
+    assert curves["true"] == pytest.approx(curves["false"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -170,6 +170,9 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
                          document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
     plan = _adaptation_plan(cfg, model, reader, stage, rank)
     adapt_with_plan(model, plan, plan["trainable"])
+    if cfg.train.gradient_checkpointing:
+        # non-reentrant: the frozen embeddings' output, each layer's input, needs no gradient
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, model, reader, plan, hf_ds_config
 
 
@@ -200,6 +203,9 @@ def finetune(cfg: FinetuneConfig) -> int:
 
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
+    # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
+    # turns on its dropout and gradient checkpointing
+    engine.train()
     checkpoint_dir = output_dir / CHECKPOINT_DIR
     start = 0
     if (checkpoint_dir / "latest").is_file():

@@ -74,6 +74,9 @@ class TrainSection(Section):
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                         "backward (transformers' gradient checkpointing): a layer's activations "
+                                         "held at a time, for long sequences of large models (DAA's recipe)")
     seed: int = Field(1234, description="seeds torch every iteration (seed + iteration): dropout is resumable")
     timeout_minutes: float = Field(60, gt=0, description="how long a rank waits in a collective before the job "
                                    "fails, e.g. while its node's first rank tokenizes data.files (torch's "
