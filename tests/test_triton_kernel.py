@@ -248,6 +248,28 @@ def test_document_bounds_read_once_per_tensor(monkeypatch):
     assert triton_kernel._documents(cu_seqlens.clone(), True, q, k) is not modified and len(reads) == 4
 
 
+def test_candidates_limit_bounds_what_the_autotuner_compiles(monkeypatch):
+    """$MEGADIFF_TRITON_CANDIDATES keeps the first N of the candidates that fit, in CANDIDATES' order."""
+    triton_fwd = pytest.importorskip("megadiff.ops.triton_fwd")
+    import triton
+
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in triton_fwd.CANDIDATES["dkdv"]]
+    prune = triton_fwd._prune("dkdv")
+
+    def kept(**meta):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in prune(configs, {}, **meta)]
+    fitting = triton_fwd.fitting_candidates("dkdv", 128, 256)
+    monkeypatch.delenv(triton_fwd.CANDIDATES_LIMIT_ENV, raising=False)
+    assert kept(BLOCK_D=128, BLOCK_DV=256) == fitting and len(fitting) > 2
+    monkeypatch.setenv(triton_fwd.CANDIDATES_LIMIT_ENV, "2")
+    assert kept(BLOCK_D=128, BLOCK_DV=256) == fitting[:2]
+    monkeypatch.setenv(triton_fwd.CANDIDATES_LIMIT_ENV, "0")
+    with pytest.raises(ValueError, match="MEGADIFF_TRITON_CANDIDATES must be a positive integer"):
+        kept(BLOCK_D=128, BLOCK_DV=256)
+
+
 def test_long_sequence_views_get_int32_safe_layouts():
     """Row offsets are int32 in the kernels: a view whose sequence stride would overflow them
     (N = 64K rows of a [N, B, 3 x hidden] projection, B = 4) is made dense; a small one is kept."""
