@@ -37,6 +37,12 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "cp2": (2, ["parallel.context=2"]),
+    # the distributed optimizer shards over DP x CP (here CP alone), overlapping its gradient reduce and
+    # parameter gather with the interleaved schedule's model chunks
+    "cp2_pp2_interleaved_distopt_overlap": (4, ["parallel.context=2", "parallel.pipeline=2",
+                                                "parallel.virtual_pipeline=2", "parallel.distributed_optimizer=true",
+                                                "parallel.overlap_grad_reduce=true",
+                                                "parallel.overlap_param_gather=true"]),
     # document masking: the boundaries reach every pipeline stage's layers (every model chunk of the
     # interleaved schedule, recomputed layers too), SP gathers whole sequences, CP ranks attend from their
     # chunks within documents and carry DINT's mean across them
@@ -45,6 +51,9 @@ LAYOUTS = {
                                  "parallel.virtual_pipeline=2", "data.document_masking=true",
                                  "train.recompute=full"]),
     "cp2_documents": (2, ["parallel.context=2", "data.document_masking=true"]),
+    # CP ranks gather each TP rank's heads of the SP-gathered sequence chunks
+    "tp2_sp_cp2_documents": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2",
+                                 "data.document_masking=true"]),
 }
 EOD = 0
 # documents [0, 4), [4, 10), [10, 16) and [0, 6), [6, 16): under CP=2 (chunks of 4) one starts at a
@@ -85,7 +94,7 @@ def global_micro_batches(cfg, seed_offset: int) -> list[dict]:
 
 
 def full_gradients(engine) -> dict[str, torch.Tensor]:
-    """Reduced gradients as full tensors; with the distributed optimizer each DP rank owns a slice."""
+    """Reduced gradients as full tensors; with the distributed optimizer each DP x CP rank owns a slice."""
     params = [p for chunk in engine.unwrapped() for p in chunk.parameters()]
     if engine.cfg.parallel.distributed_optimizer:
         owners = engine.optimizer.chained_optimizers
@@ -95,7 +104,8 @@ def full_gradients(engine) -> dict[str, torch.Tensor]:
                 if param in inner.model_param_gbuf_map:
                     owned = inner._get_model_param_range_map(param)["param"]
                     grad[owned.start:owned.end] = param.main_grad.view(-1)[owned.start:owned.end]
-            dist.all_reduce(grad, group=parallel_state.get_data_parallel_group())
+            # megatron shards the gradient buffers over the data- and context-parallel ranks together
+            dist.all_reduce(grad, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             param.main_grad.copy_(grad.view_as(param.main_grad))
     saved = [p.detach().clone() for p in params]
     with torch.no_grad():
@@ -128,6 +138,7 @@ def run_layout(rank: int, world_size: int, layout: str, out_path: str, steps: in
             hook = (lambda e: record.update(grads=full_gradients(e))) if step == 0 else None
             result = train_step(engine, iterators if len(iterators) > 1 else iterators[0], len(mine), hook)
             record["losses"].append(result.loss)
+        engine.gather_updated_params()  # overlap_param_gather leaves the last step's all-gather to a next forward
         record["params"], record["replica_diff"] = gather_full_tensors(engine.unwrapped())
         results[variant] = record
     if rank == 0:
