@@ -91,7 +91,34 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
                                                                       "state of .* was saved with False")):
         refused = run_pretrain(1, base + [f"output_dir={output}"] + change, expect=2)
         assert re.search(message, refused.stderr), refused.stderr[-2000:]
+    # two ranks of tensor parallelism padding the vocabulary to 768 rows, not the checkpoint's 512 (under
+    # torchrun, whose exit code is 1 when its workers' is not 0)
+    refused = run_pretrain(2, base + [f"output_dir={output}", "parallel.tensor=2",
+                                      "model.make_vocab_size_divisible_by=192"], expect=1)
+    assert "set model.make_vocab_size_divisible_by=256" in refused.stderr, refused.stderr[-2000:]
     run_pretrain(1, base + [f"output_dir={output}", "train.global_batch_size=4"])
     records = read_metrics(output)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
     assert [r["consumed_samples"] for r in records] == [8, 16, 24, 28, 32, 36]
+
+
+def test_a_resumed_layout_keeps_the_vocabulary_rows():
+    """megatron would load an embedding padded to 216 rows into 240 (zero rows drawing probability
+    from every token) when parallel.tensor doubles the padding multiple: refused, naming a padding
+    multiple that keeps the rows where there is one."""
+    from megadiff.config import ConfigError, build_config
+    from megadiff.training.state import _check_same_vocabulary
+
+    def config(vocab: int, multiple: int | None = None, tensor: int = 1):
+        padding = [] if multiple is None else [f"model.make_vocab_size_divisible_by={multiple}"]
+        return build_config({}, [f"model.vocab_size={vocab}", "model.num_attention_heads=4",
+                                 f"parallel.tensor={tensor}", *padding], world_size=tensor)
+
+    saved = config(200, 24)
+    fix = "set model.make_vocab_size_divisible_by=108"
+    for multiple, message in ((24, f"padded to 216 rows .* pad it to 240 .*: {fix}"), (1, f"pad it to 200 .*: {fix}")):
+        with pytest.raises(ConfigError, match=message):
+            _check_same_vocabulary(saved, config(200, multiple, tensor=2), "ckpt")
+    _check_same_vocabulary(saved, config(200, 108, tensor=2), "ckpt")
+    with pytest.raises(ConfigError, match="keep parallel.tensor=1"):
+        _check_same_vocabulary(config(201, 1), config(201, tensor=2), "ckpt")

@@ -13,10 +13,12 @@ import torch.distributed as dist
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.training_checkpoint import latest_checkpoint, load_training_checkpoint, read_train_state
-from megadiff.config import Config, ConfigError
+from megadiff.config import Config, ConfigError, padded_vocab_size
 
-# model keys a continued run may change: they do not alter the weights' shapes or meaning
-CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "attention_backend", "transformer_impl"}
+# model keys a continued run may change: they do not alter the weights' shapes or meaning (the
+# vocabulary's padding multiple: as long as the padded size stays, _check_same_vocabulary)
+CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "attention_backend", "transformer_impl",
+                         "make_vocab_size_divisible_by"}
 
 
 @dataclass
@@ -47,6 +49,22 @@ def _check_same_model(saved: Config, cfg: Config, where: Path) -> None:
         details = ", ".join(f"model.{k}: {getattr(saved.model, k)!r} -> {getattr(cfg.model, k)!r}" for k in differing)
         raise ConfigError(f"the checkpoint {where} was trained with another model ({details}); "
                           "use a new output_dir, or the checkpoint's model settings")
+
+
+def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
+    """The embedding and output layer keep their rows. The vocabulary is padded to a multiple of
+    make_vocab_size_divisible_by x the tensor-parallel size, and megatron loads another padded size
+    without a word: rows cut off, or zero-filled (zero logits that draw probability from every token)."""
+    rows, now = padded_vocab_size(saved.model, saved.parallel.tensor), padded_vocab_size(cfg.model, cfg.parallel.tensor)
+    if rows == now:
+        return
+    tensor = cfg.parallel.tensor
+    fix = (f"set model.make_vocab_size_divisible_by={rows // tensor}, which pads to {rows} at parallel.tensor="
+           f"{tensor}" if rows % tensor == 0 else f"keep parallel.tensor={saved.parallel.tensor}")
+    raise ConfigError(f"model.make_vocab_size_divisible_by: {where} holds a vocabulary of {saved.model.vocab_size} "
+                      f"padded to {rows} rows ({saved.model.make_vocab_size_divisible_by} x parallel.tensor="
+                      f"{saved.parallel.tensor}), this run would pad it to {now} "
+                      f"({cfg.model.make_vocab_size_divisible_by} x parallel.tensor={tensor}): {fix}")
 
 
 def _starting_checkpoint(cfg: Config) -> tuple[Path | None, bool]:
@@ -92,6 +110,7 @@ def plan_start(cfg: Config) -> Start:
         return Start()
     saved_cfg = checkpoint_config(path)
     _check_same_model(saved_cfg, cfg, path)
+    _check_same_vocabulary(saved_cfg, cfg, path)
     saved = read_train_state(path)  # None for a model-only checkpoint (e.g. converted from HF)
     load_optimizer = saved is not None and (own or cfg.checkpoint.load_optimizer)
     if load_optimizer:
