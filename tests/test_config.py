@@ -32,6 +32,8 @@ def test_softmax_head_dim_uses_all_heads():
     (["model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=4"], "parallel.pipeline"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel: needs parallel.tensor"),
     (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.seq_length=33"], "not divisible by parallel"),
+    (["model.num_attention_heads=4", "parallel.tensor=4", "parallel.context=2", "parallel.sequence_parallel=true",
+      "model.seq_length=12"], "parallel.sequence_parallel: each context rank's 6 positions are not divisible"),
     (["model.variant=shared_diff"], "model.lowrank_rank"),
     (["model.lowrank_rank=8"], "model.lowrank_rank"),
     (["model.variant=softmax", "model.lambda_init=0.5"], "model.lambda_init"),

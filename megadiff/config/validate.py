@@ -85,10 +85,12 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
     if parallel.sequence_parallel and tp == 1:
         _fail("parallel.sequence_parallel", "needs parallel.tensor > 1")
     seq = seq_length if seq_length is not None else model.seq_length
-    if parallel.sequence_parallel and seq % tp:
-        _fail("parallel.sequence_parallel", f"sequence length {seq} is not divisible by parallel.tensor ({tp})")
     if cp > 1 and seq % (2 * cp):
         _fail("parallel.context", f"sequence length {seq} is not divisible by 2 x parallel.context ({2 * cp})")
+    # sequence parallelism splits each context-parallel rank's share of the sequence over the tensor ranks
+    if parallel.sequence_parallel and (seq // cp) % tp:
+        share = f"sequence length {seq} is" if cp == 1 else f"each context rank's {seq // cp} positions are"
+        _fail("parallel.sequence_parallel", f"{share} not divisible by parallel.tensor ({tp})")
     chunks = pp * (parallel.virtual_pipeline or 1)
     if model.num_layers % chunks:
         what = "parallel.pipeline" + (" x parallel.virtual_pipeline" if parallel.virtual_pipeline else "")
