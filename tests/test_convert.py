@@ -5,8 +5,10 @@ the stock classes load without trust_remote_code, the round trip gives identical
 bad inputs are refused by name."""
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -15,9 +17,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config
-from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf
+from megadiff.config import build_config
+from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf, from_hf, to_hf
 from megadiff.inference import load_checkpoint
-from tests.convert_worker import VARIANTS, build_tokenizer, reference_model, save_checkpoints
+from tests.convert_worker import MODEL, VARIANTS, build_tokenizer, reference_model, save_checkpoints, save_in_process
 from tests.distributed import run_ranks
 
 PADDED_VOCAB = {"tp2": 512, "pp2": 384, "pp2_vpp2": 384}  # 300 ids padded to 128 x TP
@@ -194,3 +197,39 @@ def test_to_hf_refuses_checkpoint_that_does_not_match_its_config(root, tmp_path)
                                                r"\(2, 64, 64\)"):
         convert_to_hf(broken, tmp_path / "hf")
 
+
+def _alive_at_the_check(module, monkeypatch, producer: str, tensors_of) -> list[int]:
+    """Patches `module`'s `producer` to keep weak references to the tensors `tensors_of(its result)`
+    gives, and its compare_logits to count those still alive when the check starts (once)."""
+    produced, alive = [], []
+    produce, compare = getattr(module, producer), module.compare_logits
+
+    def recording(*args, **kwargs):
+        result = produce(*args, **kwargs)
+        produced.extend(weakref.ref(tensor) for tensor in tensors_of(result))
+        return result
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in produced))
+        return compare(*args, **kwargs)
+
+    monkeypatch.setattr(module, producer, recording)
+    monkeypatch.setattr(module, "compare_logits", counting)
+    return alive
+
+
+def test_conversions_free_the_tensors_they_converted_before_their_check(tmp_path, monkeypatch):
+    """The check holds two fp32 models (104 GB for 13B): to-hf's exported tensors (views that also
+    keep the bf16 source model alive) and from-hf's read ones (the model again, and its merged QKV and
+    fc1 weights) must not stay beside them, 26 to 44 GB more for 13B in bf16."""
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    cfg = build_config({}, MODEL + VARIANTS["diff"] + [f"data.tokenizer={tokenizer}", "train.precision=bf16"])
+    save_in_process(cfg, tmp_path / "checkpoint")
+    exported = _alive_at_the_check(to_hf, monkeypatch, "megatron_to_hf",
+                                   lambda result: [*result[0].values(), *result[1].values()])
+    hf_dir = convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf")
+    read = _alive_at_the_check(from_hf, monkeypatch, "read_hf_dir", lambda hf: [*hf.state.values(), *hf.extras.values()])
+    merged = _alive_at_the_check(from_hf, monkeypatch, "hf_to_megatron", dict.values)
+    convert_from_hf(hf_dir, tmp_path / "back")
+    assert (exported, read, merged) == ([0], [0], [0])

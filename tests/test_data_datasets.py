@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import shutil
+import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from megadiff.config import ConfigError, build_config
+from megadiff.data import indexed
 from megadiff.data.checks import check_training_data
 from megadiff.data.datasets import build_datasets
 from megadiff.data.errors import DataError
@@ -323,3 +325,77 @@ def test_data_prepared_again_gets_new_index_caches(tmp_path):
     for i in range(0, len(train), 37):
         k = int(train.shuffle_index[i])
         assert train[i]["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.uint8])
+def test_the_writer_writes_the_bytes_of_megatrons_builder(tmp_path, monkeypatch, dtype):
+    """Batches with empty documents, then parts merged: what megatron's IndexedDatasetBuilder writes,
+    byte for byte (the .idx arrays written in slices of 5 entries here)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    monkeypatch.setattr(indexed, "WRITE_CHUNK", 5)
+    rng = np.random.default_rng(0)
+    reference = IndexedDatasetBuilder(str(tmp_path / "reference.bin"), dtype=dtype)
+    with AtomicIndexedWriter(tmp_path / "batches", np.dtype(dtype)) as writer:
+        for _ in range(4):
+            lengths = rng.integers(0, 9, 13)
+            ids = rng.integers(0, 200, int(lengths.sum())).astype(dtype)
+            writer.add_documents(ids, lengths)
+            for document in np.split(ids, np.cumsum(lengths)[:-1]):
+                if len(document):
+                    reference.add_document(document, [len(document)])
+        writer.commit()
+    reference.finalize(str(tmp_path / "reference.idx"))
+    merged_reference = IndexedDatasetBuilder(str(tmp_path / "merged_reference.bin"), dtype=dtype)
+    with AtomicIndexedWriter(tmp_path / "merged", np.dtype(dtype)) as writer:
+        for part in ("batches", "reference", "batches"):
+            writer.add_prepared(tmp_path / part)
+            merged_reference.add_index(str(tmp_path / part))
+        writer.commit()
+    merged_reference.finalize(str(tmp_path / "merged_reference.idx"))
+    for ours, theirs in (("batches", "reference"), ("merged", "merged_reference")):
+        for ext in (".bin", ".idx"):
+            assert (tmp_path / f"{ours}{ext}").read_bytes() == (tmp_path / f"{theirs}{ext}").read_bytes()
+    assert read_index(tmp_path / "merged").tokens == token_count(tmp_path / "merged") > 0
+
+
+def many_short_documents(prefix: Path, count: int) -> None:
+    """`count` documents of one to three tokens, written as one batch."""
+    lengths = np.arange(count) % 3 + 1
+    with AtomicIndexedWriter(prefix, np.dtype(np.uint16)) as writer:
+        writer.add_documents(np.ones(int(lengths.sum()), np.uint16), lengths)
+        writer.commit()
+
+
+def test_merging_parts_holds_the_documents_lengths_only(tmp_path):
+    """Merging the parts of a 1T-token corpus (~1.5 billion documents): 4 bytes per document (the
+    lengths), not megatron's builder's Python lists (~125 bytes per document, ~190 GB there)."""
+    count = 200_000
+    many_short_documents(tmp_path / "part", count)
+    tracemalloc.start()
+    try:
+        with AtomicIndexedWriter(tmp_path / "merged", np.dtype(np.uint16)) as writer:
+            for _ in range(2):
+                writer.add_prepared(tmp_path / "part")
+            writer.commit()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2 * count + 2 * 2**20
+    assert len(read_index(tmp_path / "merged").sequence_lengths) == 2 * count
+
+
+def test_reading_an_index_copies_none_of_it(tmp_path):
+    """Every rank checks the data before training: its index stays on disk (mapped), where a copy of
+    its lengths would take 12 GB per rank for a 1T-token corpus."""
+    count = 1_000_000
+    many_short_documents(tmp_path / "docs", count)
+    tracemalloc.start()
+    try:
+        summary = read_index(tmp_path / "docs")
+        tokens, shortest = summary.tokens, int(summary.sequence_lengths.min())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (tokens, shortest) == (token_count(tmp_path / "docs"), 1)
+    assert peak < count

@@ -98,16 +98,23 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     check_tensors(state, expected_hf_shapes(expected, dims), f"{hf_dir.path} (config.json)")
     params = hf_to_megatron(state, dims, hf_dir.extras)
     _load_parameters(model, params)
+    reference = model
+    if check and precision != "fp32":  # from the read tensors: the model may hold them rounded (--dtype)
+        reference = build_single_process_model(single_process_config(cfg, "fp32"))
+        _load_parameters(reference, params)
+    parameters = sum(p.numel() for p in params.values())
+    # the models hold their own copies now: the read tensors (a model and the merged QKV and fc1 weights,
+    # 44 GB for 13B in bf16) would stay beside the check's fp32 Hugging Face model
+    del state, params
+    hf_dir.state.clear()
+    hf_dir.extras.clear()
     if check:  # before anything is written
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
-            reference = model
-            if precision != "fp32":
-                reference = build_single_process_model(single_process_config(cfg, "fp32"))
-                _load_parameters(reference, params)
             result = compare_logits(CausalLM(reference, cfg), load_hf_model(hf_dir.path, family), vocab_in_use,
                                     thresholds_for(family, hf_dtype, hf_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
-    with step(console, f"writing {sum(p.numel() for p in params.values()):,} parameters to {out}"):
+    del reference  # its fp32 copy (when not the model itself) is not saved
+    with step(console, f"writing {parameters:,} parameters to {out}"):
         save_model_weights([model], cfg, out)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(str(out / TOKENIZER_DIR))

@@ -91,7 +91,8 @@ def split_documents(sequence_lengths: np.ndarray, split: str) -> dict[str, tuple
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     ranges = {name: (int(round(bounds[0] * count)), int(round(bounds[1] * count)))
               for name, bounds in zip(SPLITS, matrix) if bounds is not None}
-    return {name: (begin, end, int(np.sum(sequence_lengths[begin:end]))) for name, (begin, end) in ranges.items()}
+    return {name: (begin, end, int(np.sum(sequence_lengths[begin:end], dtype=np.int64)))
+            for name, (begin, end) in ranges.items()}
 
 
 def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str) -> None:

@@ -106,17 +106,19 @@ def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[So
         if files is None:
             sources.append(_hub_source(key, entry))
             continue
+        # lists, made Sources once: growing a Source's tuple file by file was quadratic in a directory's files
+        groups: list[tuple[str, list[Path]]] = []
         for path in files:
             first = named_by.setdefault(path.resolve(), key)
             if first != key:  # e.g. a directory and one of its files: its documents would be trained on twice
                 raise DataError(f"{key}: {path} is also one of {first}'s files; name each file once (to weigh a "
                                 "source more, prepare it as a prefix of its own and give data.blend weights)")
             builder = builder_for(path)
-            last = sources[-1] if sources else None
-            if last is not None and last.key == key and last.builder == builder:
-                sources[-1] = Source(key, builder, last.files + (path,))
+            if groups and groups[-1][0] == builder:
+                groups[-1][1].append(path)
             else:
-                sources.append(Source(key, builder, (path,)))
+                groups.append((builder, [path]))
+        sources.extend(Source(key, builder, tuple(paths)) for builder, paths in groups)
     return sources
 
 
