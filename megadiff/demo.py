@@ -17,12 +17,14 @@ DEMO_CONFIG = REPO_CONFIGS / "demo" / "diff-tiny.yaml"
 PROMPT = "In the beginning God"
 
 
-def _run(stage: str, *args: str) -> None:
+def _run(stage: str, *args: str) -> int:
     command = [sys.executable, "-m", "megadiff", *args]
     print(f"\n==> {stage}: {' '.join(command[2:])}", flush=True)
     started = time.time()
-    subprocess.run(command, check=True)
-    print(f"==> {stage} done in {time.time() - started:.0f} s", flush=True)
+    code = subprocess.run(command).returncode
+    print(f"==> {stage} {'done' if code == 0 else f'failed (exit code {code})'} in {time.time() - started:.0f} s",
+          flush=True)
+    return code
 
 
 def sample_from_hf(hf_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 40, seed: int = 0) -> str:
@@ -39,10 +41,16 @@ def sample_from_hf(hf_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 40,
 
 
 def run_demo(output_dir: str = "runs/demo", overrides: list[str] = ()) -> int:
-    out = Path(output_dir)
-    _run("pre-train", "pretrain", str(DEMO_CONFIG), f"output_dir={out}", *overrides)
+    """Stops at the first stage that fails, with its exit code. An output_dir among the overrides wins."""
+    from megadiff.config import load_config
+
+    # read (and checked) before any stage: the conversion must find the run where the overrides put it
+    out = Path(load_config(DEMO_CONFIG, [f"output_dir={output_dir}", *overrides]).output_dir)
+    code = _run("pre-train", "pretrain", str(DEMO_CONFIG), f"output_dir={output_dir}", *overrides)
     hf_dir = out / "hf"
-    _run("convert to Hugging Face", "convert", "to-hf", "--load", str(out), "--save", str(hf_dir))
+    code = code or _run("convert to Hugging Face", "convert", "to-hf", "--load", str(out), "--save", str(hf_dir))
+    if code:
+        return code
     print(f"\n==> a sample from the Hugging Face model in {hf_dir} (temperature 0.8, top-k 40):")
     print(sample_from_hf(hf_dir))
     print(f"\nTensorBoard logs: {out / 'tensorboard'}  metrics: {out / 'metrics.jsonl'}  HF model: {hf_dir}")

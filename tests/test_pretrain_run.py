@@ -194,9 +194,10 @@ def test_64k_style_extension_from_a_shorter_run(base, logged_run, tmp_path):
 @pytest.mark.slow
 def test_demo_end_to_end_from_nothing(tmp_path):
     """`megadiff demo` (what `make demo` runs), shortened: its own config (cl100k_base, the bundled
-    KJV corpus prepared on first use), pre-training, conversion to stock DiffLlama, a sample."""
+    KJV corpus prepared on first use), pre-training, conversion to stock DiffLlama, a sample; the
+    run's directory given as any override of the demo config is."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "megadiff", "demo", "--output-dir", str(out),
+    proc = subprocess.run([sys.executable, "-m", "megadiff", "demo", f"output_dir={out}",
                            f"data.cache_dir={tmp_path / 'cache'}", "train.iters=2", "train.eval_interval=null"],
                           env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
