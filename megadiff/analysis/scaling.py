@@ -69,7 +69,11 @@ def fit_power_law(xs: Sequence[float], losses: Sequence[float]) -> PowerLaw:
     if slope >= 0:
         raise ConfigError("the losses do not fall as X grows: no power law fits them")
     alpha = -float(slope)
-    return PowerLaw(alpha, math.exp(float(intercept) / alpha))
+    try:
+        return PowerLaw(alpha, math.exp(float(intercept) / alpha))
+    except OverflowError:  # a nearly flat curve puts its scale beyond any float
+        raise ConfigError(f"the losses fall too little as X grows (exponent {alpha:.2g}) for a power law to place "
+                          "them: compare runs of sizes or token counts further apart, or trained longer") from None
 
 
 @dataclass(frozen=True)
