@@ -401,6 +401,12 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
     # local tasks alone skip indexing the harness's own; mixed with those, both are found
     assert harness.known_tasks(["kjv_*"], str(tasks))[1] == sorted(TASKS)
     assert harness.known_tasks(["kjv_choice", "hellaswag"], str(tasks))[1] == ["hellaswag", "kjv_choice"]
+    # a task whose data cannot be read: named, before the checkpoint (no-run) is looked for
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "kjv_gone.yaml").write_text(
+        (tasks / "kjv_choice.yaml").read_text().replace("kjv_choice", "kjv_gone").replace(str(tasks), str(tmp_path)))
+    assert main(["lm-eval", "--load", missing, "--tasks", "kjv_gone", "--include-path", str(tmp_path / "gone")]) == 2
+    assert "lm-eval cannot read the data of the tasks ['kjv_gone']" in capsys.readouterr().err
     monkeypatch.setattr(harness, "HARNESS_MISSING", True)
     assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice"]) == 3
     assert "pip install" in capsys.readouterr().err

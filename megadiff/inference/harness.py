@@ -47,7 +47,7 @@ try:
     from lm_eval import simple_evaluate
     from lm_eval.api.model import TemplateLM
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager, get_task_dict
     from lm_eval.utils import (
         get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table, simple_parse_args_string,
     )
@@ -282,6 +282,19 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
     return manager, manager.match_tasks(list(tasks))
 
 
+def check_task_data(manager: TaskManager, names: list[str]) -> None:
+    """Builds the tasks once before the checkpoint is read: each reads its data from the hub or the
+    datasets cache, so data that cannot be had (offline, a missing file) is refused by name rather than
+    after minutes of loading; the evaluation then builds them again from the cache."""
+    import datasets
+
+    try:
+        get_task_dict(names, manager)
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise ConfigError(f"lm-eval cannot read the data of the tasks {names}: {error} (without a network, the "
+                          "datasets cache must hold it: HF_DATASETS_CACHE)") from None
+
+
 def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
     """Every layer's core attention quantizes its logits to `bits` (None: as trained)."""
     for layer in model.gpt.decoder.layers:
@@ -307,6 +320,7 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     if log_samples and not output:
         raise ConfigError("--log-samples writes every request's answer into --output: give one")
     manager, names = known_tasks(tasks, include_path)
+    check_task_data(manager, names)
     if gen_kwargs:  # before any request runs (a task's own settings are checked as its requests come)
         window = checkpoint_config(resolve_checkpoint_dir(load)).model.seq_length
         generation_settings(simple_parse_args_string(gen_kwargs), default_max_gen_toks=1, window=window)
