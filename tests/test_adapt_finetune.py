@@ -278,8 +278,10 @@ def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
 
 def test_config_errors_name_their_key(workspace, tmp_path):
     yaml_file = str(workspace / "adapt.yaml")
-    with pytest.raises(ConfigError, match=r"data.files\[0\]"):
+    with pytest.raises(ConfigError, match=r"data.files\[0\]: .*missing.jsonl does not exist"):
         load_finetune_config(yaml_file, [f"data.files=[{tmp_path / 'missing.jsonl'}]"])
+    with pytest.raises(ConfigError, match=r"data.files\[0\]: .* is a directory; name its files \(.txt"):
+        load_finetune_config(yaml_file, [f"data.files=[{tmp_path}]"])
     with pytest.raises(ConfigError, match="train.lr_max: unknown key"):
         load_finetune_config(yaml_file, ["train.lr_max=1"])
     with pytest.raises(ConfigError, match="adaptation.selection"):

@@ -152,6 +152,8 @@ def read_deepspeed_json(path: str) -> dict:
 def _check_data_files(data: DataSection) -> None:
     suffixes = JSON_SUFFIXES if data.messages_key is not None else TEXT_SUFFIXES + JSON_SUFFIXES
     for i, name in enumerate(data.files):
+        if Path(name).is_dir():
+            raise ConfigError(f"data.files[{i}]: {name} is a directory; name its files ({', '.join(suffixes)})")
         if not Path(name).is_file():
             raise ConfigError(f"data.files[{i}]: {name} does not exist")
         if not name.endswith(suffixes):
