@@ -194,6 +194,19 @@ def test_resume_is_exact(stage_runs, workspace):
 
 
 @pytest.mark.slow
+def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, tmp_path):
+    """Stopped after iteration 2 of 4, rerun with train.iters=6: from iteration 3 on, the lr is the
+    6-iteration schedule's (the optimizer's state held what the 4-iteration one had set)."""
+    output = tmp_path / "longer"
+    run_adapt(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
+    run_adapt(workspace, f"output_dir={output}", "train.iters=6")
+    train = load_finetune_config(str(workspace / "adapt.yaml"), ["train.iters=6"]).train
+    warmup = round(train.warmup_ratio * train.iters)
+    expected = [train.lr * lr_multiplier(step, warmup, train.iters, train.min_lr_ratio) for step in range(2, 6)]
+    assert [r["lr"] for r in read_metrics(output)][2:] == pytest.approx(expected)
+
+
+@pytest.mark.slow
 def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     """ZeRO-1 in bf16 with the shipped fp32 gradient accumulation (DeepSpeed's BF16 optimizer then,
     another code path than fp32's), stopped by its time budget after iteration 1 and rerun, against

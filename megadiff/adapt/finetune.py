@@ -31,7 +31,7 @@ from megadiff.adapt.config import DAA_METHODS
 from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
-from megadiff.adapt.schedule import warmup_cosine
+from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
@@ -211,6 +211,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     if (checkpoint_dir / "latest").is_file():
         _, client_state = engine.load_checkpoint(str(checkpoint_dir))
         start = client_state["iteration"]
+        resume_schedule(engine.lr_scheduler)
     writer = None
     if rank == 0:
         writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,

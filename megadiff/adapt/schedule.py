@@ -29,3 +29,10 @@ def warmup_cosine(train: TrainSection):
 
 def _scheduler(optimizer, multiplier):
     return LambdaLR(optimizer, multiplier)
+
+
+def resume_schedule(scheduler: LambdaLR) -> None:
+    """After a checkpoint is loaded: the next step's lr from this run's schedule. The optimizer's state
+    holds the lr its saving run's schedule set, another one where train.iters or the warmup changed."""
+    for group, base, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * multiplier(scheduler.last_epoch)
