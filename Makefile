@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 EXTRAS ?= dev,finetune
 STAMP  := $(VENV)/.installed
 
@@ -15,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
