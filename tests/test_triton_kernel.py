@@ -239,13 +239,18 @@ def test_document_bounds_read_once_per_tensor(monkeypatch):
     cu_seqlens = torch.tensor([0, 5, 20, 37, 40, 74])
     first = triton_kernel._documents(cu_seqlens, True, q, k)
     assert triton_kernel._documents(cu_seqlens, True, q, k) is first and len(reads) == 1
-    chunk = triton_kernel._documents(cu_seqlens, True, q[:, 17:], k)  # a context-parallel chunk's queries
-    assert torch.equal(chunk.starts, first.starts[:, 17:]) and len(reads) == 2
+    last_queries = triton_kernel._documents(cu_seqlens, True, q[:, 17:], k)  # another shape: read for it
+    assert torch.equal(last_queries.starts, first.starts[:, 17:]) and len(reads) == 2
     assert triton_kernel._documents(cu_seqlens, True, q, k) is first and len(reads) == 2
     cu_seqlens[1] = 6
     modified = triton_kernel._documents(cu_seqlens, True, q, k)
     assert len(reads) == 3 and modified.starts[0, 5].item() == 0
     assert triton_kernel._documents(cu_seqlens.clone(), True, q, k) is not modified and len(reads) == 4
+    with torch.inference_mode():  # inference tensors keep no version: read each time
+        inference = torch.tensor([0, 5, 20, 37, 40, 74])
+        assert torch.equal(triton_kernel._documents(inference, True, q, k).starts, first.starts)
+        triton_kernel._documents(inference, True, q, k)
+    assert len(reads) == 6
 
 
 def test_candidates_limit_bounds_what_the_autotuner_compiles(monkeypatch):

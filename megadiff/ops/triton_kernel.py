@@ -81,14 +81,15 @@ def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | 
 class _DocumentsOfLastTensor:
     """Documents made from the last cu_seqlens tensor seen, by shape. Every layer of a micro-batch masks
     the same documents: reading their bounds (a host sync) and copying them to the device happens once
-    per micro-batch and shape (a context-parallel chunk has its own), not once per layer. A weak
-    reference and the tensor's version make a new or modified tensor read anew."""
+    per micro-batch and shape, not once per layer. A weak reference and the tensor's version make a new
+    or modified tensor read anew. Lists (a context-parallel chunk's documents) and inference tensors (no
+    version counter) are read each time."""
 
     def __init__(self):
         self._source, self._version, self._by_shape = (lambda: None), None, {}
 
     def __call__(self, cu_seqlens, shape: tuple, make: Callable[[], Documents]) -> Documents:
-        if not isinstance(cu_seqlens, torch.Tensor):
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_inference():
             return make()
         if self._source() is not cu_seqlens or self._version != cu_seqlens._version:
             self._source, self._version, self._by_shape = weakref.ref(cu_seqlens), cu_seqlens._version, {}
