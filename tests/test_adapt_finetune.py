@@ -195,12 +195,12 @@ def test_resume_is_exact(stage_runs, workspace):
 
 @pytest.mark.slow
 def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, tmp_path):
-    """Stopped after iteration 2 of 4, rerun with train.iters=6: from iteration 3 on, the lr is the
-    6-iteration schedule's (the optimizer's state held what the 4-iteration one had set)."""
-    output = tmp_path / "longer"
+    """Stopped after iteration 2 of 4, rerun with train.iters=6 and another peak lr: from iteration 3
+    on, the lr is the rerun's schedule's (the loaded state held the first run's peak and last lr)."""
+    output, rerun = tmp_path / "longer", ["train.iters=6", "train.lr=1e-3"]
     run_adapt(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
-    run_adapt(workspace, f"output_dir={output}", "train.iters=6")
-    train = load_finetune_config(str(workspace / "adapt.yaml"), ["train.iters=6"]).train
+    run_adapt(workspace, f"output_dir={output}", *rerun)
+    train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
     warmup = round(train.warmup_ratio * train.iters)
     expected = [train.lr * lr_multiplier(step, warmup, train.iters, train.min_lr_ratio) for step in range(2, 6)]
     assert [r["lr"] for r in read_metrics(output)][2:] == pytest.approx(expected)

@@ -211,7 +211,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     if (checkpoint_dir / "latest").is_file():
         _, client_state = engine.load_checkpoint(str(checkpoint_dir))
         start = client_state["iteration"]
-        resume_schedule(engine.lr_scheduler)
+        resume_schedule(engine.lr_scheduler, cfg.train)
     writer = None
     if rank == 0:
         writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,

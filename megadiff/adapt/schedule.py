@@ -31,8 +31,10 @@ def _scheduler(optimizer, multiplier):
     return LambdaLR(optimizer, multiplier)
 
 
-def resume_schedule(scheduler: LambdaLR) -> None:
-    """After a checkpoint is loaded: the next step's lr from this run's schedule. The optimizer's state
-    holds the lr its saving run's schedule set, another one where train.iters or the warmup changed."""
-    for group, base, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * multiplier(scheduler.last_epoch)
+def resume_schedule(scheduler: LambdaLR, train: TrainSection) -> None:
+    """After a checkpoint is loaded: this run's schedule from the next step on. The loaded state holds the
+    saving run's peak lr (as the scheduler's base) and the lr its schedule set last, others where
+    train.lr, train.iters or the warmup changed."""
+    scheduler.base_lrs = [train.lr] * len(scheduler.optimizer.param_groups)
+    for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = train.lr * multiplier(scheduler.last_epoch)
