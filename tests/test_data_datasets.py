@@ -359,6 +359,17 @@ def test_the_writer_writes_the_bytes_of_megatrons_builder(tmp_path, monkeypatch,
     assert read_index(tmp_path / "merged").tokens == token_count(tmp_path / "merged") > 0
 
 
+def test_the_writer_offsets_pass_two_gigabytes(tmp_path):
+    """A document of 600M int32 tokens ends 2.4 GB into the .bin: the next one's offset (int32 lengths
+    times 4 would wrap). Only the index is read back, so the .bin need not hold them."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    with AtomicIndexedWriter(tmp_path / "long", np.dtype(np.int32)) as writer:
+        writer.add_documents(np.zeros(4, dtype=np.int32), np.array([600_000_000, 10]))
+        writer.commit()
+    assert _IndexReader(str(tmp_path / "long.idx"), False).sequence_pointers.tolist() == [0, 2_400_000_000]
+
+
 def many_short_documents(prefix: Path, count: int) -> None:
     """`count` documents of one to three tokens, written as one batch."""
     lengths = np.arange(count) % 3 + 1

@@ -89,8 +89,9 @@ class AtomicIndexedWriter:
                 index.write(piece.tobytes())
             offset = 0  # the byte offset of each document in the .bin
             for piece in self._pieces():
-                ends = np.cumsum(piece, dtype=np.int64) * self.dtype.itemsize + offset
-                index.write((ends - piece * self.dtype.itemsize).tobytes())
+                sizes = piece.astype(np.int64) * self.dtype.itemsize  # int32 x itemsize passes 2^31 at 512M tokens
+                ends = np.cumsum(sizes) + offset
+                index.write((ends - sizes).tobytes())
                 offset = int(ends[-1])
             for start in range(0, count + 1, WRITE_CHUNK):  # document i is sequence i
                 index.write(np.arange(start, min(start + WRITE_CHUNK, count + 1), dtype=np.int64).tobytes())
