@@ -75,6 +75,8 @@ def test_power_law_fit_recovers_the_law():
         fit_power_law([1e9, 1e9], [2.0, 2.1])
     with pytest.raises(ValueError, match=r"fall too little as X grows \(exponent 8e-05\)"):
         fit_power_law([1e6, 2e6], [10.8656, 10.8650])  # its scale, e^30000, is no float
+    with pytest.raises(ValueError, match="fall too little"):
+        fit_power_law([1e6, 2e6], [0.86560, 0.86555])  # its scale, e^-1700, is 0.0 as a float
 
 
 def test_counts_read_as_the_papers_write_them():

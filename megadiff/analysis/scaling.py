@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -69,11 +70,12 @@ def fit_power_law(xs: Sequence[float], losses: Sequence[float]) -> PowerLaw:
     if slope >= 0:
         raise ConfigError("the losses do not fall as X grows: no power law fits them")
     alpha = -float(slope)
-    try:
-        return PowerLaw(alpha, math.exp(float(intercept) / alpha))
-    except OverflowError:  # a nearly flat curve puts its scale beyond any float
+    log_scale = float(intercept) / alpha
+    # a nearly flat curve puts its scale beyond any float: above it (losses over 1), or at 0 (below)
+    if not math.log(sys.float_info.min) < log_scale < math.log(sys.float_info.max):
         raise ConfigError(f"the losses fall too little as X grows (exponent {alpha:.2g}) for a power law to place "
-                          "them: compare runs of sizes or token counts further apart, or trained longer") from None
+                          "them: compare runs of sizes or token counts further apart, or trained longer")
+    return PowerLaw(alpha, math.exp(log_scale))
 
 
 @dataclass(frozen=True)
