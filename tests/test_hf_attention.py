@@ -5,10 +5,12 @@ actual output; the command reports them for an adapted export."""
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from megadiff.adapt import apply_daa, apply_dex
 from megadiff.adapt.export import save_adapted
@@ -134,3 +136,20 @@ def test_a_model_outside_the_attention_interface_is_refused(tokenizer_dir):
 
     with pytest.raises(ConfigError, match="needles --attention --hf: 0 of Silent's 2 layers"):
         hf_attention_rows(HFCausalLM(Silent(), tokenizer_dir, 256), TOKENS, POSITION)
+
+
+@pytest.mark.parametrize("apply", [None, apply_dex, apply_daa])
+def test_a_layers_queries_keys_and_values_are_freed_before_the_next_layer_attends(tokenizer_dir, monkeypatch, apply):
+    """Only each layer's rows outlive its attention: every layer's tensors of a 64K context kept to
+    the end of the pass would take some 80 GB for a 13B model."""
+    model = tiny_llama(tokenizer_dir) if apply is None else adapted(tokenizer_dir, apply, {})
+    sdpa, earlier, alive = ALL_ATTENTION_FUNCTIONS["sdpa"], [], []
+
+    def watched(module, query, key, value, *args, **kwargs):  # a layer's second call may see its first's
+        alive.append(sum(ref() is not None for layer, ref in earlier if layer is not module))
+        earlier.extend((module, weakref.ref(tensor)) for tensor in (query, key, value))
+        return sdpa(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", watched)
+    rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+    assert len(rows) == LAYERS and len(alive) >= LAYERS and alive == [0] * len(alive)

@@ -5,6 +5,7 @@ the checkpoint, a Dex-adapted Llama as the naive decoding through transformers."
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,25 @@ def test_accuracy_equals_naive_constrained_decoding(root, monkeypatch):
             assert grid[i, order].item() == pytest.approx(right / len(tests)), (count, order)
     assert len(answers) > 1, "every prompt got the same answer: the comparison would prove little"
     assert len(marks) == len(shots) * orders and min(marks) > 0
+
+
+def test_one_cells_cache_is_freed_before_the_next_cells_is_allocated(root, monkeypatch):
+    """Each cell's shared context holds a cache of the whole window (at 64K, 34 GB for a 6.8B model):
+    two at once would not fit beside the weights."""
+    from megadiff.models.kv_cache import KVCache
+
+    caches, alive = [], []
+    real_init = KVCache.__init__
+
+    def tracked(self, *args, **kwargs):
+        alive.append(sum(cache() is not None for cache in caches))
+        real_init(self, *args, **kwargs)
+        caches.append(weakref.ref(self))
+
+    monkeypatch.setattr(KVCache, "__init__", tracked)
+    accuracy_grid(load_checkpoint(root / "run"), examples(root, "train"), examples(root, "test")[:2], [1, 2], 2,
+                  "random")
+    assert len(alive) == 4 and alive == [0, 0, 0, 0]
 
 
 def _icl(rank: int, world_size: int, root: str, output: str, *extra: str) -> None:

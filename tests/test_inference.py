@@ -341,6 +341,25 @@ def test_a_greedy_batch_answers_as_generation_one_prompt_at_a_time(run, variant)
     assert generate_batch(model, prompts, 10, stops=stops) == expected
 
 
+def test_prompts_of_far_apart_lengths_decode_apart(run, monkeypatch):
+    """A prompt longer than another by more than the new tokens decodes in its own batch: side by
+    side, each of its extra tokens would cost a step of the batch (63K steps for 64K beside 1K)."""
+    _, reference = run
+    calls, real = [], reference.next_token_logits
+
+    def counted(ids, cache=None):
+        calls.append(tuple(ids.shape))
+        return real(ids, cache)
+
+    monkeypatch.setattr(reference, "next_token_logits", counted)
+    draw = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, 300, (length,), generator=draw).tolist() for length in (3, 20, 4, 18)]
+    answers = generate_batch(reference, prompts, 4)
+    # 20 and 18 tokens: 18 at once, 2 of the longer's own, then its 4 new; 3 and 4 tokens alike
+    assert calls == [(2, 18)] + [(2, 1)] * 5 + [(2, 3)] + [(2, 1)] * 4
+    assert answers == [generate(reference, prompt, max_new_tokens=4) for prompt in prompts]
+
+
 def test_a_sampled_batch_draws_each_row_from_its_own_top_k(run):
     """Four copies of one prompt beside a longer one, drawn at temperature 2 from the top 3: every
     new token is among the top 3 of its own row's context, the copies draw differently, and one

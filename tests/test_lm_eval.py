@@ -467,3 +467,41 @@ def test_generation_follows_top_p_and_refuses_what_it_cannot_do(runs, tasks, tmp
     for gen_kwargs, message in (("num_beams=4", "num_beams"), (f"max_gen_toks={SEQ_LENGTH}", "window")):
         assert main(["lm-eval", "--load", str(runs["diff"]), "--tasks", "kjv_generate", "--include-path", str(tasks),
                      "--gen-kwargs", gen_kwargs]) == 2
+
+
+class LinearModel:
+    """What MegadiffLM.score() calls of a CausalLM: random decoder states and a linear output layer
+    that counts the positions each of its calls forms logits for."""
+
+    def __init__(self, window: int, vocab: int = 50, width: int = 8):
+        self.cfg = SimpleNamespace(model=SimpleNamespace(seq_length=window),
+                                   data=SimpleNamespace(document_masking=False))
+        self.tokenizer, self.device = SimpleNamespace(eod=0), torch.device("cpu")
+        self.weight = torch.randn(vocab, width, generator=torch.Generator().manual_seed(0))
+        self.calls: list[int] = []
+
+    def hidden_states(self, ids: torch.Tensor, document_eod=None) -> torch.Tensor:
+        return torch.randn(ids.shape[1], ids.shape[0], self.weight.shape[1], generator=torch.Generator().manual_seed(1))
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden.shape[0] * hidden.shape[1])
+        return hidden @ self.weight.T
+
+
+def test_a_long_continuation_is_scored_a_chunk_of_logits_at_a_time():
+    """A rolling window's continuation is the whole window: its logits are formed LOSS_CHUNK_TOKENS
+    positions at a time (a 64K window's at once would take some 66 GB), and sum to the same answer."""
+    from megadiff.inference.harness import MegadiffLM
+    from megadiff.inference.loader import LOSS_CHUNK_TOKENS
+
+    length = 2 * LOSS_CHUNK_TOKENS + 100
+    model = LinearModel(window=length + 10)
+    continuation = torch.randint(1, 50, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    ((log_likelihood, greedy),) = MegadiffLM(model, batch_size=1).score([([0, 7, 3], continuation)])
+    assert max(model.calls) <= LOSS_CHUNK_TOKENS and sum(model.calls) == length
+
+    hidden = model.hidden_states(torch.zeros(1, length + 2))[-length:, 0]
+    log_probs = (hidden @ model.weight.T).log_softmax(-1)
+    target = torch.tensor(continuation)
+    assert log_likelihood == pytest.approx(float(log_probs.gather(1, target[:, None]).sum()), rel=1e-6)
+    assert greedy == bool((log_probs.argmax(-1) == target).all())

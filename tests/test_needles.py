@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.cli import main
-from megadiff.config import ConfigError
+from megadiff.config import ConfigError, build_config
+from megadiff.data.indexed import AtomicIndexedWriter
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluation_config
@@ -248,3 +250,27 @@ def test_a_length_the_haystack_cannot_fill_is_refused_before_any_case_is_scored(
     with pytest.raises(ConfigError, match="haystack tokens"):
         retrieval_grid(None, tokenizer, haystack[:500], [120, 300, 5000], [0.0, 1.0], 1, 2, seed=0)
     assert scored == []
+
+
+def test_the_haystack_is_the_splits_documents_read_in_place(tmp_path):
+    """The held-out split's documents, in order, with no copy of them made: a 1T-token corpus's
+    valid split would take tens of GB of host memory per rank."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 400, 2000)
+    with AtomicIndexedWriter(tmp_path / "corpus", np.int32) as writer:
+        writer.add_documents(rng.integers(0, 100_000, lengths.sum()), lengths)
+        writer.commit()
+    cfg = build_config({"data": {"prefix": str(tmp_path / "corpus"), "tokenizer": "cl100k_base",
+                                 "split": "40,50,10"}}, [])
+    documents = IndexedDataset(str(tmp_path / "corpus"))
+    for split, (begin, end) in (("valid", (800, 1800)), ("test", (1800, 2000))):
+        tracemalloc.start()
+        try:
+            tokens = held_out_tokens(cfg, split)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        np.testing.assert_array_equal(tokens, np.concatenate([documents[i] for i in range(begin, end)]))
+        assert peak < tokens.nbytes / 4

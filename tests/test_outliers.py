@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megadiff.cli import main
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluation_config, held_out_dataset, sample_batches
+from megadiff.inference import outliers
 from megadiff.inference.outliers import TOP, AbsStatistics, attention_maps, causal_scores
 from tests.held_out_runs import held_out_run
 
@@ -37,6 +38,29 @@ def test_streamed_statistics_equal_those_of_all_values_at_once():
     assert summary["median"] == pytest.approx(everything.median().item(), rel=2e-3)
 
 
+@pytest.mark.parametrize("values", [1, 500, 10_000])
+def test_scores_are_formed_within_a_budget_of_values_whatever_the_heads_and_length(values):
+    """Each block of scores holds at most `values` (a whole query row at least): a fixed number of rows
+    would form some 10 GB of them at once for a 64K context's heads, and more for a batch."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 40, 4, generator=generator) for _ in range(2))
+    full = q @ k.transpose(-1, -2) * 0.5
+    blocks = list(causal_scores(q, k, 0.5, values=values))
+    assert max(block.numel() for block in blocks) <= max(values, 2 * 3 * 40)
+    torch.testing.assert_close(torch.cat([block.flatten() for block in blocks]).sort().values,
+                               full[:, :, torch.ones(40, 40, dtype=torch.bool).tril()].flatten().sort().values)
+
+
+def test_values_are_binned_a_slice_at_a_time(monkeypatch):
+    """The histogram's fp64 copy and bin indices (16 bytes a value) are formed HISTOGRAM_VALUES at a time."""
+    binned, bucketize = [], torch.bucketize
+    monkeypatch.setattr(torch, "bucketize", lambda values, edges: binned.append(values.numel()) or bucketize(values,
+                                                                                                              edges))
+    stats = AbsStatistics()
+    stats.add(torch.randn(outliers.HISTOGRAM_VALUES + 100, generator=torch.Generator().manual_seed(0)))
+    assert binned == [outliers.HISTOGRAM_VALUES, 100] and int(stats.counts.sum()) == stats.count
+
+
 def _naive_statistics(model, dataset, sequences: int) -> dict[str, torch.Tensor]:
     """Every attention logit (full score matrices, causal entries) and every layer output, kept."""
     captured = {"attention_logits": [], "hidden_states": []}
@@ -51,7 +75,8 @@ def _naive_statistics(model, dataset, sequences: int) -> dict[str, torch.Tensor]
         scores = [q.float() @ k.float().transpose(-1, -2) * scale for q, k in maps]
         for (q, k), full in zip(maps, scores):
             captured["attention_logits"].append(full[:, :, causal].flatten())
-            streamed = torch.cat([chunk.flatten() for chunk in causal_scores(q, k, scale, rows=3)])
+            three_rows = 3 * q.shape[:3].numel()
+            streamed = torch.cat([chunk.flatten() for chunk in causal_scores(q, k, scale, values=three_rows)])
             torch.testing.assert_close(streamed.sort().values, full[:, :, causal].flatten().sort().values)
         # the maps recombined as the paper's formula: the layer's own output, so the pairing is right
         probabilities = [torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) for s in scores]

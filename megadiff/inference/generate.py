@@ -225,12 +225,40 @@ def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: in
 
     Rows stay of one length, so no padding and no masks: the prompts run together up to the
     shortest one's length, then each step feeds every row its next token, a longer prompt's own
-    until it is used up (its logits meanwhile unused), then the drawn one. Prompts of near lengths
-    batch best (each token a longer prompt has beyond the shortest costs a step)."""
+    until it is used up (its logits meanwhile unused), then the drawn one. Each token a longer
+    prompt has beyond the shortest costs a step, so prompts whose lengths differ by more than
+    max_new_tokens decode apart, one group after another (length_groups): a 64K prompt beside a
+    1K one would take 63K steps of one token each, where apart it runs in one pass."""
     if max_new_tokens < 1:
         raise ValueError(f"generate_batch needs max_new_tokens >= 1, got {max_new_tokens}")
     eod = document_eod(model)
     prompts = [attended_part(prompt, eod) for prompt in prompts]
+    answers: list[list[int]] = [[] for _ in prompts]
+    for group in length_groups([len(prompt) for prompt in prompts], max_new_tokens):
+        for row, answer in zip(group, _decode_side_by_side(
+                model, [prompts[row] for row in group], max_new_tokens, decodable, stop_id,
+                None if stops is None else [stops[row] for row in group], temperature, top_k, generator, top_p)):
+            answers[row] = answer
+    return answers
+
+
+def length_groups(lengths: list[int], span: int) -> list[list[int]]:
+    """The indices of `lengths`, in groups of lengths within `span` of their group's longest (longest
+    groups first, indices ascending within each)."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[groups[-1][0]] - lengths[index] <= span:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return [sorted(group) for group in groups]
+
+
+def _decode_side_by_side(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
+                         decodable: torch.Tensor | None, stop_id: int | None,
+                         stops: list[Callable[[list[int]], bool]] | None, temperature: float, top_k: int,
+                         generator: torch.Generator | None, top_p: float) -> list[list[int]]:
+    """generate_batch() of prompts (attended parts) decoded in one batch."""
     shortest = min(len(prompt) for prompt in prompts)
     decoder = Decoder(model, [prompt[:shortest] for prompt in prompts],
                       max(len(prompt) for prompt in prompts) - shortest + max_new_tokens, decodable)

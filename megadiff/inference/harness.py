@@ -37,7 +37,7 @@ from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
 from megadiff.inference.generate import check_generation, decodable_ids, document_eod, generate_batch
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.inference.loader import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
 from megadiff.inference.reporting import command_console
@@ -180,18 +180,27 @@ class MegadiffLM(TemplateLM):
                 ids[row, :len(windows[i])] = torch.tensor(windows[i])
             hidden = self.model.hidden_states(ids, self.document_eod)
             for row, i in enumerate(batch):
-                continuation = pairs[i][1]
-                end = len(windows[i])
-                logits = self.model.output_logits(hidden[end - len(continuation):end, row:row + 1])[:, 0]
-                log_probs = F.log_softmax(logits.float(), dim=-1)
-                target = torch.tensor(continuation, device=log_probs.device)
-                results[i] = (float(log_probs.gather(1, target[:, None]).sum()),
-                              bool((log_probs.argmax(-1) == target).all()))
+                results[i] = self._continuation_score(hidden[:len(windows[i]), row:row + 1], pairs[i][1])
                 if answered is not None:
                     answered(i, results[i])
             if bar is not None:
                 bar.advance(len(batch), sum(len(windows[i]) for i in batch))
         return results
+
+    def _continuation_score(self, hidden: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+        """score()'s answer from a window's decoder output [n, 1, H], its last len(continuation) positions
+        predicting the continuation: their logits LOSS_CHUNK_TOKENS at a time (a rolling window's
+        continuation is the whole window: a 64K window's logits, their fp32 copy and log-softmax
+        would take 66 GB for a 100K vocabulary)."""
+        log_likelihood, greedy = 0.0, True
+        first = hidden.shape[0] - len(continuation)
+        for start in range(0, len(continuation), LOSS_CHUNK_TOKENS):
+            logits = self.model.output_logits(hidden[first + start:first + start + LOSS_CHUNK_TOKENS])[:, 0]
+            log_probs = F.log_softmax(logits.float(), dim=-1)
+            target = torch.tensor(continuation[start:start + LOSS_CHUNK_TOKENS], device=log_probs.device)
+            log_likelihood += float(log_probs.gather(1, target[:, None]).sum())
+            greedy = greedy and bool((log_probs.argmax(-1) == target).all())
+        return log_likelihood, greedy
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood, in windows of the model's length that predict every token once."""

@@ -55,17 +55,25 @@ def _diffllama_rows(rows: torch.Tensor, module) -> torch.Tensor:
     return (first - lam * second) / (1 - lam)
 
 
-def _layer_rows(module, calls: list[tuple]) -> torch.Tensor:
+def _call_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One attention call's rows [H, N] at the last query (Dex's already effective: they need its values)."""
+    rows = _softmax_row(query[:, :, -1:], key, scaling)
+    if getattr(module, "adapter_method", None) == "dex":
+        return _effective_dex_rows(rows, value, module)
+    return rows
+
+
+def _layer_rows(module, calls: list[torch.Tensor]) -> torch.Tensor:
+    """A layer's rows from its calls' _call_rows()."""
     method = getattr(module, "adapter_method", None)
-    (query, key, value, scaling), *second = calls
-    rows = _softmax_row(query, key, scaling)
+    rows, *second = calls
     if hasattr(module, "lambda_q1") and hasattr(module, "groupnorm"):  # DiffLlama: its two calls differ in V only
         return _diffllama_rows(rows, module)
     if method == "dex":
-        return _effective_dex_rows(rows, value, module)
+        return rows
     if method in TWO_MAPS:
         lam = module.current_lambda().float()
-        other = _softmax_row(second[0][0], second[0][1], second[0][3])
+        other = second[0]
         heads = module.adapter_heads
         rows[heads] = (rows[heads] - lam * other[heads]) / (1 - lam)
         return rows
@@ -103,10 +111,12 @@ def require_every_layer(hf, modules: int, command: str) -> None:
 def hf_attention_rows(model, tokens: list[int], position: int) -> list[torch.Tensor]:
     """Per layer, [heads, position + 1]: the (effective) attention of token `position` over the
     tokens up to it, for `model` an HFCausalLM."""
-    calls: dict[torch.nn.Module, list[tuple]] = {}
+    calls: dict[torch.nn.Module, list[torch.Tensor]] = {}
 
     def keep(module, query, key, value, scaling) -> None:
-        calls.setdefault(module, []).append((query[:, :, -1:], key, value, scaling))
+        # the rows, not the call's tensors: every layer's queries, keys and values of a 64K context
+        # held to the end of the pass would take some 80 GB for a 13B model
+        calls.setdefault(module, []).append(_call_rows(module, query, key, value, scaling))
 
     with attention_calls(model.hf, keep):
         model.hf(input_ids=torch.tensor([tokens[:position + 1]], device=model.device), use_cache=False,

@@ -217,6 +217,9 @@ def accuracy_grid(model: CausalLM | HFCausalLM, draw: Sequence[Example], tests: 
         if (count, order) != current:
             current = count, order
             demonstrations = "".join(demonstration(example) for example in arranged(draw[:count], arrangement, order))
+            # the last cell's cache freed before the next one's is allocated: two caches of a 64K
+            # window and a 6.8B model's weights take more than 80 GB
+            context = None
             context = SharedContext(model, tokenizer.encode(demonstrations))
         prompt = tokenizer.encode(demonstrations + query(tests[index]))[-room:]
         with torch.no_grad():

@@ -34,7 +34,10 @@ from megadiff.models.differential_attention import DifferentialCoreAttention
 TOP = (1, 2, 3, 10, 100)
 HISTOGRAM_RANGE = (1e-8, 1e8)  # |values| below the range count as its lowest bin, above as its highest
 HISTOGRAM_BINS = 23_000  # log-spaced: each bin 0.16% wide
-SCORE_ROWS = 256  # query rows whose scores are formed at once
+# attention scores formed at once (512 MB in fp32), whatever the batch, heads and length: a fixed
+# number of query rows would form 256 x 64K scores per head, some 10 GB with the copies taken of them
+SCORE_VALUES = 1 << 27
+HISTOGRAM_VALUES = 1 << 24  # values binned at once: each takes 16 bytes more while it is (fp64 and its bin)
 
 
 class AbsStatistics:
@@ -53,7 +56,8 @@ class AbsStatistics:
             return
         self._histogram_on(values.device)
         self._keep_largest(torch.topk(values, min(self.largest, values.numel())).values)
-        self.counts += torch.bincount(torch.bucketize(values.double(), self.edges), minlength=self.counts.numel())
+        for piece in values.split(HISTOGRAM_VALUES):
+            self.counts += torch.bincount(torch.bucketize(piece.double(), self.edges), minlength=self.counts.numel())
         self.count += values.numel()
 
     def combine_ranks(self) -> None:
@@ -111,12 +115,15 @@ def attention_maps(core_attention: torch.nn.Module, query: torch.Tensor, key: to
             for q, k in pairs]
 
 
-def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = SCORE_ROWS) -> Iterator[torch.Tensor]:
-    """q.k x scale of every (query i, key j <= i) pair, `rows` query positions at a time (flattened)."""
-    seq = q.shape[2]
+def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, values: int = SCORE_VALUES) -> Iterator[torch.Tensor]:
+    """q.k x scale of every (query i, key j <= i) pair (flattened), of as many query positions at a
+    time as keep the scores formed at once within `values` (one position at least)."""
+    batch, heads, seq = q.shape[:3]
+    rows = max(1, values // (batch * heads * seq))
     keys = torch.arange(seq, device=q.device)
+    k_t = k.float().transpose(-1, -2)  # once, not again for every block of rows
     for start in range(0, seq, rows):
-        scores = q[:, :, start:start + rows].float() @ k.float().transpose(-1, -2) * scale  # [b, h, r, s]
+        scores = q[:, :, start:start + rows].float() @ k_t * scale  # [b, h, r, s]
         visible = keys[None, :] <= torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
         yield scores[:, :, visible]
 
