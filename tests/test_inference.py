@@ -19,7 +19,7 @@ from megadiff.data.conversations import encode_conversation
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from megadiff.inference.generate import (
-    HeldContext, TextStream, decodable_ids, generate, generate_batch, next_tokens,
+    HeldContext, TextStream, decodable_ids, generate, generate_batch, next_tokens, stop_texts_check,
 )
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 
@@ -512,3 +512,27 @@ def test_a_budget_below_one_new_token_is_refused_before_the_checkpoint_is_read(r
 def test_generate_cli_samples_from_the_nucleus(run, capsys):
     """--top-p small enough that the nucleus is the likeliest id alone: greedy text at any temperature."""
     assert cli_text(run[0], capsys, "--temperature", "5", "--top-p", "1e-9", "--seed", "3") == cli_text(run[0], capsys)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["cl100k_base", "kjv-bpe"])
+def test_stop_texts_are_found_in_the_last_tokens_where_the_whole_text_first_holds_them(tokenizer_name,
+                                                                                      small_tokenizer_dir):
+    """generate_batch stops at the first step its check answers True: decoding the last tokens only
+    answers so at the step decoding every new token first would, multi-byte characters cut between
+    tokens included, and never decodes more of them."""
+    tokenizer = load_tokenizer("cl100k_base" if tokenizer_name == "cl100k_base" else str(small_tokenizer_dir))
+    ids = tokenizer.encode("In the beginning was the λόγος; 道可道，非常道。 And God said @@ let there be ÿ light.\n\nEnd")
+    decoded = []
+
+    class Counting:
+        def decode(self, part):
+            decoded.append(len(part))
+            return tokenizer.decode(part)
+
+    for stops in (["λόγος"], ["非常道"], ["@@"], ["\n\n"], [" light", "ÿ"], ["never there"]):
+        decoded.clear()
+        check = stop_texts_check(Counting(), stops)
+        whole = next((end for end in range(1, len(ids) + 1)
+                      if any(stop in tokenizer.decode(ids[:end]) for stop in stops)), None)
+        assert next((end for end in range(1, len(ids) + 1) if check(ids[:end])), None) == whole, stops
+        assert max(decoded) <= 4 * max(len(stop) for stop in stops) + 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -187,6 +187,19 @@ class Decoder:
             if token == self.eod:
                 self.last_eods[index] = len(row) - 1
         self.pending = [[token] for token in tokens]
+
+
+def stop_texts_check(tokenizer: Tokenizer, stop_texts: Sequence[str]) -> Callable[[list[int]], bool]:
+    """A generate_batch() stop: whether the new ids' text holds one of `stop_texts`. Checked after every
+    token, so one can only have been completed by the last: decoding the last tokens that can hold it
+    (a character takes at most 4 bytes, a token at least one, and one more for a character cut at the
+    start) finds it as decoding them all would, without decoding a 16K-token answer 16K times."""
+    window = 4 * max((len(text) for text in stop_texts), default=0) + 2
+
+    def stopped(new_ids: list[int]) -> bool:
+        text = tokenizer.decode(new_ids[-window:])
+        return any(stop in text for stop in stop_texts)
+    return stopped
 
 
 def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,

@@ -23,7 +23,7 @@ from megadiff.config import ConfigError
 from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
 from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
-from megadiff.inference.generate import check_generation, decodable_ids, generate_batch
+from megadiff.inference.generate import check_generation, decodable_ids, generate_batch, stop_texts_check
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
@@ -133,8 +133,7 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
         task = ProgressTask(progress, f"{len(prompts)} prompts", len(mine))
         for start in range(0, len(mine), batch_size):
             batch = mine[start:start + batch_size]
-            stops = None if stop_text is None else \
-                [lambda ids: stop_text in tokenizer.decode(ids) for _ in batch]
+            stops = None if stop_text is None else [stop_texts_check(tokenizer, [stop_text]) for _ in batch]
             answers = generate_batch(model, [encoded[key] for key in batch], max_new_tokens,
                                      decodable=decodable, stop_id=tokenizer.eod, stops=stops,
                                      temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -36,7 +35,9 @@ from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
-from megadiff.inference.generate import check_generation, decodable_ids, document_eod, generate_batch
+from megadiff.inference.generate import (
+    check_generation, decodable_ids, document_eod, generate_batch, stop_texts_check,
+)
 from megadiff.inference.loader import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
@@ -249,12 +250,9 @@ class MegadiffLM(TemplateLM):
         """The new ids of plans alike in their decoding."""
         max_new, temperature, top_k, top_p = plans[0].decoding
         return generate_batch(self.model, [plan.prompt for plan in plans], max_new, decodable=decodable_ids(self.model),
-                              stop_id=self.eot_token_id, stops=[partial(self._stopped, plan.until) for plan in plans],
+                              stop_id=self.eot_token_id,
+                              stops=[stop_texts_check(self.tok, plan.until) for plan in plans],
                               temperature=temperature, top_k=top_k, top_p=top_p, generator=self.generator)
-
-    def _stopped(self, until: Sequence[str], new_ids: list[int]) -> bool:
-        text = self.tok.decode(new_ids)
-        return any(term in text for term in until)
 
     # the harness's collectives when it splits the requests among ranks
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
