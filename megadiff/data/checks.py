@@ -16,7 +16,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 
 from megadiff.config import Config
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import IndexSummary, idx_path, loss_mask_prefix, read_index, token_dtype
+from megadiff.data.indexed import IndexSummary, bin_path, idx_path, loss_mask_prefix, read_index, token_dtype
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
 from megadiff.data.tokenizers import Tokenizer
@@ -93,6 +93,19 @@ def split_documents(sequence_lengths: np.ndarray, split: str) -> dict[str, tuple
               for name, bounds in zip(SPLITS, matrix) if bounds is not None}
     return {name: (begin, end, int(np.sum(sequence_lengths[begin:end], dtype=np.int64)))
             for name, (begin, end) in ranges.items()}
+
+
+def split_tokens(prefix: str, data_split: str, split: str) -> np.ndarray | None:
+    """The tokens of `split`'s documents of `prefix`, one after another (EOD ids between them, as
+    prepared), memory-mapped from the stretch of its .bin they fill: a copy (or an offset per
+    document) would grow with the corpus. None when `data_split` gives `split` no documents."""
+    summary = read_index(prefix)
+    splits = split_documents(summary.sequence_lengths, data_split)
+    if split not in splits:
+        return None
+    begin, _, tokens = splits[split]
+    start = int(np.sum(summary.sequence_lengths[:begin], dtype=np.int64))
+    return np.memmap(bin_path(prefix), dtype=summary.dtype, mode="r")[start:start + tokens]
 
 
 def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str) -> None:

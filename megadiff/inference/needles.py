@@ -23,8 +23,7 @@ import torch
 from rich.table import Table
 
 from megadiff.config import ConfigError
-from megadiff.data.checks import split_documents
-from megadiff.data.indexed import bin_path, read_index
+from megadiff.data.checks import split_tokens
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer
@@ -216,17 +215,12 @@ def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, le
 
 
 def held_out_tokens(cfg, split: str) -> np.ndarray:
-    """The documents of `split` of the first prefix, one after another (EOD ids between them, as
-    prepared): the stretch of its .bin they fill, memory-mapped. A copy would hold the whole split:
-    24 GB for the 0.2% of a 1T-token corpus that a valid split of "998,2,0" gives."""
-    prefix = training_blend(cfg.data)[0][0]
-    summary = read_index(prefix)
-    splits = split_documents(summary.sequence_lengths, cfg.data.split)
-    if split not in splits:
+    """The documents of `split` of the first prefix, one after another, read in place (a copy would
+    hold the whole split: 24 GB for the 0.2% of a 1T-token corpus that a valid split of "998,2,0" gives)."""
+    tokens = split_tokens(training_blend(cfg.data)[0][0], cfg.data.split, split)
+    if tokens is None:
         raise ConfigError(f"data.split {cfg.data.split!r} gives the {split} split no documents")
-    begin, _, tokens = splits[split]
-    start = int(np.sum(summary.sequence_lengths[:begin], dtype=np.int64))
-    return np.memmap(bin_path(prefix), dtype=summary.dtype, mode="r")[start:start + tokens]
+    return tokens
 
 
 def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float], needles: int = 1, trials: int = 5,

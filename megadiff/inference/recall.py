@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from megadiff.config import ConfigError
-from megadiff.data.checks import split_documents
-from megadiff.data.indexed import bin_path, read_index
+from megadiff.data.checks import split_tokens
 from megadiff.inference.ranks import share, sum_across_ranks
 
 # windows of the training split the bigram count reads: spread enough to sample a corpus whose
@@ -78,20 +77,16 @@ def sample_windows(begin: int, end: int, sample_tokens: int, windows: int = SAMP
 
 def training_bigram_rates(prefix: str, data_split: str, keys: np.ndarray, sample_tokens: int) -> np.ndarray:
     """How often each bigram key in `keys` occurs per million bigrams of the training split of `prefix`."""
-    summary = read_index(prefix)
-    splits = split_documents(summary.sequence_lengths, data_split)
-    if "train" not in splits:
+    tokens = split_tokens(prefix, data_split, "train")
+    if tokens is None:
         raise ConfigError(f"--frequent-bigrams counts bigrams in the training split, and data.split {data_split!r} "
                           f"gives {prefix} none")
-    first, last, _ = splits["train"]
-    offsets = np.concatenate([[0], np.cumsum(summary.sequence_lengths, dtype=np.int64)])
-    tokens = np.memmap(bin_path(prefix), dtype=summary.dtype, mode="r")
     wanted = np.unique(keys)
     counts = torch.zeros(len(wanted), dtype=torch.float64)
-    end = int(offsets[last])
+    end = len(tokens)
     # a piece's last bigram starts at its last token: it reads one token further (within the split)
     pieces = [(start, min(start + COUNT_CHUNK_TOKENS + 1, stop + 1, end))
-              for window_start, stop in sample_windows(int(offsets[first]), end, sample_tokens)
+              for window_start, stop in sample_windows(0, end, sample_tokens)
               for start in range(window_start, stop, COUNT_CHUNK_TOKENS)]
     for start, stop in share(pieces):
         piece = np.asarray(tokens[start:stop])
