@@ -152,6 +152,40 @@ def test_text_stream_holds_back_characters_until_their_last_byte(run):
     assert cut.rest() == tokenizer.decode(ids[:4])[2:] != ""  # the first byte of 日, as the tokenizer decodes it
 
 
+def metaspace_tokenizer():
+    """A SentencePiece-like BPE (words start with '▁', which decoding makes a space except at the start):
+    a token's text depends on what precedes it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer.train_from_iterator([STREAMED_TEXT] * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=bytes_))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+STREAMED_TEXT = "Ein Bär, ein 日本の猫 and a café.\n  Spaces  stay; emoji 😀 too. " * 6
+
+
+@pytest.mark.parametrize("kind", ["cl100k_base", "byte-level BPE", "metaspace BPE"])
+def test_text_stream_decodes_each_token_once_and_shows_the_whole_text(run, kind):
+    """Token by token, the pieces make up the whole decoded text (spaces a tokenizer writes by what
+    precedes a token included), each token decoded a few times, not the whole reply every time."""
+    tokenizer = {"cl100k_base": lambda: load_tokenizer("cl100k_base"),
+                 "byte-level BPE": lambda: load_tokenizer(run[1].cfg.data.tokenizer),
+                 "metaspace BPE": metaspace_tokenizer}[kind]()
+    ids = tokenizer.encode(STREAMED_TEXT, add_special_tokens=False) if kind == "metaspace BPE" else \
+        tokenizer.encode(STREAMED_TEXT)
+    decoded = []
+    counted = SimpleNamespace(decode=lambda part: decoded.append(len(part)) or tokenizer.decode(part))
+    text = TextStream(counted)
+    pieces = [text.add(token) for token in ids]
+    assert "".join(pieces) + text.rest() == tokenizer.decode(ids)
+    assert sum(decoded) < 12 * len(ids)
+
+
 def test_text_stream_shows_the_text_before_its_stop_text_only(run):
     """A reply ends where the chat template closes the turn: nothing of "<|im_end|>" is shown, even
     while its first tokens could still be text; text that only began like it is shown in the end."""
@@ -414,6 +448,26 @@ def test_a_truncated_cache_continues_the_prefix_it_keeps(run, variant):
             assert cache.truncate(7) == kept and cache.length == kept
             torch.testing.assert_close(model.next_token_logits(ids[:, kept:], cache), whole, rtol=1e-5, atol=1e-5)
     assert cache.truncate(99) == 12
+
+
+def test_a_rewindable_dint_cache_keeps_running_sums_sparsely(run):
+    """A reply decoded token by token: the running sums are kept at every call end among the last
+    `call_end_spacing` positions and once per spacing before them, so truncating goes back at most
+    twice the spacing further than asked, and what it keeps continues to the whole sequence's logits."""
+    model = reference_model(variant_config("dint", "single", run[1].cfg.data.tokenizer))
+    ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(8))
+    cache, spacing = model.new_cache(rewindable=True), 4
+    cache.call_end_spacing = spacing
+    with torch.no_grad():
+        whole = model(ids)[:, -1]
+        model.next_token_logits(ids[:, :3], cache)
+        for position in range(3, 30):
+            model.next_token_logits(ids[:, position:position + 1], cache)
+        assert sorted(cache.call_ends) == [3, 4, 8, 12, 16, 20, 24, 27, 28, 29, 30]
+        for length in (29, 25, 22, 11, 5):
+            kept = cache.truncate(length)
+            assert length - 2 * spacing < kept <= length
+            torch.testing.assert_close(model.next_token_logits(ids[:, kept:], cache), whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["diff", "dint"])

@@ -295,34 +295,45 @@ def _decode_side_by_side(model: CausalLM, prompts: list[list[int]], max_new_toke
 class TextStream:
     """The text of a growing list of new token ids, handed out in the pieces not yet shown; with
     `stop_text`, the text before it only (`stopped` once it is decoded), held back while it may be
-    the start of it."""
+    the start of it. Each token decodes the few after the last completed character, with the ones
+    before it for context (a tokenizer may write a token by what precedes it, e.g. a word's space),
+    not the whole reply: that was quadratic in its length."""
 
     def __init__(self, tokenizer: Tokenizer, stop_text: str | None = None):
         self.tokenizer, self.stop_text, self.ids, self.shown = tokenizer, stop_text, [], ""
+        self.text = ""  # of the ids up to `_read` (once stopped: up to the stop text)
         self.stopped = False
+        self._context = self._read = 0  # ids[_context:_read]: the text before the undecided ids
 
     def add(self, token: int) -> str:
         """The text `token` adds: empty while it ends in a character whose bytes span tokens."""
         self.ids.append(token)
-        text = self._text()
-        if text.endswith(INCOMPLETE_CHARACTER) and not self.stopped:
-            return ""
-        end = len(text)
+        if not self.stopped:
+            self._read_new()
+        end = len(self.text)
         if self.stop_text is not None and not self.stopped:
             end = max(len(self.shown), end - len(self.stop_text) + 1)
-        piece, self.shown = text[len(self.shown):end], text[:end]
+        piece, self.shown = self.text[len(self.shown):end], self.text[:end]
         return piece
 
     def rest(self) -> str:
         """What is left unshown (an incomplete last character, as the tokenizer decodes it)."""
-        return self._text()[len(self.shown):]
+        return self.text[len(self.shown):] + ("" if self.stopped else self._undecided())
 
-    def _text(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        if self.stop_text is not None and self.stop_text in text:
-            self.stopped = True
-            return text[:text.index(self.stop_text)]
-        return text
+    def _undecided(self) -> str:
+        known = self.tokenizer.decode(self.ids[self._context:self._read])
+        return self.tokenizer.decode(self.ids[self._context:])[len(known):]
+
+    def _read_new(self) -> None:
+        new = self._undecided()
+        if self.stop_text is not None:  # a stop text ends before any incomplete character
+            at = (self.text + new).find(self.stop_text, max(0, len(self.text) - len(self.stop_text) + 1))
+            if at >= 0:
+                self.text, self.stopped = (self.text + new)[:at], True
+                return
+        if new and not new.endswith(INCOMPLETE_CHARACTER):
+            self.text += new
+            self._context, self._read = self._read, len(self.ids)
 
 
 def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,

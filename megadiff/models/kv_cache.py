@@ -9,7 +9,10 @@ its core attention while the cache runs.
 
 A cache can also go back to an earlier length (truncate), e.g. to a conversation's prefix that the
 next prompt shares: the keys and values beyond it are simply overwritten later; DINT's running sum
-is known only where a call ended, so a `rewindable` cache keeps a snapshot of it there.
+is known only where a call ended, so a `rewindable` cache keeps a snapshot of it there: at every
+call end among the last CALL_END_SPACING positions, and one per CALL_END_SPACING positions before
+them (a reply decoded token by token would otherwise keep a layer's [B, 1, H, dv] sum per token:
+1.4 GB for a 4K-token reply of a 3B model); going back there reruns at most twice that many positions.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megadiff.ops import IntegralCarry
 
+CALL_END_SPACING = 64
+
 
 class KVCache:
     """Room for `max_length` positions of `batch_size` sequences of `gpt` (TP1/PP1); `rewindable`:
-    truncate() may go back to any earlier call's end, not only to the start (DINT only: the other
-    variants go back to any length anyway)."""
+    truncate() may go back to an earlier call's end (the kept ones: see the module), not only to the
+    start (DINT only: the other variants go back to any length anyway)."""
 
     def __init__(self, gpt, batch_size: int, max_length: int, rewindable: bool = False):
         self.context = StaticInferenceContext(batch_size, max_length)
@@ -41,6 +46,7 @@ class KVCache:
         self.integral = any(carry is not None for carry in self.carries)
         self.rewindable = rewindable
         self.call_ends: dict[int, list] = {}  # length -> the carries' snapshots, when integral and rewindable
+        self.call_end_spacing = CALL_END_SPACING
 
     @property
     def length(self) -> int:
@@ -110,3 +116,15 @@ class KVCache:
         self.context.sequence_len_offset += positions
         if self.integral and self.rewindable:
             self.call_ends[self.length] = self.mark()[1]
+            self._thin_call_ends()
+
+    def _thin_call_ends(self) -> None:
+        """Keep the call ends among the last `call_end_spacing` positions, and the first of each
+        `call_end_spacing` positions before them."""
+        spacing, spans_seen = self.call_end_spacing, set()
+        for end in sorted(self.call_ends):
+            if end > self.length - spacing:
+                break
+            if end // spacing in spans_seen:
+                del self.call_ends[end]
+            spans_seen.add(end // spacing)
