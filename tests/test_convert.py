@@ -148,6 +148,46 @@ def test_an_export_into_an_earlier_exports_directory_keeps_none_of_its_files(roo
     assert AutoTokenizer.from_pretrained(hf_dir).chat_template is None
 
 
+def test_a_sharded_export_copies_one_shard_at_a_time_and_replaces_an_earlier_exports_shards(
+        root, reference, tmp_path, monkeypatch):
+    """Shards of 100 KB: when each is written, only its own tensors' copies are alive (the views of
+    merged weights share storage, so they are copied, but not the whole model at once); transformers
+    and from-hf read the index; an export of one file then leaves none of the shards behind."""
+    import safetensors.torch
+
+    from megadiff.convert import hf_io
+
+    copies, alive_per_shard = [], []
+    own, save = hf_io._owned_copies, safetensors.torch.save_file
+
+    def recording(tensors):
+        owned = own(tensors)
+        copies.extend(weakref.ref(tensor) for tensor in owned.values())
+        return owned
+
+    def counting(tensors, filename, metadata=None):
+        gc.collect()
+        alive_per_shard.append((sum(ref() is not None for ref in copies), len(tensors)))
+        return save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(hf_io, "_owned_copies", recording)
+    monkeypatch.setattr(safetensors.torch, "save_file", counting)
+    monkeypatch.setattr(hf_io, "MAX_SHARD_SIZE", "100KB")
+    hf_dir = convert_to_hf(root / "tp2" / "diff", tmp_path / "hf", check=False)
+    shards = sorted(path.name for path in hf_dir.glob("model-*.safetensors"))
+    assert len(shards) > 3 and (hf_dir / "model.safetensors.index.json").is_file()
+    assert all(alive == count for alive, count in alive_per_shard[:len(shards)]), alive_per_shard
+    with torch.no_grad():
+        torch.testing.assert_close(load_export(hf_dir, "diff")(input_ids=tokens()).logits,
+                                   reference("diff", "tp2")(tokens()), rtol=1e-4, atol=2e-5)
+    back = load_checkpoint(convert_from_hf(hf_dir, tmp_path / "back")).parameters_by_name()
+    for name, tensor in load_checkpoint(root / "tp2" / "diff").parameters_by_name().items():
+        assert torch.equal(back[name], tensor), name
+    monkeypatch.setattr(hf_io, "MAX_SHARD_SIZE", "5GB")
+    convert_to_hf(root / "tp2" / "diff", hf_dir, check=False)
+    assert sorted(path.name for path in hf_dir.glob("model*.safetensors*")) == ["model.safetensors"]
+
+
 def test_constant_lambda_diff_is_refused_as_diffllama_and_exports_with_remote_code(root, reference, tmp_path):
     checkpoint = root / "tp2" / "diff_constant_lambda"
     with pytest.raises(ConversionError, match="constant 0.8.*DiffLlama.*--remote-code"):

@@ -13,6 +13,7 @@ hf_code/) plus two megadiff sidecars that transformers ignores:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +30,36 @@ SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
 CODE_DIR = Path(__file__).resolve().parent / "hf_code"
 CODE_FILES = ("configuration_megadiff.py", "modeling_megadiff.py")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default (transformers' save_pretrained writes 50 GB ones)
+WEIGHT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")  # huggingface_hub's names
 
 
 def _owned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # split views share storage, which safetensors would treat as tied weights
-    return {name: t.detach().cpu().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
+    return {name: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+            for name, t in tensors.items()}
+
+
+def _save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
+    """huggingface_hub's save_torch_state_dict files (shards and their index), each shard's tensors
+    copied as it is written: copying them all first held a second model (26 GB for 13B in bf16)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    for stale in directory.iterdir():  # an earlier export's shards
+        if WEIGHT_FILES.fullmatch(stale.name):
+            stale.unlink()
+    split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD_SIZE)
+    for filename, names in split.filename_to_tensors.items():
+        save_file(_owned_copies({name: state[name] for name in names}), str(directory / filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
 
 
 def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
                  tokenizer, source_cfg: Config) -> None:
-    from huggingface_hub import save_torch_state_dict
     from safetensors.torch import save_file
     from transformers import GenerationConfig
     from transformers.utils.hub import CHAT_TEMPLATE_FILE
@@ -49,7 +70,7 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
         (directory / stale).unlink(missing_ok=True)
     config.save_pretrained(str(directory))
     GenerationConfig.from_model_config(config).save_pretrained(str(directory))
-    save_torch_state_dict(_owned_copies(state), directory)  # removes shards of an earlier export
+    _save_weights(state, directory)
     tokenizer.save_hf(directory)
     save_chat_template(source_cfg.data, directory)
     dump_config(source_cfg, directory / SIDECAR_CONFIG)
