@@ -370,6 +370,15 @@ def test_the_writer_offsets_pass_two_gigabytes(tmp_path):
     assert _IndexReader(str(tmp_path / "long.idx"), False).sequence_pointers.tolist() == [0, 2_400_000_000]
 
 
+def test_the_writer_refuses_a_document_longer_than_the_index_holds(tmp_path):
+    """2^31 tokens in one document (a .txt source of some 8 GB): refused by name, not wrapped into a
+    negative length and offsets that read_index later blames on mismatched files."""
+    with AtomicIndexedWriter(tmp_path / "huge", np.dtype(np.int32)) as writer:
+        with pytest.raises(DataError, match=r"a document of 2,147,483,648 tokens; megatron's index holds at most "
+                                            r"2,147,483,647"):
+            writer.add_documents(np.zeros(4, dtype=np.int32), np.array([10, 2 ** 31]))
+
+
 def many_short_documents(prefix: Path, count: int) -> None:
     """`count` documents of one to three tokens, written as one batch."""
     lengths = np.arange(count) % 3 + 1

@@ -17,6 +17,7 @@ UINT16_IDS = np.iinfo(np.uint16).max + 1
 # megatron's .idx header: magic, format version, token dtype code, sequence count, document count + 1
 INDEX_HEADER_FORMAT = "<9sQBQQ"
 INDEX_HEADER_BYTES = struct.calcsize(INDEX_HEADER_FORMAT)
+MAX_DOCUMENT_TOKENS = np.iinfo(np.int32).max  # the .idx's sequence lengths are int32
 # the entries of each .idx array written at once
 WRITE_CHUNK = 1 << 16
 
@@ -63,8 +64,12 @@ class AtomicIndexedWriter:
 
     def add_documents(self, ids: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as concatenated ids and per-document lengths (0-length ones are skipped)."""
+        lengths = lengths[lengths > 0]
+        if len(lengths) and lengths.max() > MAX_DOCUMENT_TOKENS:  # astype would wrap it into a corrupt index
+            raise DataError(f"{self.prefix}: a document of {int(lengths.max()):,} tokens; megatron's index holds at "
+                            f"most {MAX_DOCUMENT_TOKENS:,} per document: split it into several")
         self.data_file.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
-        self.lengths.append(lengths[lengths > 0].astype(np.int32))
+        self.lengths.append(lengths.astype(np.int32))
 
     def add_prepared(self, prefix: str | Path) -> None:
         """Append every document of another indexed dataset of the same dtype (its .bin is copied)."""
