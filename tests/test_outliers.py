@@ -2,7 +2,9 @@
 every value, and its attention logits against the maps the layer itself combines."""
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from megadiff.cli import main
 from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluation_config, held_out_dataset, sample_batches
+from megadiff.inference.hf_model import load_model
 from megadiff.inference import outliers
 from megadiff.inference.outliers import TOP, AbsStatistics, attention_maps, causal_scores
 from tests.held_out_runs import held_out_run
@@ -152,3 +155,17 @@ def test_an_exported_model_reports_the_checkpoints_statistics(runs, tmp_path, va
         assert theirs[name]["values"] == ours[name]["values"]
         for key, value in ours[name].items():
             assert theirs[name][key] == pytest.approx(value, rel=1e-4), (name, key)
+    _recorded_queries_and_keys_are_freed(tmp_path / "hf")
+
+
+def _recorded_queries_and_keys_are_freed(hf_dir):
+    """Once a batch ran, no layer's queries or keys stay alive (54 GB for a 13B model at 64K tokens)."""
+    recorder = outliers.HFActivationRecorder(load_model(None, str(hf_dir), "fp32"))
+    seen, record = [], recorder._attention
+    recorder._attention = lambda module, query, key, *rest: seen.extend(map(weakref.ref, (query, key))) or \
+        record(module, query, key, *rest)
+    with torch.no_grad():
+        recorder.run(torch.randint(0, 100, (1, 16)))
+    recorder.close()
+    gc.collect()
+    assert seen and all(ref() is None for ref in seen)
