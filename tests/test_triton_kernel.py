@@ -304,6 +304,32 @@ def test_compiles_for_hopper(kind, causal, flags):
     assert compiled.asm["cubin"] and compiled.metadata.shared > 0
 
 
+def test_a_decoding_step_runs_the_prefills_compiled_forward(monkeypatch):
+    """A decoding step (one query, a key more) is tuned apart, but must find the forward the prompt
+    compiled for each tile: Triton's launch specializes an int equal to 1 or divisible by 16, so a
+    single query compiled every candidate again at the first token. Compared here as Triton's
+    launch computes it for an sm_90 target (no GPU needed)."""
+    triton_fwd = pytest.importorskip("megadiff.ops.triton_fwd")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 replaces the compiler")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = triton_fwd._fwd_kernel
+    bind = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    launched = []
+    monkeypatch.setattr(triton_fwd, "launch", lambda kernel, kind, n, programs, args, meta, config:
+                        launched.append(bind(*args, **meta, BLOCK_M=64, BLOCK_N=64)[1]))
+    for n_q, n_k in ((64, 64), (1, 65), (1, 97)):
+        q = torch.randn(1, n_q, 4, 32, dtype=torch.bfloat16)
+        k = torch.randn(1, n_k, 2, 32, dtype=torch.bfloat16)
+        v = torch.randn(1, n_k, 2, 64, dtype=torch.bfloat16)
+        triton_fwd.attention_maps_forward(q, k, q, k, v, torch.ones(4), causal=True, scale=0.1,
+                                          o_dtype=torch.bfloat16)
+    assert launched[0] == launched[1] == launched[2]
+
+
 def _upcast_bf16_dots_in_interpreter() -> None:
     """triton 3.9's interpreter feeds bf16 tl.dot operands to numpy as their raw uint16 bits.
 

@@ -162,7 +162,10 @@ def _fwd_tiles(acc1, l1, m1, acc2, l2, m2, q1, q2, K1, K2, V, stride_kn, stride_
     return acc1, l1, m1, acc2, l2, m2
 
 
-@triton.jit
+# not specialized on the lengths: Triton compiles apart for an int equal to 1 (and for one divisible by
+# 16), so a decoding step (one query, keys growing by one) compiled every tile candidate again at its
+# first token, some 50 s at the 3B head shape; the kernel gains nothing from either
+@triton.jit(do_not_specialize=["n_q", "n_k"])
 def _fwd_kernel(Q1, Q2, K1, K2, V, LAM, O1, O2, OUT, LSE1, LSE2, DOC_START,
                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                 stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
