@@ -103,3 +103,16 @@ def test_checkpoint_configs_with_retired_keys_still_load(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="logging.no_such_key: unknown key"):
         checkpoint_config(tmp_path)
+
+
+def test_a_bad_triton_candidates_limit_is_refused_before_the_run_starts(monkeypatch, capsys):
+    """$MEGADIFF_TRITON_CANDIDATES is read by the kernel's autotuner at the first step, after the model and
+    data are built (minutes at scale): `pretrain` refuses a bad one as it reads its config."""
+    import megadiff.training.pretrain as pretrain
+    from megadiff.cli import main
+    from tests.pretrain_runs import DEMO_CONFIG
+
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
+    monkeypatch.setenv("MEGADIFF_TRITON_CANDIDATES", "all")
+    assert main(["pretrain", str(DEMO_CONFIG)]) == 2
+    assert "$MEGADIFF_TRITON_CANDIDATES must be a positive integer, got 'all'" in capsys.readouterr().err

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from megadiff.ops import differential_attention
+from megadiff.ops.common import TRITON_CANDIDATES_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,11 +267,11 @@ def test_candidates_limit_bounds_what_the_autotuner_compiles(monkeypatch):
         return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                 for c in prune(configs, {}, **meta)]
     fitting = triton_fwd.fitting_candidates("dkdv", 128, 256)
-    monkeypatch.delenv(triton_fwd.CANDIDATES_LIMIT_ENV, raising=False)
+    monkeypatch.delenv(TRITON_CANDIDATES_ENV, raising=False)
     assert kept(BLOCK_D=128, BLOCK_DV=256) == fitting and len(fitting) > 2
-    monkeypatch.setenv(triton_fwd.CANDIDATES_LIMIT_ENV, "2")
+    monkeypatch.setenv(TRITON_CANDIDATES_ENV, "2")
     assert kept(BLOCK_D=128, BLOCK_DV=256) == fitting[:2]
-    monkeypatch.setenv(triton_fwd.CANDIDATES_LIMIT_ENV, "0")
+    monkeypatch.setenv(TRITON_CANDIDATES_ENV, "0")
     with pytest.raises(ValueError, match="MEGADIFF_TRITON_CANDIDATES must be a positive integer"):
         kept(BLOCK_D=128, BLOCK_DV=256)
 

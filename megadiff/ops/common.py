@@ -1,6 +1,8 @@
 """Shape checks and small helpers shared by every differential-attention implementation."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -8,6 +10,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # what the fused Triton kernel runs: one tile holds a whole head (d, and dv = 2d) of a block of rows
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_MAX_HEAD_DIM = 256
+TRITON_CANDIDATES_ENV = "MEGADIFF_TRITON_CANDIDATES"
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -22,6 +25,18 @@ def triton_fits(head_dim: int, value_dim: int) -> bool:
 
 def triton_supports(dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
     return dtype in TRITON_DTYPES and triton_fits(head_dim, value_dim)
+
+
+def triton_candidates_limit() -> int | None:
+    """$MEGADIFF_TRITON_CANDIDATES: how many of the fitting candidates (in their listed order) the
+    autotuner compiles and measures per kernel and mode, to bound the first step's compile time (about
+    9 s a candidate at the 3B head shape, on every node whose Triton cache is empty); unset: all."""
+    value = os.environ.get(TRITON_CANDIDATES_ENV)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"${TRITON_CANDIDATES_ENV} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def check_shapes(q1, k1, q2, k2, v, lam, integral: bool) -> None:

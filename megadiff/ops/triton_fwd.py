@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from megadiff.ops.common import triton_candidates_limit
 
 # softmax runs in base 2 (exp2 is the fast instruction); stored log-sum-exps stay natural
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -64,7 +65,6 @@ _ACCUMULATORS = {
     "dq": lambda m, n, d, dv: 2 * m * d,
 }
 _MAX_ACC_PER_THREAD = 128
-CANDIDATES_LIMIT_ENV = "MEGADIFF_TRITON_CANDIDATES"
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32)
 # Fused multiply-adds on: Triton's default until 3.10 turns it off. The kernels' speed and their
 # tested accuracy assume FMAs, so a Triton upgrade must not change them silently.
@@ -280,23 +280,11 @@ def fitting_candidates(kind: str, d: int, dv: int) -> list[tuple]:
     return _fitting(kind, CANDIDATES[kind], padded_dim(d), padded_dim(dv), lambda c: (c[0], c[1], c[2]))
 
 
-def candidates_limit() -> int | None:
-    """$MEGADIFF_TRITON_CANDIDATES: how many of the fitting candidates (in CANDIDATES' order) the
-    autotuner compiles and measures per kernel and mode, to bound the first step's compile time (about
-    9 s a candidate at the 3B head shape, on every node whose Triton cache is empty); unset: all."""
-    value = os.environ.get(CANDIDATES_LIMIT_ENV)
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"${CANDIDATES_LIMIT_ENV} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _prune(kind: str):
     def prune(configs, named_args, **meta):
         fitting = _fitting(kind, configs, meta["BLOCK_D"], meta["BLOCK_DV"],
                            lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps))
-        return fitting[:candidates_limit()]
+        return fitting[:triton_candidates_limit()]
     return prune
 
 

@@ -19,13 +19,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
-    Config, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
+    Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
 )
 from megadiff.errors import MegadiffError
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
 from megadiff.observability.metrics import MetricsWriter
+from megadiff.ops.common import triton_candidates_limit
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.parallel import compute_device, initialize, shutdown
@@ -279,4 +280,8 @@ def pretrain(cfg: Config) -> int:
 def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(config_path, overrides, world_size=world_size)  # bad configs fail before any compute
+    try:  # read by the kernel's autotuner at the first step, after the model and data are built
+        triton_candidates_limit()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return pretrain(cfg)
