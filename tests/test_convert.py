@@ -238,38 +238,49 @@ def test_to_hf_refuses_checkpoint_that_does_not_match_its_config(root, tmp_path)
         convert_to_hf(broken, tmp_path / "hf")
 
 
-def _alive_at_the_check(module, monkeypatch, producer: str, tensors_of) -> list[int]:
-    """Patches `module`'s `producer` to keep weak references to the tensors `tensors_of(its result)`
-    gives, and its compare_logits to count those still alive when the check starts (once)."""
-    produced, alive = [], []
-    produce, compare = getattr(module, producer), module.compare_logits
+def _record(module, monkeypatch, name: str, objects_of) -> list[weakref.ref]:
+    """Patches `module`'s function `name` to keep weak references to what `objects_of(its arguments,
+    its result)` gives."""
+    refs, original = [], getattr(module, name)
 
     def recording(*args, **kwargs):
-        result = produce(*args, **kwargs)
-        produced.extend(weakref.ref(tensor) for tensor in tensors_of(result))
+        result = original(*args, **kwargs)
+        refs.extend(weakref.ref(thing) for thing in objects_of(args, result))
         return result
+    monkeypatch.setattr(module, name, recording)
+    return refs
+
+
+def _alive_when(module, monkeypatch, name: str, *recorded: list[weakref.ref]) -> list[int]:
+    """Patches `module`'s function `name` to count, as each call starts, what of `recorded` is alive."""
+    alive, original = [], getattr(module, name)
 
     def counting(*args, **kwargs):
         gc.collect()
-        alive.append(sum(ref() is not None for ref in produced))
-        return compare(*args, **kwargs)
-
-    monkeypatch.setattr(module, producer, recording)
-    monkeypatch.setattr(module, "compare_logits", counting)
+        alive.append(sum(ref() is not None for refs in recorded for ref in refs))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, name, counting)
     return alive
 
 
-def test_conversions_free_the_tensors_they_converted_before_their_check(tmp_path, monkeypatch):
-    """The check holds two fp32 models (104 GB for 13B): to-hf's exported tensors (views that also
-    keep the bf16 source model alive) and from-hf's read ones (the model again, and its merged QKV and
-    fc1 weights) must not stay beside them, 26 to 44 GB more for 13B in bf16."""
+def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(tmp_path, monkeypatch):
+    """The check's fp32 models are 52 GB each for 13B: to-hf's exported tensors (views that also keep
+    the bf16 source model alive) and from-hf's read ones (the model again, and its merged QKV and fc1
+    weights) must not stay beside them (26 to 44 GB more for 13B in bf16), nor the megadiff model
+    beside the Hugging Face one."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
     cfg = build_config({}, MODEL + VARIANTS["diff"] + [f"data.tokenizer={tokenizer}", "train.precision=bf16"])
     save_in_process(cfg, tmp_path / "checkpoint")
-    exported = _alive_at_the_check(to_hf, monkeypatch, "megatron_to_hf",
-                                   lambda result: [*result[0].values(), *result[1].values()])
-    hf_dir = convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf")
-    read = _alive_at_the_check(from_hf, monkeypatch, "read_hf_dir", lambda hf: [*hf.state.values(), *hf.extras.values()])
-    merged = _alive_at_the_check(from_hf, monkeypatch, "hf_to_megatron", dict.values)
-    convert_from_hf(hf_dir, tmp_path / "back")
-    assert (exported, read, merged) == ([0], [0], [0])
+    megadiff_models = {module: _record(module, monkeypatch, "megadiff_logits", lambda args, _: [args[0].gpt])
+                       for module in (to_hf, from_hf)}
+    exported = _record(to_hf, monkeypatch, "megatron_to_hf", lambda _, result: [*result[0].values(),
+                                                                                *result[1].values()])
+    read = _record(from_hf, monkeypatch, "read_hf_dir", lambda _, hf: [*hf.state.values(), *hf.extras.values()])
+    merged = _record(from_hf, monkeypatch, "hf_to_megatron", lambda _, result: result.values())
+    at_checks = [_alive_when(to_hf, monkeypatch, "megadiff_logits", exported),
+                 _alive_when(from_hf, monkeypatch, "megadiff_logits", read, merged)]
+    at_hf_loads = [_alive_when(module, monkeypatch, "load_hf_model", megadiff_models[module])
+                   for module in (to_hf, from_hf)]
+    convert_from_hf(convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf"), tmp_path / "back")
+    assert at_checks == [[0], [0]] and at_hf_loads == [[0], [0]]
+    assert exported and read and merged and all(megadiff_models.values())  # each was recorded

@@ -1,7 +1,7 @@
 """The self-check of every conversion: logits of megadiff and Hugging Face on the same tokens.
 
 Both sides run in fp32 on 2 sequences of 16 token ids drawn (seed 0) from the tokenizer's
-vocabulary. The conversion fails unless
+vocabulary, one after the other (only one fp32 model in memory). The conversion fails unless
   max |logits_megadiff - logits_hf| <= max_abs_diff * max(1, max |logits_megadiff|)
   fraction of positions with the same argmax >= top1_agreement
 with the thresholds below: EXACT when both sides hold the same weights, CAST when
@@ -52,11 +52,19 @@ def check_tokens(vocab_in_use: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compare_logits(megadiff_model, hf_model, vocab_in_use: int, thresholds: Thresholds) -> CheckResult:
-    """megadiff_model(ids) -> logits; hf_model(input_ids=ids).logits; both fp32, each on its own device."""
-    ids = check_tokens(vocab_in_use)
-    ours = megadiff_model(ids).float().cpu()
-    theirs = hf_model(input_ids=ids.to(hf_model.device)).logits.float().cpu()
+def megadiff_logits(model, vocab_in_use: int) -> torch.Tensor:
+    """The check's logits of a megadiff model (fp32, on any device), on the CPU."""
+    return model(check_tokens(vocab_in_use)).float().cpu()
+
+
+@torch.no_grad()
+def hf_logits(model, vocab_in_use: int) -> torch.Tensor:
+    """The check's logits of a Hugging Face model (fp32, on any device), on the CPU."""
+    return model(input_ids=check_tokens(vocab_in_use).to(model.device)).logits.float().cpu()
+
+
+def compare_logits(ours: torch.Tensor, theirs: torch.Tensor, thresholds: Thresholds) -> CheckResult:
+    """Each side's logits, computed with its model alone in memory (two fp32 models of 13B: 104 GB)."""
     if ours.shape != theirs.shape:
         raise ConversionError(f"check failed: megadiff logits {tuple(ours.shape)} vs Hugging Face "
                               f"{tuple(theirs.shape)}")

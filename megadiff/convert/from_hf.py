@@ -17,7 +17,7 @@ from rich.console import Console
 
 from megadiff.checkpoint.weights import save_model_weights
 from megadiff.config import Config, ModelConfig, padded_vocab_size, validate_config
-from megadiff.convert.check import compare_logits, thresholds_for
+from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, same_model, vocab_padding_multiple
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
@@ -93,27 +93,28 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     cfg = _megadiff_config(hf_dir, model_fields_from_hf(hf_config, hf_dir.path), hf_config.vocab_size, precision,
                            tokenizer_spec, console)
     dims = Dims.of(cfg.model, family)
-    model = build_single_process_model(single_process_config(cfg))
-    expected = {name: p for name, p in model.named_parameters()}
-    check_tensors(state, expected_hf_shapes(expected, dims), f"{hf_dir.path} (config.json)")
+    # the check's model holds the read tensors in fp32 (exactly: the checkpoint's may round them, --dtype)
+    checked = build_single_process_model(single_process_config(cfg, "fp32" if check else None))
+    check_tensors(state, expected_hf_shapes(dict(checked.named_parameters()), dims), f"{hf_dir.path} (config.json)")
     params = hf_to_megatron(state, dims, hf_dir.extras)
-    _load_parameters(model, params)
-    reference = model
-    if check and precision != "fp32":  # from the read tensors: the model may hold them rounded (--dtype)
-        reference = build_single_process_model(single_process_config(cfg, "fp32"))
-        _load_parameters(reference, params)
+    _load_parameters(checked, params)
     parameters = sum(p.numel() for p in params.values())
-    # the models hold their own copies now: the read tensors (a model and the merged QKV and fc1 weights,
-    # 44 GB for 13B in bf16) would stay beside the check's fp32 Hugging Face model
+    # `checked` holds its own copies now: the read tensors (a model and the merged QKV and fc1 weights,
+    # 44 GB for 13B in bf16) would stay beside it
     del state, params
     hf_dir.state.clear()
     hf_dir.extras.clear()
+    model = checked
+    if check and precision != "fp32":
+        model = build_single_process_model(single_process_config(cfg))
+        _load_parameters(model, dict(checked.named_parameters()))  # rounded as from the read tensors
     if check:  # before anything is written
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
-            result = compare_logits(CausalLM(reference, cfg), load_hf_model(hf_dir.path, family), vocab_in_use,
-                                    thresholds_for(family, hf_dtype, hf_dtype))
+            ours = megadiff_logits(CausalLM(checked, cfg), vocab_in_use)
+            del checked  # before the Hugging Face model is loaded
+            theirs = hf_logits(load_hf_model(hf_dir.path, family), vocab_in_use)
+            result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, hf_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
-    del reference  # its fp32 copy (when not the model itself) is not saved
     with step(console, f"writing {parameters:,} parameters to {out}"):
         save_model_weights([model], cfg, out)
     if hf_tokenizer is not None:

@@ -12,7 +12,7 @@ import torch
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import padded_vocab_size
-from megadiff.convert.check import compare_logits, thresholds_for
+from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
 from megadiff.convert.hf_layout import Dims, megatron_to_hf
@@ -57,7 +57,9 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
             if source_dtype != torch.float32:
                 del source  # free its (GPU) memory before the check's fp32 copy is loaded
                 source = load_checkpoint(checkpoint_dir, dtype=torch.float32)
-            result = compare_logits(source, load_hf_model(out, hf_config.model_type), tokenizer.vocab_size,
-                                    thresholds_for(family, source_dtype, target_dtype))
+            ours = megadiff_logits(source, tokenizer.vocab_size)
+            del source  # before the Hugging Face model is loaded
+            theirs = hf_logits(load_hf_model(out, hf_config.model_type), tokenizer.vocab_size)
+            result = compare_logits(ours, theirs, thresholds_for(family, source_dtype, target_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
     return out
