@@ -315,13 +315,16 @@ def test_an_exported_model_reports_the_checkpoints_losses(run, tmp_path, capsys)
     assert "attends across documents" in capsys.readouterr().err
 
 
-def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path):
-    """Granite divides its logits by logits_scaling after the head: --hf's chunked losses and chosen
-    logits are those of the model's forward."""
+def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkeypatch):
+    """Granite divides its logits by logits_scaling after the head: --hf's chunked losses (three chunks
+    of 4 positions here) and chosen logits are those of the model's forward."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
+    from megadiff.inference import hf_model
     from megadiff.inference.hf_model import HFCausalLM
     from tests.convert_worker import build_tokenizer
+
+    monkeypatch.setattr(hf_model, "LOSS_CHUNK_TOKENS", 8)  # 4 positions of the 2 rows
 
     torch.manual_seed(0)
     hf = GraniteForCausalLM(GraniteConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
