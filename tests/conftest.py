@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,19 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 SMALL_VOCAB = 512
+
+
+@pytest.fixture(autouse=True)
+def seeded_generators(request):
+    """Each test draws the same numbers on every run (torch seeds its default generator at random here):
+    a tolerance an unlucky draw can exceed fails every time, where it can be seen, not one run in twenty."""
+    import numpy
+    import torch
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def kjv_verses() -> list[str]:
