@@ -301,9 +301,21 @@ def _quiet_library_warnings() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """build_parser()'s parse_args, but overrides may also come after options (`params CONFIG --world-size 64
+    parallel.tensor=2`): argparse ends a command's positionals at its first option and refuses the rest."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and not any(item.startswith("-") for item in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_library_warnings()
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     from megadiff.config import ConfigError
     from megadiff.errors import MegadiffError
     try:

@@ -13,3 +13,19 @@ def test_version_is_the_installed_distributions(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"megadiff {version('megadiff')}"
+
+
+def test_overrides_may_follow_a_commands_options(capsys):
+    """`params CONFIG --world-size 64 parallel.tensor=2`: argparse alone refused the override after the
+    option; an unknown option is still refused."""
+    from megadiff.cli import parse_arguments
+
+    args = parse_arguments(["params", "cfg.yaml", "a.b=1", "--world-size", "64", "parallel.tensor=2", "--fit", "80",
+                            "train.seed=3"])
+    assert (args.config, args.world_size, args.fit) == ("cfg.yaml", 64, 80)
+    assert args.overrides == ["a.b=1", "parallel.tensor=2", "train.seed=3"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(["params", "cfg.yaml", "--wrld-size", "64", "parallel.tensor=2"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --wrld-size 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_arguments(["convert", "to-hf", "--load", "run", "--save", "hf", "stray"])  # no overrides there
