@@ -118,19 +118,23 @@ def test_generation_blocks_say_which_text_is_the_assistants(tmp_path):
 
 def test_the_tulu_template_renders_open_instructs_format(tmp_path, small_tokenizer_dir):
     """configs/chat/tulu.jinja (configs/adapt/daa.yaml's) writes what open-instruct's Tulu 2 encoder
-    concatenates, and the loss falls on each assistant's content, its EOS and the newline after it."""
-    sources = write_conversations(tmp_path / "src", CONVERSATIONS)
+    concatenates (contents stripped), and the loss falls on each assistant's content, its EOS and the
+    newline after it."""
+    conversations = CONVERSATIONS + [[{"role": "user", "content": "  Padded?\n"},
+                                      {"role": "assistant", "content": " Yes, padded. \n\n"}]]
+    sources = write_conversations(tmp_path / "src", conversations)
     prepare(build_config({}, chat_overrides(sources, tmp_path / "tulu", str(small_tokenizer_dir),
                                             template=str(Path(CHATML).with_name("tulu.jinja")))).data)
     tokenizer = load_tokenizer(str(small_tokenizer_dir))
     eos = tokenizer.hf.eos_token
 
     def rendering(messages: list[dict]) -> str:
-        return "".join(f"<|{m['role']}|>\n{m['content']}{eos if m['role'] == 'assistant' else ''}\n"
+        return "".join(f"<|{m['role']}|>\n{m['content'].strip()}{eos if m['role'] == 'assistant' else ''}\n"
                        for m in messages)
 
-    assert_documents(tmp_path / "tulu", tokenizer, CONVERSATIONS, rendering,
-                     lambda messages: "".join(f"{m['content']}{eos}\n" for m in messages if m["role"] == "assistant"))
+    assert_documents(tmp_path / "tulu", tokenizer, conversations, rendering,
+                     lambda messages: "".join(f"{m['content'].strip()}{eos}\n" for m in messages
+                                              if m["role"] == "assistant"))
 
 
 def smollm2_tokenizer(directory: Path) -> Path:
