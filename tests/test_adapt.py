@@ -169,6 +169,8 @@ def test_adapted_attention_matches_naive_per_head_formula(arch, variant):
                 for b in range(x.shape[0]):
                     torch.testing.assert_close(output[b], naive_attention(layer.self_attn, hidden[b], theta),
                                                rtol=1e-6, atol=1e-6)
+    attention = model.model.layers[0].self_attn  # its adapted heads' index goes to the device once, not per use
+    assert attention._head_index(x.device) is attention._head_index(x.device)
 
 
 def naive_entropy(model, batches):

@@ -28,7 +28,14 @@ def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):
     assert report_path.with_suffix(".md").read_text().count("| diff-") == 2
 
 
-def test_document_rows_count_the_flops_of_their_documents(bench, tmp_path):
+def test_document_rows_count_the_flops_of_their_documents(bench, tmp_path, monkeypatch):
+    """Document-masked rows count their documents' FLOPs, and hand every timed call the same boundaries,
+    as a micro-batch does its layers: the fused kernel reads a tensor's document bounds once, so a new
+    tensor per call would time that read at every call."""
+    boundaries = set()
+    attention = bench.differential_attention
+    monkeypatch.setattr(bench, "differential_attention", lambda *args, cu_seqlens=None, **kwargs:
+                        boundaries.add(id(cu_seqlens)) or attention(*args, cu_seqlens=cu_seqlens, **kwargs))
     assert bench.main(["--device", "cpu", "--small", "--backends", "sdpa", "--dtype", "float32", "--documents", "16",
                        "--out-dir", str(tmp_path)]) == 0
     rows = {r["method"]: r for r in json.loads(next(tmp_path.glob("attention-*.json")).read_text())["rows"]}
@@ -36,6 +43,7 @@ def test_document_rows_count_the_flops_of_their_documents(bench, tmp_path):
     assert masked["status"] == "ok" and masked["document_length"] == 16
     n = whole["seq"]  # 4 causal documents of 16 instead of one of 64: 4 x 16 x 17 / 2 pairs of 64 x 65 / 2
     assert masked["fwd_bwd_gflop"] / whole["fwd_bwd_gflop"] == pytest.approx(4 * 16 * 17 / (n * (n + 1)))
+    assert len(boundaries) == 2  # None (the whole sequences) and the documents' one tensor
     with pytest.raises(SystemExit):
         bench.parse_args(["--small", "--documents", "24"])  # 64 tokens are not whole documents of 24
 

@@ -92,8 +92,13 @@ class AdaptedAttention(nn.Module):
         return type(self)._rotary(x, x, cos, sin)[0]
 
     def _head_index(self, device: torch.device) -> torch.Tensor:
-        # built on use: a buffer would be left on the meta device by from_pretrained
-        return torch.tensor(self.adapter_heads, device=device, dtype=torch.long)
+        # built on first use on a device (a buffer would be left on the meta device by from_pretrained) and
+        # kept: each host-to-GPU copy waits for the GPU's queue, and a forward needs it 1-3 times a layer
+        index = self.__dict__.get("_adapter_head_index")
+        if index is None or index.device != torch.device(device):
+            index = torch.tensor(self.adapter_heads, dtype=torch.long).to(device)
+            self.__dict__["_adapter_head_index"] = index
+        return index
 
     def _subtract_on_heads(self, first, second, lam, dim: int):
         """first - lam * second on the adapted heads (tensor dim `dim`), first elsewhere."""

@@ -84,8 +84,9 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
         outputs.append(result)
     if integral:
         batch, seq = k1.shape[:2]
-        starts = (torch.zeros(batch, seq, dtype=torch.long) if spans is None
-                  else document_bounds(spans)[0]).to(outputs[0].device)
+        device = outputs[0].device  # zeros made there: a copy from the host would wait for the GPU, every layer
+        starts = (torch.zeros(batch, seq, dtype=torch.long, device=device) if spans is None
+                  else document_bounds(spans)[0].to(device))
         outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, q1.shape[0] // 2)
     return torch.cat(outputs, dim=1)
 
