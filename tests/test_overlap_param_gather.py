@@ -9,6 +9,7 @@ import torch
 
 from megadiff.inference import load_checkpoint
 from megadiff.observability.metrics import read_metrics
+from tests.distributed import run_ranks
 from tests.pretrain_runs import run_pretrain, tiny_overrides
 
 DP2 = ["parallel.distributed_optimizer=true", "train.iters=3", "logging.log_interval=1"]
@@ -41,3 +42,28 @@ def test_logged_lambdas_are_the_updated_ones(runs):
     plain = lambdas(runs["plain"])
     assert len(plain) == 3
     assert lambdas(runs["overlap"]) == [pytest.approx(layers, rel=1e-6) for layers in plain]
+
+
+def _check_who_dispatches_the_gathers(rank: int, world_size: int, overrides: list[str], by_schedule: bool) -> None:
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, shutdown
+    from megadiff.training.engine import build_engine
+
+    cfg = build_config({}, overrides, world_size)
+    initialize(cfg.parallel, seed=1)
+    engine = build_engine(cfg)
+    assert [chunk.ddp_config.align_param_gather for chunk in engine.model] == [by_schedule] * len(engine.model)
+    assert (engine.config.param_sync_func is not None) == by_schedule
+    shutdown()
+
+
+@pytest.mark.parametrize("world_size,layout,by_schedule", [
+    (1, [], False), (2, ["parallel.pipeline=2"], False),
+    (2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4"], True)])
+def test_only_the_interleaved_schedule_dispatches_the_gathers(small_tokenizer_dir, tmp_path, world_size, layout,
+                                                             by_schedule):
+    """megatron's forward pre-hooks prefetch the next bucket's all-gather, unless align_param_gather says
+    the schedule dispatches them, which only the interleaved one does: aligned under 1F1B or without a
+    pipeline (the 3B recipe), every bucket's gather waited in the forward, none overlapped."""
+    overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + DP2[:1] + OVERLAP + layout
+    run_ranks(world_size, _check_who_dispatches_the_gathers, overrides, by_schedule)

@@ -43,6 +43,11 @@ class Engine:
 
 def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> list:
     parallel = cfg.parallel
+    # only the interleaved schedule dispatches each chunk's parameter all-gather (config.param_sync_func);
+    # under the others megatron's forward pre-hooks prefetch the next bucket's, unless told the schedule
+    # does (align_param_gather: then every bucket's gather waited in the forward, none overlapped).
+    # megatron's own arguments turn align_param_gather off for the non-interleaved schedules
+    schedule_gathers = parallel.overlap_param_gather and parallel.virtual_pipeline is not None
     if config.bf16 or config.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
@@ -50,9 +55,7 @@ def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> 
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
         use_distributed_optimizer=parallel.distributed_optimizer,
-        # the schedules dispatch each chunk's gather (config.param_sync_func below); without this
-        # the forward pre-hooks would dispatch the next bucket's again
-        align_param_gather=parallel.overlap_param_gather,
+        align_param_gather=schedule_gathers,
     )
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                        # megatron buckets only the first chunk when overlapping
@@ -63,7 +66,7 @@ def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> 
     if parallel.overlap_grad_reduce:
         sync = [chunk.start_grad_sync for chunk in wrapped]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
-    if parallel.overlap_param_gather:
+    if schedule_gathers:
         sync = [chunk.start_param_sync for chunk in wrapped]
         config.param_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
