@@ -155,3 +155,29 @@ def test_pretraining_and_evaluation_mask_the_corpus_documents(small_tokenizer_di
         assert scores[setting]["document_masking"] == (setting == "true")
     assert scores["true"]["loss"] == pytest.approx(validation, rel=1e-5)
     assert abs(scores["false"]["loss"] - validation) > 1e-4
+
+
+def test_what_documents_give_is_derived_once_per_tensor_for_a_few_tensors():
+    """A context-parallel layer's two query chunks bring a cu_seqlens each, layer after layer: both keep
+    what was derived from them (the fused kernel's bounds, the chunks' documents), up to four tensors."""
+    from megadiff.ops.documents import DerivedPerTensor
+
+    derived, made = DerivedPerTensor(tensors=4), []
+    tensors = [torch.tensor([0, 3, 8]) for _ in range(5)]
+
+    def value(index: int, key: str):
+        return derived(tensors[index], key, lambda: made.append((index, key)) or (index, key))
+
+    for _ in range(3):  # layers
+        assert value(0, "bounds") == (0, "bounds") and value(1, "bounds") == (1, "bounds")
+    assert value(0, "starts") == (0, "starts")
+    assert made == [(0, "bounds"), (1, "bounds"), (0, "starts")]
+    for index in (2, 3, 4):  # a fifth tensor: the least recently added goes
+        value(index, "bounds")
+    value(1, "bounds")
+    assert made[-1] == (4, "bounds")
+    value(0, "bounds")
+    assert made[-1] == (0, "bounds")
+    tensors[1][1] = 4  # modified in place: derived anew
+    value(1, "bounds")
+    assert made[-1] == (1, "bounds") and len(made) == 8

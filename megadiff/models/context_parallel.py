@@ -17,7 +17,9 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from megadiff.ops import differential_attention, softmax_attention
 from megadiff.ops.common import document_counts, lambda_per_head, sum_since
-from megadiff.ops.documents import document_bounds, document_spans, one_document_each, prefix_cu_seqlens
+from megadiff.ops.documents import (
+    DerivedPerTensor, document_bounds, document_spans, one_document_each, prefix_cu_seqlens,
+)
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -35,6 +37,20 @@ def _gather_in_sequence_order(local: torch.Tensor, group, cp_size: int) -> torch
     return torch.cat([chunks[i] for i in order], dim=0)
 
 
+# what a micro-batch's documents give every layer: read once (a host sync on CUDA), not per layer and chunk
+_derived = DerivedPerTensor()
+
+
+def _chunk_documents(cu_seqlens, batch: int, seq: int, ends: tuple[int, ...]):
+    """(The documents' spans, the cu_seqlens of the keys up to each end as tensors), or None for one
+    document per sample (plain causal attention). The tensors stay the same for every layer, so the
+    fused kernel reads their bounds once."""
+    spans = document_spans(cu_seqlens, batch, seq)
+    if one_document_each(spans):
+        return None
+    return spans, [torch.tensor(prefix_cu_seqlens(spans, end), dtype=torch.int32) for end in ends]
+
+
 def _gathered_context(keys: tuple[torch.Tensor, ...], query_length: int, cu_seqlens):
     """The whole sequences' `keys` (K and V, [s_local, b, ...] each) gathered as [b, S, ...], the
     documents' spans (None for one document per sample), and, per local query chunk, (its rows,
@@ -43,15 +59,14 @@ def _gathered_context(keys: tuple[torch.Tensor, ...], query_length: int, cu_seql
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     gathered = [_gather_in_sequence_order(t, group, cp_size).transpose(0, 1) for t in keys]
     batch, seq = gathered[0].shape[:2]
-    spans = None if cu_seqlens is None else document_spans(cu_seqlens, batch, seq)
-    if spans is not None and one_document_each(spans):
-        spans = None  # one document per sample: plain causal attention
     chunk = query_length // 2
-    pieces = []
-    for local, global_chunk in enumerate(rank_chunks(cp_rank, cp_size)):
-        end = (global_chunk + 1) * chunk  # the chunk's queries are the last of the keys up to its end
-        pieces.append((slice(local * chunk, (local + 1) * chunk), end,
-                       None if spans is None else prefix_cu_seqlens(spans, end)))
+    # each chunk's queries are the last of the keys up to its end
+    ends = tuple((global_chunk + 1) * chunk for global_chunk in rank_chunks(cp_rank, cp_size))
+    documents = None if cu_seqlens is None else _derived(
+        cu_seqlens, ("chunks", batch, seq, ends), lambda: _chunk_documents(cu_seqlens, batch, seq, ends))
+    spans, prefixes = documents if documents is not None else (None, [None] * len(ends))
+    pieces = [(slice(local * chunk, (local + 1) * chunk), end, prefix)
+              for local, (end, prefix) in enumerate(zip(ends, prefixes))]
     return gathered, spans, pieces
 
 
@@ -84,9 +99,9 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
         outputs.append(result)
     if integral:
         batch, seq = k1.shape[:2]
-        device = outputs[0].device  # zeros made there: a copy from the host would wait for the GPU, every layer
+        device = outputs[0].device  # made there, or copied once: a copy from the host waits for the GPU
         starts = (torch.zeros(batch, seq, dtype=torch.long, device=device) if spans is None
-                  else document_bounds(spans)[0].to(device))
+                  else _derived(cu_seqlens, ("starts", device), lambda: document_bounds(spans)[0].to(device)))
         outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, q1.shape[0] // 2)
     return torch.cat(outputs, dim=1)
 

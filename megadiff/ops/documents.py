@@ -11,11 +11,39 @@ boundary run as one call.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import weakref
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 Span = tuple[int, int]
+
+
+class DerivedPerTensor:
+    """Values derived from the last few cu_seqlens tensors seen, by key. Every layer of a micro-batch
+    masks the same documents: reading their bounds (a host sync on CUDA) and copying what is made of
+    them to the device happens once per micro-batch, not once per layer. A weak reference and the
+    tensor's version make a new or modified tensor derive anew; lists and inference tensors (no
+    version counter) derive each time. Several tensors: a context-parallel layer's two query chunks
+    have cu_seqlens of their own."""
+
+    def __init__(self, tensors: int = 4):
+        self._tensors = tensors
+        self._recent: list[tuple[weakref.ref, int, dict]] = []
+
+    def __call__(self, cu_seqlens, key: Hashable, make: Callable[[], Any]) -> Any:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_inference():
+            return make()
+        derived = next((values for source, version, values in self._recent
+                        if source() is cu_seqlens and version == cu_seqlens._version), None)
+        if derived is None:
+            derived = {}
+            kept = [entry for entry in self._recent if entry[0]() is not None and entry[0]() is not cu_seqlens]
+            self._recent = kept[max(0, len(kept) + 1 - self._tensors):] + [
+                (weakref.ref(cu_seqlens), cu_seqlens._version, derived)]
+        if key not in derived:
+            derived[key] = make()
+        return derived[key]
 
 
 def document_spans(cu_seqlens: Sequence[int] | torch.Tensor, batch: int, seq_len: int) -> list[list[Span]]:

@@ -17,8 +17,6 @@ triton is first imported) -- how the tests exercise it.
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 from megadiff.ops.common import (
     TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean, triton_fits,
 )
-from megadiff.ops.documents import document_bounds, document_lengths, document_spans
+from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward
 from megadiff.ops.triton_fwd import (
     INTERPRETED, Documents, KernelConfig, attention_maps_forward, shared_layout,
@@ -78,27 +76,7 @@ def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | 
     return suffix[:, :-1] - after
 
 
-class _DocumentsOfLastTensor:
-    """Documents made from the last cu_seqlens tensor seen, by shape. Every layer of a micro-batch masks
-    the same documents: reading their bounds (a host sync) and copying them to the device happens once
-    per micro-batch and shape, not once per layer. A weak reference and the tensor's version make a new
-    or modified tensor read anew. Lists (a context-parallel chunk's documents) and inference tensors (no
-    version counter) are read each time."""
-
-    def __init__(self):
-        self._source, self._version, self._by_shape = (lambda: None), None, {}
-
-    def __call__(self, cu_seqlens, shape: tuple, make: Callable[[], Documents]) -> Documents:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_inference():
-            return make()
-        if self._source() is not cu_seqlens or self._version != cu_seqlens._version:
-            self._source, self._version, self._by_shape = weakref.ref(cu_seqlens), cu_seqlens._version, {}
-        if shape not in self._by_shape:
-            self._by_shape[shape] = make()
-        return self._by_shape[shape]
-
-
-_documents_of_last_tensor = _DocumentsOfLastTensor()
+_documents_of_tensors = DerivedPerTensor()  # read once per micro-batch, not once per layer
 
 
 def _documents(cu_seqlens, causal: bool, q: torch.Tensor, k: torch.Tensor) -> Documents:
@@ -109,7 +87,7 @@ def _documents(cu_seqlens, causal: bool, q: torch.Tensor, k: torch.Tensor) -> Do
         starts, ends = document_bounds(document_spans(cu_seqlens, k.shape[0], n_k))
         return Documents(*(t.to(device=q.device, dtype=torch.int32).contiguous()
                            for t in (starts[:, n_k - n_q:], ends)))
-    return _documents_of_last_tensor(cu_seqlens, (k.shape[0], n_q, n_k, q.device), make)
+    return _documents_of_tensors(cu_seqlens, (k.shape[0], n_q, n_k, q.device), make)
 
 
 class _DifferentialAttention(torch.autograd.Function):
