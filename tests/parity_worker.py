@@ -119,9 +119,9 @@ def full_gradients(engine) -> dict[str, torch.Tensor]:
 
 
 def run_layout(rank: int, world_size: int, layout: str, out_path: str, steps: int, break_replicated_grads: bool):
-    if break_replicated_grads:  # negative control: drop the TP all-reduce of lambda / head-norm gradients
-        from megadiff.models.differential_attention import DifferentialCoreAttention
-        DifferentialCoreAttention._replicated = lambda self, param: param
+    if break_replicated_grads:  # negative control: drop the TP sum of lambda / head-norm gradients
+        import megadiff.training.engine as engine_module
+        engine_module.sum_partial_gradients = lambda model_chunks: None
     results = {}
     _, overrides = LAYOUTS[layout]
     for variant, variant_overrides in VARIANTS.items():

@@ -9,13 +9,35 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core import parallel_state
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megadiff.models.context_parallel import context_parallel_differential_attention
 from megadiff.models.documents import packed_documents
 from megadiff.ops import IntegralCarry, depth_lambda_init, differential_attention, reparameterized_lambda
+
+
+# lambda's vectors and the head-norm weight are replicated over the tensor-parallel ranks, each of which
+# computes their gradient from its own heads only: the ranks' gradients are summed once per step
+PARTIAL_GRADIENT = "tensor_parallel_partial_gradient"
+
+
+def sum_partial_gradients(model_chunks: list) -> None:
+    """After megatron's finalize_model_grads: one coalesced all-reduce over the tensor-parallel group of
+    the gradients each rank holds a part of (copying the parameters into the tensor-parallel region
+    all-reduced them one by one, five per layer per micro-batch)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [param.main_grad for chunk in model_chunks for param in chunk.parameters()
+             if getattr(param, PARTIAL_GRADIENT, False) and param.requires_grad]
+    if grads:
+        summed = _flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(summed, group=group)
+        for grad, total in zip(grads, _unflatten_dense_tensors(summed, grads)):
+            grad.copy_(total)
 
 
 def layer_lambda_init(lambda_init: str | float, layer_number: int) -> float:
@@ -41,6 +63,8 @@ class DifferentialCoreAttention(MegatronModule):
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             torch.nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32)) for _ in range(4))
         self.head_norm_weight = torch.nn.Parameter(torch.ones(2 * self.head_dim, dtype=config.params_dtype))
+        for param in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.head_norm_weight):
+            setattr(param, PARTIAL_GRADIENT, True)
         self.head_norm_eps = config.layernorm_epsilon
         # set by single-process inference only (the DIFF paper's Figure 8): attention logits quantized to
         # these bits (megadiff.inference.harness)
@@ -54,14 +78,8 @@ class DifferentialCoreAttention(MegatronModule):
             for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
                 vector.normal_(mean=0.0, std=self.config.lambda_std)
 
-    def _replicated(self, param: torch.Tensor) -> torch.Tensor:
-        # These parameters are replicated across tensor-parallel ranks but each rank only sees
-        # its own heads: all-reducing their gradient (backward of this identity) keeps ranks equal.
-        return copy_to_tensor_model_parallel_region(param)
-
     def current_lambda(self) -> torch.Tensor:
-        vectors = [self._replicated(p) for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)]
-        return reparameterized_lambda(*vectors, self.lambda_init)
+        return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -84,6 +102,6 @@ class DifferentialCoreAttention(MegatronModule):
             out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,
                                          softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=documents,
                                          logit_bits=self.attention_logit_bits, integral_carry=self.integral_carry)
-        weight = self._replicated(self.head_norm_weight)
-        out = F.rms_norm(out.float(), (2 * d,), weight.float(), self.head_norm_eps) * (1.0 - self.lambda_init)
+        out = F.rms_norm(out.float(), (2 * d,), self.head_norm_weight.float(), self.head_norm_eps)
+        out = out * (1.0 - self.lambda_init)
         return out.to(query.dtype).transpose(0, 1).reshape(seq, batch, -1)

@@ -13,6 +13,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megadiff.config import Config
 from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
+from megadiff.models.differential_attention import sum_partial_gradients
 
 
 @dataclass
@@ -39,6 +40,12 @@ class Engine:
             inner = chunk.module
             chunks.append(inner.module if isinstance(inner, Float16Module) else inner)
         return chunks
+
+
+def _finalize_model_grads(model: list, *args, **kwargs) -> None:
+    """megatron's, then the differential layers' tensor-parallel gradient sums (once per step)."""
+    finalize_model_grads(model, *args, **kwargs)
+    sum_partial_gradients(model)
 
 
 def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> list:
@@ -69,7 +76,7 @@ def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> 
     if schedule_gathers:
         sync = [chunk.start_param_sync for chunk in wrapped]
         config.param_sync_func = sync[0] if len(sync) == 1 else sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_model_grads
     return wrapped
 
 
