@@ -43,7 +43,6 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.lr_decay_style=wsd", "train.iters=100", "train.lr_warmup_iters=10", "train.lr_wsd_decay_iters=91"],
      "train.lr_wsd_decay_iters: 91 is longer than the schedule after its warmup \\(90"),
     (["train.lr_wsd_decay_iters=10"], "train.lr_wsd_decay_iters: only used with train.lr_decay_style=wsd"),
-    (["train.skip_spike_sigma=6", "train.precision=fp16"], "train.skip_spike_sigma: not with train.precision=fp16"),
     (["train.spike_window=1"], "train.spike_window"),
     (["train.precision=fp8"], "train.precision"),
     (["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather"),

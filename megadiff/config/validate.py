@@ -175,9 +175,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
     _validate_wsd(train)
-    if train.skip_spike_sigma and train.precision == "fp16":
-        _fail("train.skip_spike_sigma", "not with train.precision=fp16: the guard reads the gradient norm before "
-              "the update, which would advance fp16's loss scaler twice per step; use bf16")
     if train.eval_interval and split_shares(cfg.data.split)[1] == 0:
         _fail("train.eval_interval", f"data.split {cfg.data.split!r} leaves no validation documents; give the "
               "valid split a share (e.g. 949,50,1) or set train.eval_interval=null")

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -102,25 +103,39 @@ def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, f
     return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
 
 
-# gradient elements tested at once: isfinite's temporaries take ~7 bytes an element, ~45 GB for the
-# gradient buffer of a 13B model at TP2 tested whole
-FINITE_CHECK_ELEMENTS = 1 << 26
+def _clip_gradients(optimizer, grad_norm: float) -> None:
+    """Scale the main gradients down to train.clip_grad by the global norm already taken, as megatron's
+    step clips each (chained) optimizer's parameters by the one norm it takes itself."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        config = inner.config
+        parameters = [] if config.clip_grad <= 0 or getattr(inner, "is_stub_optimizer", False) \
+            else inner.get_parameters()
+        if parameters:
+            clip_grad_by_total_norm_fp32(parameters, config.clip_grad, grad_norm,
+                                         config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
-def gradients_finite(engine: Engine) -> bool:
-    """Every reduced gradient this rank holds finite, tested a slice at a time (one host sync)."""
-    flags = [torch.isfinite(piece).all() for chunk in engine.model for buffer in chunk.buffers
-             for piece in buffer.grad_data.split(FINITE_CHECK_ELEMENTS)]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def _all_finite(engine: Engine, loss: float, gradients: bool) -> bool:
-    """Loss (and with `gradients`, every reduced gradient) finite, agreed by all ranks (each may hold
-    other gradients)."""
-    finite = math.isfinite(loss) and (not gradients or gradients_finite(engine))
-    flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=engine.model[0].buffers[0].grad_data.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not bool(flag.item())
+def _update(engine: Engine, loss: float, spike_guard: SpikeGuard | None) -> StepResult:
+    """megatron's optimizer step, taken apart so that the one gradient norm it takes anyway also finds
+    non-finite gradients and spikes: no other pass over the gradients, no other collective. The norm is
+    reduced over every rank that holds a part of the gradients (the world under the distributed
+    optimizer; data-parallel ranks otherwise hold the same reduced gradients), so all ranks decide alike."""
+    optimizer = engine.optimizer
+    # fp16's loss scaler finds overflowing gradients itself: it skips their update and lowers the scale.
+    # At its lowest scale it can lower nothing: gradients still not finite there are a NaN step's
+    lowers_scale = engine.cfg.train.precision == "fp16" and \
+        float(optimizer.get_loss_scale()) > optimizer.config.min_loss_scale
+    if optimizer.prepare_grads():  # main gradients copied (fp16: unscaled, checked, the scale updated)
+        return StepResult(loss=loss, grad_norm=None, updated=False, overflow=lowers_scale)
+    grad_norm = float(optimizer.get_grad_norm())
+    # a NaN or inf anywhere makes the norm so (as do gradients whose norm overflows fp32): an update
+    # from them would poison every weight
+    if not math.isfinite(grad_norm):
+        return StepResult(loss=loss, grad_norm=None, updated=False)
+    if spike_guard is not None and spike_guard.is_spike(loss, grad_norm):
+        return StepResult(loss=loss, grad_norm=grad_norm, updated=False, spike=True)
+    _clip_gradients(optimizer, grad_norm)
+    return StepResult(loss=loss, grad_norm=grad_norm, updated=bool(optimizer.step_with_ready_grads()))
 
 
 def train_step(engine: Engine, data_iterator, num_microbatches: int,
@@ -135,20 +150,8 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
         chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
     loss = run_forward_backward(engine, data_iterator, num_microbatches)
-    # fp16's loss scaler finds overflowing gradients itself: it skips their update and lowers the scale,
-    # which it would never do for a step skipped here (every later step would overflow again). At its
-    # lowest scale it can lower nothing: gradients still not finite there are a NaN step's.
-    scaled = engine.cfg.train.precision == "fp16" and \
-        float(engine.optimizer.get_loss_scale()) > engine.optimizer.config.min_loss_scale
-    if not _all_finite(engine, loss, gradients=not scaled):  # an update from NaN/inf gradients would poison every weight
+    if not math.isfinite(loss):  # the same on every rank
         return StepResult(loss=loss, grad_norm=None, updated=False)
     if before_update is not None:
         before_update(engine)
-    if spike_guard is not None:
-        engine.optimizer.prepare_grads()  # the main gradients for the norm; step() copies them again
-        grad_norm = float(engine.optimizer.get_grad_norm())
-        if spike_guard.is_spike(loss, grad_norm):
-            return StepResult(loss=loss, grad_norm=grad_norm, updated=False, spike=True)
-    updated, grad_norm, _ = engine.optimizer.step()
-    return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm), updated=bool(updated),
-                      overflow=scaled and not updated)
+    return _update(engine, loss, spike_guard)

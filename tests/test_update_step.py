@@ -1,0 +1,132 @@
+"""The step's update against megatron's own `optimizer.step()`, and how non-finite gradients skip it.
+
+train_step takes megatron's step apart so that its one gradient norm also finds non-finite gradients
+and spikes: the weights it writes must be exactly those of megatron's step, and a NaN held by one
+rank alone must stop the update on every rank.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.parity_worker import MODEL, SEED, global_micro_batches, layout_independent_weights
+
+# clip_grad small enough that every step is clipped
+CLIPPED = MODEL + ["model.variant=diff", "train.clip_grad=0.05"]
+
+
+def _engine(overrides: list[str], world_size: int):
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize
+    from megadiff.training.engine import build_engine, build_optimizer
+
+    cfg = build_config({}, CLIPPED + overrides, world_size)
+    initialize(cfg.parallel, SEED)
+    engine = build_engine(cfg)
+    layout_independent_weights(engine.unwrapped(), SEED)
+    engine.optimizer = build_optimizer(cfg, engine.config, engine.model)  # its fp32 copies see the new weights
+    return engine
+
+
+def _my_batches(engine, step: int) -> list[dict]:
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    return global_micro_batches(engine.cfg, step)[parallel_state.get_data_parallel_rank()::dp]
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in engine.unwrapped() for p in chunk.parameters()]
+
+
+def _megatron_step(engine, batches: list[dict]) -> tuple[float, float]:
+    from megadiff.training.step import run_forward_backward
+
+    for chunk in engine.model:
+        chunk.zero_grad_buffer()
+    engine.optimizer.zero_grad()
+    loss = run_forward_backward(engine, iter(batches), len(batches))
+    updated, grad_norm, _ = engine.optimizer.step()
+    assert updated
+    return loss, float(grad_norm)
+
+
+def _poison_last_rank(engine) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == dist.get_world_size() - 1:
+        for chunk in engine.unwrapped():
+            for param in chunk.parameters():
+                param.main_grad.fill_(float("nan"))
+
+
+def _worker(rank: int, world_size: int, overrides: list[str], out: str) -> None:
+    from megadiff.parallel import shutdown
+    from megadiff.training.step import train_step
+
+    ours, theirs = _engine(overrides, world_size), _engine(overrides, world_size)
+    record = {"steps": []}
+    for step in range(2):
+        batches = _my_batches(ours, step)
+        result = train_step(ours, iter(batches), len(batches))
+        record["steps"].append(((result.loss, result.grad_norm, result.updated), _megatron_step(theirs, batches)))
+    record["params"] = list(zip(_params(ours), _params(theirs)))
+
+    poisoned = _engine(overrides, world_size)
+    before = _params(poisoned)
+    batches = _my_batches(poisoned, 0)
+    result = train_step(poisoned, iter(batches), len(batches), _poison_last_rank)
+    record["poisoned"] = (result.updated, all(torch.equal(a, b) for a, b in zip(before, _params(poisoned))))
+    shutdown()
+    torch.save(record, f"{out}.{rank}")
+
+
+LAYOUTS = {
+    "single_fp32": (1, []),
+    "single_bf16": (1, ["train.precision=bf16"]),
+    # each rank's norm holds half the terms; the NaN sits in the last rank's half alone
+    "dp2_distopt_bf16": (2, ["train.precision=bf16", "parallel.distributed_optimizer=true"]),
+    "tp2": (2, ["parallel.tensor=2"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_update_is_megatrons_step_and_a_nan_on_one_rank_skips_all(tmp_path, layout):
+    world_size, overrides = LAYOUTS[layout]
+    run_ranks(world_size, _worker, overrides, str(tmp_path / "record"))
+    for rank in range(world_size):
+        record = torch.load(tmp_path / f"record.{rank}")
+        for (loss, grad_norm, updated), (their_loss, their_norm) in record["steps"]:
+            assert updated and loss == their_loss and grad_norm == their_norm
+            assert grad_norm > 0.05 * 2  # clipped
+        for mine, theirs in record["params"]:
+            assert torch.equal(mine, theirs)
+        assert record["poisoned"] == (False, True), f"rank {rank}: (updated, weights unchanged)"
+
+
+def _fp16_worker(rank: int, world_size: int, out: str) -> None:
+    from megadiff.parallel import shutdown
+    from megadiff.training.spikes import SpikeGuard
+    from megadiff.training.step import train_step
+
+    scales = {}
+    for guarded in (False, True):
+        engine = _engine(["train.precision=fp16"], world_size)
+        guard = SpikeGuard(sigma=1e6, window=2)  # judges from the third step, never spikes if guarded else None
+        scales[guarded] = []
+        for step in range(6):
+            batches = _my_batches(engine, step)
+            result = train_step(engine, iter(batches), len(batches), spike_guard=guard)
+            scales[guarded].append((float(engine.optimizer.get_loss_scale()), result.overflow, result.loss))
+    shutdown()
+    torch.save(scales, out)
+
+
+def test_fp16_loss_scale_moves_once_per_step_under_the_spike_guard(tmp_path):
+    """The guard reads the norm the step takes: fp16's scaler sees each step once, as without it."""
+    run_ranks(1, _fp16_worker, str(tmp_path / "scales.pt"))
+    scales = torch.load(tmp_path / "scales.pt")
+    assert scales[True] == scales[False]
+    assert [overflow for _, overflow, _ in scales[False]][:2] == [True, True]  # starting at 2^32
