@@ -1,7 +1,8 @@
 """Overlapped parameter all-gather (parallel.overlap_param_gather, the 3B recipe's setting): megatron's
-optimizer step then leaves the gather of the updated weights to the next forward, so everything
-that reads weights between a step and that forward (checkpoints, lambda logging) must gather
-first. A DP=2 run with the overlap must save and log exactly what the same run without it does."""
+optimizer step then leaves the gather of the updated weights to the next forward, so what reads
+weights between a step and that forward (a checkpoint) must gather first, and what is logged
+(lambda) must come from the forward. A DP=2 run with the overlap must save and log exactly what the
+same run without it does."""
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,7 @@ def test_checkpoint_holds_the_updated_weights(runs):
 
 
 @pytest.mark.slow
-def test_logged_lambdas_are_the_updated_ones(runs):
+def test_logged_lambdas_are_those_without_the_overlap(runs):
     def lambdas(output_dir):
         return [record["lambda"] for record in read_metrics(output_dir) if "lambda" in record]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megadiff.analysis.scaling import run_points
@@ -17,6 +18,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, read_
 from megadiff.config import build_config, load_config
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.prepare import ensure_prepared, prepare
+from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluate
 from megadiff.models.param_count import count_parameters
 from megadiff.observability.metrics import read_metrics
@@ -104,6 +106,19 @@ def test_metrics_console_and_tensorboard(logged_run):
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert {"lm_loss", "lr", "grad_norm", "lambda/layer_1", "valid_loss"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("lm_loss")] == pytest.approx([r["lm_loss"] for r in train])
+
+
+@pytest.mark.slow
+def test_logged_lambdas_are_those_of_the_iterations_forward(logged_run):
+    """Iteration 5's lambdas, logged with its loss, come from the weights iteration 4 saved."""
+    out, _ = logged_run
+    saved = load_checkpoint(out / CHECKPOINTS_DIR / "iter_0000004").gpt
+    with torch.no_grad():
+        expected = {f"layer_{layer.layer_number}": float(layer.self_attention.core_attention.current_lambda())
+                    for layer in saved.decoder.layers}
+    logged = next(r["lambda"] for r in read_metrics(out) if r["iteration"] == 5 and "lambda" in r)
+    assert logged == pytest.approx(expected, rel=1e-6)
+    assert logged != pytest.approx(next(r["lambda"] for r in read_metrics(out) if r["iteration"] == 4 and "lambda" in r))
 
 
 def test_scaling_reads_the_runs_validation_losses(logged_run):

@@ -71,6 +71,9 @@ class DifferentialCoreAttention(MegatronModule):
         self.attention_logit_bits: int | None = None
         # set while a KVCache decodes (DINT only): the integral's running sum over the cached positions
         self.integral_carry: IntegralCarry | None = None
+        # the lambda of the last forward, which training logs with that iteration's loss: read without the
+        # weights, whose all-gather an overlapped optimizer step leaves to the next forward
+        self.last_lambda: torch.Tensor | None = None
         self.reset_lambda_parameters()
 
     def reset_lambda_parameters(self) -> None:
@@ -93,6 +96,7 @@ class DifferentialCoreAttention(MegatronModule):
         k1, k2 = key.reshape(*key.shape[:2], -1, 2, d).unbind(dim=3)
         v = value.reshape(*value.shape[:2], -1, 2 * d)
         lam = self.current_lambda()
+        self.last_lambda = lam.detach()
         if self.config.context_parallel_size > 1:
             out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
                                                           softmax_scale=self.softmax_scale, backend=self.backend,

@@ -27,7 +27,7 @@ class Engine:
         """Under parallel.overlap_param_gather the optimizer step leaves the all-gather of the
         updated weights to the next forward's pre-hooks, so each data-parallel rank holds its own
         shard updated and the rest one step old. Whatever reads weights before that forward (a
-        checkpoint, the logged lambdas) gathers them first, as megatron's training loop does
+        checkpoint) gathers them first, as megatron's training loop does
         before saving; the next forward then finds them gathered. Collective."""
         if self.cfg.parallel.overlap_param_gather:
             for chunk in self.model:

@@ -126,7 +126,6 @@ class Pretraining:
         return IterationBatches(loader, self.num_microbatches, len(self.engine.model))
 
     def _log(self, record: dict) -> None:
-        self.engine.gather_updated_params()
         lambdas = layer_lambdas(self.engine.unwrapped())  # collective over pipeline stages
         if self.metrics is not None:
             if lambdas:

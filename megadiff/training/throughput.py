@@ -57,17 +57,16 @@ def _high_water_marks_gib() -> dict[str, float]:
 
 
 def layer_lambdas(chunks: list) -> dict[str, float]:
-    """{"layer_<global 1-based number>": lambda} for every differential layer of the whole model.
+    """{"layer_<global 1-based number>": lambda} for every differential layer of the whole model, as
+    its last forward (the logged iteration's) used it.
 
     Collective over the pipeline group: each stage holds its own layers.
     """
-    local = {}
-    for chunk in chunks:
-        for layer in chunk.decoder.layers:
-            core = layer.self_attention.core_attention
-            if hasattr(core, "current_lambda"):
-                with torch.no_grad():
-                    local[f"layer_{layer.layer_number}"] = float(core.current_lambda())
+    used = {f"layer_{layer.layer_number}": layer.self_attention.core_attention.last_lambda
+            for chunk in chunks for layer in chunk.decoder.layers
+            if getattr(layer.self_attention.core_attention, "last_lambda", None) is not None}
+    # one host synchronisation for all layers
+    local = dict(zip(used, torch.stack(list(used.values())).float().tolist())) if used else {}
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return local
     stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
