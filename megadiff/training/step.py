@@ -78,7 +78,8 @@ def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_tok
             dist.all_reduce(totals, group=group)
             value[0] = totals[0] / totals[1].clamp(min=1.0)
         else:
-            value[0] = sum(float(item["lm_loss"]) for item in reduced) / num_microbatches
+            # summed where they are: a float() each would wait on the device once per micro-batch
+            value[0] = torch.stack([item["lm_loss"] for item in reduced]).to(value).sum() / num_microbatches
             dist.all_reduce(value, group=group)
             value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
