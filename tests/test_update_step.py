@@ -6,6 +6,8 @@ rank alone must stop the update on every rank.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -52,16 +54,37 @@ def _megatron_step(engine, batches: list[dict]) -> tuple[float, float]:
     return loss, float(grad_norm)
 
 
-def _poison_last_rank(engine) -> None:
+def _is_last_rank() -> bool:
     import torch.distributed as dist
 
-    if dist.get_rank() == dist.get_world_size() - 1:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _poison_reduced_gradients(engine) -> None:
+    """NaN in every gradient the last rank holds after the reduction: in its part alone where ranks
+    hold different parts (distributed optimizer shards, tensor- and pipeline-parallel weights)."""
+    if _is_last_rank():
         for chunk in engine.unwrapped():
             for param in chunk.parameters():
                 param.main_grad.fill_(float("nan"))
 
 
-def _worker(rank: int, world_size: int, overrides: list[str], out: str) -> None:
+def _poison_backward(monkeypatched_step) -> None:
+    """NaN in the last rank's backward (its loss stays finite), before the gradients are reduced: where
+    ranks hold the same reduced gradients (data- and context-parallel replicas), the reduction spreads it."""
+    forward_step = monkeypatched_step.forward_step
+
+    def poisoned(data_iterator, model):
+        output, loss_func = forward_step(data_iterator, model)
+        if _is_last_rank():
+            output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        return output, loss_func
+
+    monkeypatched_step.forward_step = poisoned
+
+
+def _worker(rank: int, world_size: int, overrides: list[str], poison: str, out: str) -> None:
+    import megadiff.training.step as step_module
     from megadiff.parallel import shutdown
     from megadiff.training.step import train_step
 
@@ -76,26 +99,32 @@ def _worker(rank: int, world_size: int, overrides: list[str], out: str) -> None:
     poisoned = _engine(overrides, world_size)
     before = _params(poisoned)
     batches = _my_batches(poisoned, 0)
-    result = train_step(poisoned, iter(batches), len(batches), _poison_last_rank)
+    if poison == "backward":
+        _poison_backward(step_module)
+    result = train_step(poisoned, iter(batches), len(batches), _poison_reduced_gradients if poison == "reduced" else None)
     record["poisoned"] = (result.updated, all(torch.equal(a, b) for a, b in zip(before, _params(poisoned))))
+    record["finite_loss"] = math.isfinite(result.loss)
     shutdown()
     torch.save(record, f"{out}.{rank}")
 
 
-LAYOUTS = {
-    "single_fp32": (1, []),
-    "single_bf16": (1, ["train.precision=bf16"]),
+LAYOUTS = {  # world size, overrides, where the NaN enters
+    "single_fp32": (1, [], "reduced"),
+    "single_bf16": (1, ["train.precision=bf16"], "reduced"),
     # each rank's norm holds half the terms; the NaN sits in the last rank's half alone
-    "dp2_distopt_bf16": (2, ["train.precision=bf16", "parallel.distributed_optimizer=true"]),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
+    "dp2_distopt_bf16": (2, ["train.precision=bf16", "parallel.distributed_optimizer=true"], "reduced"),
+    "tp2": (2, ["parallel.tensor=2"], "reduced"),
+    "pp2": (2, ["parallel.pipeline=2"], "reduced"),
+    # replicas, each taking the norm of its own copy of the reduced gradients
+    "dp2": (2, [], "backward"),
+    "cp2": (2, ["parallel.context=2"], "backward"),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_update_is_megatrons_step_and_a_nan_on_one_rank_skips_all(tmp_path, layout):
-    world_size, overrides = LAYOUTS[layout]
-    run_ranks(world_size, _worker, overrides, str(tmp_path / "record"))
+    world_size, overrides, poison = LAYOUTS[layout]
+    run_ranks(world_size, _worker, overrides, poison, str(tmp_path / "record"))
     for rank in range(world_size):
         record = torch.load(tmp_path / f"record.{rank}")
         for (loss, grad_norm, updated), (their_loss, their_norm) in record["steps"]:
@@ -104,6 +133,7 @@ def test_update_is_megatrons_step_and_a_nan_on_one_rank_skips_all(tmp_path, layo
         for mine, theirs in record["params"]:
             assert torch.equal(mine, theirs)
         assert record["poisoned"] == (False, True), f"rank {rank}: (updated, weights unchanged)"
+        assert record["finite_loss"]  # found by the gradients, not the loss
 
 
 def _fp16_worker(rank: int, world_size: int, out: str) -> None:
@@ -114,9 +144,10 @@ def _fp16_worker(rank: int, world_size: int, out: str) -> None:
     scales = {}
     for guarded in (False, True):
         engine = _engine(["train.precision=fp16"], world_size)
-        guard = SpikeGuard(sigma=1e6, window=2)  # judges from the third step, never spikes if guarded else None
+        # never spikes; judges every update once its window holds two
+        guard = SpikeGuard(sigma=1e6, window=2) if guarded else None
         scales[guarded] = []
-        for step in range(6):
+        for step in range(24):  # from 2^32 the scale halves at every other overflow, then steps update
             batches = _my_batches(engine, step)
             result = train_step(engine, iter(batches), len(batches), spike_guard=guard)
             scales[guarded].append((float(engine.optimizer.get_loss_scale()), result.overflow, result.loss))
@@ -129,4 +160,6 @@ def test_fp16_loss_scale_moves_once_per_step_under_the_spike_guard(tmp_path):
     run_ranks(1, _fp16_worker, str(tmp_path / "scales.pt"))
     scales = torch.load(tmp_path / "scales.pt")
     assert scales[True] == scales[False]
-    assert [overflow for _, overflow, _ in scales[False]][:2] == [True, True]  # starting at 2^32
+    overflows = [overflow for _, overflow, _ in scales[False]]
+    # from 2^32 down, then updates the guard judges (its window holds two)
+    assert overflows[:2] == [True, True] and overflows.count(False) >= 4

@@ -120,7 +120,8 @@ def _update(engine: Engine, loss: float, spike_guard: SpikeGuard | None) -> Step
     """megatron's optimizer step, taken apart so that the one gradient norm it takes anyway also finds
     non-finite gradients and spikes: no other pass over the gradients, no other collective. The norm is
     reduced over every rank that holds a part of the gradients (the world under the distributed
-    optimizer; data-parallel ranks otherwise hold the same reduced gradients), so all ranks decide alike."""
+    optimizer); data- and context-parallel replicas otherwise hold the same all-reduced gradients, a
+    NaN from any one's backward included, so all ranks decide alike."""
     optimizer = engine.optimizer
     # fp16's loss scaler finds overflowing gradients itself: it skips their update and lowers the scale.
     # At its lowest scale it can lower nothing: gradients still not finite there are a NaN step's
