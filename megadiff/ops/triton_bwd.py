@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 
@@ -240,6 +241,34 @@ def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC
     dq_off = b * stride_dqb + h * stride_dqh
     store_tile(DQ1 + dq_off, dq1 * scale, offs_m, stride_dqn, offs_d, n_q, HEAD_D)
     store_tile(DQ2 + dq_off, dq2 * scale, offs_m, stride_dqn, offs_d, n_q, HEAD_D)
+
+
+@triton.jit
+def _row_dots_kernel(A, B, OUT, stride_ab, stride_an, stride_ah, stride_bb, stride_bn, stride_bh, n, n_heads, width,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    a = load_tile(A + b * stride_ab + h * stride_ah, rows, stride_an, cols, n, width).to(tl.float32)
+    x = load_tile(B + b * stride_bb + h * stride_bh, rows, stride_bn, cols, n, width).to(tl.float32)
+    tl.store(OUT + bh * n + rows, tl.sum(a * x, axis=1), mask=rows < n)
+
+
+ROW_DOTS_ROWS = 16  # rows per program: two 16 x 256 fp32 tiles in registers at the 3B shape
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_e a * b over the last dim, accumulated in fp32: [B, N, H, e] twice -> [B, H, N] fp32 (the
+    layout of delta). Reads a and b once in their own dtype: no fp32 copies of them (FlashAttention's
+    backward preprocessing)."""
+    batch, n, heads, width = a.shape
+    out = torch.empty(batch, heads, n, device=a.device, dtype=torch.float32)
+    _row_dots_kernel[(triton.cdiv(n, ROW_DOTS_ROWS), batch * heads)](
+        a, b, out, *bnh_strides(a), *bnh_strides(b), n, heads, width,
+        BLOCK_ROWS=ROW_DOTS_ROWS, BLOCK_E=triton.next_power_of_2(width))
+    return out
 
 
 def attention_maps_backward(q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2, *,

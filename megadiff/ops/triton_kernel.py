@@ -25,7 +25,7 @@ from megadiff.ops.common import (
     TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean, triton_fits,
 )
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
-from megadiff.ops.triton_bwd import attention_maps_backward
+from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
 from megadiff.ops.triton_fwd import (
     INTERPRETED, Documents, KernelConfig, attention_maps_forward, shared_layout,
 )
@@ -51,16 +51,6 @@ def _kernel_layout(q1, k1, q2, k2, v):
     k1, k2 = shared_layout(k1, k2)
     (v,) = shared_layout(v)
     return q1, k1, q2, k2, v
-
-
-def _rowsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_e a * b over the head dim, [B, N, H, e] -> [B, N, H]."""
-    return torch.einsum("bnhe,bnhe->bnh", a, b)
-
-
-def _rows_last(x: torch.Tensor) -> torch.Tensor:
-    """[B, N, H] -> [B, H, N] contiguous, the kernels' layout for per-row statistics."""
-    return x.transpose(1, 2).contiguous()
 
 
 def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | None) -> torch.Tensor:
@@ -110,25 +100,26 @@ class _DifferentialAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_first_map=None):
         q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h = ctx.saved_tensors
-        lam = lam_h.view(1, 1, -1, 1)
-        g, o1f, o2f = grad_out.float(), o1.float(), o2.float()
-        g_o2 = _rowsum(g, o2f)
-        grad_lam = -g_o2.sum(dim=(0, 1))
+        g = grad_out.contiguous()
+        g_o2 = row_dots(g, o2)
+        grad_lam = -g_o2.sum(dim=(0, 2))
         if ctx.tied:  # dO1 = G, dO2 = -lam G: the kernels derive dO2, two matmuls fewer
-            do1, do2 = grad_out.contiguous(), None
-            delta1, delta2 = _rowsum(g, o1f), -lam_h.view(1, 1, -1) * g_o2
+            do1, do2 = g, None
+            delta1, delta2 = row_dots(g, o1), -lam_h.view(1, -1, 1) * g_o2
         else:
-            do1, do2 = g, -lam * g
+            lam = lam_h.view(1, 1, -1, 1)
+            do1 = g.float()
+            do2 = -lam * do1
             if ctx.integral:
-                g_mean = _running_mean_adjoint(g, ctx.causal, ctx.documents)
-                grad_lam = grad_lam + _rowsum(g_mean, o1f).sum(dim=(0, 1))
+                g_mean = _running_mean_adjoint(do1, ctx.causal, ctx.documents)
+                grad_lam = grad_lam + row_dots(g_mean, o1).sum(dim=(0, 2))
                 do1 = do1 + lam * g_mean
             if grad_first_map is not None:
                 do1 = do1 + grad_first_map.float()
-            delta1, delta2 = _rowsum(do1, o1f), _rowsum(do2, o2f)
+            delta1, delta2 = row_dots(do1, o1), row_dots(do2, o2)
             do1, do2 = shared_layout(*(t.to(q1.dtype) for t in (do1, do2)))  # the kernels read both with dO1's strides
         dq1, dk1, dq2, dk2, dv = attention_maps_backward(
-            q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, _rows_last(delta1), _rows_last(delta2),
+            q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2,
             causal=ctx.causal, scale=ctx.scale, config=ctx.config, documents=ctx.documents)
         lam_dim, lam_dtype = ctx.lam_meta
         grad_lam = (grad_lam.sum() if lam_dim == 0 else grad_lam).to(lam_dtype)
