@@ -135,7 +135,7 @@ def test_what_is_not_estimated_and_what_is_only_warned_about():
     config = Path(__file__).resolve().parents[1] / "configs" / "diff-3b.yaml"
     assert estimate_activations(load_config(config, ["model.attention_backend=reference"]), 1) == (
         "not estimated: attention backend 'reference' on cuda keeps the N x N maps")
-    cfg = load_config(config, ["parallel.distributed_optimizer=true", "train.recompute=none"], world_size=64)
+    cfg = load_config(config, ["parallel.distributed_optimizer=true", "train.micro_batch_size=8"], world_size=64)
     states, activations = model_state_memory(cfg, 64), activation_memory(cfg, 64)
     assert states.total < 80 * GIB < states.total + activations.total
     assert activations_warning(states, activations, 80 * GIB).startswith(

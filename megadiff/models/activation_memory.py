@@ -7,7 +7,7 @@ rank; under sequence parallelism the residual-stream tensors hold 1/t of the tok
   linear_qkv, fc1             their input (sequence-parallel: the shard, gathered again in backward)
   RoPE                        cos and sin for Q and for K (4 x d)
   core attention              Q, K, V; per map its output and log-sum-exp (the fused kernels');
-                              DIFF/DINT: the fp32 head-wise RMSNorm input (+ DINT's running mean)
+                              DIFF/DINT: the head-wise RMSNorm's input (+ DINT's running mean)
   linear_proj                 its input
   SwiGLU MLP                  fc1's output (gate and up) and fc2's input: 3 x ffn (on CUDA, megatron's
                               fused SwiGLU; unfused it also keeps the SiLU and an offset up half)
@@ -107,7 +107,7 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
         statistics = (4 if backend == "sdpa_split_v" else 2) * heads * FP32
         combine = q_width * FP32
     integral = q_width * FP32 + FP32 if m.variant == "dint" else 0  # lambda x running mean, and its divisors
-    head_norm = rms_norm_bytes(q_width, heads, FP32, device)
+    head_norm = rms_norm_bytes(q_width, heads, element, device)
     return saved, checkpointed, tokens * (outputs + statistics + combine + integral + head_norm)
 
 
