@@ -84,7 +84,9 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         bias_activation_fusion=torch.cuda.is_available(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        # TransformerEngine's fused RoPE (megatron's default where TE is): one pass over q and k each
+        # way instead of megatron's unfused six forward and seven backward
+        apply_rope_fusion=m.transformer_impl == "te",
         persist_layer_norm=False,
         # gloo matches point-to-point messages per peer in posting order; megatron's batched ops
         # mix up activations and gradients when both pipeline neighbours are one rank (PP=2).
