@@ -8,6 +8,7 @@ data-parallel rank reads the same micro-batches.
 """
 from __future__ import annotations
 
+import math
 import signal
 from functools import partial
 from typing import Iterator
@@ -60,10 +61,15 @@ def _leave_preemption_to_the_trainer(worker_id: int) -> None:
 
 
 def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0,
-                       document_eod: int | None = None) -> DataLoader:
-    """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents."""
+                       document_eod: int | None = None, micro_batches_per_step: int = 1) -> DataLoader:
+    """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents.
+
+    Workers read a whole step's micro-batches ahead, so the next step's are ready when it starts (a
+    step takes them all at once: with torch's default of two per worker, the rest were read while
+    the GPU waited)."""
+    ahead = max(2, math.ceil(micro_batches_per_step / num_workers)) if num_workers else None
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
-                      num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                      num_workers=num_workers, pin_memory=torch.cuda.is_available(), prefetch_factor=ahead,
                       persistent_workers=num_workers > 0, worker_init_fn=_leave_preemption_to_the_trainer)
 
 

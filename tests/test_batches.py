@@ -1,0 +1,46 @@
+"""The training loop's micro-batches (training/batches.py): each step's in order, read a step ahead."""
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+from megadiff.training.batches import BATCH_KEYS, IterationBatches, MicroBatchSampler, micro_batch_loader
+
+MICRO_BATCHES = 8
+
+
+class CountingSamples(torch.utils.data.Dataset):
+    """Sample i holds i; every read counts in memory the loader's workers share."""
+
+    def __init__(self, reads):
+        self.reads = reads
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, index: int) -> dict:
+        with self.reads.get_lock():
+            self.reads.value += 1
+        return {key: torch.full((4,), index) for key in BATCH_KEYS}
+
+
+def _samples(iteration) -> list[int]:
+    return [int(batch["tokens"][0, 0]) for batch in iteration]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_workers_read_the_next_step_while_this_one_runs(workers):
+    reads = multiprocessing.Value("i", 0)
+    sampler = MicroBatchSampler(total_samples=10 * MICRO_BATCHES, consumed_samples=0, global_batch_size=MICRO_BATCHES,
+                                micro_batch_size=1, data_parallel_rank=0, data_parallel_size=1)
+    loader = micro_batch_loader(CountingSamples(reads), sampler, workers, micro_batches_per_step=MICRO_BATCHES)
+    batches = IterationBatches(loader, MICRO_BATCHES, num_chunks=1)
+    assert _samples(batches.next_iteration()) == list(range(MICRO_BATCHES))
+    deadline = time.monotonic() + 10  # the step's compute, during which the workers read on
+    while reads.value < 2 * MICRO_BATCHES and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert reads.value >= 2 * MICRO_BATCHES, "the next step's micro-batches were not all read ahead"
+    assert _samples(batches.next_iteration()) == list(range(MICRO_BATCHES, 2 * MICRO_BATCHES))
