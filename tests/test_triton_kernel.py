@@ -305,6 +305,25 @@ def test_compiles_for_hopper(kind, causal, flags):
     assert compiled.asm["cubin"] and compiled.metadata.shared > 0
 
 
+def test_row_dots_compile_for_hopper_without_spilling(tmp_path):
+    """The backward's preprocessing kernel at the 3B head shape (rows of 2d = 256), for sm_90."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 replaces the compiler")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bench.kernel_resources import resource_usage, signature
+    from megadiff.ops.triton_bwd import ROW_DOTS_ROWS, _row_dots_kernel
+
+    constexprs = dict(BLOCK_ROWS=ROW_DOTS_ROWS, BLOCK_E=256)
+    source = ASTSource(_row_dots_kernel, {**signature(_row_dots_kernel, constexprs, "bf16"), "OUT": "*fp32"},
+                       constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert resource_usage(compiled, tmp_path)["stack_bytes"] == 0
+
+
 def test_a_decoding_step_runs_the_prefills_compiled_forward(monkeypatch):
     """A decoding step (one query, a key more) is tuned apart, but must find the forward the prompt
     compiled for each tile: Triton's launch specializes an int equal to 1 or divisible by 16, so a
