@@ -225,6 +225,11 @@ def test_refusals():
     wide_v = v.new_zeros(*v.shape[:3], 512)
     with pytest.raises(ValueError, match="head dims up to"):
         triton_kernel.differential_attention_triton(q1, k1, q2, k2, wide_v, lam)
+    # 1M positions of 12 heads of 256: past the kernels' int32 offsets within one sequence
+    huge = [torch.empty(1, 2 ** 20, heads, width, dtype=torch.bfloat16, device="meta") for heads, width in
+            ((12, 128), (12, 128), (12, 128), (12, 128), (12, 256))]
+    with pytest.raises(ValueError, match="int32"):
+        triton_kernel.differential_attention_triton(*huge, lam)
     if not triton_kernel.INTERPRETED:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             triton_kernel.differential_attention_triton(q1, k1, q2, k2, v, lam)

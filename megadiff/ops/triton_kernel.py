@@ -40,6 +40,11 @@ def _check_supported(q1, k1, q2, k2, v) -> None:
     if not triton_fits(q1.shape[-1], v.shape[-1]):
         raise ValueError(f"the Triton kernel supports head dims up to {TRITON_MAX_HEAD_DIM}, "
                          f"got d={q1.shape[-1]}, dv={v.shape[-1]}")
+    (_, n_q, h_q, d), (_, n_k, h_kv, dv) = q1.shape, v.shape
+    if max(n_q * h_q, n_k * h_kv) * max(d, dv) >= 2 ** 31:  # a dense (batch) slice, indexed in int32
+        raise ValueError(f"the Triton kernel indexes one sequence's {max(n_q, n_k)} positions x heads x head dim in "
+                         "int32, which this shape passes: split the sequence (parallel.context) or the heads "
+                         "(parallel.tensor) over more ranks")
     if q1.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                            f"imported to run on {q1.device.type} tensors")
