@@ -434,7 +434,10 @@ def test_deepspeed_auto_values_and_schedule(workspace):
     assert ds["train_batch_size"] == 2 * 3 * 4 and ds["gradient_accumulation_steps"] == 3
     assert ds["optimizer"]["params"]["lr"] == 3e-3 and ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
-    assert ds["data_types"]["grad_accum_dtype"] == "fp32"  # not summed in bf16 over the micro-steps
+    for stage in (1, 2, 3):  # not summed in bf16 over the micro-steps, at any ZeRO stage shipped
+        shipped = load_finetune_config(str(workspace / "adapt.yaml"), [
+            f"deepspeed={REPO / f'configs/deepspeed/zero{stage}.json'}", "train.precision=bf16"])
+        assert deepspeed_config(shipped, world_size=4)["data_types"]["grad_accum_dtype"] == "fp32", stage
     # linear warmup (the first step already trains), then cosine to min_ratio at the last step
     steps = [lr_multiplier(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(20)]
     assert steps[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and steps[4] == pytest.approx(1.0)
