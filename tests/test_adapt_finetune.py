@@ -265,6 +265,41 @@ def test_gradient_checkpointing_recomputes_each_layer_in_training_mode(workspace
     assert curves["true"] == pytest.approx(curves["false"], rel=1e-6)
 
 
+def slow_second_rank_save(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
+    """`megadiff adapt` on 2 ranks whose second writes its part of each checkpoint slowly, recording
+    what `latest` named meanwhile (a kill then would leave that)."""
+    import time
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from megadiff.adapt.finetune import finetune
+
+    seen, original = [], DeepSpeedEngine._save_zero_checkpoint
+
+    def save_zero_checkpoint(self, save_dir, tag):
+        if rank == 1:
+            time.sleep(2.0)
+            latest = Path(save_dir) / "latest"
+            seen.append([tag, latest.read_text() if latest.is_file() else None])
+        return original(self, save_dir, tag)
+
+    DeepSpeedEngine._save_zero_checkpoint = save_zero_checkpoint
+    assert finetune(load_finetune_config(config, overrides)) == 0
+    if rank == 1:
+        Path(report).write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(workspace, tmp_path, monkeypatch):
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    output, report = tmp_path / "slow", tmp_path / "seen.json"
+    run_ranks(2, slow_second_rank_save, str(workspace / "adapt.yaml"),
+              [f"output_dir={output}", "train.iters=4", "checkpoint.save_interval=2"], str(report))
+    assert json.loads(report.read_text()) == [["iter_0000002", None], ["iter_0000004", "iter_0000002"]]
+    assert (output / "checkpoints" / "latest").read_text() == "iter_0000004"
+
+
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
     """One plain process (world of one): SIGUSR1 mid-run -> checkpoint at the iteration it was in,

@@ -36,6 +36,7 @@ from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.config.loader import config_yaml
+from megadiff.files import write_atomically
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
 
@@ -239,8 +240,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                   and iteration % cfg.checkpoint.exit_interval == 0)
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
-            engine.save_checkpoint(str(checkpoint_dir), tag=f"iter_{iteration:07d}",
-                                   client_state={"iteration": iteration})
+            _save(engine, checkpoint_dir, iteration, rank)
         if exit_now and iteration < cfg.train.iters:
             exit_code = requeue_exit_code(rank) if stop.signalled else 0
             if writer is not None:
@@ -255,6 +255,17 @@ def finetune(cfg: FinetuneConfig) -> int:
     if writer is not None:
         writer.close()
     return exit_code
+
+
+def _save(engine, checkpoint_dir: Path, iteration: int, rank: int) -> None:
+    """DeepSpeed's checkpoint, committed by its `latest` file once every rank has written its part.
+    DeepSpeed's rank 0 writes `latest` before the ranks' closing barrier: killed while another rank
+    still wrote (a preemption's grace period running out), a run left `latest` naming a checkpoint
+    that no requeue could load."""
+    tag = f"iter_{iteration:07d}"
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"iteration": iteration}, save_latest=False)
+    if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
+        write_atomically(checkpoint_dir / "latest", tag.encode())
 
 
 def finetune_from_config(config_path: str, overrides: list[str]) -> int:
