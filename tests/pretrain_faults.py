@@ -49,6 +49,22 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_step
             json.dump({"exit_code": exit_code, "events": events}, handle)
 
 
+def signalled_while_starting(rank: int, world_size: int, overrides: list[str], report: str) -> None:
+    """`megadiff pretrain` whose ranks get SIGUSR1 as their process groups come up, before the data,
+    the model or a checkpoint: records the run's exit code."""
+    original_initialize = pretrain.initialize
+
+    def initialize(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return original_initialize(*args, **kwargs)
+
+    pretrain.initialize = initialize
+    exit_code = main(["pretrain", str(DEMO_CONFIG), *overrides])
+    if rank == 0:
+        with open(report, "w") as handle:
+            json.dump({"exit_code": exit_code}, handle)
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as listing:
         return [int(child) for child in listing.read().split()]

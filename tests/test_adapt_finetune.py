@@ -300,6 +300,34 @@ def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(workspace, tmp_
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000004"
 
 
+def signalled_while_starting(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
+    """`megadiff adapt` whose rank gets SIGUSR1 as its process group comes up, before the model loads."""
+    import signal
+
+    from megadiff.adapt import deepspeed_setup
+    from megadiff.adapt.finetune import finetune
+
+    original = deepspeed_setup.init_distributed
+
+    def init_distributed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return original(*args, **kwargs)
+
+    deepspeed_setup.init_distributed = init_distributed
+    Path(report).write_text(str(finetune(load_finetune_config(config, overrides))))
+
+
+def test_a_signal_while_the_adaptation_starts_requeues_it(workspace, tmp_path, monkeypatch):
+    """The default action killed the rank (and failed the job): the run takes its first iteration,
+    checkpoints it and exits 75."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    output, report = tmp_path / "started", tmp_path / "exit_code"
+    run_ranks(1, signalled_while_starting, str(workspace / "adapt.yaml"), [f"output_dir={output}"], str(report))
+    assert report.read_text() == "75"
+    assert (output / "checkpoints" / "latest").read_text() == "iter_0000001"
+
+
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
     """One plain process (world of one): SIGUSR1 mid-run -> checkpoint at the iteration it was in,

@@ -14,7 +14,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
 from megadiff.preemption import REQUEUE_EXIT_CODE
 from tests.distributed import run_ranks
-from tests.pretrain_faults import killed_while_saving, poisoned_run
+from tests.pretrain_faults import killed_while_saving, poisoned_run, signalled_while_starting
 from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
 
 LONG = 10_000  # iterations: far more than a test runs before its signal arrives
@@ -98,6 +98,15 @@ def test_preemption_reaching_the_data_loader_workers_checkpoints(base, tmp_path)
         process.send_signal(signal.SIGUSR1)
     stopped = _stopped_at(launcher, out)
     assert launcher.returncode == REQUEUE_EXIT_CODE and stopped >= 2
+
+
+def test_a_signal_while_the_run_starts_requeues_it(base, tmp_path):
+    """SIGUSR1 on both ranks before anything is built (minutes at scale): the default action killed
+    the ranks and failed the job; the run now takes its first step, checkpoints it and exits 75."""
+    report, output = tmp_path / "report.json", tmp_path / "started"
+    run_ranks(2, signalled_while_starting, base + ["train.iters=50", f"output_dir={output}"], str(report))
+    assert json.loads(report.read_text())["exit_code"] == REQUEUE_EXIT_CODE
+    assert read_latest_iteration(output / CHECKPOINTS_DIR) == 1 and len(read_metrics(output)) == 1
 
 
 @pytest.mark.slow

@@ -184,8 +184,11 @@ def finetune(cfg: FinetuneConfig) -> int:
 
     from megadiff.observability.metrics import MetricsWriter
 
-    started = time.monotonic()
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
+    # before the minutes of start-up (model, head selection, DeepSpeed, checkpoint): a preemption signal
+    # during them asks for a requeue too (the default action killed the rank); the run then stops after
+    # its first iteration, with a checkpoint
+    stop = PreemptionHandler(budget_minutes=cfg.checkpoint.exit_duration_minutes)
     rank, world = dss.init_distributed(cfg.train.timeout_minutes)
     # DeepSpeed's ZeRO collectives call an API torch deprecates, once per call: keep the console readable
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
@@ -222,7 +225,6 @@ def finetune(cfg: FinetuneConfig) -> int:
         writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))
-    stop = PreemptionHandler(started=started, budget_minutes=cfg.checkpoint.exit_duration_minutes)
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
     iteration, exit_code = start, 0
     while iteration < cfg.train.iters:

@@ -65,10 +65,10 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
 
 
 class Pretraining:
-    def __init__(self, cfg: Config, started: float):
-        """`started`: time.monotonic() when the run began, for train.exit_duration_minutes."""
+    def __init__(self, cfg: Config, preemption: PreemptionHandler):
+        """`preemption`: installed as the run began, with train.exit_duration_minutes as its budget."""
         self.cfg = cfg
-        self.started = started
+        self.preemption = preemption
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.dp = data_parallel_size(cfg.parallel, self.world)
@@ -158,7 +158,7 @@ class Pretraining:
     def train(self) -> int:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         batches = self._loader(self.datasets[0], state.consumed_samples, self.train_samples)
-        preemption = PreemptionHandler(started=self.started, budget_minutes=t.exit_duration_minutes)
+        preemption = self.preemption
         exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
         try:
             while state.iteration < t.iters:
@@ -219,7 +219,6 @@ class Pretraining:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
         finally:
-            preemption.restore()
             if self.metrics is not None:
                 self.metrics.close()
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
@@ -268,12 +267,18 @@ def _prepare_data(cfg: Config, train_samples: int):
 
 
 def pretrain(cfg: Config) -> int:
-    started = time.monotonic()
-    initialize(cfg.parallel, cfg.train.seed)
+    # from the start to the end: a preemption signal while the run starts (minutes at scale: process
+    # groups, data, model, checkpoint) or shuts down asks for a requeue too; the default action killed
+    # the rank and failed the job. Signalled before its first step, the run stops after that step.
+    preemption = PreemptionHandler(budget_minutes=cfg.train.exit_duration_minutes)
     try:
-        return Pretraining(cfg, started).train()
+        initialize(cfg.parallel, cfg.train.seed)
+        try:
+            return Pretraining(cfg, preemption).train()
+        finally:
+            shutdown()
     finally:
-        shutdown()
+        preemption.restore()
 
 
 def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
