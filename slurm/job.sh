@@ -68,13 +68,11 @@ run_step_requeue_on_preemption() {
     trap _note_termination TERM
     "$@" &
     local step=$! status
-    while true; do
-        wait "$step"
-        status=$?
-        # a trapped signal interrupts `wait` (status > 128) while the step still runs
-        if (( status > 128 )) && kill -0 "$step" 2>/dev/null; then continue; fi
-        break
-    done
+    # a trapped signal interrupts `wait` (status > 128) while the step may still run; the step may
+    # also end during the trap, its status then held by bash for the last `wait`
+    while kill -0 "$step" 2>/dev/null; do wait "$step"; done
+    wait "$step"
+    status=$?
     local preempted=$(( status == REQUEUE_EXIT_CODE || (_megadiff_preempted && status != 0) ))
     [[ -e $MEGADIFF_REQUEUE_MARKER ]] && preempted=1
     if (( !_megadiff_terminated && preempted )); then

@@ -1,0 +1,50 @@
+"""slurm/job.sh's step runner on its own: Slurm's commands are stand-ins that record their calls, so
+the races between a step ending and a signal reaching the batch script can be set up exactly."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# scancel takes its time (as a busy controller does): a step may end while the trap waits on it
+STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; sleep 1.5',
+            "scontrol": 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi'}
+
+
+def _run_step(tmp_path: Path, step: str, usr1_after: float | None) -> tuple[int, str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STANDINS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "TMPDIR": str(tmp_path),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1"}
+    script = f"source {ROOT / 'slurm/job.sh'} config.yaml\nrun_step_requeue_on_preemption bash -c '{step}'"
+    proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    if usr1_after is not None:
+        time.sleep(usr1_after)
+        proc.send_signal(signal.SIGUSR1)
+    output = proc.communicate(timeout=60)[0]
+    return proc.returncode, output, calls.read_text() if calls.exists() else ""
+
+
+@pytest.mark.parametrize("step,usr1_after,code,requeued", [
+    ("sleep 1; exit 0", 0.3, 0, False),   # ends while the trap forwards the signal: done, not preempted
+    ("sleep 1; exit 3", 0.3, 0, True),    # failed once asked to stop (e.g. killed while saving): requeued
+    ("sleep 1; exit 75", 0.3, 0, True),   # stopped for the preemption: requeued
+    ("exit 75", None, 0, True),           # signalled directly (not through this script): requeued too
+    ("exit 3", None, 3, False),
+])
+def test_the_step_s_own_exit_code_decides(tmp_path, step, usr1_after, code, requeued):
+    returncode, output, calls = _run_step(tmp_path, step, usr1_after)
+    assert returncode == code, output
+    assert ("scontrol requeue 4242" in calls) is requeued, output
+    if not requeued:
+        assert f"the step finished with exit code {code}" in output
