@@ -23,4 +23,8 @@ export_process_env() {
     # A rank that dies in native code (segfault, abort, a fatal CUDA error) prints every thread's
     # Python stack first, so the log says where.
     export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
+    # The fused kernel's compiled and autotuned variants, on the node's own disk: Triton's default
+    # (~/.triton, often a network home) shared by every rank of every node fails now and then under
+    # concurrent writers ("Stale file handle"), which crashes a rank at its first step.
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/megadiff-triton-${USER:-$(id -u)}}
 }

@@ -79,3 +79,16 @@ def test_launchers_explain_missing_arguments():
     missing = subprocess.run([str(LAUNCH / "pretrain_multi_node.sh"), str(DEMO_CONFIG)], env=env,
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "MASTER_ADDR" in missing.stderr
+
+
+def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):
+    """Not Triton's ~/.triton, a network home on most clusters, which every rank of every node would
+    write at once; a directory the caller chose stands."""
+    def cache_dir(**preset: str) -> str:
+        env = {key: value for key, value in launch_environment().items() if key != "TRITON_CACHE_DIR"}
+        env.update(TMPDIR=str(tmp_path), USER="someone", **preset)
+        script = f'source {LAUNCH / "process_env.sh"} CONFIG; export_process_env 8; echo "$TRITON_CACHE_DIR"'
+        return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert cache_dir() == f"{tmp_path}/megadiff-triton-someone"
+    assert cache_dir(TRITON_CACHE_DIR="/shared/triton") == "/shared/triton"
