@@ -266,6 +266,23 @@ def test_document_masking_attends_within_each_packed_document(arch, variant):
     assert (plain[:, first.shape[1]:] - alone).abs().max() > 1e-3
 
 
+def test_entropy_is_measured_in_windows_of_bounded_length(monkeypatch):
+    """Long rows are measured a window at a time (eager attention keeps [heads, N, N]): as the naive
+    entropy of the rows cut into those windows, and no attention map is wider than one."""
+    from megadiff.adapt import selection
+
+    model = tiny_model("llama", init=0.3)
+    batches = [tokens(seed=s) for s in (2, 3)]
+    window = batches[0].shape[1] // 3 + 1  # two whole windows and a shorter last one
+    monkeypatch.setattr(selection, "ENTROPY_WINDOW", window)
+    pieces = [row[None, start:start + window] for x in batches for row in x for start in range(0, x.shape[1], window)]
+    expected = naive_entropy(copy.deepcopy(model), pieces)
+    widths = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda _m, _a, output: widths.append(output[1].shape[-1]))
+    torch.testing.assert_close(attention_entropy(model, batches).double(), expected, rtol=1e-5, atol=1e-6)
+    assert max(widths) == window and len(widths) == len(pieces)
+
+
 def test_entropy_selection_measures_each_packed_document_alone():
     """Masked, the packed row's entropy sums are those of its documents measured separately."""
     model = tiny_model("llama", init=0.3)

@@ -614,7 +614,9 @@ def test_zero3_head_selection_holds_one_block_at_a_time(selection, workspace, tm
     result = torch.load(out)
     torch.testing.assert_close(result["per_block"], result["whole"])
     held = result["held"]
-    assert len(held["forward"]) == 2 * (2 + 3)  # 2 batches x (embedding, 2 layers, norm, output layer)
+    # forwards x (embedding, 2 layers, norm, output layer): importance one per batch (2), entropy one
+    # per window of a row (2 batches of 2 rows of one window)
+    assert len(held["forward"]) == (4 if selection == "entropy" else 2) * (2 + 3)
     # backward runs through every block but the embedding (no gate lies before it)
     assert len(held["backward"]) == (2 * (2 + 2) if selection == "importance" else 0)
     assert 0 < max(held["forward"] + held["backward"]) <= result["largest_block"] < result["total"]

@@ -45,10 +45,22 @@ def attention_implementation(model: nn.Module, name: str):
         model.set_attn_implementation(previous)
 
 
+# Eager attention keeps each layer's [heads, N, N] scores and probabilities, and the entropy two fp32
+# copies of them: 68 GB and more for 32 heads at N = 32K. Entropy is measured on windows of at most
+# this many tokens of a row, one window at a time (about 7 GB at 4K).
+ENTROPY_WINDOW = 4096
+
+
+def _windows(input_ids: torch.Tensor, length: int) -> list[torch.Tensor]:
+    """[B, N] -> each row's consecutive pieces of at most `length` tokens, [1, <= length] each."""
+    return [piece for row in input_ids for piece in row[None].split(length, dim=1)]
+
+
 def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor], document_eos: int | None = None
                       ) -> torch.Tensor:
     """[layers, heads] mean attention entropy over the batches' query positions (with
-    `document_eos`, attending within the documents packed in them)."""
+    `document_eos`, attending within the documents packed in them), each position attending within
+    its window of ENTROPY_WINDOW tokens."""
     modules = _attention_modules(model)
     totals = torch.zeros(len(modules), model.config.num_attention_heads, dtype=torch.float64)
     rows = 0
@@ -62,9 +74,9 @@ def attention_entropy(model: nn.Module, batches: Iterable[torch.Tensor], documen
     handles = [module.register_forward_hook(record(i)) for i, module in enumerate(modules)]
     try:
         with attention_implementation(model, "eager"), torch.no_grad():
-            for input_ids in batches:
-                model(**model_inputs(input_ids.to(model.device), document_eos))
-                rows += input_ids.numel()
+            for window in (piece for input_ids in batches for piece in _windows(input_ids, ENTROPY_WINDOW)):
+                model(**model_inputs(window.to(model.device), document_eos))
+                rows += window.numel()
     finally:
         for handle in handles:
             handle.remove()
