@@ -476,6 +476,29 @@ def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp
         "<|im_start|>user\nWho begat Enos?<|im_end|>\n<|im_start|>assistant\nSeth.<|im_end|>\n"
 
 
+def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
+    """A saved plan fixes the adapted heads and lambdas: a rerun whose config or overrides ask for
+    other ones is refused by name, not held to the plan without a word."""
+    from megadiff.adapt.finetune import _planned_settings, check_planned_settings
+
+    config = str(workspace / "adapt.yaml")
+    first = load_finetune_config(config, [])
+    plan = {"method": "dex", "anneal_steps": 3, "lambda_learn_init": 0.0, "step": 0, "layers": [],
+            "settings": json.loads(json.dumps(_planned_settings(first)))}
+    check_planned_settings(plan, load_finetune_config(config, []))  # the same run again
+    check_planned_settings(plan, load_finetune_config(config, ["adaptation.heads_fraction=0.5"]))  # as planned
+    for override, key in (("adaptation.anneal_steps=99", "anneal_steps"), ("adaptation.heads_fraction=0.25",
+                                                                          "heads_fraction"),
+                          ("adaptation.lambda_init=0.3", "lambda_init"), ("adaptation.selection=importance",
+                                                                          "selection")):
+        with pytest.raises(ConfigError, match=f"adaptation.{key}: .* was planned with"):
+            check_planned_settings(plan, load_finetune_config(config, [override]))
+    earlier = {key: value for key, value in plan.items() if key != "settings"}  # a plan from before settings
+    check_planned_settings(earlier, load_finetune_config(config, ["adaptation.heads_fraction=0.25"]))
+    with pytest.raises(ConfigError, match="adaptation.anneal_steps"):
+        check_planned_settings(earlier, load_finetune_config(config, ["adaptation.anneal_steps=99"]))
+
+
 def test_adapt_imports_no_megatron():
     """adapt works on HF models alone: neither megatron-core nor megadiff's megatron layers load."""
     probe = ("import sys, megadiff.adapt.finetune, megadiff.adapt.export; print(sorted(m for m in sys.modules "

@@ -94,6 +94,7 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
         if plan["method"] != cfg.adaptation.method:
             raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                               f"{plan['method']!r} run; use another output_dir")
+        check_planned_settings(plan, cfg)
         return _with_trainable(plan, cfg, model, saved=True)
     selection = cfg.adaptation.resolved_selection
     if selection in MEASURED_SELECTIONS:
@@ -102,11 +103,33 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
                                    reader.document_eos)
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
         plan = plan_adaptation(model, cfg.adaptation)
-    shared = [_with_trainable(plan, cfg, model, saved=False)]
+    shared = [{"settings": _planned_settings(cfg), **_with_trainable(plan, cfg, model, saved=False)}]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:
         plan_file.write_text(json.dumps(shared[0], indent=1))
     return shared[0]
+
+
+# what a plan is made from: a rerun asking for other values would be held to the plan without a word
+PLANNED_SETTINGS = ("selection", "heads_fraction", "selected_heads", "calibration_batches", "anneal_steps",
+                    "lambda_init", "lambda_learn_init")
+
+
+def _planned_settings(cfg: FinetuneConfig) -> dict:
+    return {key: getattr(cfg.adaptation, key) for key in PLANNED_SETTINGS}
+
+
+def check_planned_settings(plan: dict, cfg: FinetuneConfig) -> None:
+    """Refuses a setting given for a rerun (set in its config or overrides) that its saved plan was not
+    made with; plans from before plans recorded their settings hold anneal_steps and lambda_learn_init."""
+    recorded = {"anneal_steps": plan["anneal_steps"], "lambda_learn_init": plan["lambda_learn_init"],
+                **plan.get("settings", {})}
+    for key in sorted(cfg.adaptation.model_fields_set & recorded.keys()):
+        asked = json.loads(json.dumps(getattr(cfg.adaptation, key)))  # as the plan file holds it
+        if asked != recorded[key]:
+            raise ConfigError(f"adaptation.{key}: {asked!r}, but {cfg.output_dir} was planned with "
+                              f"{recorded[key]!r} (its adapted heads and lambdas are fixed by {PLAN_FILE}); "
+                              "use another output_dir")
 
 
 def _with_trainable(plan: dict, cfg: FinetuneConfig, model, saved: bool) -> dict:
