@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +31,16 @@ def write_atomically(path: str | Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep: int) -> None:
+    """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`.
+    Later numbers (a run restarted from an earlier checkpoint left them) are not counted, so the one
+    just committed can never be removed."""
+    numbered = sorted((int(path.name.removeprefix(prefix)), path) for path in Path(directory).glob(f"{prefix}*")
+                      if path.is_dir() and path.name.removeprefix(prefix).isdigit())
+    for _, path in [entry for entry in numbered if entry[0] <= newest][:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -295,9 +295,12 @@ def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(workspace, tmp_
         monkeypatch.setenv(name, value)
     output, report = tmp_path / "slow", tmp_path / "seen.json"
     run_ranks(2, slow_second_rank_save, str(workspace / "adapt.yaml"),
-              [f"output_dir={output}", "train.iters=4", "checkpoint.save_interval=2"], str(report))
+              [f"output_dir={output}", "train.iters=4", "checkpoint.save_interval=2", "checkpoint.keep_last=1"],
+              str(report))
     assert json.loads(report.read_text()) == [["iter_0000002", None], ["iter_0000004", "iter_0000002"]]
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000004"
+    # checkpoint.keep_last: the older one removed once the newer one is committed
+    assert sorted(p.name for p in (output / "checkpoints").iterdir() if p.is_dir()) == ["iter_0000004"]
 
 
 def signalled_while_starting(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:

@@ -36,11 +36,12 @@ from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.config.loader import config_yaml
-from megadiff.files import write_atomically
+from megadiff.files import remove_older_numbered, write_atomically
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
 
 PLAN_FILE = "adaptation.json"
+ITERATION_PREFIX = "iter_"  # checkpoints/iter_0000500: DeepSpeed's tag of each save
 # what the DAA methods trained by default before plan files recorded it (Dex's default is unchanged)
 EARLIER_TRAINABLE = {method: ["*.self_attn.*"] for method in DAA_METHODS}
 CHECKPOINT_DIR = "checkpoints"
@@ -265,7 +266,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                   and iteration % cfg.checkpoint.exit_interval == 0)
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
-            _save(engine, checkpoint_dir, iteration, rank)
+            _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last)
         if exit_now and iteration < cfg.train.iters:
             exit_code = requeue_exit_code(rank) if stop.signalled else 0
             if writer is not None:
@@ -282,15 +283,17 @@ def finetune(cfg: FinetuneConfig) -> int:
     return exit_code
 
 
-def _save(engine, checkpoint_dir: Path, iteration: int, rank: int) -> None:
-    """DeepSpeed's checkpoint, committed by its `latest` file once every rank has written its part.
-    DeepSpeed's rank 0 writes `latest` before the ranks' closing barrier: killed while another rank
-    still wrote (a preemption's grace period running out), a run left `latest` naming a checkpoint
-    that no requeue could load."""
-    tag = f"iter_{iteration:07d}"
+def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: int | None) -> None:
+    """DeepSpeed's checkpoint, committed by its `latest` file once every rank has written its part,
+    then the checkpoints beyond `keep_last` removed. DeepSpeed's rank 0 writes `latest` before the
+    ranks' closing barrier: killed while another rank still wrote (a preemption's grace period running
+    out), a run left `latest` naming a checkpoint that no requeue could load."""
+    tag = f"{ITERATION_PREFIX}{iteration:07d}"
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"iteration": iteration}, save_latest=False)
     if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
         write_atomically(checkpoint_dir / "latest", tag.encode())
+        if keep_last:
+            remove_older_numbered(checkpoint_dir, ITERATION_PREFIX, iteration, keep_last)
 
 
 def finetune_from_config(config_path: str, overrides: list[str]) -> int:

@@ -85,6 +85,7 @@ class TrainSection(Section):
 
 class CheckpointSection(Section):
     save_interval: int = Field(500, ge=1, description="save a DeepSpeed checkpoint every N iterations")
+    keep_last: Optional[int] = Field(None, ge=1, description="keep only the last N checkpoints (default: all)")
     exit_interval: Optional[int] = Field(None, ge=1, description="save and stop at iterations divisible by N "
                                          "(rerunning the command resumes)")
     exit_duration_minutes: Optional[float] = Field(None, gt=0, description="save and stop after the first "

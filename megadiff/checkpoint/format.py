@@ -28,8 +28,11 @@ class CheckpointError(MegadiffError, RuntimeError):
     """A checkpoint path that cannot be used."""
 
 
+ITERATION_PREFIX = "iter_"
+
+
 def iteration_dir(checkpoints_dir: str | Path, iteration: int) -> Path:
-    return Path(checkpoints_dir) / f"iter_{iteration:07d}"
+    return Path(checkpoints_dir) / f"{ITERATION_PREFIX}{iteration:07d}"
 
 
 def read_latest_iteration(checkpoints_dir: str | Path) -> int | None:

@@ -25,12 +25,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, LATEST_FILE, iteration_dir, model_sharded_state, read_latest_iteration,
+    CONFIG_FILE, ITERATION_PREFIX, LATEST_FILE, iteration_dir, model_sharded_state, read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from megadiff.checkpoint.weights import load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
-from megadiff.files import write_atomically
+from megadiff.files import remove_older_numbered, write_atomically
 
 PARTIAL_SUFFIX = ".partial"
 TRAIN_STATE_KEY = "train_state"
@@ -82,16 +82,7 @@ def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> Non
     os.replace(_staging_dir(checkpoints_dir, iteration), final)
     write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n".encode())
     if keep_last:
-        _remove_older(checkpoints_dir, iteration, keep_last)
-
-
-def _remove_older(checkpoints_dir: Path, committed: int, keep_last: int) -> None:
-    """Keep the last `keep_last` checkpoints up to the committed one. Later iterations (a run restarted
-    from an earlier marker left them) are not counted, so the commit can never remove itself."""
-    saved = sorted(int(p.name.removeprefix("iter_")) for p in checkpoints_dir.glob("iter_*")
-                   if p.is_dir() and p.name.removeprefix("iter_").isdigit())
-    for old in [iteration for iteration in saved if iteration <= committed][:-keep_last]:
-        shutil.rmtree(iteration_dir(checkpoints_dir, old), ignore_errors=True)
+        remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last)
 
 
 class CheckpointWriter:
