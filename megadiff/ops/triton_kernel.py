@@ -108,9 +108,10 @@ class _DifferentialAttention(torch.autograd.Function):
         g = grad_out.contiguous()
         g_o2 = row_dots(g, o2)
         grad_lam = -g_o2.sum(dim=(0, 2))
+        delta2 = -lam_h.view(1, -1, 1) * g_o2  # rowsum(dO2 O2) with dO2 = -lam G
         if ctx.tied:  # dO1 = G, dO2 = -lam G: the kernels derive dO2, two matmuls fewer
             do1, do2 = g, None
-            delta1, delta2 = row_dots(g, o1), -lam_h.view(1, -1, 1) * g_o2
+            delta1 = row_dots(g, o1)
         else:
             lam = lam_h.view(1, 1, -1, 1)
             do1 = g.float()
@@ -121,7 +122,7 @@ class _DifferentialAttention(torch.autograd.Function):
                 do1 = do1 + lam * g_mean
             if grad_first_map is not None:
                 do1 = do1 + grad_first_map.float()
-            delta1, delta2 = row_dots(do1, o1), row_dots(do2, o2)
+            delta1 = row_dots(do1, o1)
             do1, do2 = shared_layout(*(t.to(q1.dtype) for t in (do1, do2)))  # the kernels read both with dO1's strides
         dq1, dk1, dq2, dk2, dv = attention_maps_backward(
             q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2,
