@@ -38,16 +38,15 @@ def requeue_exit_code(rank: int) -> int:
 
 
 class PreemptionHandler:
-    """`started` and `budget_minutes`: stop once `clock()` passes started + budget (None: no budget)."""
+    """Installed as a run starts: `budget_minutes` from then on (None: no budget)."""
 
-    def __init__(self, signals=PREEMPTION_SIGNALS, started: float | None = None,
-                 budget_minutes: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, signals=PREEMPTION_SIGNALS, budget_minutes: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.received: int | None = None
         self.signalled = False  # agreed: some rank received a signal
         self.out_of_time = False  # agreed: some rank's budget is spent
         self._clock = clock
-        start = clock() if started is None else started
-        self._deadline = None if budget_minutes is None else start + 60.0 * budget_minutes
+        self._deadline = None if budget_minutes is None else clock() + 60.0 * budget_minutes
         self._previous = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)

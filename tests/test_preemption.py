@@ -18,9 +18,10 @@ class FakeClock:
         return self.now
 
 
-def test_a_budget_stops_once_spent_and_counts_from_the_start_given():
+def test_a_budget_stops_once_spent_and_counts_from_the_handler_s_start():
     clock = FakeClock()
-    handler = PreemptionHandler(signals=(), started=clock.now - 30, budget_minutes=1, clock=clock)
+    handler = PreemptionHandler(signals=(), budget_minutes=1, clock=clock)
+    clock.now += 30
     assert not handler.agreed()
     clock.now += 29.9
     assert not handler.agreed()
@@ -45,7 +46,7 @@ def _agree(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     clock = FakeClock()
     start = clock.now
-    handler = PreemptionHandler(signals=(signal.SIGUSR1,), started=start, budget_minutes=1, clock=clock)
+    handler = PreemptionHandler(signals=(signal.SIGUSR1,), budget_minutes=1, clock=clock)
     assert not handler.agreed()
     if rank == 1:  # this rank's clock runs ahead: the other stops at the same iteration
         clock.now += 60
