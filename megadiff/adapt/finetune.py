@@ -111,9 +111,9 @@ def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int
     return shared[0]
 
 
-# what a plan is made from: a rerun asking for other values would be held to the plan without a word
-PLANNED_SETTINGS = ("selection", "heads_fraction", "selected_heads", "calibration_batches", "anneal_steps",
-                    "lambda_init", "lambda_learn_init")
+# what a plan is made from beside its anneal_steps and lambda_learn_init (which it holds itself): a
+# rerun asking for other values would be held to the plan without a word
+PLANNED_SETTINGS = ("selection", "heads_fraction", "selected_heads", "calibration_batches", "lambda_init")
 
 
 def _planned_settings(cfg: FinetuneConfig) -> dict:
