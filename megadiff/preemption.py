@@ -25,16 +25,17 @@ REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 REQUEUE_MARKER_ENV = "MEGADIFF_REQUEUE_MARKER"  # set by slurm/job.sh
 
 
-def requeue_exit_code(rank: int) -> int:
-    """REQUEUE_EXIT_CODE, rank 0 first leaving the file $MEGADIFF_REQUEUE_MARKER names: under torchrun a
-    Slurm batch script sees torchrun's exit code (1 when a worker exits otherwise than 0), not ours."""
+def leave_requeue_marker(rank: int) -> None:
+    """Rank 0 leaves the file $MEGADIFF_REQUEUE_MARKER names (when set), once the preemption checkpoint
+    is committed: under torchrun a Slurm batch script sees torchrun's exit code (1 when a worker exits
+    otherwise than 0), not REQUEUE_EXIT_CODE, and requeues on this file. A save that fails leaves none,
+    so the job ends with the error rather than requeueing into it again."""
     marker = os.environ.get(REQUEUE_MARKER_ENV)
     if marker and rank == 0:
         try:
             Path(marker).touch()
-        except OSError as err:  # the checkpoint matters more: the job then needs resubmitting by hand
+        except OSError as err:  # the checkpoint is written: the job then needs resubmitting by hand
             print(f"megadiff: could not leave the requeue marker {marker} ({err.strerror})", file=sys.stderr)
-    return REQUEUE_EXIT_CODE
 
 
 class PreemptionHandler:

@@ -10,7 +10,9 @@
 # signalled directly, e.g. --signal without B:) is requeued too: it exits 75, or under torchrun
 # leaves $MEGADIFF_REQUEUE_MARKER. SIGTERM (scancel, the time limit) reaches the step from Slurm as well: the script
 # waits while the training checkpoints and does not requeue. Otherwise the job ends with the
-# step's exit code.
+# step's exit code. A step that fails otherwise after the signal (killed while saving, a save that
+# failed) is requeued to resume from its last checkpoint, $MEGADIFF_MAX_UNCOMMITTED_REQUEUES (3)
+# times in a row at most.
 
 REQUEUE_EXIT_CODE=75   # megadiff.preemption.REQUEUE_EXIT_CODE
 
@@ -34,6 +36,10 @@ unset NODE_RANK
 # step's exit code is torchrun's own (1 when a worker exits otherwise than 0), not 75
 export MEGADIFF_REQUEUE_MARKER="${TMPDIR:-/tmp}/megadiff-requeue-${SLURM_JOB_ID}"
 rm -f "$MEGADIFF_REQUEUE_MARKER"
+# Requeues in a row after which no checkpoint had been committed: kept across restarts (which may run
+# on other nodes) beside the job's log, in the directory it was submitted from
+UNCOMMITTED_REQUEUES="${SLURM_SUBMIT_DIR:-.}/.megadiff-uncommitted-requeues-${SLURM_JOB_ID}"
+MAX_UNCOMMITTED_REQUEUES=${MEGADIFF_MAX_UNCOMMITTED_REQUEUES:-3}
 say "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} nodes ($SLURM_JOB_NODELIST), rendezvous at" \
     "$MASTER_ADDR:$MASTER_PORT, arguments: $*"
 
@@ -60,6 +66,7 @@ _requeue() {
         sleep $(( attempt * 10 ))
     done
     say "scontrol requeue failed 5 times: the job ends here; resubmit it to resume from its checkpoint"
+    rm -f "$UNCOMMITTED_REQUEUES"
     exit "$REQUEUE_EXIT_CODE"
 }
 
@@ -73,12 +80,27 @@ run_step_requeue_on_preemption() {
     while kill -0 "$step" 2>/dev/null; do wait "$step"; done
     wait "$step"
     status=$?
-    local preempted=$(( status == REQUEUE_EXIT_CODE || (_megadiff_preempted && status != 0) ))
-    [[ -e $MEGADIFF_REQUEUE_MARKER ]] && preempted=1
-    if (( !_megadiff_terminated && preempted )); then
+    # 75 and the marker come once the preemption checkpoint is committed; another failure after the
+    # signal (killed while saving, a save that failed) requeues from an older checkpoint, a few times
+    # in a row at most, so that a save failing every time does not requeue the job for ever
+    local committed=$(( status == REQUEUE_EXIT_CODE )) uncommitted=0
+    [[ -e $MEGADIFF_REQUEUE_MARKER ]] && committed=1
+    [[ -e $UNCOMMITTED_REQUEUES ]] && uncommitted=$(< "$UNCOMMITTED_REQUEUES")
+    if (( !_megadiff_terminated && committed )); then
+        rm -f "$UNCOMMITTED_REQUEUES"
         say "the step stopped for preemption (exit code $status): requeueing (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         _requeue
+    elif (( !_megadiff_terminated && _megadiff_preempted && status != 0 )); then
+        if (( uncommitted < MAX_UNCOMMITTED_REQUEUES )); then
+            echo $(( uncommitted + 1 )) > "$UNCOMMITTED_REQUEUES"
+            say "the step failed after the preemption signal (exit code $status) without a new checkpoint:" \
+                "requeueing to resume from the last one ($(( uncommitted + 1 )) of at most $MAX_UNCOMMITTED_REQUEUES in a row)"
+            _requeue
+        fi
+        say "the step failed after the preemption signal without a new checkpoint $(( uncommitted + 1 )) times in" \
+            "a row: not requeueing (see the errors above; MEGADIFF_MAX_UNCOMMITTED_REQUEUES=$MAX_UNCOMMITTED_REQUEUES)"
     fi
+    rm -f "$UNCOMMITTED_REQUEUES"
     say "the step finished with exit code $status"
     exit "$status"
 }

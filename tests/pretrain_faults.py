@@ -49,20 +49,30 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_step
             json.dump({"exit_code": exit_code, "events": events}, handle)
 
 
-def signalled_while_starting(rank: int, world_size: int, overrides: list[str], report: str) -> None:
+def signalled_while_starting(rank: int, world_size: int, overrides: list[str], report: str,
+                             disk_full: bool = False) -> None:
     """`megadiff pretrain` whose ranks get SIGUSR1 as their process groups come up, before the data,
-    the model or a checkpoint: records the run's exit code."""
+    the model or a checkpoint: records the run's exit code, or with `disk_full` (every checkpoint
+    write fails) the error it raised."""
     original_initialize = pretrain.initialize
 
     def initialize(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)
         return original_initialize(*args, **kwargs)
 
+    def save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
     pretrain.initialize = initialize
-    exit_code = main(["pretrain", str(DEMO_CONFIG), *overrides])
+    if disk_full:
+        training_checkpoint.dist_checkpointing.save = save
+    try:
+        result = {"exit_code": main(["pretrain", str(DEMO_CONFIG), *overrides])}
+    except OSError as err:
+        result = {"error": str(err)}
     if rank == 0:
         with open(report, "w") as handle:
-            json.dump({"exit_code": exit_code}, handle)
+            json.dump(result, handle)
 
 
 def _children(pid: int) -> list[int]:

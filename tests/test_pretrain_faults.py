@@ -12,7 +12,7 @@ import pytest
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
-from megadiff.preemption import REQUEUE_EXIT_CODE
+from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import killed_while_saving, poisoned_run, signalled_while_starting
 from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
@@ -100,13 +100,22 @@ def test_preemption_reaching_the_data_loader_workers_checkpoints(base, tmp_path)
     assert launcher.returncode == REQUEUE_EXIT_CODE and stopped >= 2
 
 
-def test_a_signal_while_the_run_starts_requeues_it(base, tmp_path):
+def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):
     """SIGUSR1 on both ranks before anything is built (minutes at scale): the default action killed
-    the ranks and failed the job; the run now takes its first step, checkpoints it and exits 75."""
+    the ranks and failed the job; the run now takes its first step, checkpoints it and exits 75,
+    leaving slurm/job.sh's requeue marker. A checkpoint that cannot be written leaves none: the job
+    ends with the error rather than requeueing into it."""
+    marker = tmp_path / "requeue"
+    monkeypatch.setenv(REQUEUE_MARKER_ENV, str(marker))
     report, output = tmp_path / "report.json", tmp_path / "started"
+    run_ranks(2, signalled_while_starting, base + ["train.iters=50", "checkpoint.async_save=true",
+                                                   f"output_dir={tmp_path / 'disk-full'}"], str(report), True)
+    assert "No space left on device" in json.loads(report.read_text())["error"]
+    assert not marker.exists()
     run_ranks(2, signalled_while_starting, base + ["train.iters=50", f"output_dir={output}"], str(report))
     assert json.loads(report.read_text())["exit_code"] == REQUEUE_EXIT_CODE
     assert read_latest_iteration(output / CHECKPOINTS_DIR) == 1 and len(read_metrics(output)) == 1
+    assert marker.exists()
 
 
 @pytest.mark.slow

@@ -18,13 +18,14 @@ STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; sleep 1.5',
 
 def _run_step(tmp_path: Path, step: str, usr1_after: float | None) -> tuple[int, str, str]:
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for name, body in STANDINS.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     calls = tmp_path / "calls"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "TMPDIR": str(tmp_path),
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1"}
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path)}
     script = f"source {ROOT / 'slurm/job.sh'} config.yaml\nrun_step_requeue_on_preemption bash -c '{step}'"
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -48,3 +49,22 @@ def test_the_step_s_own_exit_code_decides(tmp_path, step, usr1_after, code, requ
     assert ("scontrol requeue 4242" in calls) is requeued, output
     if not requeued:
         assert f"the step finished with exit code {code}" in output
+
+
+def test_failures_after_the_signal_are_requeued_a_few_times_in_a_row_at_most(tmp_path):
+    """A save that fails on every preemption must not requeue the job for ever: three requeues without
+    a committed checkpoint in a row, then the job ends with the step's exit code."""
+    failed_save = "sleep 1; exit 3"
+    for restart in range(1, 4):
+        returncode, output, calls = _run_step(tmp_path, failed_save, 0.3)
+        assert returncode == 0 and calls.count("scontrol requeue") == restart, output
+        assert f"({restart} of at most 3 in a row)" in output
+    # a committed preemption checkpoint in between starts the count again
+    _run_step(tmp_path, "sleep 1; exit 75", 0.3)
+    _run_step(tmp_path, failed_save, 0.3)
+    assert _run_step(tmp_path, failed_save, 0.3)[2].count("scontrol requeue") == 6
+    _run_step(tmp_path, failed_save, 0.3)
+    returncode, output, calls = _run_step(tmp_path, failed_save, 0.3)
+    assert returncode == 3 and calls.count("scontrol requeue") == 7, output
+    assert "without a new checkpoint 4 times in a row: not requeueing" in output
+    assert not list(tmp_path.glob(".megadiff-uncommitted-requeues-*"))

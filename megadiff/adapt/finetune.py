@@ -38,7 +38,7 @@ from megadiff.config import ConfigError
 from megadiff.config.loader import config_yaml
 from megadiff.files import remove_older_numbered, write_atomically
 from megadiff.observability.wandb_sink import wandb_sink
-from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
+from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
 
 PLAN_FILE = "adaptation.json"
 ITERATION_PREFIX = "iter_"  # checkpoints/iter_0000500: DeepSpeed's tag of each save
@@ -268,7 +268,9 @@ def finetune(cfg: FinetuneConfig) -> int:
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
             _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last)
         if exit_now and iteration < cfg.train.iters:
-            exit_code = requeue_exit_code(rank) if stop.signalled else 0
+            exit_code = REQUEUE_EXIT_CODE if stop.signalled else 0
+            if stop.signalled:  # after `_save` committed the checkpoint a requeue resumes from
+                leave_requeue_marker(rank)
             if writer is not None:
                 reason = (signal_name(stop.received) if stop.signalled else
                           "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")

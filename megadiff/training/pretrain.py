@@ -30,7 +30,7 @@ from megadiff.ops.common import triton_candidates_limit
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.parallel import compute_device, initialize, shutdown
-from megadiff.preemption import PreemptionHandler, requeue_exit_code, signal_name
+from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
@@ -204,7 +204,7 @@ class Pretraining:
                 stop_early = preemption.agreed(compute_device())
                 if stop_early or (t.exit_interval and state.iteration % t.exit_interval == 0):
                     if preemption.signalled:
-                        exit_code = requeue_exit_code(self.rank)
+                        exit_code = REQUEUE_EXIT_CODE
                         self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
                                   f"{state.iteration}, then exiting with code {exit_code} (requeue)")
                     elif preemption.out_of_time:
@@ -215,6 +215,8 @@ class Pretraining:
             if saved_at != state.iteration:
                 self._save()
             self.checkpoints.close()
+            if exit_code == REQUEUE_EXIT_CODE:  # only once its checkpoint is committed: a requeue resumes from it
+                leave_requeue_marker(self.rank)
         except TrainingError:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
