@@ -45,6 +45,16 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.lr_wsd_decay_iters=10"], "train.lr_wsd_decay_iters: only used with train.lr_decay_style=wsd"),
     (["train.spike_window=1"], "train.spike_window"),
     (["train.precision=fp8"], "train.precision"),
+    (["train.precision=fp8", "model.seq_length=100"], "train.micro_batch_size: fp8 matmuls need the tokens of a "
+     "micro-batch on a rank \\(model.seq_length x train.micro_batch_size / parallel.context = 100\\)"),
+    (["train.precision=fp8", "model.seq_length=100", "train.micro_batch_size=4", "parallel.context=2"],
+     "train.micro_batch_size: .* = 200\\)"),
+    (["train.precision=fp8", "model.hidden_size=1000", "model.num_attention_heads=5", "model.ffn_hidden_size=2010",
+      "parallel.tensor=5"], "train.precision: fp8 matmuls need widths that are multiples of 16: model.hidden_size "
+     "\\(1000\\), the attention output's per-rank width \\(200\\), model.ffn_hidden_size per rank \\(402\\), "
+     "the QKV projection's per-rank width \\(600\\) are not"),
+    (["train.precision=fp8", "model.ffn_hidden_size=5000", "parallel.tensor=2"],
+     "train.precision: .*: model.ffn_hidden_size per rank \\(2500\\) is not \\(with parallel.tensor=2\\)"),
     (["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather"),
     (["model.transformer_impl=te"], "model.transformer_impl"),
     (["logging.profile_iterations=[3,2]"], "logging.profile_iterations"),

@@ -36,6 +36,13 @@ def resolved_ffn_hidden_size(model: ModelConfig) -> int:
     return -(-(8 * model.hidden_size // 3) // 64) * 64
 
 
+def qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
+    """Widths of Q, K and V outputs (all maps together)."""
+    maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
+    d, h, h_kv = resolved_head_dim(model), model.num_attention_heads, resolved_kv_heads(model)
+    return maps * h * d, maps * h_kv * d, maps * h_kv * d
+
+
 def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
     multiple = model.make_vocab_size_divisible_by * tensor_parallel
     return -(-model.vocab_size // multiple) * multiple
@@ -181,6 +188,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     if train.eval_each_source and not train.eval_interval:
         _fail("train.eval_each_source", "needs train.eval_interval (when to evaluate)")
     if train.precision == "fp8":
+        _validate_fp8_shapes(cfg)
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
     if cfg.data.document_masking:
         _validate_document_masking(cfg.model)
@@ -238,3 +246,25 @@ def _validate_fp8(backend: str, transformer_impl: str) -> None:
         from importlib.util import find_spec
         if find_spec("torchao") is None:
             _fail("train.fp8_backend", "'torchao' needs torchao, which is not installed (pip install torchao)")
+
+
+FP8_ALIGNMENT = 16  # float8 GEMMs (TransformerEngine's, torch._scaled_mm) take operands whose every side is a multiple
+
+
+def _validate_fp8_shapes(cfg: Config) -> None:
+    """What TE's and torchao's float8 matmuls would refuse on a GPU at the first step, refused here."""
+    model, tp = cfg.model, cfg.parallel.tensor
+    tokens = model.seq_length * cfg.train.micro_batch_size // cfg.parallel.context
+    if tokens % FP8_ALIGNMENT:
+        _fail("train.micro_batch_size", f"fp8 matmuls need the tokens of a micro-batch on a rank (model.seq_length x "
+              f"train.micro_batch_size / parallel.context = {tokens}) to be a multiple of {FP8_ALIGNMENT}")
+    q, k, v = qkv_widths(model)
+    ffn = resolved_ffn_hidden_size(model)
+    widths = {"model.hidden_size": model.hidden_size, "the attention output's per-rank width": q // tp,
+              "model.ffn_hidden_size per rank": ffn // tp}
+    if model.variant != "shared_diff":  # its QKV projection is not a float8 linear
+        widths["the QKV projection's per-rank width"] = (q + k + v) // tp
+    unaligned = [f"{name} ({width})" for name, width in widths.items() if width % FP8_ALIGNMENT]
+    if unaligned:
+        _fail("train.precision", f"fp8 matmuls need widths that are multiples of {FP8_ALIGNMENT}: "
+              f"{', '.join(unaligned)} {'is' if len(unaligned) == 1 else 'are'} not (with parallel.tensor={tp})")

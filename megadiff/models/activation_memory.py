@@ -30,10 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megadiff.config import (
-    DIFFERENTIAL_VARIANTS, Config, micro_batches_per_step, padded_vocab_size, resolved_ffn_hidden_size,
-    resolved_head_dim,
+    DIFFERENTIAL_VARIANTS, Config, micro_batches_per_step, padded_vocab_size, qkv_widths,
+    resolved_ffn_hidden_size, resolved_head_dim,
 )
-from megadiff.models.param_count import qkv_widths
 from megadiff.ops.common import triton_fits
 
 FP32 = 4

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megadiff.config import (
-    DIFFERENTIAL_VARIANTS, Config, ModelConfig, data_parallel_size, load_config, padded_vocab_size,
-    resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads, validate_config,
+    DIFFERENTIAL_VARIANTS, Config, ModelConfig, data_parallel_size, load_config, padded_vocab_size, qkv_widths,
+    resolved_ffn_hidden_size, resolved_head_dim, validate_config,
 )
 
 
@@ -35,13 +35,6 @@ class ParamCount:
     @property
     def total(self) -> int:
         return self.non_embedding + self.embedding + self.output_layer
-
-
-def qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
-    """Widths of Q, K and V outputs (all maps together)."""
-    maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
-    d, h, h_kv = resolved_head_dim(model), model.num_attention_heads, resolved_kv_heads(model)
-    return maps * h * d, maps * h_kv * d, maps * h_kv * d
 
 
 def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount:
