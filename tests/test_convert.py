@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 import weakref
 
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config
 from megadiff.config import build_config
 from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf, from_hf, to_hf
+from megadiff.convert.hf_io import HFWeights
 from megadiff.inference import load_checkpoint
 from tests.convert_worker import MODEL, VARIANTS, build_tokenizer, reference_model, save_checkpoints, save_in_process
 from tests.distributed import run_ranks
@@ -265,9 +267,9 @@ def _alive_when(module, monkeypatch, name: str, *recorded: list[weakref.ref]) ->
 
 def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(tmp_path, monkeypatch):
     """The check's fp32 models are 52 GB each for 13B: to-hf's exported tensors (views that also keep
-    the bf16 source model alive) and from-hf's read ones (the model again, and its merged QKV and fc1
-    weights) must not stay beside them (26 to 44 GB more for 13B in bf16), nor the megadiff model
-    beside the Hugging Face one."""
+    the bf16 source model alive) must not stay beside them, nor from-hf's read ones (the model again,
+    and its merged QKV and fc1 weights: 26 to 44 GB more for 13B in bf16), which it reads one layer at
+    a time; nor the megadiff model beside the Hugging Face one."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
     cfg = build_config({}, MODEL + VARIANTS["diff"] + [f"data.tokenizer={tokenizer}", "train.precision=bf16"])
     save_in_process(cfg, tmp_path / "checkpoint")
@@ -275,12 +277,30 @@ def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(
                        for module in (to_hf, from_hf)}
     exported = _record(to_hf, monkeypatch, "megatron_to_hf", lambda _, result: [*result[0].values(),
                                                                                 *result[1].values()])
-    read = _record(from_hf, monkeypatch, "read_hf_dir", lambda _, hf: [*hf.state.values(), *hf.extras.values()])
-    merged = _record(from_hf, monkeypatch, "hf_to_megatron", lambda _, result: result.values())
+    read, read_refs, layers_held = [], [], []  # the layer of every tensor read; the layers alive at each read
+    original_read = HFWeights.__getitem__
+
+    def reading(weights, name):
+        gc.collect()
+        layers_held.append({layer for layer, ref in zip(read, read_refs) if ref() is not None and layer is not None})
+        tensor = original_read(weights, name)
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        read.append(layer and int(layer[1]))
+        read_refs.append(weakref.ref(tensor))
+        return tensor
+    monkeypatch.setattr(HFWeights, "__getitem__", reading)
+    merged, original_merge = [], from_hf.hf_to_megatron
+
+    def merging(*args):
+        for part in original_merge(*args):
+            merged.extend(weakref.ref(tensor) for tensor in part.values())
+            yield part
+    monkeypatch.setattr(from_hf, "hf_to_megatron", merging)
     at_checks = [_alive_when(to_hf, monkeypatch, "megadiff_logits", exported),
-                 _alive_when(from_hf, monkeypatch, "megadiff_logits", read, merged)]
+                 _alive_when(from_hf, monkeypatch, "megadiff_logits", read_refs, merged)]
     at_hf_loads = [_alive_when(module, monkeypatch, "load_hf_model", megadiff_models[module])
                    for module in (to_hf, from_hf)]
     convert_from_hf(convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf"), tmp_path / "back")
     assert at_checks == [[0], [0]] and at_hf_loads == [[0], [0]]
-    assert exported and read and merged and all(megadiff_models.values())  # each was recorded
+    assert max(map(len, layers_held)) == 1  # the layer being read, never an earlier one
+    assert set(read) == {None, 0, 1} and merged and all(megadiff_models.values())

@@ -74,6 +74,25 @@ def test_rotary_buffers_of_older_exports_are_left_behind(tmp_path):
         torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ["shards", "pytorch_model.bin"])
+def test_weights_in_shards_or_a_pytorch_file_are_read(tmp_path, layout):
+    """from-hf reads tensors from their files one layer at a time: through a shard index, and from a
+    memory-mapped pytorch_model.bin."""
+    llama = stock_llama(tmp_path / "llama", tied=False)
+    weights = tmp_path / "llama" / "model.safetensors"
+    state = load_file(str(weights))
+    weights.unlink()
+    if layout == "shards":
+        llama.save_pretrained(tmp_path / "llama", max_shard_size="40KB")
+        assert len(list((tmp_path / "llama").glob("model-*-of-*.safetensors"))) > 2
+    else:
+        torch.save(state, tmp_path / "llama" / "pytorch_model.bin")
+    ours = load_checkpoint(convert_from_hf(tmp_path / "llama", tmp_path / "megadiff"))
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+
+
 def test_a_rope_base_megatron_cannot_hold_is_refused_by_name(tmp_path):
     stock_llama(tmp_path / "llama", tied=False, rope_theta=10000.5)
     with pytest.raises(ConfigError, match=r"model.rope_theta: 10000.5 must be an integer"):

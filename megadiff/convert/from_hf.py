@@ -10,6 +10,7 @@ uses a packaged tiktoken encoding, its tokenizer under tokenizer/ (where
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -55,6 +56,28 @@ def _load_parameters(model, params: dict[str, torch.Tensor]) -> None:
             param.copy_(params[name])
 
 
+def _load_parts(model, parts: Iterable[dict[str, torch.Tensor]]) -> int:
+    """Copies each part's tensors into the model's parameters of their names, emptying the part (so
+    that no reference outlives the copy); returns how many numbers it copied."""
+    own, copied = dict(model.named_parameters()), 0
+    with torch.no_grad():
+        for part in parts:
+            while part:
+                name, tensor = part.popitem()
+                own.pop(name).copy_(tensor)
+                copied += tensor.numel()
+                del tensor
+    if own:
+        raise ConversionError(f"no tensor converted for {', '.join(sorted(own))}")
+    return copied
+
+
+def _is_weight(name: str, tied_embeddings: bool) -> bool:
+    """transformers before 4.31 saved RoPE's frequencies with each layer (they follow from config.json),
+    and some tied checkpoints store the shared matrix twice."""
+    return not (name.endswith(".rotary_emb.inv_freq") or (tied_embeddings and name == "lm_head.weight"))
+
+
 def _tokenizer(hf_dir: HFDirectory, save: Path):
     """(data.tokenizer value, number of ids in use, HF tokenizer to copy under tokenizer/ or None).
 
@@ -77,14 +100,10 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     out = Path(save)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
-    with step(console, f"reading {load}"):
-        hf_dir = read_hf_dir(load)
+    hf_dir = read_hf_dir(load)
     hf_config = load_hf_config(hf_dir.config_dict, hf_dir.path)
     family = hf_config.model_type
-    # transformers before 4.31 saved RoPE's frequencies with each layer; they follow from config.json
-    state = {name: tensor for name, tensor in hf_dir.state.items() if not name.endswith(".rotary_emb.inv_freq")}
-    if hf_config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+    state = hf_dir.state
     hf_dtype = state["model.embed_tokens.weight"].dtype
     if dtype is None and hf_dtype not in PRECISIONS:
         raise ConversionError(f"{hf_dir.path}: weights in {hf_dtype}; pass --dtype fp32, bf16 or fp16")
@@ -95,15 +114,10 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     dims = Dims.of(cfg.model, family)
     # the check's model holds the read tensors in fp32 (exactly: the checkpoint's may round them, --dtype)
     checked = build_single_process_model(single_process_config(cfg, "fp32" if check else None))
-    check_tensors(state, expected_hf_shapes(dict(checked.named_parameters()), dims), f"{hf_dir.path} (config.json)")
-    params = hf_to_megatron(state, dims, hf_dir.extras)
-    _load_parameters(checked, params)
-    parameters = sum(p.numel() for p in params.values())
-    # `checked` holds its own copies now: the read tensors (a model and the merged QKV and fc1 weights,
-    # 44 GB for 13B in bf16) would stay beside it
-    del state, params
-    hf_dir.state.clear()
-    hf_dir.extras.clear()
+    check_tensors({name: state.shape(name) for name in state if _is_weight(name, hf_config.tie_word_embeddings)},
+                  expected_hf_shapes(dict(checked.named_parameters()), dims), f"{hf_dir.path} (config.json)")
+    with step(console, f"reading {load}"):
+        parameters = _load_parts(checked, hf_to_megatron(state, dims, hf_dir.extras))
     model = checked
     if check and precision != "fp32":
         model = build_single_process_model(single_process_config(cfg))

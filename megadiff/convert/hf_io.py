@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,12 +82,43 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
             shutil.copyfile(CODE_DIR / name, directory / name)
 
 
+class HFWeights(Mapping[str, torch.Tensor]):
+    """A model directory's tensors by name, each read from its file when asked for: a conversion holds
+    one layer's at a time rather than the whole model's (26 GB for 13B in bf16) beside its own."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._sources: dict[str, object] = {}
+        for file in files:
+            if file.suffix == ".safetensors":
+                source = safe_open(str(file), framework="pt")
+            else:  # memory-mapped: its tensors are read as they are used
+                source = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            self._sources.update(dict.fromkeys(source.keys(), source))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        source = self._sources[name]
+        return source[name] if isinstance(source, dict) else source.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Without reading the tensor."""
+        source = self._sources[name]
+        return tuple(source[name].shape if isinstance(source, dict) else source.get_slice(name).get_shape())
+
+
 @dataclass
 class HFDirectory:
     path: Path
     config_dict: dict
-    state: dict[str, torch.Tensor]
-    extras: dict[str, torch.Tensor]
+    state: HFWeights
+    extras: HFWeights | dict  # DiffLlama's sidecar, or nothing
     source_cfg: Config | None  # megadiff_config.yaml, when the directory is a megadiff export
 
 
@@ -100,17 +132,6 @@ def _weight_files(directory: Path) -> list[Path]:
     raise ConversionError(f"{directory}: no weights (model.safetensors, {SAFETENSORS_INDEX} or pytorch_model.bin)")
 
 
-def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        part = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu",
-                                                                                      weights_only=True)
-        state.update(part)
-    return state
-
-
 def read_hf_dir(path: str | Path) -> HFDirectory:
     directory = Path(path)
     if not (directory / "config.json").is_file():
@@ -120,8 +141,8 @@ def read_hf_dir(path: str | Path) -> HFDirectory:
     return HFDirectory(
         path=directory,
         config_dict=json.loads((directory / "config.json").read_text()),
-        state=_read_weights(_weight_files(directory)),
-        extras=_read_weights([extras_file]) if extras_file.is_file() else {},
+        state=HFWeights(_weight_files(directory)),
+        extras=HFWeights([extras_file]) if extras_file.is_file() else {},
         source_cfg=build_config(read_saved_config(config_file)) if config_file.is_file() else None,
     )
 

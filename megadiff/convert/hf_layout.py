@@ -13,6 +13,7 @@ all first maps then all second maps: [Q1 of every head; Q2 of every head].
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -166,12 +167,13 @@ def _unfold_head_norm(o_proj: torch.Tensor, extras: dict | None, dims: Dims, i: 
     return o_proj, torch.ones(2 * dims.head_dim, dtype=o_proj.dtype, device=o_proj.device)
 
 
-def _by_layer(state: dict, prefix: str, layers: int) -> list[dict]:
-    per_layer: list[dict] = [{} for _ in range(layers)]
-    for name, tensor in state.items():
+def _layer_names(names: Iterable[str], prefix: str, layers: int) -> list[dict[str, str]]:
+    """Per layer: {name relative to `prefix`{i}.: full name}."""
+    per_layer: list[dict[str, str]] = [{} for _ in range(layers)]
+    for name in names:
         if name.startswith(prefix):
             index, _, rest = name[len(prefix):].partition(".")
-            per_layer[int(index)][rest] = tensor
+            per_layer[int(index)][rest] = name
     return per_layer
 
 
@@ -181,29 +183,35 @@ def megatron_to_hf(params: dict[str, torch.Tensor], dims: Dims) -> tuple[dict, d
                   "model.norm.weight": params["decoder.final_layernorm.weight"]}, {}
     if not dims.tie_embeddings:
         hf["lm_head.weight"] = params["output_layer.weight"]
-    for i, layer in enumerate(_by_layer(params, "decoder.layers.", dims.layers)):
+    for i, names in enumerate(_layer_names(params, "decoder.layers.", dims.layers)):
+        layer = {rest: params[name] for rest, name in names.items()}
         hf.update({f"model.layers.{i}.{k}": v for k, v in _layer_to_hf(layer, dims, extras, i).items()})
     return hf, extras
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], dims: Dims, extras: dict | None = None) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], dims: Dims,
+                   extras: Mapping | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """HF tensors -> TP1 megatron parameters, a part at a time: the embeddings and final norm, then
+    each layer. Nothing here keeps a part once yielded: from a lazily read `hf` (hf_io.HFWeights), a
+    caller that empties each part holds one layer's tensors at a time."""
     params = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
               "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not dims.tie_embeddings:
         params["output_layer.weight"] = hf["lm_head.weight"]
-    for i, layer in enumerate(_by_layer(hf, "model.layers.", dims.layers)):
-        params.update({f"decoder.layers.{i}.{k}": v for k, v in _layer_from_hf(layer, dims, extras, i).items()})
-    return params
+    yield params
+    for i, names in enumerate(_layer_names(hf, "model.layers.", dims.layers)):
+        converted = _layer_from_hf({rest: hf[name] for rest, name in names.items()}, dims, extras, i)
+        yield {f"decoder.layers.{i}.{k}": converted.pop(k) for k in list(converted)}
 
 
-def check_tensors(found: dict[str, torch.Tensor], expected: dict[str, torch.Size | tuple], where: str) -> None:
-    """Refuse unknown, missing or mis-shaped tensors, naming them."""
+def check_tensors(found: dict[str, tuple], expected: dict[str, torch.Size | tuple], where: str) -> None:
+    """Refuse unknown, missing or mis-shaped tensors (`found`: their shapes by name), naming them."""
     unknown = sorted(set(found) - set(expected))
     missing = sorted(set(expected) - set(found))
-    problems = [f"unknown tensor {name} {tuple(found[name].shape)}" for name in unknown]
+    problems = [f"unknown tensor {name} {tuple(found[name])}" for name in unknown]
     problems += [f"missing tensor {name} (expected shape {tuple(expected[name])})" for name in missing]
-    problems += [f"tensor {name} has shape {tuple(found[name].shape)}, expected {tuple(expected[name])}"
-                 for name in sorted(set(found) & set(expected)) if tuple(found[name].shape) != tuple(expected[name])]
+    problems += [f"tensor {name} has shape {tuple(found[name])}, expected {tuple(expected[name])}"
+                 for name in sorted(set(found) & set(expected)) if tuple(found[name]) != tuple(expected[name])]
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ConversionError(f"{where} does not match the model its config describes:\n  {shown}")
