@@ -550,6 +550,31 @@ def test_a_special_tokens_text_in_a_document_is_text(workspace, tmp_path):
     assert stream == [token for ids in as_text for token in ids + [tokenizer.eos_token_id]][:len(stream)]
 
 
+def test_documents_begin_as_the_tokenizer_begins_a_text(workspace, tmp_path):
+    """A Llama-like tokenizer puts BOS before every text: each document begins with it, as the model's
+    pre-training documents did; the workspace's tokenizer adds nothing (see the test above)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from megadiff.adapt.data import build_packed_dataset, document_start
+
+    plain = AutoTokenizer.from_pretrained(workspace / "model")
+    assert document_start(plain) == []
+    llama_like = AutoTokenizer.from_pretrained(workspace / "model")
+    llama_like.add_special_tokens({"bos_token": "<s>"})
+    bos = llama_like.bos_token_id
+    llama_like.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    assert document_start(llama_like) == [bos]
+    documents = [f"verse {i}: and the evening and the morning were the day" for i in range(30)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"data.files=[{tmp_path / 'docs.jsonl'}]",
+                                                               f"data.cache_dir={tmp_path / 'cache'}"])
+    stream = build_packed_dataset(cfg.data, llama_like)[:]["input_ids"].flatten().tolist()
+    texts = [plain(d, add_special_tokens=False)["input_ids"] for d in documents]
+    assert stream == [token for ids in texts for token in [bos] + ids + [plain.eos_token_id]][:len(stream)]
+
+
 def test_a_resumed_adaptation_trains_what_its_plan_recorded(workspace):
     """The plan file records the trained parameters: a rerun keeps them (its optimizer state holds
     those) even where the defaults changed since, and refuses other ones asked for explicitly."""

@@ -1,8 +1,9 @@
 """Adaptation data: local text / JSON-lines files, tokenized with the model's own tokenizer,
 packed into fixed-length sequences, read in a seeded order.
 
-Documents are tokenized without special tokens and each is followed by the tokenizer's EOS;
-the token stream is cut into `seq_length` pieces (the tail of each map batch of documents is
+Documents are tokenized without special tokens (a special token's text in a document is text),
+each preceded by what the tokenizer itself puts before a text (Llama's BOS; nothing for GPT-2's
+or Qwen's) and followed by the tokenizer's EOS; the token stream is cut into `seq_length` pieces (the tail of each map batch of documents is
 dropped, as in transformers' run_clm). The order is one seeded permutation per epoch, so the
 sample behind any (iteration, micro-step, rank) is a pure function of those numbers: resuming
 at iteration k reads exactly what an uninterrupted run would have read.
@@ -60,9 +61,11 @@ def build_packed_dataset(data: DataSection, tokenizer):
     view = HFTokenizer("model.tokenizer", tokenizer)
     template = _chat_template(data, view) if conversations else None
 
+    start = document_start(tokenizer)
+
     def tokenize(batch):  # a special token's text in a document is text, as prepare-data reads it
         ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return {"input_ids": [row + [eos] for row in ids]}
+        return {"input_ids": [start + row + [eos] for row in ids]}
 
     def tokenize_conversations(batch):
         encoded = [encode_conversation(messages, template, view) for messages in batch["messages"]]
@@ -85,6 +88,17 @@ def build_packed_dataset(data: DataSection, tokenizer):
     if len(packed) == 0:
         raise ConfigError(f"data.files: fewer than data.seq_length={seq_length} tokens in {data.files}")
     return packed.with_format("torch")
+
+
+def document_start(tokenizer) -> list[int]:
+    """The ids the tokenizer adds before a text of its own accord, as the model's pre-training
+    documents began (and transformers' run_clm reads them): Llama's BOS, nothing for GPT-2's."""
+    probe = "a"
+    plain, framed = tokenizer(probe, add_special_tokens=False)["input_ids"], tokenizer(probe)["input_ids"]
+    for start in range(len(framed) - len(plain) + 1):
+        if framed[start:start + len(plain)] == plain:
+            return framed[:start]
+    return []
 
 
 def _chat_template(data: DataSection, tokenizer: HFTokenizer) -> str:
