@@ -20,6 +20,7 @@ from megadiff.adapt import (
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.adapt.documents import document_position_ids, model_inputs
 from megadiff.adapt.export import save_adapted
+from megadiff.adapt.modeling_adapted import install_adapters
 from megadiff.adapt.selection import attention_entropy, head_importance
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -117,7 +118,9 @@ def naive_attention(attn, x, theta):
             o = a1 @ v_g
             out = o - lam * o @ attn.dex_weight[heads.index(h)]
         elif method == "daa":
-            out = (a1 - lam * naive_softmax_map(q_h @ attn.daa_weight[heads.index(h)], k_g)) @ v_g
+            weight = attn.daa_weight[heads.index(h)]
+            q2 = naive_rope(split(q, h) @ weight, theta) if attn.daa_weight_before_rope else q_h @ weight
+            out = (a1 - lam * naive_softmax_map(q2, k_g)) @ v_g
         elif method == "diff_q":
             q2 = naive_rope(split(linear(shifted, attn.q_proj), h), theta)
             out = (a1 - lam * naive_softmax_map(q2, k_g)) @ v_g
@@ -148,7 +151,20 @@ def test_logits_at_step_zero_equal_the_original(arch, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_adapted_attention_matches_naive_per_head_formula(arch, variant):
     apply, config = VARIANTS[variant]
-    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)]).double()
+    assert_matches_naive_formula(apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)]).double())
+
+
+def test_daa_planned_before_the_rope_setting_was_recorded_keeps_w_daa_after_rope():
+    """A DAA run planned (adaptation.json) before megadiff moved W_DAA before RoPE resumes as it began."""
+    model = tiny_model("llama", init=0.2)
+    plan = plan_adaptation(model, AdaptationConfig(method="daa"), calibration=[tokens(seed=5)])
+    assert plan.pop("daa_weight_before_rope") is True
+    install_adapters(model, plan)
+    assert not model.model.layers[0].self_attn.daa_weight_before_rope
+    assert_matches_naive_formula(model.double())
+
+
+def assert_matches_naive_formula(model):
     x = tokens(batch=2, length=10)
     captured = {}
 
@@ -171,6 +187,20 @@ def test_adapted_attention_matches_naive_per_head_formula(arch, variant):
                                                rtol=1e-6, atol=1e-6)
     attention = model.model.layers[0].self_attn  # its adapted heads' index goes to the device once, not per use
     assert attention._head_index(x.device) is attention._head_index(x.device)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_adapted_attention_depends_on_relative_positions_only(variant):
+    """Like the pretrained attention under RoPE: a sequence read from position 0 or from position 37
+    gives the same logits, with every adapter trained away from the identity."""
+    apply, config = VARIANTS[variant]
+    model = apply(tiny_model("llama", init=0.2), config, calibration=[tokens(seed=5)]).double()
+    perturb_adapters(model, 25, anneal_steps=10)
+    x = tokens(batch=2, length=10)
+    positions = torch.arange(10).expand(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, position_ids=positions + 37).logits, model(x, position_ids=positions).logits,
+                                   rtol=0, atol=1e-5)  # HF computes RoPE angles in fp32
 
 
 def naive_entropy(model, batches):

@@ -84,6 +84,7 @@ def plan_adaptation(model: nn.Module, config: AdaptationConfig,
         "anneal_steps": config.anneal_steps,
         "step": 0,
         "lambda_learn_init": config.lambda_learn_init,
+        "daa_weight_before_rope": True,
         "layers": [{"heads": row, "lambda_init": (depth_lambda_init(i + 1) if config.lambda_init == "depth"
                                                   else float(config.lambda_init))}
                    for i, row in enumerate(heads)],

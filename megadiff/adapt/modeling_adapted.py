@@ -8,7 +8,9 @@ rotary embedding, same attention interface, same KV cache), with its class swapp
 that adds the adapter parameters and the differential step (megadiff docs/SPEC.md, sections 4-6):
 
 - dex:    O = softmax(s Q K^T) V;  O' = O - lambda(t) O W_D          (per selected head, W_D: d x d)
-- daa:    O' = (softmax(s Q K^T) - lambda(t) softmax(s (Q W_DAA) K^T)) V   (per selected head)
+- daa:    O' = (softmax(s Q K^T) - lambda(t) softmax(s (Q W_DAA) K^T)) V   (per selected head; W_DAA
+          acts on the query before RoPE, so that both maps' scores depend on relative positions only;
+          adaptations planned without `daa_weight_before_rope` apply it after, as megadiff once did)
 - diff_q: second map from Q2 = q_proj(X W), diff_k: from K2 = k_proj(X W) (W: D x D per layer)
 - diff_v: O' = A (V1 - lambda(t) V2), V2 = v_proj(X W)
 
@@ -55,7 +57,7 @@ class AdaptedAttention(nn.Module):
     _eager = None
 
     def init_adapter(self, method: str, heads: list[int], lambda_init: float, anneal_steps: int,
-                     lambda_learn_init: float = 0.0) -> None:
+                     lambda_learn_init: float = 0.0, daa_weight_before_rope: bool = True) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown adaptation method {method!r}; expected one of {METHODS}")
         num_heads = self.config.num_attention_heads
@@ -67,6 +69,7 @@ class AdaptedAttention(nn.Module):
         self.adapter_heads = sorted(int(h) for h in heads)
         self.lambda_init = float(lambda_init)
         self.anneal_steps = int(anneal_steps)
+        self.daa_weight_before_rope = daa_weight_before_rope
         self.step = 0
         self.last_lambda = None
         # shape [1], not a 0-dim scalar: DeepSpeed broadcasts parameters as byte views
@@ -119,8 +122,8 @@ class AdaptedAttention(nn.Module):
         method = self.adapter_method
         lam = self.current_lambda()
         cos, sin = position_embeddings
-        query, key = type(self)._rotary(self._project(self.q_proj, hidden_states),
-                                        self._project(self.k_proj, hidden_states), cos, sin)
+        unrotated_query = self._project(self.q_proj, hidden_states)
+        query, key = type(self)._rotary(unrotated_query, self._project(self.k_proj, hidden_states), cos, sin)
         value = self._project(self.v_proj, hidden_states)
         if method in INPUT_METHODS:
             shifted = hidden_states @ self.input_weight
@@ -148,8 +151,13 @@ class AdaptedAttention(nn.Module):
         elif method != "diff_v":
             if method == "daa":
                 index = self._head_index(query.device)
-                rotated = torch.einsum("bhnd,hde->bhne", query.index_select(1, index), self.daa_weight)
-                query2 = query.index_copy(1, index, rotated.to(query.dtype))
+                if self.daa_weight_before_rope:  # the second map's scores stay relative to position, as the first's
+                    transformed = torch.einsum("bhnd,hde->bhne", unrotated_query.index_select(1, index),
+                                               self.daa_weight)
+                    transformed = self._rotate(transformed, cos, sin)
+                else:  # adaptations planned before megadiff recorded the setting: on the rotated query
+                    transformed = torch.einsum("bhnd,hde->bhne", query.index_select(1, index), self.daa_weight)
+                query2 = query.index_copy(1, index, transformed.to(query.dtype))
             elif method == "diff_k":
                 query2 = query
             second, weights2 = self._attend(query2, key2 if method == "diff_k" else key, value, attention_mask,
@@ -194,7 +202,7 @@ def install_adapters(model: nn.Module, adaptation: dict) -> None:
         attention = layer.self_attn
         attention.__class__ = ADAPTED_ATTENTION[type(attention)]
         attention.init_adapter(adaptation["method"], spec["heads"], spec["lambda_init"], adaptation["anneal_steps"],
-                               adaptation.get("lambda_learn_init", 0.0))
+                               adaptation.get("lambda_learn_init", 0.0), adaptation.get("daa_weight_before_rope", False))
         attention.step = adaptation.get("step", 0)
 
 
@@ -205,6 +213,7 @@ def describe_adapters(model: nn.Module) -> dict:
         raise ValueError(f"{type(model).__name__} has attention layers without Dex/DAA adapters")
     first = attentions[0]
     return {"method": first.adapter_method, "anneal_steps": first.anneal_steps, "step": first.step,
+            "daa_weight_before_rope": first.daa_weight_before_rope,
             "layers": [{"heads": list(a.adapter_heads), "lambda_init": a.lambda_init} for a in attentions]}
 
 
