@@ -218,6 +218,11 @@ def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     stopped = run_adapt(workspace, *bf16, f"output_dir={resumed}", "checkpoint.exit_duration_minutes=1e-6")
     assert "stopped after iteration 1 (checkpoint.exit_duration_minutes)" in stopped.stdout + stopped.stderr
     run_adapt(workspace, *bf16, f"output_dir={resumed}")
+    # checkpoints hold the trained parameters only: the frozen ones are the base model's
+    saved = torch.load(next((resumed / "checkpoints").glob("iter_*/mp_rank_00_model_states.pt")),
+                       weights_only=False)["module"]
+    assert any(name.endswith("dex_weight") for name in saved) and "model.embed_tokens.weight" not in saved
+    assert not any(".mlp." in name or "q_proj" in name for name in saved)
     keys = ("iteration", "lm_loss", "grad_norm")
     uninterrupted = [{k: r[k] for k in keys} for r in read_metrics(workspace / "bf16")]
     assert len(uninterrupted) == ITERS
