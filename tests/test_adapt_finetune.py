@@ -4,6 +4,7 @@ each other, exact resume against an uninterrupted run, the exported HF directory
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import os
 import subprocess
@@ -487,7 +488,7 @@ def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp
 def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
     """A saved plan fixes the adapted heads and lambdas: a rerun whose config or overrides ask for
     other ones is refused by name, not held to the plan without a word."""
-    from megadiff.adapt.finetune import _planned_settings, check_planned_settings
+    from megadiff.adapt.plan import _planned_settings, check_planned_settings
 
     config = str(workspace / "adapt.yaml")
     first = load_finetune_config(config, [])
@@ -505,6 +506,33 @@ def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
     check_planned_settings(earlier, load_finetune_config(config, ["adaptation.heads_fraction=0.25"]))
     with pytest.raises(ConfigError, match="adaptation.anneal_steps"):
         check_planned_settings(earlier, load_finetune_config(config, ["adaptation.anneal_steps=99"]))
+
+
+def test_a_rerun_on_another_base_model_is_refused(workspace, tmp_path):
+    """Checkpoints leave the frozen weights to model.path: a rerun must find the same model there
+    (moved or copied is fine; changed weights or config are not)."""
+    from megadiff.adapt.plan import base_model_fingerprint, check_base_model
+
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "model", model)
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"model.path={model}", f"output_dir={tmp_path}"])
+    plan = {"base_model": base_model_fingerprint(str(model))}
+    assert plan["base_model"]["weight_bytes"].keys() == {"model.safetensors"}
+    moved = tmp_path / "moved"
+    model.rename(moved)
+    check_base_model(plan, cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(moved)})}))
+    moved.rename(model)
+    check_base_model({}, cfg)  # a plan from before plans recorded it
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    with pytest.raises(ConfigError, match="model.path: .* is not the model .* was adapted from"):
+        check_base_model(plan, cfg)
+    plan = {"base_model": base_model_fingerprint(str(model))}  # config.json as it now is
+    check_base_model(plan, cfg)
+    with open(model / "model.safetensors", "ab") as weights:
+        weights.write(b"\0" * 8)
+    with pytest.raises(ConfigError, match="model.path: .* is not the model"):
+        check_base_model(plan, cfg)
 
 
 def test_adapt_imports_no_megatron():
@@ -586,7 +614,7 @@ def test_a_resumed_adaptation_trains_what_its_plan_recorded(workspace):
     from transformers import AutoModelForCausalLM
 
     from megadiff.adapt.apply import has_tied_head
-    from megadiff.adapt.finetune import _with_trainable
+    from megadiff.adapt.plan import _with_trainable
 
     model = AutoModelForCausalLM.from_pretrained(workspace / "model")
     daa = load_finetune_config(str(workspace / "adapt.yaml"), ["adaptation.method=daa"])

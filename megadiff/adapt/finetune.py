@@ -16,7 +16,6 @@ DeepSpeed ZeRO 1/2/3, under torchrun, the deepspeed launcher, Slurm, or as one p
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -26,24 +25,19 @@ from pathlib import Path
 import torch
 
 from megadiff.adapt import deepspeed_setup as dss
-from megadiff.adapt.apply import adapt_with_plan, current_lambdas, has_tied_head, plan_adaptation, set_step
-from megadiff.adapt.config import DAA_METHODS
+from megadiff.adapt.apply import adapt_with_plan, current_lambdas, set_step
 from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
+from megadiff.adapt.plan import adaptation_plan
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
-from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
-from megadiff.config import ConfigError
 from megadiff.config.loader import config_yaml
 from megadiff.files import remove_older_numbered, write_atomically
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
 
-PLAN_FILE = "adaptation.json"
 ITERATION_PREFIX = "iter_"  # checkpoints/iter_0000500: DeepSpeed's tag of each save
-# what the DAA methods trained by default before plan files recorded it (Dex's default is unchanged)
-EARLIER_TRAINABLE = {method: ["*.self_attn.*"] for method in DAA_METHODS}
 CHECKPOINT_DIR = "checkpoints"
 
 
@@ -78,72 +72,6 @@ def _node_leader_first(build):
     if leader:
         dist.barrier()
     return result
-
-
-def _adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int, rank: int) -> dict:
-    """The saved plan of this output_dir, or a new one measured on calibration batches."""
-    import torch.distributed as dist
-
-    plan_file = Path(cfg.output_dir) / PLAN_FILE
-    # Rank 0 decides for all whether the plan is saved: under NCCL its broadcast below returns
-    # before the others receive it, so a slower rank could otherwise find the file rank 0 has just
-    # written, skip the broadcast and pair its next collective with it.
-    saved = [plan_file.is_file()]
-    dist.broadcast_object_list(saved, src=0)
-    if saved[0]:
-        plan = json.loads(plan_file.read_text())
-        if plan["method"] != cfg.adaptation.method:
-            raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
-                              f"{plan['method']!r} run; use another output_dir")
-        check_planned_settings(plan, cfg)
-        return _with_trainable(plan, cfg, model, saved=True)
-    selection = cfg.adaptation.resolved_selection
-    if selection in MEASURED_SELECTIONS:
-        with dss.calibration_parameters(model, stage, selection):
-            plan = plan_adaptation(model, cfg.adaptation, reader.calibration_batches(cfg.adaptation.calibration_batches),
-                                   reader.document_eos)
-    else:  # all heads, or the given ones: nothing to measure, nothing to gather
-        plan = plan_adaptation(model, cfg.adaptation)
-    shared = [{"settings": _planned_settings(cfg), **_with_trainable(plan, cfg, model, saved=False)}]
-    dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
-    if rank == 0:
-        plan_file.write_text(json.dumps(shared[0], indent=1))
-    return shared[0]
-
-
-# what a plan is made from beside its anneal_steps and lambda_learn_init (which it holds itself): a
-# rerun asking for other values would be held to the plan without a word
-PLANNED_SETTINGS = ("selection", "heads_fraction", "selected_heads", "calibration_batches", "lambda_init")
-
-
-def _planned_settings(cfg: FinetuneConfig) -> dict:
-    return {key: getattr(cfg.adaptation, key) for key in PLANNED_SETTINGS}
-
-
-def check_planned_settings(plan: dict, cfg: FinetuneConfig) -> None:
-    """Refuses a setting given for a rerun (set in its config or overrides) that its saved plan was not
-    made with; plans from before plans recorded their settings hold anneal_steps and lambda_learn_init."""
-    recorded = {"anneal_steps": plan["anneal_steps"], "lambda_learn_init": plan["lambda_learn_init"],
-                **plan.get("settings", {})}
-    for key in sorted(cfg.adaptation.model_fields_set & recorded.keys()):
-        asked = json.loads(json.dumps(getattr(cfg.adaptation, key)))  # as the plan file holds it
-        if asked != recorded[key]:
-            raise ConfigError(f"adaptation.{key}: {asked!r}, but {cfg.output_dir} was planned with "
-                              f"{recorded[key]!r} (its adapted heads and lambdas are fixed by {PLAN_FILE}); "
-                              "use another output_dir")
-
-
-def _with_trainable(plan: dict, cfg: FinetuneConfig, model, saved: bool) -> dict:
-    """The plan with the parameters its run trains: a resumed (`saved`) run keeps those its optimizer
-    state holds, whatever the defaults now."""
-    asked = cfg.adaptation.trainable_patterns(has_tied_head(model))
-    if saved and "trainable" not in plan and cfg.adaptation.trainable is None:
-        # a plan from before plans recorded it, when the DAA methods trained their attention modules alone
-        return {"trainable": EARLIER_TRAINABLE.get(plan["method"], asked), **plan}
-    if "trainable" in plan and cfg.adaptation.trainable is not None and plan["trainable"] != asked:
-        raise ConfigError(f"adaptation.trainable: {asked}, but {cfg.output_dir} trains {plan['trainable']} "
-                          "(its optimizer state holds those); use another output_dir")
-    return {"trainable": asked, **plan}
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -193,7 +121,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     model, hf_ds_config = _load_model(cfg, ds_config)
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,
                          document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
-    plan = _adaptation_plan(cfg, model, reader, stage, rank)
+    plan = adaptation_plan(cfg, model, reader, stage, rank)
     adapt_with_plan(model, plan, plan["trainable"])
     if cfg.train.gradient_checkpointing:
         # non-reentrant: the frozen embeddings' output, each layer's input, needs no gradient
