@@ -45,6 +45,7 @@ class Case:
     autotuned: bool = False  # the CUDA path: the autotuner measures every candidate (timed on CPU here)
     first_map: bool = False  # also return A1 V, with an upstream gradient of its own
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
+    sequence_major: bool = False  # megatron's [s, b, ...] layout: q, k, v and the upstream gradient transposed views
     documents: tuple[int, ...] | None = None  # cu_seqlens: document masking, through the dispatcher
 
     @property
@@ -70,6 +71,8 @@ def _grid() -> dict[str, Case]:
         "decode-one-query-first-map": Case(n_q=1, n_k=45, first_map=True, per_head_lam=True),
         "odd-head-dims": Case(d=24, dv=40, n_q=29, n_k=29, integral=True),
         "strided-inputs": Case(strided=True, per_head_lam=True),
+        "sequence-major": Case(sequence_major=True, per_head_lam=True),
+        "sequence-major-dint-first-map": Case(sequence_major=True, integral=True, first_map=True),
         "first-map-diff": Case(first_map=True, per_head_lam=True),
         "first-map-dint": Case(first_map=True, integral=True, causal=False),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
@@ -117,13 +120,19 @@ def make_inputs(name: str, case: Case, device="cpu"):
         k = rand(b, case.n_k, h_kv, 2, d).requires_grad_()
         v_wide = rand(b, case.n_k, h_kv, dv + 8).requires_grad_()
         q1, q2, k1, k2, v = q[..., 0, :], q[..., 1, :], k[..., 0, :], k[..., 1, :], v_wide[..., :dv]
+    elif case.sequence_major:  # as DifferentialCoreAttention passes megatron's tensors
+        q = rand(case.n_q, b, h_q, 2, d).requires_grad_()
+        k = rand(case.n_k, b, h_kv, 2, d).requires_grad_()
+        v = rand(case.n_k, b, h_kv, dv).requires_grad_()
+        q1, q2, k1, k2 = (t.transpose(0, 1) for t in (q[..., 0, :], q[..., 1, :], k[..., 0, :], k[..., 1, :]))
+        v = v.transpose(0, 1)
     else:
         q1, q2 = (rand(b, case.n_q, h_q, d).requires_grad_() for _ in range(2))
         k1, k2 = (rand(b, case.n_k, h_kv, d).requires_grad_() for _ in range(2))
         v = rand(b, case.n_k, h_kv, dv).requires_grad_()
     lam_shape = (h_q,) if case.per_head_lam else ()
     lam = (0.2 + 0.6 * torch.rand(lam_shape, generator=gen)).to(device).requires_grad_()
-    grad_out = rand(b, case.n_q, h_q, dv)
+    grad_out = rand(case.n_q, b, h_q, dv).transpose(0, 1) if case.sequence_major else rand(b, case.n_q, h_q, dv)
     return (q1, k1, q2, k2, v, lam), grad_out
 
 
@@ -186,6 +195,16 @@ def test_matches_reference(interpreted, name):
     assert_matches(got, reference_results(name, CASES[name]), CASES[name].dtype, name)
     if CASES[name].autotuned:
         assert all(choice != "None" for choice in got["tuned"].values()), f"not every kernel was tuned: {got['tuned']}"
+
+
+def test_the_output_follows_the_queries_layout(interpreted):
+    """megatron's [s, b, ...] queries get an output laid out [s, b, ...] in memory, which the layer's
+    output projection reads without a copy; [b, s, ...] queries a [b, s, ...] one."""
+    for name in ("sequence-major", "sequence-major-dint-first-map", "causal-diff-gqa-lam-dv16"):
+        got = interpreted[name]
+        assert not isinstance(got, str), f"{name} raised:\n{got}"
+        out = got["out"] if name != "sequence-major-dint-first-map" else got["first_map"]
+        assert out.transpose(0, 1).is_contiguous() is CASES[name].sequence_major, (name, out.stride())
 
 
 def test_autotuning_per_length_class(interpreted):

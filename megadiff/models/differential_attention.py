@@ -106,9 +106,12 @@ class DifferentialCoreAttention(MegatronModule):
             out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,
                                          softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=documents,
                                          logit_bits=self.attention_logit_bits, integral_carry=self.integral_carry)
+        # [b, s, ...] -> [s, b, ...]: the Triton kernel wrote its output [s, b, ...] in memory (as the
+        # queries are), so the norm reads it in place and linear_proj's reshape copies nothing
+        out = out.transpose(0, 1)
         # torch's rms_norm normalises in fp32 whatever the dtype it reads and writes (bf16 in training: an
         # fp32 copy of the output cost three more passes over it, and as many in backward); the
         # (1 - lambda_init) factor rides on the weight rather than taking another pass
         weight = (self.head_norm_weight * (1.0 - self.lambda_init)).to(out.dtype)
         out = F.rms_norm(out, (2 * d,), weight, self.head_norm_eps)
-        return out.to(query.dtype).transpose(0, 1).reshape(seq, batch, -1)
+        return out.to(query.dtype).reshape(seq, batch, -1)

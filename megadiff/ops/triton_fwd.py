@@ -326,18 +326,27 @@ def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: di
         num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
 
 
+def _output(b: int, n: int, heads: int, dv: int, device, dtype, sequence_major: bool) -> torch.Tensor:
+    """[B, N, H, dv]; sequence-major (a transposed [N, B, H, dv]) where asked for and int32 offsets allow."""
+    if sequence_major and (n - 1) * b * heads * dv + dv < 2 ** 31:
+        return torch.empty(n, b, heads, dv, device=device, dtype=dtype).transpose(0, 1)
+    return torch.empty(b, n, heads, dv, device=device, dtype=dtype)
+
+
 def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: float, o_dtype: torch.dtype,
-                           config: KernelConfig | None = None, documents: Documents | None = None):
+                           config: KernelConfig | None = None, documents: Documents | None = None,
+                           sequence_major: bool = False):
     """Both maps in one pass: returns (out, o1, o2, lse1, lse2).
 
     q1/q2 and k1/k2 must share their layouts (see `shared_layout`). o1, o2 (and out = o1 - lam_h o2,
-    only when lam_h, fp32 [Hq], is given; else None) are [B, N, Hq, dv] in o_dtype; lse1, lse2 are
+    only when lam_h, fp32 [Hq], is given; else None) are [B, N, Hq, dv] in o_dtype, laid out in
+    memory as [N, B, Hq, dv] with `sequence_major` where int32 offsets allow; lse1, lse2 are
     [B, Hq, N] fp32. `documents` (causal): attention stays within them.
     """
     b, n_q, n_heads, d = q1.shape
     n_k, n_kv, dv = k1.shape[1], k1.shape[2], v.shape[-1]
-    o1, o2 = (torch.empty(b, n_q, n_heads, dv, device=q1.device, dtype=o_dtype) for _ in range(2))
-    out = torch.empty_like(o1) if lam_h is not None else None
+    o1, o2 = (_output(b, n_q, n_heads, dv, q1.device, o_dtype, sequence_major) for _ in range(2))
+    out = torch.empty_like(o1) if lam_h is not None else None  # empty_like keeps o1's strides
     lse1, lse2 = (torch.empty(b, n_heads, n_q, device=q1.device, dtype=torch.float32) for _ in range(2))
     args = (q1, q2, k1, k2, v,
             lam_h if lam_h is not None else lse1, o1, o2, out if out is not None else o1,  # unread placeholders

@@ -90,9 +90,11 @@ class _DifferentialAttention(torch.autograd.Function):
     def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map, documents):
         q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
         lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
+        # the output follows the queries' layout: megatron's [s, b, ...] queries get an output that is
+        # [s, b, ...] in memory, which its output projection then reads without a copy
         out, o1, o2, lse1, lse2 = attention_maps_forward(
             q1, k1, q2, k2, v, lam_h, causal=causal, scale=scale, o_dtype=q1.dtype, config=config,
-            documents=documents)
+            documents=documents, sequence_major=q1.stride(0) < q1.stride(1))
         if integral:
             starts = documents.starts.long() if documents is not None else None
             out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal, starts)).to(q1.dtype)
@@ -105,7 +107,7 @@ class _DifferentialAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_first_map=None):
         q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h = ctx.saved_tensors
-        g = grad_out.contiguous()
+        (g,) = shared_layout(grad_out)  # a sequence-major gradient, as the output was, is read as it is
         g_o2 = row_dots(g, o2)
         grad_lam = -g_o2.sum(dim=(0, 2))
         delta2 = -lam_h.view(1, -1, 1) * g_o2  # rowsum(dO2 O2) with dO2 = -lam G
