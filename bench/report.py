@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import re
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from megadiff.ops.common import TRITON_CANDIDATES_ENV
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -25,7 +28,9 @@ def environment(device: torch.device) -> dict:
         triton_version = None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return dict(device=name, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
-                date=datetime.date.today().isoformat(), python=platform.python_version())
+                date=datetime.date.today().isoformat(), python=platform.python_version(),
+                # how many tile candidates each kernel's autotuner measured (all: unset)
+                triton_candidates=os.environ.get(TRITON_CANDIDATES_ENV, "all"))
 
 
 def cuda_missing(device: str, script: str) -> bool:
@@ -74,6 +79,9 @@ def write(benchmark: str, report: dict, markdown: str, out_dir: Path) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
     path = out_dir / f"{benchmark}-{slug}-{env['date']}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
+    if env["cuda"] is not None and torch.cuda.is_available():  # the fused kernel's timings come with its tiles
+        from megadiff.ops.triton_kernel import tuned_tiles
+        report = {**report, "triton_tiles": tuned_tiles()}
     path.write_text(json.dumps(report, indent=2) + "\n")
     path.with_suffix(".md").write_text(markdown)
     return path

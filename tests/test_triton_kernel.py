@@ -213,6 +213,8 @@ def test_autotuning_per_length_class(interpreted):
     first, second = (interpreted[name] for name in ("autotuned-full-diff", "autotuned-full-diff-shorter-keys"))
     assert not isinstance(first, str) and not isinstance(second, str), "an autotuned case raised"
     assert {kind: n + 1 for kind, n in first["tunings"].items()} == second["tunings"]
+    assert {kind: len(tiles) for kind, tiles in second["tiles"].items()} == second["tunings"]
+    assert all("BLOCK_M" in tile for tiles in second["tiles"].values() for tile in tiles.values())
 
 
 MAPS_CASE = Case(n_q=21, n_k=40)
@@ -424,11 +426,13 @@ def _autotuning_on_cpu():
     kernels = {"fwd": triton_fwd._fwd_kernel, "dkdv": triton_bwd._dkdv_kernel, "dq": triton_bwd._dq_kernel}
 
     def tuned() -> dict:
-        """The tiles the autotuner last chose for each kernel (none if it never ran), and how many
-        choices (one per tuning key) each kernel's autotuner holds."""
+        """The tiles the autotuner last chose for each kernel (none if it never ran), how many
+        choices (one per tuning key) each kernel's autotuner holds, and the benchmarks' record of them."""
+        from megadiff.ops.triton_kernel import tuned_tiles
+
         tuners = {kind: triton_fwd._autotuned(kernel, kind) for kind, kernel in kernels.items()}
         return {"tuned": {kind: str(getattr(tuner, "best_config", None)) for kind, tuner in tuners.items()},
-                "tunings": {kind: len(tuner.cache) for kind, tuner in tuners.items()}}
+                "tunings": {kind: len(tuner.cache) for kind, tuner in tuners.items()}, "tiles": tuned_tiles()}
 
     saved = Autotuner.__dict__["do_bench"]
     Autotuner.do_bench = property(lambda self: wall_clock)

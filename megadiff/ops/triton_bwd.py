@@ -92,7 +92,7 @@ def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, D
     return dk1, dk2, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "n_k"])  # as the forward kernel: one compile per tile for every length
 def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DK1, DK2, DV,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
@@ -180,7 +180,7 @@ def _dq_tiles(dq1, dq2, q1, q2, do1, do2, lse1, lse2, delta1, delta2, lam, K1, K
     return dq1, dq2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "n_k"])
 def _dq_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DQ1, DQ2,
                stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,

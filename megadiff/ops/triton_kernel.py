@@ -26,6 +26,7 @@ from megadiff.ops.common import (
 )
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
+from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.triton_fwd import (
     INTERPRETED, Documents, KernelConfig, attention_maps_forward, shared_layout,
 )
@@ -168,3 +169,12 @@ def differential_attention_triton_maps(q1, k1, q2, k2, v, *, causal=True, softma
         q1, k1, q2, k2, v, None, causal=causal, scale=_scale(q1, softmax_scale), o_dtype=torch.float32,
         config=config)
     return o1, o2, lse1, lse2
+
+
+def tuned_tiles() -> dict[str, dict[str, str]]:
+    """The tiles each kernel's autotuner chose in this process, by tuning key (shapes, modes, length
+    class): what a benchmark's timings were measured with."""
+    kernels = {"fwd": triton_fwd._fwd_kernel, "dkdv": triton_bwd._dkdv_kernel, "dq": triton_bwd._dq_kernel}
+    tuners = {kind: triton_fwd._autotuned(kernel, kind) for kind, kernel in kernels.items()}
+    return {kind: {str(key): str(config) for key, config in tuner.cache.items()}
+            for kind, tuner in tuners.items() if tuner.cache}
