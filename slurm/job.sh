@@ -91,14 +91,20 @@ run_step_requeue_on_preemption() {
         say "the step stopped for preemption (exit code $status): requeueing (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         _requeue
     elif (( !_megadiff_terminated && _megadiff_preempted && status != 0 )); then
-        if (( uncommitted < MAX_UNCOMMITTED_REQUEUES )); then
-            echo $(( uncommitted + 1 )) > "$UNCOMMITTED_REQUEUES"
+        if [[ ! $uncommitted =~ ^[0-9]+$ ]]; then
+            say "the count of requeues without a checkpoint in $UNCOMMITTED_REQUEUES is unreadable: not requeueing"
+        elif (( uncommitted >= MAX_UNCOMMITTED_REQUEUES )); then
+            say "the step failed after the preemption signal without a new checkpoint $(( uncommitted + 1 )) times" \
+                "in a row: not requeueing (see the errors above; MEGADIFF_MAX_UNCOMMITTED_REQUEUES=$MAX_UNCOMMITTED_REQUEUES)"
+        # a count that cannot be kept (a full disk, as a save failing every time may find) would requeue for ever
+        elif ! echo $(( uncommitted + 1 )) 2>/dev/null > "$UNCOMMITTED_REQUEUES"; then
+            say "the step failed after the preemption signal (exit code $status) without a new checkpoint, and the" \
+                "count of such requeues cannot be kept in $UNCOMMITTED_REQUEUES: not requeueing"
+        else
             say "the step failed after the preemption signal (exit code $status) without a new checkpoint:" \
                 "requeueing to resume from the last one ($(( uncommitted + 1 )) of at most $MAX_UNCOMMITTED_REQUEUES in a row)"
             _requeue
         fi
-        say "the step failed after the preemption signal without a new checkpoint $(( uncommitted + 1 )) times in" \
-            "a row: not requeueing (see the errors above; MEGADIFF_MAX_UNCOMMITTED_REQUEUES=$MAX_UNCOMMITTED_REQUEUES)"
     fi
     rm -f "$UNCOMMITTED_REQUEUES"
     say "the step finished with exit code $status"

@@ -197,10 +197,16 @@ def test_resume_is_exact(stage_runs, workspace):
 @pytest.mark.slow
 def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, tmp_path):
     """Stopped after iteration 2 of 4, rerun with train.iters=6 and another peak lr: from iteration 3
-    on, the lr is the rerun's schedule's (the loaded state held the first run's peak and last lr)."""
+    on, the lr is the rerun's schedule's (the loaded state held the first run's peak and last lr). The
+    rerun of a plan that recorded no base model records it."""
     output, rerun = tmp_path / "longer", ["train.iters=6", "train.lr=1e-3"]
     run_adapt(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
+    plan_file = output / "adaptation.json"
+    plan = json.loads(plan_file.read_text())
+    fingerprint = plan.pop("base_model")  # as a plan from before plans recorded the base model
+    plan_file.write_text(json.dumps(plan))
     run_adapt(workspace, f"output_dir={output}", *rerun)
+    assert json.loads(plan_file.read_text())["base_model"] == fingerprint  # recorded by the rerun
     train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
     warmup = round(train.warmup_ratio * train.iters)
     expected = [train.lr * lr_multiplier(step, warmup, train.iters, train.min_lr_ratio) for step in range(2, 6)]
@@ -506,6 +512,29 @@ def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
     check_planned_settings(earlier, load_finetune_config(config, ["adaptation.heads_fraction=0.25"]))
     with pytest.raises(ConfigError, match="adaptation.anneal_steps"):
         check_planned_settings(earlier, load_finetune_config(config, ["adaptation.anneal_steps=99"]))
+
+
+def test_checkpoints_leave_out_a_tied_head_s_frozen_embedding():
+    """DeepSpeed drops frozen parameters by their first names only; a tied head's second name is
+    dropped too (DeepSpeed's own module_state_dict, on a tiny tied Llama whose attention trains)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megadiff.adapt.finetune import leave_out_frozen_aliases
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    for name, param in model.named_parameters():
+        param.requires_grad = ".self_attn." in name
+    engine = SimpleNamespace(module=model, random_ltd_enabled=lambda: False)
+    engine.module_state_dict = lambda **kwargs: DeepSpeedEngine.module_state_dict(engine, **kwargs)
+    assert "lm_head.weight" in engine.module_state_dict(exclude_frozen_parameters=True)  # DeepSpeed's own
+    leave_out_frozen_aliases(engine)
+    kept = engine.module_state_dict(exclude_frozen_parameters=True)
+    assert set(kept) == {name for name, param in model.named_parameters() if param.requires_grad}
+    assert "lm_head.weight" in engine.module_state_dict()  # the whole model when asked for it
 
 
 def test_a_rerun_on_another_base_model_is_refused(workspace, tmp_path):

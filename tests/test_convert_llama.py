@@ -74,10 +74,10 @@ def test_rotary_buffers_of_older_exports_are_left_behind(tmp_path):
         torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", ["shards", "pytorch_model.bin"])
+@pytest.mark.parametrize("layout", ["shards", "pytorch_model.bin", "pytorch_model.bin before torch 1.6"])
 def test_weights_in_shards_or_a_pytorch_file_are_read(tmp_path, layout):
     """from-hf reads tensors from their files one layer at a time: through a shard index, and from a
-    memory-mapped pytorch_model.bin."""
+    memory-mapped pytorch_model.bin (read whole in the format of torch before 1.6)."""
     llama = stock_llama(tmp_path / "llama", tied=False)
     weights = tmp_path / "llama" / "model.safetensors"
     state = load_file(str(weights))
@@ -85,8 +85,9 @@ def test_weights_in_shards_or_a_pytorch_file_are_read(tmp_path, layout):
     if layout == "shards":
         llama.save_pretrained(tmp_path / "llama", max_shard_size="40KB")
         assert len(list((tmp_path / "llama").glob("model-*-of-*.safetensors"))) > 2
-    else:
-        torch.save(state, tmp_path / "llama" / "pytorch_model.bin")
+    else:  # torch.save's format before torch 1.6 cannot be memory-mapped
+        torch.save(state, tmp_path / "llama" / "pytorch_model.bin",
+                   _use_new_zipfile_serialization=layout == "pytorch_model.bin")
     ours = load_checkpoint(convert_from_hf(tmp_path / "llama", tmp_path / "megadiff"))
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

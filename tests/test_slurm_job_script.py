@@ -16,7 +16,8 @@ STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; sleep 1.5',
             "scontrol": 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi'}
 
 
-def _run_step(tmp_path: Path, step: str, usr1_after: float | None) -> tuple[int, str, str]:
+def _run_step(tmp_path: Path, step: str, usr1_after: float | None,
+              submit_dir: Path | None = None) -> tuple[int, str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in STANDINS.items():
@@ -25,7 +26,7 @@ def _run_step(tmp_path: Path, step: str, usr1_after: float | None) -> tuple[int,
     calls = tmp_path / "calls"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "TMPDIR": str(tmp_path),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_SUBMIT_DIR": str(tmp_path)}
+           "SLURM_SUBMIT_DIR": str(submit_dir or tmp_path)}
     script = f"source {ROOT / 'slurm/job.sh'} config.yaml\nrun_step_requeue_on_preemption bash -c '{step}'"
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -68,3 +69,14 @@ def test_failures_after_the_signal_are_requeued_a_few_times_in_a_row_at_most(tmp
     assert returncode == 3 and calls.count("scontrol requeue") == 7, output
     assert "without a new checkpoint 4 times in a row: not requeueing" in output
     assert not list(tmp_path.glob(".megadiff-uncommitted-requeues-*"))
+
+
+def test_a_count_that_cannot_be_kept_ends_the_job_rather_than_requeueing_for_ever(tmp_path):
+    """The submit directory unwritable (a full disk, as a save failing every time may find) or its count
+    unreadable: no requeue without a committed checkpoint."""
+    returncode, output, calls = _run_step(tmp_path, "sleep 1; exit 3", 0.3, submit_dir=tmp_path / "gone")
+    assert returncode == 3 and "scontrol requeue" not in calls, output
+    assert "cannot be kept" in output
+    (tmp_path / ".megadiff-uncommitted-requeues-4242").write_text("")  # left empty by a failed write
+    returncode, output, calls = _run_step(tmp_path, "sleep 1; exit 3", 0.3)
+    assert returncode == 3 and "scontrol requeue" not in calls and "unreadable" in output, output

@@ -159,6 +159,7 @@ def finetune(cfg: FinetuneConfig) -> int:
 
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
+    leave_out_frozen_aliases(engine)
     # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
     # turns on its dropout and gradient checkpointing
     engine.train()
@@ -212,6 +213,23 @@ def finetune(cfg: FinetuneConfig) -> int:
     if writer is not None:
         writer.close()
     return exit_code
+
+
+def leave_out_frozen_aliases(engine) -> None:
+    """DeepSpeed leaves frozen parameters out of a checkpoint by their first names only: a tied head's
+    second name (lm_head.weight) kept the frozen embedding in every ZeRO-1/2 checkpoint (525 MB for
+    Llama-3.2-1B in bf16). Its module_state_dict, which save_checkpoint calls, now drops every name."""
+    frozen = {name for name, param in engine.module.named_parameters(remove_duplicate=False)
+              if not param.requires_grad}
+    full_state_dict = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        state = full_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for name in frozen & state.keys():
+                del state[name]
+        return state
+    engine.module_state_dict = module_state_dict
 
 
 def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: int | None) -> None:

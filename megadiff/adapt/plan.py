@@ -15,6 +15,7 @@ from megadiff.adapt.data import BatchReader
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig
 from megadiff.config import ConfigError
+from megadiff.files import write_atomically
 
 PLAN_FILE = "adaptation.json"
 # what the DAA methods trained by default before plan files recorded it (Dex's default is unchanged)
@@ -41,6 +42,10 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
                               f"{plan['method']!r} run; use another output_dir")
         check_planned_settings(plan, cfg)
         check_base_model(plan, cfg)
+        if "base_model" not in plan:  # a plan from before plans recorded it: reruns from now on are checked
+            plan["base_model"] = base_model_fingerprint(cfg.model.path)
+            if rank == 0:
+                write_atomically(plan_file, json.dumps(plan, indent=1).encode())
         return _with_trainable(plan, cfg, model, saved=True)
     selection = cfg.adaptation.resolved_selection
     if selection in MEASURED_SELECTIONS:
@@ -100,8 +105,8 @@ def base_model_fingerprint(path: str) -> dict | None:
 
 
 def check_base_model(plan: dict, cfg: FinetuneConfig) -> None:
-    """Refuses a rerun whose model.path no longer holds the model the plan was made on (plans from before
-    plans recorded it pass)."""
+    """Refuses a rerun whose model.path no longer holds the model the plan was made on (a plan from before
+    plans recorded it passes, and records the model of its first rerun)."""
     recorded = plan.get("base_model")
     if recorded is not None and base_model_fingerprint(cfg.model.path) != recorded:
         raise ConfigError(f"model.path: {cfg.model.path} is not the model {cfg.output_dir} was adapted from (its "

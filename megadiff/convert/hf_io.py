@@ -93,8 +93,8 @@ class HFWeights(Mapping[str, torch.Tensor]):
         for file in files:
             if file.suffix == ".safetensors":
                 source = safe_open(str(file), framework="pt")
-            else:  # memory-mapped: its tensors are read as they are used
-                source = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            else:
+                source = _load_pytorch_file(file)
             self._sources.update(dict.fromkeys(source.keys(), source))
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -111,6 +111,17 @@ class HFWeights(Mapping[str, torch.Tensor]):
         """Without reading the tensor."""
         source = self._sources[name]
         return tuple(source[name].shape if isinstance(source, dict) else source.get_slice(name).get_shape())
+
+
+def _load_pytorch_file(file: Path) -> dict[str, torch.Tensor]:
+    """Memory-mapped (its tensors read as they are used), unless torch.save wrote it before torch 1.6,
+    in a format that cannot be mapped: then read whole."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as err:
+        if "_use_new_zipfile_serialization" not in str(err):
+            raise
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 @dataclass
