@@ -242,6 +242,24 @@ def test_integral_needs_square_attention():
         differential_attention_reference(*make_inputs(n=3, n_k=7), integral=True)
 
 
+def test_the_compiled_lambda_is_the_eager_one_in_value_and_gradients():
+    """CUDA runs lambda's compiled form (one kernel each way): the same graph, compiled here for the CPU,
+    gives the eager values and gradients, in bf16 (training's weights) and fp32."""
+    from megadiff.ops.lambdas import fused_lambda_difference, lambda_difference
+
+    draw = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        for _ in range(3):
+            vecs = [(0.3 * torch.randn(16, generator=draw)).to(dtype).requires_grad_() for _ in range(4)]
+            eager = lambda_difference(*vecs)
+            compiled = fused_lambda_difference()(*vecs)
+            assert compiled.dtype == eager.dtype == torch.float32
+            torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+            for got, want in zip(torch.autograd.grad(compiled, vecs), torch.autograd.grad(eager, vecs)):
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
 def test_lambda_reparameterisation_and_depth_init():
     assert depth_lambda_init(0) == pytest.approx(0.2)
     assert depth_lambda_init(10) == pytest.approx(0.8 - 0.6 * math.exp(-3.0))

@@ -99,3 +99,49 @@ def test_layouts_reproduce_one_process(single, tmp_path, world_size, layout):
     other = run(tmp_path, world_size, PER_TOKEN + layout)
     assert other["loss"] == pytest.approx(single["loss"], abs=2e-6)
     assert_same_gradients(other["grads"], single["grads"], rel=1e-4)
+
+
+def _cross_entropies(rank: int, world_size: int, out_path: str) -> None:
+    """megatron's native fused and unfused vocab-parallel cross entropies of the same bf16 logits (each
+    rank holding half the vocabulary), their values and logits gradients; the fused one eager (its
+    torch.compile is the GPU's)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    draw = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(9, 2, 64, generator=draw)).to(torch.bfloat16)
+    target = torch.randint(0, 64, (9, 2), generator=draw)
+    shard = logits.chunk(world_size, dim=-1)[rank]
+    results = {}
+    for name in ("fused", "unfused"):
+        mine = shard.clone().requires_grad_()
+        if name == "fused":
+            with torch._dynamo.config.patch(disable=True):
+                loss = fused_vocab_parallel_cross_entropy(mine, target, parallel_state.get_tensor_model_parallel_group())
+        else:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(mine, target)
+        (grad,) = torch.autograd.grad(loss, mine, torch.linspace(0.5, 1.5, loss.numel()).view_as(loss))
+        results[name] = (loss.detach(), grad)
+    torch.save(results, f"{out_path}.{rank}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_the_fused_cross_entropy_of_bf16_runs_on_cuda_is_the_unfused_one(tmp_path, monkeypatch):
+    """bf16 (and fp8) runs on CUDA take megatron's native fused cross entropy, which gives bf16 logits
+    the unfused form's losses and gradients (TP=2: the vocabulary split over the ranks)."""
+    from megadiff.models.transformer_config import to_transformer_config
+
+    run_ranks(2, _cross_entropies, str(tmp_path / "ce"))
+    for rank in range(2):
+        results = torch.load(tmp_path / f"ce.{rank}")
+        (fused_loss, fused_grad), (loss, grad) = results["fused"], results["unfused"]
+        torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=1e-6)
+        assert fused_grad.dtype == grad.dtype == torch.bfloat16
+        torch.testing.assert_close(fused_grad, grad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the flag only: nothing runs here
+    for precision, fused in (("bf16", True), ("fp16", False), ("fp32", False)):
+        cfg = build_config({}, MODEL + [f"train.precision={precision}"])
+        assert to_transformer_config(cfg).cross_entropy_loss_fusion is fused, precision
