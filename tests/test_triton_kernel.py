@@ -46,6 +46,7 @@ class Case:
     first_map: bool = False  # also return A1 V, with an upstream gradient of its own
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
     sequence_major: bool = False  # megatron's [s, b, ...] layout: q, k, v and the upstream gradient transposed views
+    paired: bool = False  # megatron's heads: q [B, N, 2Hq, d], k alike, each head's maps adjacent (sequence-major)
     documents: tuple[int, ...] | None = None  # cu_seqlens: document masking, through the dispatcher
 
     @property
@@ -73,6 +74,9 @@ def _grid() -> dict[str, Case]:
         "strided-inputs": Case(strided=True, per_head_lam=True),
         "sequence-major": Case(sequence_major=True, per_head_lam=True),
         "sequence-major-dint-first-map": Case(sequence_major=True, integral=True, first_map=True),
+        "paired": Case(paired=True, sequence_major=True, per_head_lam=True),
+        "paired-dint-first-map-dispatcher": Case(paired=True, sequence_major=True, integral=True, first_map=True,
+                                                 blocks=None),
         "first-map-diff": Case(first_map=True, per_head_lam=True),
         "first-map-dint": Case(first_map=True, integral=True, causal=False),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
@@ -120,7 +124,13 @@ def make_inputs(name: str, case: Case, device="cpu"):
         k = rand(b, case.n_k, h_kv, 2, d).requires_grad_()
         v_wide = rand(b, case.n_k, h_kv, dv + 8).requires_grad_()
         q1, q2, k1, k2, v = q[..., 0, :], q[..., 1, :], k[..., 0, :], k[..., 1, :], v_wide[..., :dv]
-    elif case.sequence_major:  # as DifferentialCoreAttention passes megatron's tensors
+    elif case.paired:  # as DifferentialCoreAttention passes megatron's tensors
+        q = rand(case.n_q, b, 2 * h_q, d).requires_grad_()
+        k = rand(case.n_k, b, 2 * h_kv, d).requires_grad_()
+        v = rand(case.n_k, b, h_kv, dv).requires_grad_()
+        q1, k1, v = (t.transpose(0, 1) for t in (q, k, v))  # here q1, k1 stand for the pairs
+        q2 = k2 = None
+    elif case.sequence_major:  # as the per-map entry point gets megatron's tensors
         q = rand(case.n_q, b, h_q, 2, d).requires_grad_()
         k = rand(case.n_k, b, h_kv, 2, d).requires_grad_()
         v = rand(case.n_k, b, h_kv, dv).requires_grad_()
@@ -133,7 +143,15 @@ def make_inputs(name: str, case: Case, device="cpu"):
     lam_shape = (h_q,) if case.per_head_lam else ()
     lam = (0.2 + 0.6 * torch.rand(lam_shape, generator=gen)).to(device).requires_grad_()
     grad_out = rand(case.n_q, b, h_q, dv).transpose(0, 1) if case.sequence_major else rand(b, case.n_q, h_q, dv)
-    return (q1, k1, q2, k2, v, lam), grad_out
+    return ((q1, k1, v, lam) if case.paired else (q1, k1, q2, k2, v, lam)), grad_out
+
+
+def _unpaired(attention):
+    """`attention` over per-map views of q [B, N, 2Hq, d] and k, as paired_differential_attention takes them."""
+    def paired(q, k, v, lam, **kwargs):
+        (q1, q2), (k1, k2) = (t.unflatten(2, (-1, 2)).unbind(3) for t in (q, k))
+        return attention(q1, k1, q2, k2, v, lam, **kwargs)
+    return paired
 
 
 def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tensor]:
@@ -141,24 +159,31 @@ def outputs_and_grads(fn, inputs, grad_out, case: Case) -> dict[str, torch.Tenso
     result = fn(*inputs, causal=case.causal, integral=case.integral, return_first_map=case.first_map, **documents)
     outputs = result if case.first_map else (result,)
     grads = torch.autograd.grad(outputs, inputs, (grad_out, grad_out.flip(1))[:len(outputs)])
-    names = NAMES + ("first_map",) if case.first_map else NAMES
+    names = ("out", "q", "k", "v", "lam") if case.paired else NAMES
+    names = names + ("first_map",) if case.first_map else names
     return {name: t.detach() for name, t in zip(names, (outputs[0], *grads, *outputs[1:]))}
 
 
 def reference_results(name: str, case: Case) -> dict[str, torch.Tensor]:
     inputs, grad_out = make_inputs(name, case)
     inputs = tuple(t.detach().double().requires_grad_() for t in inputs)
-    return outputs_and_grads(partial(differential_attention, backend="reference"), inputs, grad_out.double(), case)
+    reference = partial(differential_attention, backend="reference")
+    return outputs_and_grads(_unpaired(reference) if case.paired else reference, inputs, grad_out.double(), case)
 
 
 def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
     """Explicit tiles through the kernel's API; blocks=None goes through the dispatcher instead."""
-    from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton
+    from megadiff.ops import paired_differential_attention
+    from megadiff.ops.triton_kernel import (
+        KernelConfig, differential_attention_triton, paired_differential_attention_triton,
+    )
 
     def fn(*args, **kwargs):
         if case.blocks is None:
-            return differential_attention(*args, **kwargs, backend="triton")
-        return differential_attention_triton(*args, **kwargs, config=KernelConfig(*case.blocks))
+            dispatcher = paired_differential_attention if case.paired else differential_attention
+            return dispatcher(*args, **kwargs, backend="triton")
+        kernel = paired_differential_attention_triton if case.paired else differential_attention_triton
+        return kernel(*args, **kwargs, config=KernelConfig(*case.blocks))
 
     inputs, grad_out = make_inputs(name, case)
     return outputs_and_grads(fn, inputs, grad_out, case)
@@ -205,6 +230,16 @@ def test_the_output_follows_the_queries_layout(interpreted):
         assert not isinstance(got, str), f"{name} raised:\n{got}"
         out = got["out"] if name != "sequence-major-dint-first-map" else got["first_map"]
         assert out.transpose(0, 1).is_contiguous() is CASES[name].sequence_major, (name, out.stride())
+
+
+def test_paired_maps_gradients_come_back_in_megatron_s_layout(interpreted):
+    """megatron's q and k (each head's maps adjacent, [s, b, ...] in memory) get their gradients as one
+    tensor each in that layout: what autograd hands megatron's QKV split without a stack."""
+    for name in ("paired", "paired-dint-first-map-dispatcher"):
+        got = interpreted[name]
+        assert not isinstance(got, str), f"{name} raised:\n{got}"
+        for key in ("q", "k"):
+            assert got[key].transpose(0, 1).is_contiguous(), (name, key, got[key].stride())
 
 
 def test_autotuning_per_length_class(interpreted):
@@ -483,6 +518,8 @@ GPU_CASES = {
     # context parallelism's chunk: the last 1000 queries of 3000 keys, documents across them
     "causal-gqa-first-map-documents-n1000-of-3000": Case(n_q=1000, n_k=3000, first_map=True,
                                                          documents=(0, 700, 2100, 3000, 3001, 6000)),
+    # megatron's layout, as the layers pass it: maps paired in q and k, [s, b, ...] in memory
+    "paired-sequence-major-n2048": Case(paired=True, sequence_major=True, n_q=2048, n_k=2048, per_head_lam=True),
 }
 
 
@@ -500,9 +537,11 @@ class TestOnGPU:
 
     @staticmethod
     def _results(name, case, backend):
+        from megadiff.ops import paired_differential_attention
+
         inputs, grad_out = make_inputs(name, case, device="cuda")
-        return outputs_and_grads(lambda *a, **kw: differential_attention(*a, **kw, backend=backend),
-                                 inputs, grad_out, case)
+        attention = paired_differential_attention if case.paired else differential_attention
+        return outputs_and_grads(lambda *a, **kw: attention(*a, **kw, backend=backend), inputs, grad_out, case)
 
     @pytest.mark.parametrize("name", list(GPU_CASES))
     def test_matches_reference(self, name):

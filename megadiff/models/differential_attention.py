@@ -16,7 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megadiff.models.context_parallel import context_parallel_differential_attention
 from megadiff.models.documents import packed_documents
-from megadiff.ops import IntegralCarry, depth_lambda_init, differential_attention, reparameterized_lambda
+from megadiff.ops import IntegralCarry, depth_lambda_init, paired_differential_attention, reparameterized_lambda
 
 
 # lambda's vectors and the head-norm weight are replicated over the tensor-parallel ranks, each of which
@@ -90,22 +90,22 @@ class DifferentialCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by differential attention")
         seq, batch, d = query.shape[0], query.shape[1], self.head_dim
-        # [s, b, 2h, d] -> two [s, b, h, d] maps; adjacent megatron heads are one differential head
-        q1, q2 = query.reshape(seq, batch, -1, 2, d).unbind(dim=3)
-        # keys may outnumber queries: a decoding step's queries attend to the cached keys too
-        k1, k2 = key.reshape(*key.shape[:2], -1, 2, d).unbind(dim=3)
+        # [s, b, 2h, d]: adjacent megatron heads are the two maps of one differential head; keys may
+        # outnumber queries (a decoding step's queries attend to the cached keys too)
         v = value.reshape(*value.shape[:2], -1, 2 * d)
         lam = self.current_lambda()
         self.last_lambda = lam.detach()
         if self.config.context_parallel_size > 1:
+            (q1, q2), (k1, k2) = (t.unflatten(2, (-1, 2)).unbind(dim=3) for t in (query, key))
             out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
                                                           softmax_scale=self.softmax_scale, backend=self.backend,
                                                           cu_seqlens=documents)
         else:
-            q1, k1, q2, k2, v = (t.transpose(0, 1) for t in (q1, k1, q2, k2, v))
-            out = differential_attention(q1, k1, q2, k2, v, lam, causal=True, integral=self.integral,
-                                         softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=documents,
-                                         logit_bits=self.attention_logit_bits, integral_carry=self.integral_carry)
+            query, key, v = (t.transpose(0, 1) for t in (query, key, v))
+            out = paired_differential_attention(query, key, v, lam, causal=True, integral=self.integral,
+                                                softmax_scale=self.softmax_scale, backend=self.backend,
+                                                cu_seqlens=documents, logit_bits=self.attention_logit_bits,
+                                                integral_carry=self.integral_carry)
         # [b, s, ...] -> [s, b, ...]: the Triton kernel wrote its output [s, b, ...] in memory (as the
         # queries are), so the norm reads it in place and linear_proj's reshape copies nothing
         out = out.transpose(0, 1)

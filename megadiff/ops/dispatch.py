@@ -19,12 +19,12 @@ from megadiff.ops.sdpa import differential_attention_sdpa
 BACKENDS = ("auto", "triton", "sdpa", "sdpa_split_v", "reference")
 
 
-def _triton_impl() -> Callable | None:
+def _triton_impl(name: str = "differential_attention_triton") -> Callable | None:
     try:
         module = importlib.import_module("megadiff.ops.triton_kernel")
     except ImportError:
         return None
-    return getattr(module, "differential_attention_triton", None)
+    return getattr(module, name, None)
 
 
 def _triton_usable(q: torch.Tensor, value_dim: int) -> bool:
@@ -81,6 +81,24 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integ
         return attend_by_document(lambda *qkv: _run(chosen, *qkv, lam, **kwargs), cu_seqlens, q1, k1, q2, k2, v,
                                   causal=causal)
     return _run(chosen, q1, k1, q2, k2, v, lam, **kwargs)
+
+
+def paired_differential_attention(q, k, v, lam, *, causal: bool = True, integral: bool = False,
+                                  softmax_scale: float | None = None, backend: str = "auto",
+                                  return_first_map: bool = False, cu_seqlens=None, logit_bits: int | None = None,
+                                  integral_carry: IntegralCarry | None = None):
+    """`differential_attention` over megatron's layout of the maps: q [B, N, 2Hq, d] and k [B, Nk, 2Hkv, d]
+    whose heads 2i and 2i + 1 are head i's first and second map. The fused kernel then writes both
+    maps' gradients into one tensor for q and one for k (the per-map views cost autograd a stack of
+    them); every other path takes the views."""
+    if resolve_backend(backend, q, v.shape[-1]) == "triton" and logit_bits is None and integral_carry is None:
+        return _triton_impl("paired_differential_attention_triton")(
+            q, k, v, lam, causal=causal, integral=integral, softmax_scale=softmax_scale,
+            return_first_map=return_first_map, cu_seqlens=cu_seqlens)
+    (q1, q2), (k1, k2) = (t.unflatten(2, (-1, 2)).unbind(3) for t in (q, k))
+    return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral,
+                                  softmax_scale=softmax_scale, backend=backend, return_first_map=return_first_map,
+                                  cu_seqlens=cu_seqlens, logit_bits=logit_bits, integral_carry=integral_carry)
 
 
 def _run(chosen: str, q1, k1, q2, k2, v, lam, **kwargs):

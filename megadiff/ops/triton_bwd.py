@@ -273,19 +273,21 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def attention_maps_backward(q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2, *,
                             causal: bool, scale: float, config: KernelConfig | None = None,
-                            documents: Documents | None = None):
+                            documents: Documents | None = None, grads: tuple | None = None):
     """Returns (dq1, dk1, dq2, dk2, dv) given the gradients dO1, dO2 reaching each map's output.
 
     do2=None means dO2 = -lam_h dO1 (plain DIFF); lam_h: fp32 [Hq]. do1/do2 and q1/q2, k1/k2 must share
     layouts. lse1, lse2 (natural log) and delta_j = rowsum(dOj * Oj) are [B, Hq, N] fp32, contiguous.
     A context-parallel caller passes the merged (global) lse and delta of its rows. `documents`: as
-    in attention_maps_forward.
+    in attention_maps_forward. `grads`: (dq1, dk1, dq2, dk2) to write into (dq1/dq2 and dk1/dk2
+    sharing their layouts, a dense last dim), else new contiguous tensors.
     """
     b, n_q, n_heads, d = q1.shape
     n_k, n_kv, dv_dim = k1.shape[1], k1.shape[2], v.shape[-1]
     tied = do2 is None
-    dq1, dq2 = q1.new_empty(q1.shape), q1.new_empty(q1.shape)  # new_empty: contiguous even for strided inputs
-    dk1, dk2 = k1.new_empty(k1.shape), k1.new_empty(k1.shape)
+    if grads is None:  # new_empty: contiguous even for strided inputs
+        grads = (q1.new_empty(q1.shape), k1.new_empty(k1.shape), q1.new_empty(q1.shape), k1.new_empty(k1.shape))
+    dq1, dk1, dq2, dk2 = grads
     dv = v.new_empty(v.shape)
     inputs = (q1, q2, k1, k2, v, do1, do1 if tied else do2, lse1, lse2, delta1, delta2, lam_h,
               *((documents.starts, documents.ends) if documents is not None else (lse1, lse1)))  # placeholders

@@ -326,11 +326,12 @@ def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: di
         num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
 
 
-def _output(b: int, n: int, heads: int, dv: int, device, dtype, sequence_major: bool) -> torch.Tensor:
-    """[B, N, H, dv]; sequence-major (a transposed [N, B, H, dv]) where asked for and int32 offsets allow."""
-    if sequence_major and (n - 1) * b * heads * dv + dv < 2 ** 31:
-        return torch.empty(n, b, heads, dv, device=device, dtype=dtype).transpose(0, 1)
-    return torch.empty(b, n, heads, dv, device=device, dtype=dtype)
+def empty_bnhd(b: int, n: int, heads: int, width: int, device, dtype, sequence_major: bool) -> torch.Tensor:
+    """[B, N, H, width]; sequence-major (a transposed [N, B, H, width], megatron's layout) where asked for
+    and the kernels' int32 offsets allow."""
+    if sequence_major and (n - 1) * b * heads * width + width < 2 ** 31:
+        return torch.empty(n, b, heads, width, device=device, dtype=dtype).transpose(0, 1)
+    return torch.empty(b, n, heads, width, device=device, dtype=dtype)
 
 
 def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: float, o_dtype: torch.dtype,
@@ -345,7 +346,7 @@ def attention_maps_forward(q1, k1, q2, k2, v, lam_h, *, causal: bool, scale: flo
     """
     b, n_q, n_heads, d = q1.shape
     n_k, n_kv, dv = k1.shape[1], k1.shape[2], v.shape[-1]
-    o1, o2 = (_output(b, n_q, n_heads, dv, q1.device, o_dtype, sequence_major) for _ in range(2))
+    o1, o2 = (empty_bnhd(b, n_q, n_heads, dv, q1.device, o_dtype, sequence_major) for _ in range(2))
     out = torch.empty_like(o1) if lam_h is not None else None  # empty_like keeps o1's strides
     lse1, lse2 = (torch.empty(b, n_heads, n_q, device=q1.device, dtype=torch.float32) for _ in range(2))
     args = (q1, q2, k1, k2, v,

@@ -24,15 +24,15 @@ import torch.nn.functional as F
 from megadiff.ops.common import (
     TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean, triton_fits,
 )
+from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
-from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.triton_fwd import (
-    INTERPRETED, Documents, KernelConfig, attention_maps_forward, shared_layout,
+    INTERPRETED, Documents, KernelConfig, attention_maps_forward, empty_bnhd, shared_layout,
 )
 
 __all__ = ["KernelConfig", "attention_maps_backward", "differential_attention_triton",
-           "differential_attention_triton_maps"]
+           "differential_attention_triton_maps", "paired_differential_attention_triton"]
 
 def _check_supported(q1, k1, q2, k2, v) -> None:
     if any(t.dtype != q1.dtype for t in (k1, q2, k2, v)) or q1.dtype not in TRITON_DTYPES:
@@ -86,53 +86,91 @@ def _documents(cu_seqlens, causal: bool, q: torch.Tensor, k: torch.Tensor) -> Do
     return _documents_of_tensors(cu_seqlens, (k.shape[0], n_q, n_k, q.device), make)
 
 
+def _maps_forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map, documents):
+    """The autograd forward over both maps' queries and keys (either Function's)."""
+    q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
+    lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
+    # the output follows the queries' layout: megatron's [s, b, ...] queries get an output that is
+    # [s, b, ...] in memory, which its output projection then reads without a copy
+    out, o1, o2, lse1, lse2 = attention_maps_forward(
+        q1, k1, q2, k2, v, lam_h, causal=causal, scale=scale, o_dtype=q1.dtype, config=config,
+        documents=documents, sequence_major=q1.stride(0) < q1.stride(1))
+    if integral:
+        starts = documents.starts.long() if documents is not None else None
+        out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal, starts)).to(q1.dtype)
+    ctx.save_for_backward(q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h)
+    ctx.causal, ctx.integral, ctx.scale, ctx.config, ctx.documents = causal, integral, scale, config, documents
+    ctx.lam_meta = (lam.dim(), lam.dtype)
+    ctx.tied = not (integral or return_first_map)
+    return (out, o1) if return_first_map else out
+
+
+def _maps_backward(ctx, grad_out, grad_first_map, grads: tuple | None = None):
+    """(dq1, dk1, dq2, dk2, dv, dlam); `grads`: as attention_maps_backward's."""
+    q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h = ctx.saved_tensors
+    (g,) = shared_layout(grad_out)  # a sequence-major gradient, as the output was, is read as it is
+    g_o2 = row_dots(g, o2)
+    grad_lam = -g_o2.sum(dim=(0, 2))
+    delta2 = -lam_h.view(1, -1, 1) * g_o2  # rowsum(dO2 O2) with dO2 = -lam G
+    if ctx.tied:  # dO1 = G, dO2 = -lam G: the kernels derive dO2, two matmuls fewer
+        do1, do2 = g, None
+        delta1 = row_dots(g, o1)
+    else:
+        lam = lam_h.view(1, 1, -1, 1)
+        do1 = g.float()
+        do2 = -lam * do1
+        if ctx.integral:
+            g_mean = _running_mean_adjoint(do1, ctx.causal, ctx.documents)
+            grad_lam = grad_lam + row_dots(g_mean, o1).sum(dim=(0, 2))
+            do1 = do1 + lam * g_mean
+        if grad_first_map is not None:
+            do1 = do1 + grad_first_map.float()
+        delta1 = row_dots(do1, o1)
+        do1, do2 = shared_layout(*(t.to(q1.dtype) for t in (do1, do2)))  # the kernels read both with dO1's strides
+    dq1, dk1, dq2, dk2, dv = attention_maps_backward(
+        q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2,
+        causal=ctx.causal, scale=ctx.scale, config=ctx.config, documents=ctx.documents, grads=grads)
+    lam_dim, lam_dtype = ctx.lam_meta
+    grad_lam = (grad_lam.sum() if lam_dim == 0 else grad_lam).to(lam_dtype)
+    return dq1, dk1, dq2, dk2, dv, grad_lam
+
+
 class _DifferentialAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map, documents):
-        q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
-        lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
-        # the output follows the queries' layout: megatron's [s, b, ...] queries get an output that is
-        # [s, b, ...] in memory, which its output projection then reads without a copy
-        out, o1, o2, lse1, lse2 = attention_maps_forward(
-            q1, k1, q2, k2, v, lam_h, causal=causal, scale=scale, o_dtype=q1.dtype, config=config,
-            documents=documents, sequence_major=q1.stride(0) < q1.stride(1))
-        if integral:
-            starts = documents.starts.long() if documents is not None else None
-            out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal, starts)).to(q1.dtype)
-        ctx.save_for_backward(q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h)
-        ctx.causal, ctx.integral, ctx.scale, ctx.config, ctx.documents = causal, integral, scale, config, documents
-        ctx.lam_meta = (lam.dim(), lam.dtype)
-        ctx.tied = not (integral or return_first_map)
-        return (out, o1) if return_first_map else out
+    forward = staticmethod(_maps_forward)
 
     @staticmethod
     def backward(ctx, grad_out, grad_first_map=None):
-        q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h = ctx.saved_tensors
-        (g,) = shared_layout(grad_out)  # a sequence-major gradient, as the output was, is read as it is
-        g_o2 = row_dots(g, o2)
-        grad_lam = -g_o2.sum(dim=(0, 2))
-        delta2 = -lam_h.view(1, -1, 1) * g_o2  # rowsum(dO2 O2) with dO2 = -lam G
-        if ctx.tied:  # dO1 = G, dO2 = -lam G: the kernels derive dO2, two matmuls fewer
-            do1, do2 = g, None
-            delta1 = row_dots(g, o1)
-        else:
-            lam = lam_h.view(1, 1, -1, 1)
-            do1 = g.float()
-            do2 = -lam * do1
-            if ctx.integral:
-                g_mean = _running_mean_adjoint(do1, ctx.causal, ctx.documents)
-                grad_lam = grad_lam + row_dots(g_mean, o1).sum(dim=(0, 2))
-                do1 = do1 + lam * g_mean
-            if grad_first_map is not None:
-                do1 = do1 + grad_first_map.float()
-            delta1 = row_dots(do1, o1)
-            do1, do2 = shared_layout(*(t.to(q1.dtype) for t in (do1, do2)))  # the kernels read both with dO1's strides
-        dq1, dk1, dq2, dk2, dv = attention_maps_backward(
-            q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2,
-            causal=ctx.causal, scale=ctx.scale, config=ctx.config, documents=ctx.documents)
-        lam_dim, lam_dtype = ctx.lam_meta
-        grad_lam = (grad_lam.sum() if lam_dim == 0 else grad_lam).to(lam_dtype)
-        return dq1, dk1, dq2, dk2, dv, grad_lam, None, None, None, None, None, None
+        return (*_maps_backward(ctx, grad_out, grad_first_map), None, None, None, None, None, None)
+
+
+def _map_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N, 2H, d] whose heads 2i and 2i + 1 are head i's two maps -> the two maps' [B, N, H, d] views."""
+    return t[:, :, 0::2], t[:, :, 1::2]
+
+
+def _pairs_layout(t: torch.Tensor) -> tuple:
+    """What a gradient for `t` ([B, N, 2H, d]) is made from: megatron's sequence-major layout when t has it."""
+    return (*t.shape, t.device, t.dtype, t.stride(0) < t.stride(1))
+
+
+class _PairedDifferentialAttention(torch.autograd.Function):
+    """Over q [B, N, 2Hq, d] and k [B, Nk, 2Hkv, d] as megatron holds them (heads 2i, 2i + 1: head i's
+    two maps): the backward writes both maps' gradients into one tensor for each, where the per-map
+    form's gradients cost autograd a stack of the two."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, causal, integral, scale, config, return_first_map, documents):
+        (q1, q2), (k1, k2) = _map_pairs(q), _map_pairs(k)
+        ctx.pairs = (_pairs_layout(q), _pairs_layout(k))
+        return _maps_forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map,
+                             documents)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_first_map=None):
+        dq, dk = (empty_bnhd(*layout) for layout in ctx.pairs)
+        (dq1, dq2), (dk1, dk2) = _map_pairs(dq), _map_pairs(dk)
+        *_, dv, grad_lam = _maps_backward(ctx, grad_out, grad_first_map, grads=(dq1, dk1, dq2, dk2))
+        return dq, dk, dv, grad_lam, None, None, None, None, None, None
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -151,6 +189,22 @@ def differential_attention_triton(q1, k1, q2, k2, v, lam, *, causal=True, integr
     documents = None if cu_seqlens is None else _documents(cu_seqlens, causal, q1, k1)
     return _DifferentialAttention.apply(q1, k1, q2, k2, v, lam, causal, integral, _scale(q1, softmax_scale), config,
                                         return_first_map, documents)
+
+
+def paired_differential_attention_triton(q, k, v, lam, *, causal=True, integral=False, softmax_scale=None,
+                                         return_first_map=False, cu_seqlens=None,
+                                         config: KernelConfig | None = None):
+    """As differential_attention_triton, with each head's two maps adjacent heads of q [B, N, 2Hq, d]
+    and k [B, Nk, 2Hkv, d] (heads 2i and 2i + 1: head i's first and second map), megatron's layout:
+    their gradients come back as one tensor each, in q's and k's layout."""
+    if q.dim() != 4 or q.shape[2] % 2 or k.dim() != 4 or k.shape[2] % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, N, 2H, d]: two maps a head")
+    (q1, q2), (k1, k2) = _map_pairs(q), _map_pairs(k)
+    check_shapes(q1, k1, q2, k2, v, lam, integral)
+    _check_supported(q1, k1, q2, k2, v)
+    documents = None if cu_seqlens is None else _documents(cu_seqlens, causal, q1, k1)
+    return _PairedDifferentialAttention.apply(q, k, v, lam, causal, integral, _scale(q1, softmax_scale), config,
+                                              return_first_map, documents)
 
 
 def differential_attention_triton_maps(q1, k1, q2, k2, v, *, causal=True, softmax_scale=None,
