@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ class Case:
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
     sequence_major: bool = False  # megatron's [s, b, ...] layout: q, k, v and the upstream gradient transposed views
     paired: bool = False  # megatron's heads: q [B, N, 2Hq, d], k alike, each head's maps adjacent (sequence-major)
+    pairs_past_int32: bool = False  # paired, as if the pairs' gradients were too long for int32 offsets
     documents: tuple[int, ...] | None = None  # cu_seqlens: document masking, through the dispatcher
 
     @property
@@ -77,6 +79,10 @@ def _grid() -> dict[str, Case]:
         "paired": Case(paired=True, sequence_major=True, per_head_lam=True),
         "paired-dint-first-map-dispatcher": Case(paired=True, sequence_major=True, integral=True, first_map=True,
                                                  blocks=None),
+        "paired-decode-one-query-first-map": Case(paired=True, sequence_major=True, n_q=1, n_k=45, first_map=True),
+        "paired-past-int32-offsets": Case(paired=True, sequence_major=True, pairs_past_int32=True, per_head_lam=True),
+        "paired-documents-fewer-queries": Case(paired=True, sequence_major=True, n_q=20, n_k=45, per_head_lam=True,
+                                               documents=(0, 12, 30, 33, 45, 50, 90)),
         "first-map-diff": Case(first_map=True, per_head_lam=True),
         "first-map-dint": Case(first_map=True, integral=True, causal=False),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
@@ -186,7 +192,11 @@ def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
         return kernel(*args, **kwargs, config=KernelConfig(*case.blocks))
 
     inputs, grad_out = make_inputs(name, case)
-    return outputs_and_grads(fn, inputs, grad_out, case)
+    with contextlib.ExitStack() as stack:
+        if case.pairs_past_int32:
+            import megadiff.ops.triton_kernel as kernel
+            stack.enter_context(mock.patch.object(kernel, "row_offsets_fit_int32", lambda t: False))
+        return outputs_and_grads(fn, inputs, grad_out, case)
 
 
 def assert_matches(got: dict, want: dict, dtype: torch.dtype, label: str) -> None:

@@ -246,7 +246,7 @@ def bnh_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _row_offsets_fit_int32(t: torch.Tensor) -> bool:
+def row_offsets_fit_int32(t: torch.Tensor) -> bool:
     """The kernels index within one (batch, head) slice in int32: row * sequence stride + column."""
     return (t.shape[1] - 1) * t.stride(1) + t.shape[-1] < 2 ** 31
 
@@ -258,7 +258,7 @@ def shared_layout(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     [N, B, ...] projection) are copied to a dense layout, where N x H x dim fits.
     """
     first = tensors[0]
-    if all(t.stride() == first.stride() and t.stride(-1) == 1 and _row_offsets_fit_int32(t) for t in tensors):
+    if all(t.stride() == first.stride() and t.stride(-1) == 1 and row_offsets_fit_int32(t) for t in tensors):
         return tensors
     return tuple(t.contiguous() for t in tensors)
 

@@ -28,7 +28,8 @@ from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
 from megadiff.ops.triton_fwd import (
-    INTERPRETED, Documents, KernelConfig, attention_maps_forward, empty_bnhd, shared_layout,
+    INTERPRETED, Documents, KernelConfig, attention_maps_forward, empty_bnhd, row_offsets_fit_int32,
+    shared_layout,
 )
 
 __all__ = ["KernelConfig", "attention_maps_backward", "differential_attention_triton",
@@ -169,7 +170,11 @@ class _PairedDifferentialAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_first_map=None):
         dq, dk = (empty_bnhd(*layout) for layout in ctx.pairs)
         (dq1, dq2), (dk1, dk2) = _map_pairs(dq), _map_pairs(dk)
-        *_, dv, grad_lam = _maps_backward(ctx, grad_out, grad_first_map, grads=(dq1, dk1, dq2, dk2))
+        if row_offsets_fit_int32(dq1) and row_offsets_fit_int32(dk1):
+            *_, dv, grad_lam = _maps_backward(ctx, grad_out, grad_first_map, grads=(dq1, dk1, dq2, dk2))
+        else:  # a sequence too long for int32 offsets into the pairs: each map's own gradient, then stacked
+            dq1, dk1, dq2, dk2, dv, grad_lam = _maps_backward(ctx, grad_out, grad_first_map)
+            dq, dk = (torch.stack(maps, dim=3).flatten(2, 3) for maps in ((dq1, dq2), (dk1, dk2)))
         return dq, dk, dv, grad_lam, None, None, None, None, None, None
 
 
