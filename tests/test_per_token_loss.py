@@ -118,8 +118,9 @@ def _cross_entropies(rank: int, world_size: int, out_path: str) -> None:
     for name in ("fused", "unfused"):
         mine = shard.clone().requires_grad_()
         if name == "fused":
+            group = parallel_state.get_tensor_model_parallel_group()
             with torch._dynamo.config.patch(disable=True):
-                loss = fused_vocab_parallel_cross_entropy(mine, target, parallel_state.get_tensor_model_parallel_group())
+                loss = fused_vocab_parallel_cross_entropy(mine, target, group)
         else:
             loss = tensor_parallel.vocab_parallel_cross_entropy(mine, target)
         (grad,) = torch.autograd.grad(loss, mine, torch.linspace(0.5, 1.5, loss.numel()).view_as(loss))

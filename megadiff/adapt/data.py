@@ -3,10 +3,11 @@ packed into fixed-length sequences, read in a seeded order.
 
 Documents are tokenized without special tokens (a special token's text in a document is text),
 each preceded by what the tokenizer itself puts before a text (Llama's BOS; nothing for GPT-2's
-or Qwen's) and followed by the tokenizer's EOS; the token stream is cut into `seq_length` pieces (the tail of each map batch of documents is
-dropped, as in transformers' run_clm). The order is one seeded permutation per epoch, so the
-sample behind any (iteration, micro-step, rank) is a pure function of those numbers: resuming
-at iteration k reads exactly what an uninterrupted run would have read.
+or Qwen's) and followed by the tokenizer's EOS; the token stream is cut into `seq_length`
+pieces (the tail of each map batch of documents is dropped, as in transformers' run_clm). The
+order is one seeded permutation per epoch, so the sample behind any (iteration, micro-step,
+rank) is a pure function of those numbers: resuming at iteration k reads exactly what an
+uninterrupted run would have read.
 
 With data.messages_key (instruction tuning: DAA on Tulu 3's SFT mixture, Dex on OpenHermes-2.5)
 each record's conversation is rendered by the chat template (megadiff/data/conversations.py) and

@@ -202,7 +202,8 @@ def install_adapters(model: nn.Module, adaptation: dict) -> None:
         attention = layer.self_attn
         attention.__class__ = ADAPTED_ATTENTION[type(attention)]
         attention.init_adapter(adaptation["method"], spec["heads"], spec["lambda_init"], adaptation["anneal_steps"],
-                               adaptation.get("lambda_learn_init", 0.0), adaptation.get("daa_weight_before_rope", False))
+                               adaptation.get("lambda_learn_init", 0.0),
+                               adaptation.get("daa_weight_before_rope", False))
         attention.step = adaptation.get("step", 0)
 
 

@@ -50,8 +50,8 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     selection = cfg.adaptation.resolved_selection
     if selection in MEASURED_SELECTIONS:
         with dss.calibration_parameters(model, stage, selection):
-            plan = plan_adaptation(model, cfg.adaptation, reader.calibration_batches(cfg.adaptation.calibration_batches),
-                                   reader.document_eos)
+            calibration = reader.calibration_batches(cfg.adaptation.calibration_batches)
+            plan = plan_adaptation(model, cfg.adaptation, calibration, reader.document_eos)
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
         plan = plan_adaptation(model, cfg.adaptation)
     shared = [{"settings": _planned_settings(cfg), "base_model": base_model_fingerprint(cfg.model.path),

@@ -21,10 +21,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.common import (
     TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean, triton_fits,
 )
-from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
 from megadiff.ops.triton_fwd import (
