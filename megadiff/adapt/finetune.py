@@ -198,8 +198,9 @@ def finetune(cfg: FinetuneConfig) -> int:
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
             _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last)
         if exit_now and iteration < cfg.train.iters:
-            exit_code = REQUEUE_EXIT_CODE if stop.signalled else 0
+            exit_code = 0
             if stop.signalled:  # after `_save` committed the checkpoint a requeue resumes from
+                exit_code = REQUEUE_EXIT_CODE
                 leave_requeue_marker(rank)
             if writer is not None:
                 reason = (signal_name(stop.received) if stop.signalled else

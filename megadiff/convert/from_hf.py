@@ -50,12 +50,6 @@ def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precisi
     return cfg
 
 
-def _load_parameters(model, params: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(params[name])
-
-
 def _load_parts(model, parts: Iterable[dict[str, torch.Tensor]]) -> int:
     """Copies each part's tensors into the model's parameters of their names, emptying the part (so
     that no reference outlives the copy); returns how many numbers it copied."""
@@ -121,7 +115,7 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     model = checked
     if check and precision != "fp32":
         model = build_single_process_model(single_process_config(cfg))
-        _load_parameters(model, dict(checked.named_parameters()))  # rounded as from the read tensors
+        _load_parts(model, [dict(checked.named_parameters())])  # rounded as from the read tensors
     if check:  # before anything is written
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
             ours = megadiff_logits(CausalLM(checked, cfg), vocab_in_use)
