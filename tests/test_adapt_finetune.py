@@ -20,6 +20,7 @@ from megadiff.adapt.deepspeed_setup import deepspeed_config
 from megadiff.adapt.schedule import lr_multiplier
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
+from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import run_ranks
 from tests.test_chat_data import CHATML
@@ -562,6 +563,94 @@ def test_a_rerun_on_another_base_model_is_refused(workspace, tmp_path):
         weights.write(b"\0" * 8)
     with pytest.raises(ConfigError, match="model.path: .* is not the model"):
         check_base_model(plan, cfg)
+
+
+def rerun_planned_on_own_copy(rank: int, world_size: int, config: str, overrides: list[str], models: list[str],
+                              report: str) -> None:
+    """Rank r checks output_dir's saved plan against its own copy of the base model, models[r], as ranks
+    of different nodes reading node-local copies do."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from megadiff.adapt.plan import adaptation_plan
+
+    dist.init_process_group("gloo")
+    cfg = load_finetune_config(config, [*overrides, f"model.path={models[rank]}"])
+    try:
+        adaptation_plan(cfg, AutoModelForCausalLM.from_pretrained(models[rank]), reader=None, stage=2, rank=rank)
+        outcome = "accepted"
+    except MegadiffError as err:
+        outcome = str(err)
+    Path(report, f"rank{rank}").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_base_model_that_differs_on_one_node_is_refused_on_every_rank(workspace, tmp_path):
+    """A rank whose model.path differs refuses the rerun; the others refuse it with its error rather
+    than waiting for it in their next collective."""
+    from megadiff.adapt.plan import PLAN_FILE, _planned_settings, base_model_fingerprint
+
+    copies = [str(tmp_path / f"node{rank}") for rank in range(2)]
+    for copy in copies:
+        shutil.copytree(workspace / "model", copy)
+    overrides = [f"output_dir={tmp_path / 'out'}"]
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [*overrides, f"model.path={copies[0]}"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / PLAN_FILE).write_text(json.dumps({
+        "method": cfg.adaptation.method, "anneal_steps": cfg.adaptation.anneal_steps,
+        "lambda_learn_init": cfg.adaptation.lambda_learn_init, "settings": _planned_settings(cfg),
+        "base_model": base_model_fingerprint(copies[0])}))
+
+    def outcomes() -> list[str]:
+        run_ranks(2, rerun_planned_on_own_copy, str(workspace / "adapt.yaml"), overrides, copies, str(tmp_path),
+                  timeout=120)
+        return [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+
+    assert outcomes() == ["accepted", "accepted"]
+    config = json.loads(Path(copies[1], "config.json").read_text())
+    Path(copies[1], "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    first, second = outcomes()
+    assert second.startswith(f"model.path: {copies[1]} is not the model")
+    assert first == f"rank 1 refused the run: {second}"
+
+
+def built_by_node_leader_first(rank: int, world_size: int, refused_rank: int | None, report: str) -> None:
+    """finetune's data build, leader (LOCAL_RANK 0) first, refused on `refused_rank`."""
+    import time
+
+    import torch.distributed as dist
+
+    from megadiff.adapt.finetune import _node_leader_first
+
+    leader_built = Path(report, "leader_built")
+
+    def build() -> str:
+        if rank == 0:
+            time.sleep(1.0)
+            leader_built.touch()
+        if rank == refused_rank:
+            raise ConfigError("data.files: too few tokens")
+        return "leader's cache there" if leader_built.exists() else "built alone"
+
+    dist.init_process_group("gloo")
+    try:
+        outcome = _node_leader_first(build)
+    except MegadiffError as err:
+        outcome = str(err)
+    Path(report, f"rank{rank}").write_text(outcome)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("refused_rank", [None, 0, 1])
+def test_the_data_is_built_by_the_node_leader_first_and_refused_on_every_rank(refused_rank, tmp_path):
+    run_ranks(2, built_by_node_leader_first, refused_rank, str(tmp_path), timeout=120)
+    outcomes = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+    if refused_rank is None:
+        assert outcomes == ["leader's cache there"] * 2
+    else:
+        refusal = "data.files: too few tokens"
+        assert outcomes == [refusal if rank == refused_rank else f"rank {refused_rank} refused the run: {refusal}"
+                            for rank in range(2)]
 
 
 def test_adapt_imports_no_megatron():

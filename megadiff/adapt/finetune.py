@@ -33,6 +33,7 @@ from megadiff.adapt.plan import adaptation_plan
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config.loader import config_yaml
+from megadiff.errors import refused_together
 from megadiff.files import remove_older_numbered, write_atomically
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
@@ -62,16 +63,16 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
 
 def _node_leader_first(build):
     """Local rank 0 of each node builds first (filling the node's datasets cache); the others
-    then read that cache instead of tokenizing concurrently."""
-    import torch.distributed as dist
-
+    then read that cache instead of tokenizing concurrently. A build refused (the data's checks) on
+    any rank is refused on every rank, rather than leaving the others waiting for it."""
     leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    if not leader:
-        dist.barrier()
-    result = build()
-    if leader:
-        dist.barrier()
-    return result
+    led = refused_together(build if leader else _nothing)  # the followers wait here for their leader
+    followed = refused_together(_nothing if leader else build)
+    return led if leader else followed
+
+
+def _nothing() -> None:
+    return None
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ from megadiff.adapt.data import BatchReader
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig
 from megadiff.config import ConfigError
+from megadiff.errors import refused_together
 from megadiff.files import write_atomically
 
 PLAN_FILE = "adaptation.json"
@@ -36,12 +37,8 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     saved = [plan_file.is_file()]
     dist.broadcast_object_list(saved, src=0)
     if saved[0]:
-        plan = json.loads(plan_file.read_text())
-        if plan["method"] != cfg.adaptation.method:
-            raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
-                              f"{plan['method']!r} run; use another output_dir")
-        check_planned_settings(plan, cfg)
-        check_base_model(plan, cfg)
+        # together: each rank checks the model.path it reads, which may be a node-local copy
+        plan = refused_together(lambda: _checked_saved_plan(plan_file, cfg))
         if "base_model" not in plan:  # a plan from before plans recorded it: reruns from now on are checked
             plan["base_model"] = base_model_fingerprint(cfg.model.path)
             if rank == 0:
@@ -60,6 +57,16 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     if rank == 0:
         plan_file.write_text(json.dumps(shared[0], indent=1))
     return shared[0]
+
+
+def _checked_saved_plan(plan_file: Path, cfg: FinetuneConfig) -> dict:
+    plan = json.loads(plan_file.read_text())
+    if plan["method"] != cfg.adaptation.method:
+        raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
+                          f"{plan['method']!r} run; use another output_dir")
+    check_planned_settings(plan, cfg)
+    check_base_model(plan, cfg)
+    return plan
 
 
 def _planned_settings(cfg: FinetuneConfig) -> dict:
