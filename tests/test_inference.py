@@ -74,6 +74,21 @@ def test_load_checkpoint_in_bf16_keeps_lambda_vectors_fp32(run):
     assert params["decoder.layers.0.self_attention.core_attention.lambda_q1"].dtype == torch.float32
 
 
+def test_loaded_models_compute_losses_unfused(run, monkeypatch):
+    """Training fuses cross entropy where CUDA and bf16 are (a compiled graph); a loaded model's losses
+    come in shapes that vary, which would recompile it up to dynamo's limit."""
+    import megadiff.inference.loader as loader
+
+    def as_on_cuda(cfg):
+        config = to_transformer_config(cfg)
+        config.cross_entropy_loss_fusion = True
+        return config
+
+    to_transformer_config = loader.to_transformer_config
+    monkeypatch.setattr(loader, "to_transformer_config", as_on_cuda)
+    assert not load_checkpoint(run[0], dtype=torch.bfloat16).gpt.config.cross_entropy_loss_fusion
+
+
 def test_load_checkpoint_refuses_a_path_without_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not a megadiff checkpoint"):
         load_checkpoint(tmp_path)

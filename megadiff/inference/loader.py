@@ -67,6 +67,9 @@ def build_single_process_model(cfg: Config):
         initialize(ParallelConfig(), seed=cfg.train.seed)
         config = to_transformer_config(cfg)
         config.perform_initialization = False  # every weight is loaded next
+        # megatron compiles its fused cross entropy for the shapes it meets: evaluation's vary (a shorter
+        # last chunk and batch) and would recompile up to dynamo's limit, for no backward pass to save
+        config.cross_entropy_loss_fusion = False
         (model,) = build_model(cfg, config)
     return model.eval()
 
