@@ -151,6 +151,10 @@ def test_length_upsampling_repeats_documents_in_proportion_to_length(tmp_path):
         k = int(train.shuffle_index[7])
         assert train[7]["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()
     assert (length_repeats(lengths, SEQ) == np.maximum(1, np.floor(lengths / SEQ + 0.5))).all()
+    # from the cache (as on every rank but the one that built it): the same order, without the repeated documents
+    cached = counts(*overrides)[1]
+    assert np.array_equal(cached.document_index, train.document_index)
+    assert np.array_equal(cached.indices, np.arange(len(documents)))
 
 
 def _build_on_rank(rank: int, world_size: int, prefix: str, cache: str, out: str) -> None:
@@ -172,7 +176,7 @@ def test_ranks_share_one_index_cache_and_see_the_same_samples(corpus, tmp_path):
     alone = build_datasets(config(tmp_path / "alone", f"data.prefix={corpus[0]}", "data.split=80,10,10"), TOKENIZER,
                            (100, 10, 10), 9)[0]
     assert ranks[0] == ranks[1] == [alone[i]["tokens"].tolist() for i in range(len(alone))]
-    assert len(list((tmp_path / "cache" / "indices").glob("*-GPTDataset-train-shuffle_index.npy"))) == 1
+    assert len(list((tmp_path / "cache" / "indices").glob("*-PreparedGPTDataset-train-shuffle_index.npy"))) == 1
 
 
 # ---- bad data, caught before any compute -------------------------------------------------------
@@ -325,6 +329,34 @@ def test_data_prepared_again_gets_new_index_caches(tmp_path):
     for i in range(0, len(train), 37):
         k = int(train.shuffle_index[i])
         assert train[i]["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()
+
+
+def test_preparing_one_prefix_of_a_blend_again_keeps_the_others_index_caches(tmp_path):
+    """Each prefix's indices are named by its own files alone: another prefix prepared again leaves
+    them (a 1T-token prefix's take minutes to build), and their descriptions name no other prefix."""
+    prefixes = [tmp_path / name for name in ("big", "small")]
+    write_documents(prefixes[0], synthetic_documents(80, seed=1))
+    cfg = config(tmp_path, f"data.blend=[3,{prefixes[0]},1,{prefixes[1]}]", "data.split=1,0,0")
+
+    def hashes(seed: int) -> list[str]:
+        write_documents(prefixes[1], synthetic_documents(40, seed=seed))
+        train = build_datasets(cfg, TOKENIZER, (300, 0, 0), seed=0)[0]
+        assert str(prefixes[1]) not in train.datasets[0].unique_description
+        return [dataset.unique_description_hash for dataset in train.datasets]
+
+    (big, small), (big_again, small_again) = hashes(seed=2), hashes(seed=3)
+    assert big_again == big
+    assert small_again != small
+
+
+def test_a_split_of_which_no_sample_is_asked_is_not_built(corpus, tmp_path):
+    """eval_each_source asks for the validation samples of each prefix alone: megatron would also index
+    a whole epoch of its training split (some 10 GB for a 1T-token prefix)."""
+    train, valid, test = build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=80,10,10"),
+                                        TOKENIZER, (0, 10, 0), seed=0)
+    assert train is None and test is None and len(valid) >= 10
+    built = (tmp_path / "cache" / "indices").glob("*shuffle_index.npy")
+    assert [path.name.split("-")[2] for path in built] == ["valid"]
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.uint8])

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
+from megadiff.checkpoint.training_checkpoint import read_train_state
 from megadiff.observability.metrics import read_metrics
 from megadiff.observability.wandb_sink import RUN_ID_FILE
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
@@ -100,6 +101,26 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     records = read_metrics(output)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
     assert [r["consumed_samples"] for r in records] == [8, 16, 24, 28, 32, 36]
+    # read on in the first run's order: drawn for its 48 samples, not the 36 the rerun reads to
+    assert read_train_state(output / CHECKPOINTS_DIR / "iter_0000006")["data_samples"] == 48
+
+
+@pytest.mark.parametrize("saved, overrides, expected", [
+    (None, [], (48, 0)),                                                   # a new run: what it reads
+    (None, ["train.planned_samples=100"], (100, 0)),                       # or planned further
+    ({"data_samples": 48}, ["train.global_batch_size=4"], (48, 48)),       # reads less: the checkpoint's order
+    ({"data_samples": 48}, ["train.iters=8"], (64, 48)),                   # lengthened: drawn anew
+    ({}, ["train.global_batch_size=4"], (36, 0)),                          # a checkpoint from before it was kept
+])
+def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, overrides, expected):
+    """megatron's order of a source read more than once depends on the training samples it is drawn for:
+    a resumed run keeps its checkpoint's count unless it reads further."""
+    from megadiff.config import build_config
+    from megadiff.training.state import Start
+
+    cfg = build_config({}, ["train.iters=6", "train.global_batch_size=8", *overrides])
+    start = Start() if saved is None else Start(saved={"iteration": 3, "consumed_samples": 24, **saved}, continues=True)
+    assert start.data_samples(cfg) == expected
 
 
 def test_a_resumed_layout_keeps_the_vocabulary_rows():

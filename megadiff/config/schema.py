@@ -123,6 +123,10 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(1, ge=1)
     global_batch_size: int = Field(1, ge=1)
     iters: int = Field(100, ge=1)
+    planned_samples: Optional[int] = Field(None, ge=1, description="the training samples the data order is drawn "
+                                           "for (default: those train.iters reads). megatron shuffles a source read "
+                                           "more than once for that count: a run lengthened past it later (train.iters "
+                                           "raised on resume, e.g. WSD) reads such sources in another order from there")
     per_token_loss: bool = Field(False, description="the loss averaged over every loss token of the global batch "
                                  "(megatron's --calculate-per-token-loss) instead of micro-batch by micro-batch: "
                                  "with prompt/response data, whose micro-batches hold unequal response tokens, each "

@@ -3,9 +3,10 @@
 `build_datasets` returns (train, valid, test): megatron datasets whose items are dicts of
 `tokens`, `labels` (tokens shifted by one), `loss_mask` and `position_ids`, each
 model.seq_length long (no attention mask: the model applies a causal one). A split whose
-data.split weight is 0 comes back as None. Sample order depends only on the seed; the
+data.split weight is 0, or of which no sample is asked, comes back as None. The
 document/sample/shuffle indices are cached under <data.cache_dir>/indices, named by a hash that
-covers the prepared files' sizes and manifest, so data prepared again gets new ones.
+covers the prepared files' sizes and manifest (data/prepared_dataset.py), so data prepared again
+gets new ones.
 A blend of prefixes without weights is weighted by their tokens.
 
 Under torch.distributed every rank must call it: megatron builds the index cache on rank 0,
@@ -15,50 +16,24 @@ It runs `check_training_data` first, so bad data fails before any index is built
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
 from megadiff.config import Config, DataConfig, build_config
 from megadiff.data.checks import SPLITS, check_training_data
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import bin_path, idx_path, token_count
+from megadiff.data.indexed import token_count
 from megadiff.data.locations import index_cache_dir, training_blend
-from megadiff.data.manifest import read_manifest
+from megadiff.data.prepared_dataset import PreparedGPTDataset, megatron_tokenizer
 from megadiff.data.responses import ResponseMaskedGPTDataset
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
 
-__all__ = ["MegatronTokenizerView", "build_datasets", "megatron_tokenizer", "source_config", "source_names"]
-
-
-@dataclass(frozen=True)
-class MegatronTokenizerView:
-    """What megatron's datasets read from a tokenizer; unique_identifiers enters their cache hash."""
-    vocab_size: int
-    eod: int
-    unique_identifiers: dict
-
-
-def megatron_tokenizer(tokenizer: Tokenizer, prefixes: list[str]) -> MegatronTokenizerView:
-    """The view of `tokenizer` for datasets over `prefixes`. megatron's cache hash covers the
-    tokenizer but nothing of the data: the prefixes' file identities ride along in its identifiers,
-    so that indices built for data since prepared again are never reused."""
-    return MegatronTokenizerView(tokenizer.vocab_size, tokenizer.eod,
-                                 {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-                                  "data": {prefix: _file_identity(prefix) for prefix in prefixes}})
-
-
-def _file_identity(prefix: str) -> dict:
-    """The sizes of <prefix>.bin/.idx and what its manifest says they were made from: alike on every
-    node (a copy of the files keeps both, not their modification times), other for data prepared again."""
-    manifest = read_manifest(prefix) or {}
-    return {"bytes": [path.stat().st_size for path in (bin_path(prefix), idx_path(prefix))],
-            "made_from": manifest.get("fingerprint")}
+__all__ = ["build_datasets", "source_config", "source_names"]
 
 
 def megatron_blend(data: DataConfig) -> tuple[list[str], Optional[list[float]]]:
@@ -73,13 +48,13 @@ def megatron_blend(data: DataConfig) -> tuple[list[str], Optional[list[float]]]:
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int], seed: int,
                    is_built_on_rank: Callable[[], bool] = lambda: True):
-    """(train, valid, test) with at least num_samples[i] samples each (None where data.split gives 0)."""
+    """(train, valid, test) with at least num_samples[i] samples each (None where it or data.split's weight is 0)."""
     check_training_data(cfg, tokenizer)  # megatron would loop forever on a split without tokens
     data = cfg.data
     blend = megatron_blend(data)
     options = dict(
         random_seed=seed, sequence_length=cfg.model.seq_length, blend=blend, split=data.split,
-        path_to_cache=str(index_cache_dir(data)), tokenizer=megatron_tokenizer(tokenizer, blend[0]),
+        path_to_cache=str(index_cache_dir(data)), tokenizer=megatron_tokenizer(tokenizer),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,
     )
@@ -88,8 +63,10 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         dataset_cls, config = (LengthUpsampledGPTDataset,
                                LengthUpsampledGPTDatasetConfig(length_upsampling_unit=unit, **options))
     else:
-        dataset_cls = ResponseMaskedGPTDataset if data.masks_loss else GPTDataset
+        dataset_cls = ResponseMaskedGPTDataset if data.masks_loss else PreparedGPTDataset
         config = GPTDatasetConfig(**options)
+    # a split none of whose samples is asked for is left out: megatron would index a whole epoch of it
+    config.split_matrix = [bounds if wanted else None for bounds, wanted in zip(config.split_matrix, num_samples)]
     with _lone_process_is_rank_zero():
         datasets = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank, config).build()
     _check_sizes(datasets, num_samples, "data.blend" if data.blend else "data.prefix")

@@ -10,13 +10,13 @@ those tokens: a prompt is context, never a target.
 from __future__ import annotations
 
 import torch
-from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megadiff.data.indexed import loss_mask_prefix
+from megadiff.data.prepared_dataset import PreparedGPTDataset
 
 
-class ResponseMaskedGPTDataset(GPTDataset):
+class ResponseMaskedGPTDataset(PreparedGPTDataset):
     def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config) -> None:
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
         assert config.add_extra_token_to_sequence, "labels are the tokens shifted by one"

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megadiff.data.prepared_dataset import PreparedGPTDataset
+
 
 def length_repeats(lengths: np.ndarray, unit: int) -> np.ndarray:
-    """How many times each document appears per epoch (round half up, at least once)."""
-    return np.maximum(1, np.floor(np.asarray(lengths, dtype=np.float64) / unit + 0.5)).astype(np.int64)
+    """How many times each document appears per epoch (round half up, at least once): floor(n / unit + 1/2)
+    in integers, with no float copy of the lengths."""
+    return np.maximum(1, (2 * np.asarray(lengths, dtype=np.int64) + unit) // (2 * unit))
 
 
 @dataclass
@@ -31,13 +34,19 @@ class LengthUpsampledGPTDatasetConfig(GPTDatasetConfig):
         assert self.length_upsampling_unit > 0, "length_upsampling_unit must be set"
 
 
-class LengthUpsampledGPTDataset(GPTDataset):
+class LengthUpsampledGPTDataset(PreparedGPTDataset):
     """megatron's GPTDataset over a split whose documents are repeated by `length_repeats`."""
 
-    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config) -> None:
-        repeats = length_repeats(indexed_dataset.sequence_lengths[indexed_indices], config.length_upsampling_unit)
-        super().__init__(indexed_dataset, dataset_path, np.repeat(indexed_indices, repeats), num_samples,
-                         index_split, config)
+    _upsampled = False
+
+    def _get_num_tokens_per_epoch(self) -> int:
+        # megatron asks this first when it builds the indices (on one rank, on a cache miss), and never
+        # otherwise: only the building rank pays for the repeated document list (1.5e9 documents of a 1T-
+        # token corpus: some 30 GB while it is made), every other rank loads the cached indices
+        if not self._upsampled:
+            repeats = length_repeats(self.dataset.sequence_lengths[self.indices], self.config.length_upsampling_unit)
+            self.indices, self._upsampled = np.repeat(self.indices, repeats), True
+        return super()._get_num_tokens_per_epoch()
 
     @staticmethod
     def _key_config_attributes() -> list[str]:

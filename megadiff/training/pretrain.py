@@ -86,14 +86,13 @@ class Pretraining:
         self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
         start = plan_start(cfg)  # its refusals come before data and model
         t = cfg.train
-        iteration, consumed = start.position()
-        # the samples this run reads: a resumed run may have another global batch size than its checkpoint's
-        self.train_samples = consumed + max(t.iters - iteration, 0) * t.global_batch_size
+        self.train_samples, drawn_for = start.data_samples(cfg)
         self.datasets, self.valid_sets, tokenizer = _prepare_data(cfg, self.train_samples)
         self.document_eod = tokenizer.eod if cfg.data.document_masking else None
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, start, self.engine, self.scheduler)
+        self.state.data_samples = self.train_samples
         self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
                             if t.skip_spike_sigma else None)
         self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
@@ -117,6 +116,11 @@ class Pretraining:
                                f"DP {self.dp}); {memory} on the most loaded rank; {how}")
             if memory_warning:
                 self.metrics.print(memory_warning)
+            if 0 < drawn_for < self.train_samples:
+                self.metrics.print(f"train.iters: this run reads up to sample {self.train_samples:,}, past the "
+                                   f"{drawn_for:,} its data order was drawn for: sources read more than once follow "
+                                   "another order from here (some samples again, some never). To lengthen a run in "
+                                   "one order, give train.planned_samples when it starts")
 
     def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
         t = self.cfg.train

@@ -31,6 +31,7 @@ class TrainState:
     spike_history: dict = field(default_factory=dict)  # the spike guard's window (training/spikes.py)
     scheduler: dict | None = None
     layout: dict = field(default_factory=dict)
+    data_samples: int = 0  # the training samples the data order was drawn for (0: a checkpoint older than this)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +101,16 @@ class Start:
     def position(self) -> tuple[int, int]:
         """(iterations done, samples consumed) the run starts from."""
         return (self.saved["iteration"], self.saved["consumed_samples"]) if self.continues else (0, 0)
+
+    def data_samples(self, cfg: Config) -> tuple[int, int]:
+        """(the training samples to draw the data order for, those the checkpoint's order was drawn for, 0 where
+        unknown). megatron's order of a source read more than once depends on that count, so a resumed run keeps
+        its checkpoint's where it reads no further (another global batch size, fewer iterations) and reads on in
+        the same order; train.planned_samples sets it from the start."""
+        iteration, consumed = self.position()
+        reads = consumed + max(cfg.train.iters - iteration, 0) * cfg.train.global_batch_size
+        drawn_for = self.saved.get("data_samples", 0) if self.continues else 0
+        return max(reads, drawn_for, cfg.train.planned_samples or 0), drawn_for
 
 
 def plan_start(cfg: Config) -> Start:
