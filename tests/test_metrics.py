@@ -46,3 +46,19 @@ def test_resumed_run_drops_the_iterations_it_runs_again(tmp_path):
     resumed.log({"iteration": 3, "lm_loss": 30.0})
     resumed.close()
     assert [(r["iteration"], r["lm_loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_a_run_killed_while_dropping_the_iterations_it_runs_again_keeps_its_history(tmp_path, monkeypatch):
+    first = MetricsWriter(tmp_path, tensorboard=False)
+    for iteration in (1, 2, 3):
+        first.log({"iteration": iteration, "lm_loss": float(iteration)})
+    first.close()
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+
+    def killed(*args):
+        raise KeyboardInterrupt  # stands for the process dying before the new file replaces the old
+
+    monkeypatch.setattr("megadiff.files.os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsWriter(tmp_path, resume_from_iteration=1, tensorboard=False)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from rich.console import Console
 
+from megadiff.files import write_atomically
 from megadiff.observability.wandb_sink import WandbSink
 
 METRICS_FILE = "metrics.jsonl"
@@ -86,7 +87,8 @@ class MetricsWriter:
         if not self.path.exists():
             return
         kept = [record for record in read_metrics(self.path) if record.get("iteration", 0) <= iteration]
-        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        # atomically: a run killed here (preempted as it starts) keeps the whole history
+        write_atomically(self.path, "".join(json.dumps(record) + "\n" for record in kept).encode())
 
     def log(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
