@@ -112,6 +112,30 @@ def test_the_grid_is_what_an_oracle_of_known_reach_retrieves(tokenizer, haystack
     assert both["queries"] == 2 and both["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.5]]
 
 
+def test_a_number_is_retrieved_only_where_greedy_decoding_ends_it(tokenizer, haystack):
+    """An oracle copying the needle retrieves its number; copying a needle whose number goes on with a
+    digit, it would generate a longer number than the one asked for."""
+    case = build_case(tokenizer, haystack, 300, 0.5, 1, random.Random(2))
+    oracle = CopyingOracle(tokenizer.vocab_size)
+    assert retrieved(oracle, case, tokenizer) == 1.0
+    longer = case.tokens.copy()
+    longer[case.answer_span[1]] = tokenizer.encode("7")[0]  # where the needle's "." was
+    assert retrieved(oracle, dataclasses.replace(case, tokens=longer), tokenizer) == 0.0
+
+
+def test_the_haystack_leaves_the_documents_ends_out(tokenizer):
+    """A document-masked model attends within documents: an EOD between a needle and its question would
+    hide it. The haystack is the documents' text, read on past its end from its start if need be."""
+    eod = tokenizer.eod
+    documents = [tokenizer.encode(verse) + [eod] for verse in kjv_verses()[:60]]
+    haystack = np.concatenate(documents)
+    length = len(haystack) - len(documents) - 40  # the needle, question and answer take fewer than 40
+    case = build_case(tokenizer, haystack, length, 0.5, 1, random.Random(0))
+    assert eod not in case.tokens and len(case.tokens) == length
+    with pytest.raises(ConfigError, match="fewer than .* tokens besides its documents' ends"):
+        build_case(tokenizer, haystack, len(haystack), 0.5, 1, random.Random(0))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{variant: run directory} of DIFF and softmax checkpoints (4 heads over 2 key/value heads)."""
@@ -131,19 +155,24 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tm
 
     model = load_checkpoint(run_dir)
     tokens = held_out_tokens(evaluation_config(model, None, []), "valid")
+    tokenizer = model.tokenizer
+
+    def gives(prompt: list[int], answer: list[int]) -> bool:
+        """Greedy decoding gives exactly `answer`: its tokens, then none going on with a digit."""
+        greedy = _greedy(model, prompt, len(answer) + 1)
+        return greedy[:-1] == answer and not tokenizer.decode(greedy[-1:])[:1].isdigit()
+
     for depth in (0.0, 1.0):
-        case = build_case(model.tokenizer, tokens, 160, depth, 2, random.Random(1))
+        case = build_case(tokenizer, tokens, 160, depth, 2, random.Random(1))
+        assert tokenizer.eod not in case.tokens  # the documents' ends left out of the haystack
+        assert retrieved(model, case, tokenizer) == gives(case.tokens[:case.answer_start], case.answer)
+        # and a case made to be retrieved: its answer is what the model generates, when that ends as a number
         greedy = _greedy(model, case.tokens[:case.answer_start], len(case.answer))
-        assert retrieved(model, case) == (greedy == case.answer)
-        # and a case made to be retrieved: its answer is what the model generates
         forced = dataclasses.replace(case, tokens=case.tokens[:case.answer_start] + greedy)
-        assert retrieved(model, forced) == 1.0
-    two = build_case(model.tokenizer, tokens, 256, 0.5, 2, random.Random(1), queries=2)
-    (first_start, first_end), (second_start, second_end) = two.answer_spans
-    first = _greedy(model, two.tokens[:first_start], first_end - first_start)
-    second = _greedy(model, two.tokens[:second_start], second_end - second_start)
-    expected = ((first == two.tokens[first_start:first_end]) + (second == two.tokens[second_start:second_end])) / 2
-    assert retrieved(model, two) == expected
+        assert retrieved(model, forced, tokenizer) == gives(forced.tokens[:case.answer_start], greedy)
+    two = build_case(tokenizer, tokens, 256, 0.5, 2, random.Random(1), queries=2)
+    expected = sum(gives(two.tokens[:start], two.tokens[start:end]) for start, end in two.answer_spans) / 2
+    assert retrieved(model, two, tokenizer) == expected
     assert main(["needles", "--load", str(run_dir), "--lengths", "160", "--needles", "2", "--queries", "3"]) == 2
 
 
@@ -163,11 +192,11 @@ def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(theirs.logits_at(torch.tensor([case.tokens]), positions),
                                    ours.logits_at(torch.tensor([case.tokens]), positions), rtol=1e-4, atol=1e-4)
-    assert retrieved(theirs, case) == retrieved(ours, case)
+    assert retrieved(theirs, case, ours.tokenizer) == retrieved(ours, case, ours.tokenizer)
     one = build_case(ours.tokenizer, tokens, 160, 1.0, 2, random.Random(3))
-    forced = dataclasses.replace(one, tokens=one.tokens[:one.answer_start]
-                                 + _greedy(ours, one.tokens[:one.answer_start], len(one.answer)))
-    assert retrieved(theirs, forced) == 1.0
+    greedy = _greedy(ours, one.tokens[:one.answer_start], len(one.answer) + 1)
+    forced = dataclasses.replace(one, tokens=one.tokens[:one.answer_start] + greedy[:-1])
+    assert retrieved(theirs, forced, ours.tokenizer) == float(not ours.tokenizer.decode(greedy[-1:])[:1].isdigit())
 
     data = [f"data.{key}={getattr(ours.cfg.data, key)}" for key in ("prefix", "split", "cache_dir")]
     options = ["--lengths", "256", "--depths", "0", "1", "--trials", "2", "--needles", "2"]

@@ -1,15 +1,15 @@
 """`megadiff needles`: multi-needle retrieval from long contexts (the DIFF paper's key-information
 retrieval, sections 3.4 and 3.3), to check what a 64K extension can use.
 
-A case of length L: held-out text (the haystack) holding N needles "The magic number of CITY is
-NUMBER." at evenly spread depths, one of them (the first queried) moved to depth D (0 = start of
+A case of length L: held-out text (the haystack: documents one after another, their EOD tokens
+left out) holding N needles "The magic number of CITY is NUMBER." at evenly spread depths, one of them (the first queried) moved to depth D (0 = start of
 the context, 1 = its end), then "What is the magic number of CITY? The magic number of CITY is"
 and the answer " NUMBER". With R query cities (the paper's R), the question asks for R of the
 needles ("What are the magic numbers of A and B? The magic number of A is") and the answers
 follow one another (" X. The magic number of B is Y"). A queried number counts as retrieved when
-greedy decoding would produce it: with teacher forcing, one forward pass, the model's top token
-at every position of the answer is the answer's next token; a case scores the share of its R
-numbers retrieved. Only those positions' logits are formed, so 64K contexts need no N x
+greedy decoding would produce it, and no more digits: with teacher forcing, one forward pass, the
+model's top token at every position of the answer is the answer's next token, and the one after
+it does not begin with a digit; a case scores the share of its R numbers retrieved. Only those positions' logits are formed, so 64K contexts need no N x
 vocabulary logits.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
         raise ConfigError(f"--lengths: {length} tokens need {room:,} haystack tokens; the held-out split has "
                           f"{len(haystack):,} (use longer held-out data: data.prefix=..., or shorter lengths)")
     start = rng.randrange(len(haystack) - room + 1)
-    hay = haystack[start:start + room].tolist()
+    hay = _text_without_eods(haystack, start, room, tokenizer.eod)
     # the distractors spread evenly over the context, the queried needle at `depth`
     places = [round(depth * room)] + [round((k + 0.5) / (needles - 1) * room) for k in range(needles - 1)]
     tokens, cursor, spans = [], 0, [None] * needles
@@ -121,16 +121,34 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
     return Case(tokens, spans, answer_span, question_start, answer_spans)
 
 
+def _text_without_eods(haystack: np.ndarray, start: int, count: int, eod: int) -> list[int]:
+    """`count` tokens of the haystack from `start` on (wrapping around to its start), its documents'
+    EOD tokens left out: a document-masked model would not see a needle across one, and no model sees
+    one inside a text."""
+    tokens, read = [], 0
+    while len(tokens) < count:
+        if read == len(haystack):
+            raise ConfigError(f"--lengths: the held-out split holds fewer than {count:,} tokens besides its "
+                              "documents' ends (use longer held-out data: data.prefix=..., or shorter lengths)")
+        cursor = (start + read) % len(haystack)
+        window = haystack[cursor:cursor + min(count - len(tokens), len(haystack) - read)]
+        tokens += [token for token in window.tolist() if token != eod]
+        read += len(window)
+    return tokens
+
+
 @torch.no_grad()
-def retrieved(model: Scorer, case: Case) -> float:
+def retrieved(model: Scorer, case: Case, tokenizer: Tokenizer) -> float:
     """The share of the queried numbers that greedy decoding would give where the case has them
-    (teacher forcing, one pass): 1.0 or 0.0 with one query."""
-    positions = [position for start, end in case.answer_spans for position in range(start - 1, end - 1)]
+    (teacher forcing, one pass), and end there: the token predicted after a number's last may not go
+    on with a digit (" 80560208" does not retrieve 8056020). 1.0 or 0.0 with one query."""
+    positions = [position for start, end in case.answer_spans for position in range(start - 1, end)]
     predicted = model.logits_at(torch.tensor([case.tokens]), positions)[0].argmax(-1).tolist()
     hits, cursor = 0, 0
     for start, end in case.answer_spans:
-        hits += predicted[cursor:cursor + end - start] == case.tokens[start:end]
-        cursor += end - start
+        answer, after = predicted[cursor:cursor + end - start], predicted[cursor + end - start]
+        hits += answer == case.tokens[start:end] and not tokenizer.decode([after])[:1].isdigit()
+        cursor += end - start + 1
     return hits / len(case.answer_spans)
 
 
@@ -203,7 +221,7 @@ def retrieval_grid(model: Scorer, tokenizer: Tokenizer, haystack: np.ndarray, le
     cases = draw_cases(tokenizer, haystack, lengths, depths, needles, trials, seed, queries)
     results = torch.zeros(len(lengths) * len(depths) * trials, len(measures), dtype=torch.float64)
     for index, case in share(enumerate(cases)):
-        results[index, 0] = retrieved(model, case)
+        results[index, 0] = retrieved(model, case, tokenizer)
         if attention:
             results[index, 1:] = torch.tensor(attention_allocation(model, case), dtype=torch.float64)
         if on_case is not None:
