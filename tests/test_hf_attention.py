@@ -63,6 +63,37 @@ def test_a_plain_models_rows_are_its_eager_attention_weights(tokenizer_dir):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_a_sliding_windows_rows_and_scores_are_those_it_attends(tokenizer_dir):
+    """Mistral attends to its last `sliding_window` keys: the rows are its eager attention weights (no
+    mass beyond the window), the capture leaves its logits as they are, and `outliers --hf` counts
+    the scores of the pairs it attends alone."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from megadiff.inference.hf_attention import attention_calls
+    from megadiff.inference.outliers import record_activations
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        initializer_range=0.2, max_position_embeddings=256, sliding_window=8, attn_implementation="eager")).eval()
+    weights = eager_rows(model)
+    rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+    for ours, theirs in zip(rows, weights, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert ours[:, :POSITION + 1 - 8].abs().max() == 0
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        plain = model(torch.tensor([TOKENS])).logits
+        with attention_calls(model, lambda *call: None):
+            torch.testing.assert_close(model(torch.tensor([TOKENS])).logits, plain)
+        model.set_attn_implementation("eager")
+        attentions = model(torch.tensor([TOKENS]), output_attentions=True).attentions
+    attended = sum(int((layer > 0).sum()) for layer in attentions)
+    report = record_activations(HFCausalLM(model, tokenizer_dir, 256), [torch.tensor([TOKENS])])
+    assert report["attention_logits"]["values"] == attended
+
+
 def test_daa_rows_are_the_differential_weights_normalised(tokenizer_dir):
     model = adapted(tokenizer_dir, apply_daa, {"selection": "entropy"}, "eager")
     rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)

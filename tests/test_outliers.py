@@ -23,7 +23,10 @@ from tests.held_out_runs import held_out_run
 def runs(tmp_path_factory):
     """{variant: run directory} of DIFF and softmax checkpoints (4 heads over 2 key/value heads)."""
     root = tmp_path_factory.mktemp("outliers")
-    return {variant: held_out_run(root, variant)[0] for variant in ("diff", "softmax")}
+    runs = {variant: held_out_run(root, variant)[0] for variant in ("diff", "softmax")}
+    masked = tmp_path_factory.mktemp("outliers-documents")
+    runs["diff-documents"] = held_out_run(masked, "diff", overrides=("data.document_masking=true",))[0]
+    return runs
 
 
 def test_streamed_statistics_equal_those_of_all_values_at_once():
@@ -64,25 +67,28 @@ def test_values_are_binned_a_slice_at_a_time(monkeypatch):
     assert binned == [outliers.HISTOGRAM_VALUES, 100] and int(stats.counts.sum()) == stats.count
 
 
-def _naive_statistics(model, dataset, sequences: int) -> dict[str, torch.Tensor]:
-    """Every attention logit (full score matrices, causal entries) and every layer output, kept."""
+def _naive_statistics(model, dataset, sequences: int, eod: int | None = None) -> dict[str, torch.Tensor]:
+    """Every attention logit (full score matrices, causal entries: within documents with `eod`) and every
+    layer output, kept."""
     captured = {"attention_logits": [], "hidden_states": []}
     checked = []
+    batch_tokens = []
 
     def before_attention(module, args):
         query, key, value = args[:3]
         maps = attention_maps(module, query, key)
         scale = module.softmax_scale or query.shape[-1] ** -0.5
         seq = query.shape[0]
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        visible = torch.ones(seq, seq, dtype=torch.bool).tril().expand(query.shape[1], 1, seq, seq)
+        if eod is not None:  # pairs within one document, which ends with its EOD
+            ends = (batch_tokens[-1] == eod).long()
+            documents = ends.cumsum(1) - ends
+            visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
         scores = [q.float() @ k.float().transpose(-1, -2) * scale for q, k in maps]
-        for (q, k), full in zip(maps, scores):
-            captured["attention_logits"].append(full[:, :, causal].flatten())
-            three_rows = 3 * q.shape[:3].numel()
-            streamed = torch.cat([chunk.flatten() for chunk in causal_scores(q, k, scale, values=three_rows)])
-            torch.testing.assert_close(streamed.sort().values, full[:, :, causal].flatten().sort().values)
-        # the maps recombined as the paper's formula: the layer's own output, so the pairing is right
-        probabilities = [torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) for s in scores]
+        for full in scores:
+            captured["attention_logits"].append(full.permute(0, 2, 3, 1)[visible[:, 0]].flatten())
+        # the maps recombined as the paper's formula: the layer's own output, so the pairing and masks are right
+        probabilities = [torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) for s in scores]
         checked.append((module, value, probabilities))
 
     def after_attention(module, args, output):
@@ -113,23 +119,41 @@ def _naive_statistics(model, dataset, sequences: int) -> dict[str, torch.Tensor]
                     layer.register_forward_hook(after_layer)]
     with torch.no_grad():
         for tokens, _ in sample_batches(dataset, range(sequences), 2):
-            model.hidden_states(tokens)
+            batch_tokens.append(tokens)
+            model.hidden_states(tokens, eod)
     for handle in handles:
         handle.remove()
     assert len(checked) == 2 * len(model.gpt.decoder.layers)  # two batches
     return {name: torch.cat(values).abs() for name, values in captured.items()}
 
 
-@pytest.mark.parametrize("variant", ["diff", "softmax"])
+def test_scores_within_the_pairs_a_mask_allows_are_those_of_the_whole_matrix():
+    generator = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 3, 11, 4, generator=generator) for _ in range(2))
+    allowed = torch.rand(2, 11, 11, generator=generator) < 0.6
+    full = (q @ k.transpose(-1, -2) * 0.5).permute(0, 2, 3, 1)[allowed & torch.ones(11, 11, dtype=torch.bool).tril()]
+    blocks = causal_scores(q, k, 0.5, values=2 * 3 * 11 * 3, attends=lambda rows: allowed[:, rows])
+    streamed = torch.cat([block.flatten() for block in blocks])
+    torch.testing.assert_close(streamed.sort().values, full.flatten().sort().values)
+
+
+@pytest.mark.parametrize("variant", ["diff", "softmax", "diff-documents"])
 def test_cli_report_equals_naive_statistics(runs, tmp_path, variant):
+    """A checkpoint trained with data.document_masking is measured as it runs: within its documents."""
     out = tmp_path / "outliers.json"
-    assert main(["outliers", "--load", str(runs[variant]), "--sequences", "3", "--batch-size", "2",
+    seq_length = 1024 if variant == "diff-documents" else None  # longer than a document (some 600 tokens)
+    window = ["--seq-length", str(seq_length)] if seq_length else []
+    assert main(["outliers", "--load", str(runs[variant]), "--sequences", "3", "--batch-size", "2", *window,
                  "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     model = load_checkpoint(runs[variant])
-    cfg = evaluation_config(model, None, [])
-    naive = _naive_statistics(model, held_out_dataset(cfg, model.tokenizer, "valid", 3, None), 3)
-    assert report["variant"] == variant and report["sequences"] == 3
+    cfg = evaluation_config(model, seq_length, [])
+    dataset = held_out_dataset(cfg, model.tokenizer, "valid", 3, None)
+    eod = model.tokenizer.eod if cfg.data.document_masking else None
+    if eod is not None:  # an EOD inside a sample: its documents are attended apart
+        assert any(eod in dataset[i]["tokens"][:-1] for i in range(3))
+    naive = _naive_statistics(model, dataset, 3, eod)
+    assert report["variant"] == variant.removesuffix("-documents") and report["sequences"] == 3
     for name, values in naive.items():
         assert report[name]["values"] == values.numel()
         for k in TOP:

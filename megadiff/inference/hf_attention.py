@@ -29,10 +29,15 @@ CAPTURE = "megadiff_attention_rows"
 TWO_MAPS = ("daa", "diff_q", "diff_k")
 
 
-def _softmax_row(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """query [1, H, 1, d], key [1, G, N, d] (G key/value heads) -> [H, N]."""
+def _softmax_row(query: torch.Tensor, key: torch.Tensor, scaling: float, attends: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """query [1, H, 1, d], key [1, G, N, d] (G key/value heads), attends [N] booleans or None (every key)
+    -> [H, N]."""
     key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-    return torch.softmax(query.float() @ key.float().transpose(-1, -2) * scaling, dim=-1)[0, :, 0]
+    scores = query.float() @ key.float().transpose(-1, -2) * scaling
+    if attends is not None:
+        scores = scores.masked_fill(~attends, float("-inf"))
+    return torch.softmax(scores, dim=-1)[0, :, 0]
 
 
 def _effective_dex_rows(rows: torch.Tensor, value: torch.Tensor, module) -> torch.Tensor:
@@ -55,9 +60,10 @@ def _diffllama_rows(rows: torch.Tensor, module) -> torch.Tensor:
     return (first - lam * second) / (1 - lam)
 
 
-def _call_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+def _call_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               mask: torch.Tensor | None) -> torch.Tensor:
     """One attention call's rows [H, N] at the last query (Dex's already effective: they need its values)."""
-    rows = _softmax_row(query[:, :, -1:], key, scaling)
+    rows = _softmax_row(query[:, :, -1:], key, scaling, None if mask is None else mask[0, 0, -1])
     if getattr(module, "adapter_method", None) == "dex":
         return _effective_dex_rows(rows, value, module)
     return rows
@@ -86,16 +92,25 @@ def _layer_rows(module, calls: list[torch.Tensor]) -> torch.Tensor:
 @contextmanager
 def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     """Within: every attention call of `hf`'s forward passes is shown to on_call(module, query,
-    key, value, scaling) ([B, heads, N, d] tensors as transformers hands them: rotated, keys not
-    yet repeated for grouped queries), then attends as SDPA does."""
+    key, value, scaling, mask) ([B, heads, N, d] tensors as transformers hands them: rotated, keys not
+    yet repeated for grouped queries; mask: SDPA's [B or 1, 1, N, N] booleans of the pairs attended,
+    e.g. a sliding window's, or None where causality alone says; an additive mask's zeros), then
+    attends as SDPA does."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        on_call(module, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        attended = attention_mask
+        if attended is not None and attended.dtype != torch.bool:  # an additive mask: 0 where attended
+            attended = attended == 0
+        on_call(module, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5, attended)
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register(CAPTURE, capture)
+    # SDPA's masks too: transformers makes none for an attention function it has no mask function for,
+    # and SDPA would then attend causally over every key, a sliding window's model otherwise than it runs
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
     with attention_implementation(hf, CAPTURE):
         yield
 
@@ -113,10 +128,10 @@ def hf_attention_rows(model, tokens: list[int], position: int) -> list[torch.Ten
     tokens up to it, for `model` an HFCausalLM."""
     calls: dict[torch.nn.Module, list[torch.Tensor]] = {}
 
-    def keep(module, query, key, value, scaling) -> None:
+    def keep(module, query, key, value, scaling, mask) -> None:
         # the rows, not the call's tensors: every layer's queries, keys and values of a 64K context
         # held to the end of the pass would take some 80 GB for a 13B model
-        calls.setdefault(module, []).append(_call_rows(module, query, key, value, scaling))
+        calls.setdefault(module, []).append(_call_rows(module, query, key, value, scaling, mask))
 
     with attention_calls(model.hf, keep):
         model.hf(input_ids=torch.tensor([tokens[:position + 1]], device=model.device), use_cache=False,

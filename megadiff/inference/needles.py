@@ -2,15 +2,16 @@
 retrieval, sections 3.4 and 3.3), to check what a 64K extension can use.
 
 A case of length L: held-out text (the haystack: documents one after another, their EOD tokens
-left out) holding N needles "The magic number of CITY is NUMBER." at evenly spread depths, one of them (the first queried) moved to depth D (0 = start of
-the context, 1 = its end), then "What is the magic number of CITY? The magic number of CITY is"
-and the answer " NUMBER". With R query cities (the paper's R), the question asks for R of the
-needles ("What are the magic numbers of A and B? The magic number of A is") and the answers
-follow one another (" X. The magic number of B is Y"). A queried number counts as retrieved when
-greedy decoding would produce it, and no more digits: with teacher forcing, one forward pass, the
-model's top token at every position of the answer is the answer's next token, and the one after
-it does not begin with a digit; a case scores the share of its R numbers retrieved. Only those positions' logits are formed, so 64K contexts need no N x
-vocabulary logits.
+left out) holding N needles "The magic number of CITY is NUMBER." at evenly spread depths, one of
+them (the first queried) moved to depth D (0 = start of the context, 1 = its end), then "What is
+the magic number of CITY? The magic number of CITY is" and the answer " NUMBER". With R query
+cities (the paper's R), the question asks for R of the needles ("What are the magic numbers of A
+and B? The magic number of A is") and the answers follow one another (" X. The magic number of B
+is Y"). A queried number counts as retrieved when greedy decoding would produce it, and no more
+digits: with teacher forcing, one forward pass, the model's top token at every position of the
+answer is the answer's next token, and the one after it does not begin with a digit; a case scores
+the share of its R numbers retrieved. Only those positions' logits are formed, so 64K contexts need
+no N x vocabulary logits.
 """
 from __future__ import annotations
 

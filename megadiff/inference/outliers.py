@@ -2,8 +2,10 @@
 
 Over held-out samples (as `megadiff evaluate` reads them), the largest absolute values (top 1,
 2, 3, 10, 100) and the median absolute value of
-- attention logits: every softmax map's pre-softmax scores q.k x scale over the causal
-  (query, key) pairs; a differential head has two maps;
+- attention logits: every softmax map's pre-softmax scores q.k x scale over the (query, key) pairs
+  the model attends: causal ones, within documents for a checkpoint trained with
+  data.document_masking (which runs so here), within a Hugging Face model's sliding window; a
+  differential head has two maps;
 - hidden states: every layer's output.
 A Hugging Face model (`--hf`) is read through transformers' attention interface and layer hooks.
 Top values are exact. The median comes from a histogram of log-spaced bins (each 0.16% wide), as
@@ -24,6 +26,7 @@ from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.evaluate import check_request, evaluation_config, held_out_dataset, sample_batches
+from megadiff.inference.generate import document_eod
 from megadiff.inference.hf_attention import attention_calls, require_every_layer
 from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.loader import CausalLM
@@ -116,9 +119,12 @@ def attention_maps(core_attention: torch.nn.Module, query: torch.Tensor, key: to
             for q, k in pairs]
 
 
-def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, values: int = SCORE_VALUES) -> Iterator[torch.Tensor]:
+def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, values: int = SCORE_VALUES,
+                  attends: Callable[[slice], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
     """q.k x scale of every (query i, key j <= i) pair (flattened), of as many query positions at a
-    time as keep the scores formed at once within `values` (one position at least)."""
+    time as keep the scores formed at once within `values` (one position at least); with `attends`
+    (query rows -> [b, rows, keys] booleans), of the pairs it allows alone (the model's documents or
+    sliding window: it forms no other scores)."""
     batch, heads, seq = q.shape[:3]
     rows = max(1, values // (batch * heads * seq))
     keys = torch.arange(seq, device=q.device)
@@ -126,7 +132,10 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, values: int = 
     for start in range(0, seq, rows):
         scores = q[:, :, start:start + rows].float() @ k_t * scale  # [b, h, r, s]
         visible = keys[None, :] <= torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
-        yield scores[:, :, visible]
+        if attends is None:
+            yield scores[:, :, visible]
+        else:
+            yield scores.permute(0, 2, 3, 1)[visible & attends(slice(start, start + scores.shape[2]))]
 
 
 class Recorder:
@@ -146,23 +155,33 @@ class Recorder:
 
 
 class ActivationRecorder(Recorder):
-    """Forward hooks on every layer of a single-process GPTModel."""
+    """Forward hooks on every layer of a single-process GPTModel; a checkpoint trained with
+    data.document_masking runs (and is measured) within its documents, as it was trained."""
 
     def __init__(self, model: CausalLM):
         super().__init__()
         self.model = model
+        self.document_eod = document_eod(model)
+        self._documents: torch.Tensor | None = None  # [b, N]: the document of each position of the batch run
         for layer in model.gpt.decoder.layers:
             self._handles.append(layer.self_attention.core_attention.register_forward_pre_hook(self._attention))
             self._handles.append(layer.register_forward_hook(self._layer_output))
 
     def run(self, tokens: torch.Tensor) -> None:
-        self.model.hidden_states(tokens)
+        if self.document_eod is not None:
+            ends = (tokens == self.document_eod).long()
+            self._documents = (ends.cumsum(1) - ends).to(self.model.device)  # a document ends with its EOD
+        self.model.hidden_states(tokens, self.document_eod)
+
+    def _same_document(self, rows: slice) -> torch.Tensor:
+        return self._documents[:, rows, None] == self._documents[:, None, :]
 
     def _attention(self, module, args) -> None:
         query, key = args[0], args[1]
         scale = softmax_scale(module, query)
+        attends = None if self._documents is None else self._same_document
         for q, k in attention_maps(module, query, key):
-            for scores in causal_scores(q, k, scale):
+            for scores in causal_scores(q, k, scale, attends=attends):
                 self.logits.add(scores)
 
 
@@ -178,13 +197,14 @@ class HFActivationRecorder(Recorder):
         self.last_maps: dict[torch.nn.Module, tuple[weakref.ref, weakref.ref]] = {}
         self._handles = [layer.register_forward_hook(self._layer_output) for layer in self.hf.get_decoder().layers]
 
-    def _attention(self, module, query, key, value, scaling) -> None:
+    def _attention(self, module, query, key, value, scaling, mask) -> None:
         last = self.last_maps.get(module)
         self.last_maps[module] = (weakref.ref(query), weakref.ref(key))
         if last is not None and last[0]() is query and last[1]() is key:
             return
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        for scores in causal_scores(query, key, scaling):
+        attends = None if mask is None else lambda rows: mask[:, 0, rows].expand(query.shape[0], -1, -1)
+        for scores in causal_scores(query, key, scaling, attends=attends):
             self.logits.add(scores)
 
     def run(self, tokens: torch.Tensor) -> None:
