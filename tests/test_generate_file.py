@@ -163,6 +163,11 @@ def test_a_rerun_asking_otherwise_is_refused(root, tmp_path, capsys):
     assert main(["generate", "--load", str(root / "run"), "--prompts", str(changed), "--output",
                  str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), "--batch-size", "3"]) == 2
     assert "prompt 'last' is not the one" in capsys.readouterr().err
+    # weights in another dtype generate otherwise; --dtype naming their own (fp32) asks what omitting it asks
+    for dtype, refused in (("bf16", True), ("fp32", False)):
+        assert main(["generate", "--load", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--output",
+                     str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), "--dtype", dtype]) == 2 * refused
+        assert ("another request" in capsys.readouterr().err) == refused
 
 
 def test_completions_kept_before_the_request_held_top_p_were_sampled_from_every_id(root, tmp_path, monkeypatch,
@@ -174,8 +179,8 @@ def test_completions_kept_before_the_request_held_top_p_were_sampled_from_every_
     run_file(root, tmp_path / "out.jsonl")
     rank_file = tmp_path / "out.jsonl_rank0.jsonl"
     older = completions(rank_file)
-    for record in older:
-        del record["request"]["top_p"]
+    for record in older:  # nor the weights' window and dtype, whose own ones they were made with
+        del record["request"]["top_p"], record["request"]["window"], record["request"]["dtype"]
     rank_file.write_text("".join(json.dumps(record) + "\n" for record in older))
     monkeypatch.setattr(module, "generate_batch", lambda *args, **kwargs: pytest.fail("a kept completion was redone"))
     run_file(root, tmp_path / "out.jsonl")

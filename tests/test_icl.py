@@ -14,7 +14,9 @@ import torch
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
 from megadiff.cli import main
 from megadiff.config import build_config
-from megadiff.inference.icl import Example, accuracy_grid, arranged, default_shots, label_tokens
+from megadiff.inference.icl import (
+    Example, accuracy_grid, arranged, default_shots, demonstration, label_tokens, query,
+)
 from megadiff.inference.loader import load_checkpoint
 from tests.conftest import kjv_verses
 from tests.convert_worker import build_tokenizer, save_in_process, variant_config
@@ -104,7 +106,7 @@ def test_accuracy_equals_naive_constrained_decoding(root, monkeypatch):
 
     names = ["divine", "earthly", "plain"]
     prefix = tokenizer.encode("label:")
-    candidates = [tokenizer.encode(f"label: {name}\n")[len(prefix):] for name in names]
+    candidates = [tokenizer.encode(f"label: {name}\n\n")[len(prefix):] for name in names]
     answers = set()
     for i, count in enumerate(shots):
         for order in range(orders):
@@ -211,7 +213,7 @@ def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
     names = ["divine", "earthly", "plain"]
     tokenizer = model.tokenizer
     prefix = tokenizer.encode("label:")
-    candidates = [tokenizer.encode(f"label: {name}\n")[len(prefix):] for name in names]
+    candidates = [tokenizer.encode(f"label: {name}\n\n")[len(prefix):] for name in names]
     answers = set()
     for i, count in enumerate(shots):
         context = "".join(f"sentence: {e.text}\nlabel: {e.label}\n\n" for e in draw[:count])
@@ -290,7 +292,8 @@ def test_an_interrupted_run_resumes_from_its_cache(root, tmp_path, monkeypatch, 
 def test_a_cache_serves_the_weights_and_window_it_was_answered_with(root, tmp_path, monkeypatch, capsys):
     """The request holds the dtype the weights are in: --dtype naming the run's own (fp32) takes
     what omitting it kept. A cache kept before requests held window and dtype was answered with the
-    model's own: a rerun leaving both to the model takes it, one asking for bf16 is refused."""
+    model's own: a rerun leaving both to the model takes it, one asking for bf16 is refused. One kept
+    before labels ended as the demonstrations do is refused."""
     from megadiff.inference import icl
 
     computed = []
@@ -305,13 +308,23 @@ def test_a_cache_serves_the_weights_and_window_it_was_answered_with(root, tmp_pa
     assert run() == 0 and len(computed) == 3
     assert run("--dtype", "fp32") == 0 and len(computed) == 3
     rank_file = tmp_path / "answers_rank0.jsonl"
-    older = [json.loads(line) for line in rank_file.read_text().splitlines()]
-    for record in older:
-        del record["request"]["window"], record["request"]["dtype"]
-    rank_file.write_text("".join(json.dumps(record) + "\n" for record in older))
+    records = [json.loads(line) for line in rank_file.read_text().splitlines()]
+
+    def kept_without(*keys: str) -> None:
+        older = json.loads(json.dumps(records))
+        for record in older:
+            for key in keys:
+                del record["request"][key]
+        rank_file.write_text("".join(json.dumps(record) + "\n" for record in older))
+
+    kept_without("window", "dtype")
     assert run() == 0 and len(computed) == 3
     capsys.readouterr()
     assert run("--dtype", "bf16") == 2
+    assert "another request" in capsys.readouterr().err
+    # older still: its labels ended with one newline, where the demonstrations' end with two
+    kept_without("window", "dtype", "label_end")
+    assert run() == 2
     assert "another request" in capsys.readouterr().err
 
 
@@ -333,3 +346,15 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, caps
     assert "no usable Hugging Face tokenizer files" in capsys.readouterr().err
     assert main(["icl", "--load", missing, "--dataset", str(root), "--window", "64"]) == 2
     assert "--window is a Hugging Face model's" in capsys.readouterr().err
+
+
+def test_a_label_is_decoded_as_the_demonstrations_write_it():
+    """Constrained decoding continues a query with the very tokens a demonstration's label and its end
+    are: a label that is another's prefix ends with the token the model saw after labels."""
+    from megadiff.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer("cl100k_base")
+    for label in ("good", "good news", "bad"):
+        example = Example("It rained all day.", label)
+        written = tokenizer.encode(demonstration(example))
+        assert written == tokenizer.encode(query(example)) + label_tokens(tokenizer, [label])[0]

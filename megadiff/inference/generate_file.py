@@ -27,7 +27,7 @@ from megadiff.inference.generate import check_generation, decodable_ids, generat
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
-from megadiff.inference.records import RankRecords
+from megadiff.inference.records import RankRecords, model_settings
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -73,8 +73,8 @@ class Completions:
     the request (checkpoint and decoding) and a digest of its prompt: a rerun asking otherwise, or
     of a prompt that changed under its id, is refused rather than handed old completions."""
 
-    def __init__(self, output: str, request: dict):
-        self.records = RankRecords(output, request, "--output", REQUEST_DEFAULTS)
+    def __init__(self, output: str, request: dict, own_settings: dict):
+        self.records = RankRecords(output, request, "--output", {**REQUEST_DEFAULTS, **own_settings})
 
     def done(self, digests: dict[str, str]) -> dict[str, dict]:
         """Every rank's completions so far of the prompts in `digests` (id -> digest)."""
@@ -103,8 +103,9 @@ def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> d
 
 def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: str, chat: bool = False,
                   system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                  seed: int = 0, batch_size: int = 8, top_p: float = 1.0) -> int:
-    """Generate what the rank files lack, then (rank 0) write `output`; returns how many were generated here."""
+                  seed: int = 0, batch_size: int = 8, top_p: float = 1.0, dtype: str | None = None) -> int:
+    """Generate what the rank files lack, then (rank 0) write `output`; returns how many were generated here.
+    `dtype`: the --dtype asked for (None: the weights' own), as the rank files' requests record it."""
     tokenizer, window = model.tokenizer, model.cfg.model.seq_length
     if max_new_tokens >= window:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the window of {window}")
@@ -117,9 +118,10 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
         ids = encode_prompt(tokenizer, prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
         encoded[key] = ids or [tokenizer.eod]
     digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
+    settings, own_settings = model_settings(model, None, dtype)
     completions = Completions(output, {"checkpoint": str(Path(model.checkpoint_dir).resolve()),
                                        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-                                       "top_p": top_p, "seed": seed})
+                                       "top_p": top_p, "seed": seed, **settings}, own_settings)
     done = completions.done(digests)
     todo = sorted((key for key, _ in prompts if key not in done), key=lambda key: -len(encoded[key]))
     mine = list(share(todo))
@@ -165,5 +167,5 @@ def generate_file_cli(load: str, prompts: str, output: str | None, chat: bool = 
     requests = read_prompts(prompts, chat)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     generate_file(model, requests, output, chat=chat, system=system, max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size)
+                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, dtype=dtype)
     return 0

@@ -3,7 +3,7 @@
 Demonstrations "sentence: TEXT\\nlabel: LABEL\\n\\n" drawn from the train split fill the context
 (1, 2, 4, ... shots up to the most that fit the model's window, or `--shots`), then a test
 example's "sentence: TEXT\\nlabel:" is answered by constrained decoding (Ratner et al., 2023):
-greedy decoding that may only continue some label's " LABEL\\n", so the answer is always a label.
+greedy decoding that may only continue some label's " LABEL\\n\\n", so the answer is always a label.
 The demonstrations of k shots are the first k of one seeded draw (more shots add to fewer).
 `--orders N` answers every shot count with the same demonstrations in N seeded orders (figure 7's
 robustness: the report gives the mean, worst and best accuracy); `--arrangement by-class` deals
@@ -27,10 +27,13 @@ from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.loader import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
-from megadiff.inference.records import RankRecords
+from megadiff.inference.records import RankRecords, model_settings
 from megadiff.inference.reporting import command_console, write_report
 
 ARRANGEMENTS = ("random", "by-class")
+# what ends a label in the demonstrations, so in constrained decoding too: a label ended otherwise
+# would be followed by a token the model never saw after one (where a label is another's prefix)
+LABEL_END = "\n\n"
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class Example:
 
 
 def demonstration(example: Example) -> str:
-    return f"sentence: {example.text}\nlabel: {example.label}\n\n"
+    return f"sentence: {example.text}\nlabel: {example.label}{LABEL_END}"
 
 
 def query(example: Example) -> str:
@@ -49,7 +52,7 @@ def query(example: Example) -> str:
 
 def label_continuation(label: str) -> str:
     """What constrained decoding produces after a query: the label, ended so none is another's prefix."""
-    return f" {label}\n"
+    return f" {label}{LABEL_END}"
 
 
 def load_examples(dataset: str, config: str | None, split: str, text_key: str, label_key: str) -> list[Example]:
@@ -131,7 +134,7 @@ class SharedContext:
 
 
 def label_tokens(tokenizer: Tokenizer, labels: Sequence[str]) -> list[list[int]]:
-    """Each label's tokens as they follow a query ("...label:" then " LABEL\\n")."""
+    """Each label's tokens as they follow a query ("...label:" then " LABEL\\n\\n")."""
     prefix = tokenizer.encode("label:")
     tokens = [tokenizer.encode("label:" + label_continuation(label))[len(prefix):] for label in labels]
     if len({tuple(t) for t in tokens}) < len(tokens):
@@ -180,15 +183,6 @@ class AnswerCache:
     def add(self, cell: Cell, correct: bool) -> None:
         shots, order, example = cell
         self.records.add({"shots": shots, "order": order, "example": example, "correct": correct})
-
-
-def model_settings(model: CausalLM | HFCausalLM, window: int | None, dtype: str | None) -> tuple[dict, dict]:
-    """(the window and dtype `model` runs with, as a cache's request records them: resolved, so that
-    --dtype naming the weights' own dtype asks what omitting it asks; those of them left to the model,
-    --window or --dtype omitted: the ones caches kept before requests recorded them were answered with)."""
-    settings = {"window": model.cfg.model.seq_length, "dtype": str(model.dtype)}
-    options = {"window": window, "dtype": dtype}
-    return settings, {key: value for key, value in settings.items() if options[key] is None}
 
 
 def grid_cells(shots: Sequence[int], orders: int, examples: int) -> list[Cell]:
@@ -259,7 +253,8 @@ def icl_cli(load: str | None, dataset: str, dataset_config: str | None = None, t
     answers = None if cache is None else AnswerCache(cache, {
         "checkpoint": str(Path(model.checkpoint_dir).resolve()), "dataset": dataset, "dataset_config": dataset_config,
         "text_key": text_key, "label_key": label_key, "train_split": train_split, "test_split": test_split,
-        "examples": len(tests), "seed": seed, "arrangement": arrangement, **settings}, own_settings)
+        "examples": len(tests), "seed": seed, "arrangement": arrangement, "label_end": LABEL_END, **settings},
+        {**own_settings, "label_end": "\n"})  # caches from before labels ended as the demonstrations do
     known = {} if answers is None else answers.answers()
     cells = grid_cells(shots, orders, len(tests))
     to_answer = sum(cell not in known for cell in cells)

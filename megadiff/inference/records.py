@@ -63,3 +63,13 @@ class RankRecords:
 
     def add(self, record: dict) -> None:
         append_record(self.own_file, {"request": self.request, **record})
+
+
+def model_settings(model, window: int | None, dtype: str | None) -> tuple[dict, dict]:
+    """(the window and dtype `model` (a CausalLM or HFCausalLM) runs with, as a request records them:
+    resolved, so that --dtype naming the weights' own dtype asks what omitting it asks; those of them
+    left to the model, --window or --dtype omitted: the ones results kept before requests recorded them
+    were made with)."""
+    settings = {"window": model.cfg.model.seq_length, "dtype": str(model.dtype)}
+    options = {"window": window, "dtype": dtype}
+    return settings, {key: value for key, value in settings.items() if options[key] is None}
