@@ -247,6 +247,29 @@ def test_ensure_prepared_writes_and_prepares_the_bundled_corpus_once(tmp_path, m
     assert not (tmp_path / "unused").exists()
 
 
+def test_a_bundled_corpus_never_replaces_data_prepared_from_other_sources(corpus, tmp_path, monkeypatch):
+    """A demo config (data.bundled_corpus: kjv) given data.prefix=... of one's own data: refused, the data
+    kept; the corpus prepared there before is prepared again as usual (here with another tokenizer)."""
+    monkeypatch.setattr(prepare_module, "write_bundled_corpus",
+                        lambda name, directory: _kjv_subset(Path(directory), CHAPTERS))
+    own = tmp_path / "own" / "corpus"
+    prepare(build_config({}, [f"data.sources=[{corpus[0]}]", f"data.prefix={own}"]).data)
+    before = Path(f"{own}.bin").read_bytes()
+    demo = ["data.bundled_corpus=kjv", f"data.cache_dir={tmp_path / 'cache'}"]
+    for prefix in (own, tmp_path / "unmanifested" / "corpus"):
+        if prefix != own:  # data whose manifest is gone: its sources are unknown
+            prefix.parent.mkdir()
+            for ext in (".bin", ".idx"):
+                Path(f"{prefix}{ext}").write_bytes(Path(f"{own}{ext}").read_bytes())
+        with pytest.raises(DataError, match=r"data.prefix: .* holds data prepared from .* set "
+                                            r"data.bundled_corpus=null to use that data"):
+            ensure_prepared(build_config({}, [*demo, f"data.prefix={prefix}"]))
+    assert Path(f"{own}.bin").read_bytes() == before
+    kjv = tmp_path / "kjv" / "corpus"
+    prepare(build_config({}, [*demo, f"data.prefix={kjv}"]).data)
+    prepare(build_config({}, [*demo, f"data.prefix={kjv}", "data.tokenizer=o200k_base"]).data)
+
+
 def _kjv_subset(directory: Path, chapters: int) -> Path:
     """The first chapters of the bundled corpus, written once like write_bundled_corpus does."""
     path = directory / "kjv.jsonl"

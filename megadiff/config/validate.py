@@ -140,7 +140,8 @@ def validate_data(data: DataConfig) -> None:
     parse_blend(data.blend)
     split_shares(data.split)
     if data.bundled_corpus and data.sources:
-        _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both")
+        _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both "
+              "(data.bundled_corpus=null to prepare data.sources)")
     if data.length_upsampling_unit is not None and not data.length_upsampling:
         _fail("data.length_upsampling_unit", "only used with data.length_upsampling=true")
     if data.response_key is not None and data.messages_key is not None:

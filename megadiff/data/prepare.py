@@ -154,6 +154,7 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
     console = console or Console()
     with exclusive_lock(f"{data_prefix(data)}.lock"):
         plan = _plan(data)
+        _refuse_replacing_other_data(plan)
         stats = plan.up_to_date(console)
         if stats is not None:
             return stats
@@ -172,12 +173,32 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
     console = console or Console()
     with exclusive_lock(f"{data_prefix(data)}.lock"):
         plan = _plan(data)
+        _refuse_replacing_other_data(plan)
     if plan.up_to_date(console) is not None:
         return
     mine = range(index, len(plan.parts), count)
     _prepare_parts(plan, mine)
     console.print(f"prepare-data: parts {index}/{count} of {plan.prefix} done ({len(mine)} of {len(plan.parts)} "
                   "parts); once every share is done, run prepare-data without --part to merge them", soft_wrap=True)
+
+
+def _refuse_replacing_other_data(plan: _Plan) -> None:
+    """A bundled corpus is prepared at data.prefix where one is given: data prepared there from other
+    sources (a demo config given data.prefix=... to train on one's own data) would be overwritten."""
+    if not (plan.data.bundled_corpus and plan.data.prefix) or not bin_path(plan.prefix).exists():
+        return
+    manifest = read_manifest(plan.prefix)
+    made_from = None if manifest is None else _source_names(manifest["fingerprint"]["sources"])
+    if made_from == _source_names(plan.fingerprint["sources"]):
+        return  # the corpus itself, prepared before (perhaps with another tokenizer)
+    raise DataError(f"data.prefix: {plan.prefix} holds data prepared from {made_from or 'sources no manifest names'}, "
+                    f"which data.bundled_corpus={plan.data.bundled_corpus} would replace with the bundled corpus: set "
+                    "data.bundled_corpus=null to use that data, or give another data.prefix for the corpus")
+
+
+def _source_names(fingerprints: list) -> list:
+    """The files (or hub datasets) of sources' fingerprints, without their sizes and times."""
+    return [[entry[0] if isinstance(entry, list) else entry for entry in source] for source in fingerprints]
 
 
 def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, chat_template: Optional[str]) -> dict:
