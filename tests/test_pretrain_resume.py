@@ -97,7 +97,13 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     refused = run_pretrain(2, base + [f"output_dir={output}", "parallel.tensor=2",
                                       "model.make_vocab_size_divisible_by=192"], expect=1)
     assert "set model.make_vocab_size_divisible_by=256" in refused.stderr, refused.stderr[-2000:]
-    run_pretrain(1, base + [f"output_dir={output}", "train.global_batch_size=4"])
+    # a new output_dir continuing the run's count: the iterations to run come on top of its 3
+    refused = run_pretrain(1, base + [f"output_dir={tmp_path / 'branch'}", f"checkpoint.load={output}",
+                                      f"train.iters={STOP}"], expect=2)
+    assert f"is at iteration {STOP}, and this run continues its count" in refused.stderr, refused.stderr[-2000:]
+    rerun = run_pretrain(1, base + [f"output_dir={output}", "train.global_batch_size=4",
+                                    f"checkpoint.load={tmp_path / 'elsewhere'}"])
+    assert "(not checkpoint.load=" in rerun.stdout  # its own checkpoint, said so
     records = read_metrics(output)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
     assert [r["consumed_samples"] for r in records] == [8, 16, 24, 28, 32, 36]

@@ -128,7 +128,11 @@ def plan_start(cfg: Config) -> Start:
         _check_same_optimizer(saved_cfg, cfg, path)
     start = Start(path, own, saved, load_optimizer,
                   continues=saved is not None and (own or not cfg.checkpoint.reset_iteration))
-    consumed, batch = start.position()[1], cfg.train.global_batch_size
+    (iteration, consumed), batch = start.position(), cfg.train.global_batch_size
+    if start.continues and not own and iteration >= cfg.train.iters:
+        raise ConfigError(f"train.iters: {path} is at iteration {iteration}, and this run continues its count up to "
+                          f"train.iters={cfg.train.iters}: nothing would be trained. Give train.iters={iteration} "
+                          "plus the iterations to run, or checkpoint.reset_iteration=true to count from 0")
     if consumed % batch:
         raise ConfigError(f"train.global_batch_size: {path} has consumed {consumed} samples, not a whole number of "
                           f"global batches of {batch}; keep the checkpoint's {saved_cfg.train.global_batch_size}")
@@ -149,4 +153,7 @@ def restore(cfg: Config, start: Start, engine, scheduler) -> tuple[TrainState, s
         scheduler.load_state_dict(state.scheduler)
     resharded = "" if state.layout == fresh.layout else f", resharded from {state.layout}"
     state.layout = fresh.layout
-    return state, f"resumed from {start.path} at iteration {state.iteration}{resharded}"
+    # checkpoint.load only starts a new output_dir: a rerun goes on from its own checkpoints
+    ignored = f" (not checkpoint.load={cfg.checkpoint.load}: this output_dir has its own)" \
+        if start.own and cfg.checkpoint.load else ""
+    return state, f"resumed from {start.path} at iteration {state.iteration}{resharded}{ignored}"
