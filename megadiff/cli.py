@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--output", default=None, help="write the results as JSON here")
     harness.add_argument("--log-samples", action="store_true", help="with --output: every request and its answer")
     harness.add_argument("--cache", default=None, metavar="PATH",
-                         help="keep every answer in PATH_rankN.db as it is computed; a rerun computes only the rest")
+                         help="keep every answer in PATH_rankN.db as it is computed; a rerun computes only the rest "
+                         "(one asking for another model or settings is refused)")
     harness.set_defaults(run=lambda a: _target("megadiff.inference.harness:lm_eval_cli")(
         a.load, a.tasks, num_fewshot=a.num_fewshot, limit=a.limit, batch_size=a.batch_size,
         include_path=a.include_path, seed=a.seed, dtype=a.dtype, attention_logit_bits=a.attention_logit_bits,

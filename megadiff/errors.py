@@ -14,9 +14,11 @@ def refused_together(check: Callable[[], Result]) -> Result:
     """`check()` on every rank (collective): where it raised a MegadiffError on some ranks, every rank
     raises, each failing rank its own error and the others the first one's. A check reading a rank's own
     files (node-local copies of a model) may fail on one node only, whose ranks would otherwise leave the
-    others waiting in their next collective until its timeout."""
+    others waiting in their next collective until its timeout. In one process: `check()`."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        return check()
     try:
         result, refusal = check(), None
     except MegadiffError as err:

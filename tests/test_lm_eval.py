@@ -358,10 +358,51 @@ def test_an_interrupted_run_resumes_from_its_cache(runs, tasks, tmp_path, monkey
     assert_same_answers(answers(resumed["samples"]), answers(whole["samples"]), rel=1e-6)
 
 
+def test_a_cache_answers_only_the_request_it_was_kept_for(runs, tasks, tmp_path, capsys, monkeypatch):
+    """The harness keys a --cache's answers on the requests' text alone: a rerun with the same options
+    takes them, one whose answers would differ (another dtype, attention logits in fewer bits) is
+    refused rather than given the first run's. A cache kept before requests were recorded is taken
+    as the rerun's request, which is recorded from then on."""
+    from megadiff.inference import harness
+
+    cache = tmp_path / "cache"
+    forwards = []
+    hidden_states = harness.CausalLM.hidden_states
+    monkeypatch.setattr(harness.CausalLM, "hidden_states",
+                        lambda model, *args: forwards.append(1) or hidden_states(model, *args))
+
+    def lm_eval(name: str, *options: str) -> int:
+        return main(["lm-eval", "--load", str(runs["diff"]), "--tasks", "kjv_choice", "--include-path", str(tasks),
+                     "--limit", "2", "--output", str(tmp_path / f"{name}.json"), "--log-samples", "--cache", str(cache),
+                     "--dtype", "fp32", *options])
+
+    def samples(name: str) -> dict:
+        return answers(json.loads((tmp_path / f"{name}.json").read_text())["samples"])
+
+    assert lm_eval("first") == 0 and forwards
+    forwards.clear()
+    assert lm_eval("again") == 0
+    assert samples("again") == samples("first") and not forwards  # every answer from the cache
+    capsys.readouterr()
+    for option, differing in ((("--dtype", "bf16"), "torch.bfloat16"), (("--attention-logit-bits", "3"), "3 here")):
+        assert lm_eval("other", *option) == 2
+        refusal = capsys.readouterr().err
+        assert f"--cache {cache} holds the answers of another request" in refusal, refusal
+        assert option[0] in refusal and differing in refusal and "give this one another --cache" in refusal
+    assert not forwards and not (tmp_path / "other.json").exists()
+
+    Path(f"{cache}.request.json").unlink()  # as kept before requests were recorded
+    assert lm_eval("unrecorded") == 0 and not forwards
+    assert "taken as this request's" in capsys.readouterr().out
+    assert lm_eval("other", "--dtype", "bf16") == 2
+
+
 def _ranks_lm_eval(rank: int, world_size: int, run: str, tasks: str, out_dir: str) -> None:
     counts = {}
     with counting_sequences(counts, "lm-eval"):
-        run_lm_eval(Path(run), Path(tasks), Path(out_dir) / "results.json", batch_size=2)
+        # with a fresh --cache: its request, checked by every rank, is recorded by rank 0 alone
+        run_lm_eval(Path(run), Path(tasks), Path(out_dir) / "results.json", batch_size=2,
+                    extra=("--cache", str(Path(out_dir) / "cache")))
     Path(out_dir, f"counts{rank}.json").write_text(json.dumps(counts))
 
 
@@ -378,6 +419,8 @@ def test_two_ranks_share_the_requests_and_report_what_one_process_reports(runs, 
     _ranks_lm_eval(0, 1, str(runs["dint"]), str(tasks), str(tmp_path / "one"))
 
     one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
+    requests = [(tmp_path / name / "cache.request.json").read_text() for name in ("one", "two")]
+    assert requests[0] == requests[1]
     assert_same_answers(answers(two["samples"]), answers(one["samples"]), rel=1e-5)
     for task in TASKS:
         for metric, value in one["results"][task].items():

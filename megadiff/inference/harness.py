@@ -21,6 +21,8 @@ Generation runs the context once, then each new token alone (KV cache: inference
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,14 +35,15 @@ import torch.nn.functional as F
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import ConfigError
-from megadiff.errors import MegadiffError
+from megadiff.errors import MegadiffError, refused_together
+from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
 from megadiff.inference.generate import (
     check_generation, decodable_ids, document_eod, generate_batch, stop_texts_check,
 )
 from megadiff.inference.loader import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
-from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports
+from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports, wait_for_ranks
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -65,6 +68,11 @@ TokenPair = tuple[list[int], list[int]]
 HONOURED_GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 NEUTRAL_GEN_KWARGS = {"num_beams": 1, "repetition_penalty": 1.0}
 VLLM_NO_TOP_K = -1  # what vLLM's top_k takes for every id (a task written for vLLM may say so)
+# what a --cache's answers depend on beside the requests' text (the harness keys them on that alone),
+# each with the option that sets it
+CACHE_REQUEST_OPTIONS = {"checkpoint": "--load", "dtype": "--dtype", "attention_logit_bits": "--attention-logit-bits",
+                         "chat_template": "--apply-chat-template", "system_instruction": "--system-instruction",
+                         "fewshot_as_multiturn": "--fewshot-as-multiturn", "gen_kwargs": "--gen-kwargs"}
 
 
 def generation_settings(gen_kwargs: dict, default_max_gen_toks: int, window: int) -> dict:
@@ -308,6 +316,36 @@ def quantize_attention_logits(model: CausalLM, bits: int | None) -> None:
         layer.self_attention.core_attention.attention_logit_bits = bits
 
 
+def keep_cache_request(cache: str, request: dict) -> None:
+    """`--cache PATH`: the harness's CachingLM keys the answers it keeps (PATH_rankN.db) on the requests'
+    text alone, so the model and settings they are answered with are recorded beside them
+    (PATH.request.json) and a rerun asking otherwise is refused before any request runs, rather than
+    given another model's answers. A cache kept before requests were recorded is taken as this
+    request's (nothing says otherwise), which is recorded from then on."""
+    request_file = Path(f"{cache}.request.json")
+    # every rank has read the file before rank 0 writes it (the check is collective), so all decide alike
+    recorded = refused_together(lambda: _checked_cache_request(cache, request_file, request))
+    if not recorded and reports():
+        if glob.glob(f"{glob.escape(cache)}_rank*.db"):  # as simple_evaluate names them
+            command_console().print(f"lm-eval: {cache} holds answers kept before caches recorded their request: "
+                                    f"taken as this request's, recorded in {request_file}")
+        write_atomically(request_file, json.dumps(request, indent=1).encode())
+    wait_for_ranks()  # the request is on disk before any rank keeps an answer
+
+
+def _checked_cache_request(cache: str, request_file: Path, request: dict) -> bool:
+    """Whether `request_file` records `request` (False: it records none); another request is refused."""
+    if not request_file.is_file():
+        return False
+    recorded = json.loads(request_file.read_text())
+    differences = [f"{CACHE_REQUEST_OPTIONS[key]} ({key}): {recorded.get(key)!r} there, {value!r} here"
+                   for key, value in request.items() if recorded.get(key) != value]
+    if differences:
+        raise ConfigError(f"--cache {cache} holds the answers of another request ({'; '.join(differences)}): "
+                          "give this one another --cache")
+    return True
+
+
 def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None, limit: float | None = None,
                 batch_size: int = 8, include_path: str | None = None, seed: int = 1234, dtype: str | None = None,
                 attention_logit_bits: int | None = None, output: str | None = None, log_samples: bool = False,
@@ -315,8 +353,9 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
                 system_instruction: str | None = None, fewshot_as_multiturn: bool = False) -> int:
     """`megadiff lm-eval --load RUN --tasks ...`: print the harness's table (and write its results).
     With `cache`, the harness's CachingLM keeps each answer in CACHE_rankN.db as it is computed: a
-    rerun (after a crash or preemption) computes only the rest. `gen_kwargs` ("max_gen_toks=1024,...")
-    overrides the generation tasks' own settings, as lm_eval's --gen_kwargs does."""
+    rerun (after a crash or preemption) computes only the rest; one asking otherwise is refused
+    (keep_cache_request). `gen_kwargs` ("max_gen_toks=1024,...") overrides the generation tasks' own
+    settings, as lm_eval's --gen_kwargs does."""
     require_harness()
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -334,6 +373,13 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     quantize_attention_logits(model, attention_logit_bits)
     chat_template = checkpoint_chat_template(model, "--apply-chat-template") if apply_chat_template else None
+    if cache:
+        keep_cache_request(cache, {
+            "checkpoint": str(Path(model.checkpoint_dir).resolve()), "dtype": str(model.dtype),
+            "attention_logit_bits": attention_logit_bits,
+            "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:16] if chat_template else None,
+            "system_instruction": system_instruction, "fewshot_as_multiturn": fewshot_as_multiturn,
+            "gen_kwargs": simple_parse_args_string(gen_kwargs) if gen_kwargs else None})
     results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template, seed=seed),
                               tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                               log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
