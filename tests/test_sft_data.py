@@ -84,9 +84,11 @@ def test_training_samples_keep_the_loss_on_the_responses(tmp_path):
         assert set(labels.tolist()) <= {prompt_id, response_id, tokenizer.eod}
         expected = (labels == response_id) | (labels == tokenizer.eod)
         assert sample["loss_mask"].numpy().tolist() == expected.astype(np.float32).tolist(), i
-    # the same samples without data.response_key: every label counts
+    # the same samples without data.response_key: every label counts, and it is said
     plain = build_config(cfg.model_dump(mode="json"), ["data.response_key=null"])
-    train, _, _ = build_datasets(plain, tokenizer, (12, 0, 0), seed=1)
+    with pytest.warns(UserWarning, match=r"prepared with data.response_key=answer, not set here: the loss is taken "
+                                         "on every token"):
+        train, _, _ = build_datasets(plain, tokenizer, (12, 0, 0), seed=1)
     assert all(train[i]["loss_mask"].min() == 1 for i in range(12))
 
 

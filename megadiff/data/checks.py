@@ -6,6 +6,7 @@ without tokens.
 """
 from __future__ import annotations
 
+import warnings
 from functools import cache
 from typing import Callable
 
@@ -40,6 +41,8 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
             if cfg.data.document_masking:
                 _check_documents_whole(prefix, manifest)
+        else:
+            _warn_of_a_loss_mask_left_out(prefix, manifest, key)
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, tokenizer: Tokenizer,
@@ -57,6 +60,17 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
                         f"otherwise than {spec!r} now does (the same vocabulary size and EOD, but another "
                         "vocabulary, merges or normalisation, e.g. retrained): its tokens would mean other text; "
                         "prepare it again")
+
+
+def _warn_of_a_loss_mask_left_out(prefix: str, manifest: dict | None, key: str) -> None:
+    """Prompt/response data or conversations read without their key take the loss on every token, the
+    prompts' and the user's turns' too: allowed (a baseline), but never unsaid."""
+    prepared = manifest["fingerprint"] if manifest else {}
+    for mask_key in ("response_key", "messages_key"):
+        if prepared.get(mask_key) is not None:
+            warnings.warn(f"{key}: {prefix} was prepared with data.{mask_key}={prepared[mask_key]}, not set here: "
+                          "the loss is taken on every token, prompts included (set it to train on what it marks)",
+                          stacklevel=2)
 
 
 def _check_loss_mask(prefix: str, summary: IndexSummary, key: str) -> None:
