@@ -294,14 +294,15 @@ def test_frequent_training_bigrams_are_not_ar_hits(run, tmp_path):
 
 
 def test_an_exported_model_reports_the_checkpoints_losses(run, tmp_path, capsys):
-    """--hf on the run's DiffLlama export (transformers' own forward and cross entropy), the held-out
-    text named by data.* overrides, at three times the run's length: the checkpoint's report."""
+    """--hf on the run's DiffLlama export (transformers' own forward and cross entropy), its held-out text
+    the run's with no data.* override (the export carries the run's data settings), at three times the
+    run's length: the checkpoint's report."""
     run_dir, cfg = run
     assert main(["convert", "to-hf", "--load", str(run_dir), "--save", str(tmp_path / "hf")]) == 0
     options = ["--sequences", "5", "--batch-size", "2", "--buckets", "4", "--seq-length", "96"]
     assert main(["evaluate", "--load", str(run_dir), *options, "--output", str(tmp_path / "run.json")]) == 0
     data = [f"data.{key}={getattr(cfg.data, key)}" for key in ("prefix", "split", "cache_dir")]
-    assert main(["evaluate", "--hf", str(tmp_path / "hf"), "--dtype", "fp32", *options, *data,
+    assert main(["evaluate", "--hf", str(tmp_path / "hf"), "--dtype", "fp32", *options,
                  "--output", str(tmp_path / "hf.json")]) == 0
     ours, theirs = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("run", "hf"))
     assert theirs["checkpoint"] == str(tmp_path / "hf") and theirs["tokens"] == ours["tokens"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import tracemalloc
 
 import numpy as np
@@ -211,7 +212,14 @@ def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     for mine, exported in zip(attention_rows(ours, case.tokens, 200), hf_attention_rows(theirs, case.tokens, 200),
                               strict=True):
         torch.testing.assert_close(exported, mine, rtol=1e-4, atol=1e-5)
-    assert main(["needles", "--hf", str(export), *options]) == 2  # no haystack named
+    # the export's own run's data by default (its sidecar); a model of no megadiff run names none
+    own = tmp_path / "own.json"
+    assert main(["needles", "--hf", str(export), "--dtype", "fp32", *options, "--output", str(own)]) == 0
+    assert json.loads(own.read_text())["accuracy"] == report["accuracy"]
+    shutil.copytree(export, tmp_path / "other")
+    (tmp_path / "other" / "megadiff_config.yaml").unlink()
+    capsys.readouterr()
+    assert main(["needles", "--hf", str(tmp_path / "other"), *options]) == 2  # no haystack named
     assert "data.prefix" in capsys.readouterr().err
 
 

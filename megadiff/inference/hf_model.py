@@ -4,8 +4,9 @@ papers' in-context learning and needle retrieval), the model it was adapted from
 export as they measure a run.
 
 transformers runs the model as it always does (its own cache, RoPE and attention). What the
-commands read of a run's config is the window and the tokenizer: here the model's
-max_position_embeddings (or --window) and the tokenizer files beside its weights.
+commands read of a run's config is the window, the tokenizer and the data: here the model's
+max_position_embeddings (or --window), the tokenizer files beside its weights and, for a megadiff
+export, its run's data settings (split and prefix; data.* overrides name others).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.config import Config, ConfigError, build_config
+from megadiff.config.loader import read_saved_config
+from megadiff.convert.hf_io import SIDECAR_CONFIG
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.inference.loader import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -65,7 +68,7 @@ class HFCausalLM:
     def __init__(self, hf, path: str | Path, window: int):
         self.hf, self.checkpoint_dir = hf, Path(path)
         self.tokenizer: Tokenizer = load_tokenizer(str(path))
-        self.cfg: Config = build_config({"model": {"seq_length": window}, "data": {"tokenizer": str(path)}})
+        self.cfg: Config = build_config({"model": {"seq_length": window}, "data": _export_data(path)})
 
     @property
     def device(self) -> torch.device:
@@ -120,6 +123,14 @@ class HFCausalLM:
             return self.hf(input_ids=placeholder, use_cache=False).logits
         finally:
             del decoder.forward  # the class's own again
+
+
+def _export_data(path: str | Path) -> dict:
+    """The data.* defaults: a megadiff export's run's (its sidecar config), so that its held-out split is
+    the run's; the tokenizer the directory's own; across documents, as transformers attends."""
+    sidecar = Path(path) / SIDECAR_CONFIG
+    data = read_saved_config(sidecar).get("data", {}) if sidecar.is_file() else {}
+    return {**data, "tokenizer": str(path), "document_masking": False}
 
 
 def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None = None) -> HFCausalLM:
