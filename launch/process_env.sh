@@ -8,6 +8,11 @@ if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
 fi
 
 PYTHON=${PYTHON:-python3}   # the interpreter of the environment megadiff is installed in
+if ! "$PYTHON" -c 'import megadiff' 2>/dev/null; then
+    echo "$(basename "$0"): $PYTHON cannot import megadiff: activate the environment it is installed in" \
+         "(source .venv/bin/activate) or set PYTHON=/path/to/that/bin/python" >&2
+    exit 2
+fi
 
 # export_process_env PROCESSES_ON_THIS_NODE
 export_process_env() {

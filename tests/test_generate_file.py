@@ -203,7 +203,8 @@ def test_two_ranks_write_what_one_process_writes(root, tmp_path):
 
 @pytest.mark.parametrize("content,extra,message", [
     ("not json\n", (), ":1: not JSON"),
-    ('{"text": "x"}\n', (), 'no a "prompt" string field'),
+    ('{"text": "x"}\n', (), 'a "prompt" string field is missing'),
+    ('"In the beginning"\n', (), ':1: not a JSON object: write each line as {"id": ..., "prompt": "..."}'),
     ('{"prompt": "a", "id": 1}\n{"prompt": "b", "id": 1}\n', (), "id '1' comes twice"),
     ('{"messages": "hi"}\n', ("--chat",), "messages"),
     ("\n", (), "holds no prompts"),
@@ -213,6 +214,11 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tmp_path, capsys, co
     assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompts", str(tmp_path / "prompts.jsonl"),
                  "--output", str(tmp_path / "out.jsonl"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_empty_prompt_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompt", ""]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
 
 
 def test_output_and_prompts_go_together(tmp_path, capsys):

@@ -71,7 +71,7 @@ def test_two_node_launch_preempted_on_one_node_resumes_the_single_node_curve(tmp
     assert losses(output_dir) == reference
 
 
-def test_launchers_explain_missing_arguments():
+def test_launchers_explain_missing_arguments(tmp_path):
     usage = subprocess.run([str(LAUNCH / "pretrain_single_node.sh")], capture_output=True, text=True)
     assert usage.returncode == 2 and "pretrain_single_node.sh CONFIG" in usage.stderr
     env = launch_environment(GPUS_PER_NODE="1", NNODES="2", NODE_RANK="0")
@@ -79,6 +79,13 @@ def test_launchers_explain_missing_arguments():
     missing = subprocess.run([str(LAUNCH / "pretrain_multi_node.sh"), str(DEMO_CONFIG)], env=env,
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "MASTER_ADDR" in missing.stderr
+    # an interpreter without megadiff (the environment not activated): said, with the way out
+    bare_python = tmp_path / "python3"
+    bare_python.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'megadiff'\" >&2\nexit 1\n")
+    bare_python.chmod(0o755)
+    bare = subprocess.run([str(LAUNCH / "pretrain_single_node.sh"), str(DEMO_CONFIG)],
+                          env=launch_environment(PYTHON=str(bare_python)), capture_output=True, text=True)
+    assert bare.returncode == 2 and "cannot import megadiff" in bare.stderr and "PYTHON=" in bare.stderr
 
 
 def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):

@@ -374,6 +374,8 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
         if prompt_file != "-" and not Path(prompt_file).is_file():
             raise ConfigError(f"--prompt-file {prompt_file} is not a file")
         prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
+    if not prompt and not chat:
+        raise ConfigError("the prompt is empty: give some text to continue")
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     reply_end = None
     if chat:

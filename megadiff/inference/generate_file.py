@@ -48,6 +48,9 @@ def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ConfigError(f"--prompts {path}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"--prompts {path}:{number}: not a JSON object: write each line as "
+                              '{"id": ..., "prompt": "..."}')
         if chat and "messages" in record:
             try:
                 prompt = as_messages(record["messages"])
@@ -56,8 +59,8 @@ def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
         elif isinstance(record.get("prompt"), str):
             prompt = [{"role": "user", "content": record["prompt"]}] if chat else record["prompt"]
         else:
-            wanted = '"messages" or "prompt"' if chat else 'a "prompt" string'
-            raise ConfigError(f"--prompts {path}:{number}: no {wanted} field")
+            wanted = 'a "messages" list or a "prompt" string' if chat else 'a "prompt" string'
+            raise ConfigError(f"--prompts {path}:{number}: {wanted} field is missing")
         key = str(record.get("id", number))
         if key in ids:
             raise ConfigError(f"--prompts {path}:{number}: id {key!r} comes twice")
