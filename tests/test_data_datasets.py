@@ -191,10 +191,15 @@ def test_build_datasets_refuses_a_split_without_tokens_instead_of_hanging(corpus
         build_datasets(config(tmp_path, f"data.prefix={corpus[0]}"), TOKENIZER, (10, 10, 0), seed=0)
 
 
-def test_a_missing_prefix_suggests_prepare_data(tmp_path):
+def test_a_missing_prefix_suggests_prepare_data(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"data.prefix: .*nothing.bin and .*nothing.idx not found; prepare the data "
                                         r"first: megadiff prepare-data"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'nothing'}"), TOKENIZER)
+    # a run's relative prefix, read elsewhere (evaluating from another directory): where it was looked for
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=rf"not found \(a relative prefix is read from the current directory, "
+                                        rf"{tmp_path}: run where"):
+        check_training_data(config(tmp_path, "data.prefix=data/nothing"), TOKENIZER)
     with pytest.raises(DataError, match="data.prefix: not set"):
         check_training_data(config(tmp_path), TOKENIZER)
 

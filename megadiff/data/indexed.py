@@ -159,7 +159,10 @@ def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
     bin_file, idx_file = bin_path(prefix), idx_path(prefix)
     missing = [str(p) for p in (bin_file, idx_file) if not p.is_file()]
     if missing:
-        raise DataError(f"{key}: {' and '.join(missing)} not found; prepare the data first: "
+        relative = "" if Path(prefix).is_absolute() else (
+            f" (a relative prefix is read from the current directory, {Path.cwd()}: run where the config was made "
+            "for, or give the data's path)")
+        raise DataError(f"{key}: {' and '.join(missing)} not found{relative}; prepare the data first: "
                         f"megadiff prepare-data CONFIG (with data.prefix={prefix})")
     try:
         dtype, sequences, documents = read_header(prefix)
