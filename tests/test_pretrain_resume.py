@@ -149,3 +149,20 @@ def test_a_resumed_layout_keeps_the_vocabulary_rows():
     _check_same_vocabulary(saved, config(200, 108, tensor=2), "ckpt")
     with pytest.raises(ConfigError, match="keep parallel.tensor=1"):
         _check_same_vocabulary(config(201, 1), config(201, tensor=2), "ckpt")
+
+
+def test_a_continued_run_names_what_of_its_data_order_changed(monkeypatch):
+    """consumed_samples is a position in the checkpoint's order: a rerun on other data, split, seed or
+    length reads on from there in another order, which it says (a run starting afresh has nothing to say)."""
+    from pathlib import Path
+
+    from megadiff.config import build_config
+    from megadiff.training import state
+
+    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("ckpt"), True))
+    monkeypatch.setattr(state, "checkpoint_config", lambda path: build_config({}, ["data.prefix=web", "train.seed=1"]))
+    monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 3})
+    start = state.plan_start(build_config({}, ["data.prefix=web", "train.seed=1"]))
+    assert start.continues and start.data_changes == []
+    start = state.plan_start(build_config({}, ["data.blend=[0.5,web,0.5,books]", "data.prefix=web", "train.seed=2"]))
+    assert start.data_changes == ["data.blend: [] -> [0.5, 'web', 0.5, 'books']", "train.seed: 1 -> 2"]

@@ -116,6 +116,9 @@ class Pretraining:
                                f"DP {self.dp}); {memory} on the most loaded rank; {how}")
             if memory_warning:
                 self.metrics.print(memory_warning)
+            if start.data_changes:
+                self.metrics.print(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
+                                   f"this run reads on from sample {start.position()[1]:,} of its own order")
             if 0 < drawn_for < self.train_samples:
                 self.metrics.print(f"train.iters: this run reads up to sample {self.train_samples:,}, past the "
                                    f"{drawn_for:,} its data order was drawn for: sources read more than once follow "

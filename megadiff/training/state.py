@@ -15,6 +15,11 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resol
 from megadiff.checkpoint.training_checkpoint import latest_checkpoint, load_training_checkpoint, read_train_state
 from megadiff.config import Config, ConfigError, padded_vocab_size
 
+# what megatron's sample order is made from: a continued run changing one reads on from its position
+# in another order
+DATA_ORDER_KEYS = (("data", "prefix"), ("data", "blend"), ("data", "bundled_corpus"), ("data", "split"),
+                   ("data", "length_upsampling"), ("data", "length_upsampling_unit"), ("train", "seed"),
+                   ("model", "seq_length"))
 # model keys a continued run may change: they do not alter the weights' shapes or meaning (the
 # vocabulary's padding multiple: as long as the padded size stays, _check_same_vocabulary)
 CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "attention_backend", "transformer_impl",
@@ -97,6 +102,7 @@ class Start:
     saved: dict | None = None       # the checkpoint's training state; None for a model-only checkpoint
     load_optimizer: bool = False
     continues: bool = False         # its iteration count, data position and LR schedule go on
+    data_changes: list[str] = field(default_factory=list)  # "key: before -> now" of DATA_ORDER_KEYS, if it continues
 
     def position(self) -> tuple[int, int]:
         """(iterations done, samples consumed) the run starts from."""
@@ -126,8 +132,11 @@ def plan_start(cfg: Config) -> Start:
     load_optimizer = saved is not None and (own or cfg.checkpoint.load_optimizer)
     if load_optimizer:
         _check_same_optimizer(saved_cfg, cfg, path)
-    start = Start(path, own, saved, load_optimizer,
-                  continues=saved is not None and (own or not cfg.checkpoint.reset_iteration))
+    continues = saved is not None and (own or not cfg.checkpoint.reset_iteration)
+    pairs = [(f"{section}.{key}", getattr(getattr(saved_cfg, section), key), getattr(getattr(cfg, section), key))
+             for section, key in DATA_ORDER_KEYS]
+    changes = [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
+    start = Start(path, own, saved, load_optimizer, continues, changes if continues else [])
     (iteration, consumed), batch = start.position(), cfg.train.global_batch_size
     if start.continues and not own and iteration >= cfg.train.iters:
         raise ConfigError(f"train.iters: {path} is at iteration {iteration}, and this run continues its count up to "
