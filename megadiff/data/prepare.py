@@ -331,7 +331,9 @@ def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
     if stats.get("inner_eods"):
         table.add_row("EOD inside documents", f"{stats['inner_eods']:,}: the EOD ends turns too (a chat template "
                       "writing the tokenizer's EOS); train without data.document_masking, which would cut there")
-    table.add_row("speed", f"{stats['tokens_per_second']:,} tokens/s ({stats['seconds']:.1f} s)")
+    # the parts' own times: a run that merges parts tokenized earlier (--part) spends none of them itself
+    table.add_row("tokenizing speed", f"{stats['tokens_per_second']:,} tokens/s ({stats['seconds']:.1f} s of "
+                  "tokenizing, the parts' together)")
     for path in (file for prefix in prefixes for file in (bin_path(prefix), idx_path(prefix))):
         table.add_row("output", f"{path} ({path.stat().st_size:,} bytes)")
     console.print(table)
