@@ -11,23 +11,27 @@ class MegadiffError(Exception):
 
 
 def refused_together(check: Callable[[], Result]) -> Result:
-    """`check()` on every rank (collective): where it raised a MegadiffError on some ranks, every rank
-    raises, each failing rank its own error and the others the first one's. A check reading a rank's own
-    files (node-local copies of a model) may fail on one node only, whose ranks would otherwise leave the
-    others waiting in their next collective until its timeout. In one process: `check()`."""
+    """`check()` on every rank (collective): where it raised on some ranks, every rank raises, each failing
+    rank its own error and the others the first one's, as the same kind of refusal (the same exit code; any
+    other error as a MegadiffError naming it). A check reading a rank's own files (node-local copies of a
+    model) may fail on one node only, whose ranks would otherwise leave the others waiting in their next
+    collective until its timeout. In one process: `check()`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return check()
     try:
-        result, refusal = check(), None
-    except MegadiffError as err:
-        result, refusal = None, err
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if refusal is None else str(refusal))
-    if refusal is not None:
-        raise refusal
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise MegadiffError(f"rank {rank} refused the run: {message}")
+        result, failure = check(), None
+    except Exception as err:  # noqa: BLE001 -- every rank must hear of it, whatever it is
+        result, failure = None, err
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if failure is None else (type(failure), str(failure)))
+    if failure is not None:
+        raise failure
+    for rank, failed in enumerate(failures):
+        if failed is not None:
+            kind, message = failed
+            if issubclass(kind, MegadiffError):
+                raise kind(f"rank {rank} refused the run: {message}")
+            raise MegadiffError(f"rank {rank} failed: {kind.__name__}: {message}")
     return result

@@ -614,8 +614,9 @@ def test_a_base_model_that_differs_on_one_node_is_refused_on_every_rank(workspac
     assert first == f"rank 1 refused the run: {second}"
 
 
-def built_by_node_leader_first(rank: int, world_size: int, refused_rank: int | None, report: str) -> None:
-    """finetune's data build, leader (LOCAL_RANK 0) first, refused on `refused_rank`."""
+def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | None, error: str, report: str) -> None:
+    """finetune's data build, leader (LOCAL_RANK 0) first, failing on `failing_rank` with a refusal
+    (`error` "config") or an unexpected error ("os")."""
     import time
 
     import torch.distributed as dist
@@ -628,29 +629,32 @@ def built_by_node_leader_first(rank: int, world_size: int, refused_rank: int | N
         if rank == 0:
             time.sleep(1.0)
             leader_built.touch()
-        if rank == refused_rank:
-            raise ConfigError("data.files: too few tokens")
+        if rank == failing_rank:
+            raise ConfigError("data.files: too few tokens") if error == "config" else OSError("disk on fire")
         return "leader's cache there" if leader_built.exists() else "built alone"
 
     dist.init_process_group("gloo")
     try:
         outcome = _node_leader_first(build)
-    except MegadiffError as err:
-        outcome = str(err)
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {err}"
     Path(report, f"rank{rank}").write_text(outcome)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("refused_rank", [None, 0, 1])
-def test_the_data_is_built_by_the_node_leader_first_and_refused_on_every_rank(refused_rank, tmp_path):
-    run_ranks(2, built_by_node_leader_first, refused_rank, str(tmp_path), timeout=120)
-    outcomes = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
-    if refused_rank is None:
-        assert outcomes == ["leader's cache there"] * 2
-    else:
-        refusal = "data.files: too few tokens"
-        assert outcomes == [refusal if rank == refused_rank else f"rank {refused_rank} refused the run: {refusal}"
-                            for rank in range(2)]
+@pytest.mark.parametrize("failing_rank, error, expected", [
+    (None, "", ["leader's cache there"] * 2),
+    (0, "config", ["ConfigError: data.files: too few tokens",
+                   "ConfigError: rank 0 refused the run: data.files: too few tokens"]),
+    (1, "config", ["ConfigError: rank 1 refused the run: data.files: too few tokens",
+                   "ConfigError: data.files: too few tokens"]),
+    (0, "os", ["OSError: disk on fire", "MegadiffError: rank 0 failed: OSError: disk on fire"]),
+])
+def test_the_data_is_built_by_the_node_leader_first_and_refused_on_every_rank(failing_rank, error, expected,
+                                                                              tmp_path):
+    """Every rank stops, as the same kind of refusal (the same exit code), where any rank's build fails."""
+    run_ranks(2, built_by_node_leader_first, failing_rank, error, str(tmp_path), timeout=120)
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == expected
 
 
 def test_adapt_imports_no_megatron():

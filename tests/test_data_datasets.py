@@ -151,10 +151,12 @@ def test_length_upsampling_repeats_documents_in_proportion_to_length(tmp_path):
         k = int(train.shuffle_index[7])
         assert train[7]["tokens"].tolist() == stream[k * SEQ:(k + 1) * SEQ].tolist()
     assert (length_repeats(lengths, SEQ) == np.maximum(1, np.floor(lengths / SEQ + 0.5))).all()
-    # from the cache (as on every rank but the one that built it): the same order, without the repeated documents
+    # from the cache (as on every rank but the one that built it): the same order; the repeated documents
+    # are held by no rank once the indices are built
     cached = counts(*overrides)[1]
     assert np.array_equal(cached.document_index, train.document_index)
     assert np.array_equal(cached.indices, np.arange(len(documents)))
+    assert np.array_equal(train.indices, np.arange(len(documents)))
 
 
 def _build_on_rank(rank: int, world_size: int, prefix: str, cache: str, out: str) -> None:
@@ -357,11 +359,17 @@ def test_preparing_one_prefix_of_a_blend_again_keeps_the_others_index_caches(tmp
 def test_a_split_of_which_no_sample_is_asked_is_not_built(corpus, tmp_path):
     """eval_each_source asks for the validation samples of each prefix alone: megatron would also index
     a whole epoch of its training split (some 10 GB for a 1T-token prefix)."""
-    train, valid, test = build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=80,10,10"),
-                                        TOKENIZER, (0, 10, 0), seed=0)
+    cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=80,10,10")
+    train, valid, test = build_datasets(cfg, TOKENIZER, (0, 10, 0), seed=0)
     assert train is None and test is None and len(valid) >= 10
-    built = (tmp_path / "cache" / "indices").glob("*shuffle_index.npy")
-    assert [path.name.split("-")[2] for path in built] == ["valid"]
+
+    def built() -> list[str]:
+        return sorted(path.name.split("-")[2] for path in (tmp_path / "cache" / "indices").glob("*shuffle_index.npy"))
+
+    assert built() == ["valid"]
+    # pre-training asks for both: the same validation indices serve it
+    build_datasets(cfg, TOKENIZER, (20, 10, 0), seed=0)
+    assert built() == ["train", "valid"]
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.uint8])

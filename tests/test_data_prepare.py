@@ -268,6 +268,7 @@ def test_a_bundled_corpus_never_replaces_data_prepared_from_other_sources(corpus
     kjv = tmp_path / "kjv" / "corpus"
     prepare(build_config({}, [*demo, f"data.prefix={kjv}"]).data)
     prepare(build_config({}, [*demo, f"data.prefix={kjv}", "data.tokenizer=o200k_base"]).data)
+    prepare(build_config({}, [*demo, f"data.prefix={kjv}", f"data.cache_dir={tmp_path / 'other-cache'}"]).data)
 
 
 def _kjv_subset(directory: Path, chapters: int) -> Path:

@@ -338,3 +338,18 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
         logits = hf(ids).logits
     torch.testing.assert_close(model(ids, labels), F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
     torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
+
+
+def test_an_export_carries_its_runs_held_out_samples(tmp_path):
+    """--hf on a megadiff export draws the run's held-out samples: its data settings and seed (the
+    sample order's), with the export's own tokenizer, attending across documents as transformers does."""
+    from megadiff.config import build_config, dump_config
+    from megadiff.convert.hf_io import SIDECAR_CONFIG
+    from megadiff.inference.hf_model import _export_data
+
+    run = build_config({}, ["train.seed=7", "data.prefix=/data/web", "data.split=98,2,0", "data.document_masking=true"])
+    dump_config(run, tmp_path / SIDECAR_CONFIG)
+    defaults = build_config({"model": {"seq_length": 64}, **_export_data(tmp_path)})
+    assert defaults.train.seed == 7 and (defaults.data.prefix, defaults.data.split) == ("/data/web", "98,2,0")
+    assert defaults.data.tokenizer == str(tmp_path) and not defaults.data.document_masking
+    assert build_config(_export_data(tmp_path / "not-an-export")).data.tokenizer == str(tmp_path / "not-an-export")

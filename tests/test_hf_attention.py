@@ -169,6 +169,18 @@ def test_a_model_outside_the_attention_interface_is_refused(tokenizer_dir):
         hf_attention_rows(HFCausalLM(Silent(), tokenizer_dir, 256), TOKENS, POSITION)
 
 
+def test_a_model_whose_attention_logits_are_soft_capped_is_refused(tokenizer_dir):
+    """Gemma 2 caps its attention logits, which SDPA (the capture's attention) does not."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM, head_dim=HEAD_DIM,
+        intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256)).eval()
+    with pytest.raises(ConfigError, match=r"soft-caps its attention logits \(attn_logit_softcapping=50.0\)"):
+        hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+
+
 @pytest.mark.parametrize("apply", [None, apply_dex, apply_daa])
 def test_a_layers_queries_keys_and_values_are_freed_before_the_next_layer_attends(tokenizer_dir, monkeypatch, apply):
     """Only each layer's rows outlive its attention: every layer's tensors of a 64K context kept to

@@ -348,13 +348,35 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, caps
     assert "--window is a Hugging Face model's" in capsys.readouterr().err
 
 
-def test_a_label_is_decoded_as_the_demonstrations_write_it():
-    """Constrained decoding continues a query with the very tokens a demonstration's label and its end
-    are: a label that is another's prefix ends with the token the model saw after labels."""
+def _byte_level_bpe(directory: Path):
+    """A GPT-2-style tokenizer (byte-level BPE, GPT-2's split) that learned "\\n\\n" as one token at a
+    text's end, where it splits them before a word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     from megadiff.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer("cl100k_base")
-    for label in ("good", "good news", "bad"):
-        example = Example("It rained all day.", label)
-        written = tokenizer.encode(demonstration(example))
-        assert written == tokenizer.encode(query(example)) + label_tokens(tokenizer, [label])[0]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([f"sentence: It rained all day.\nlabel: {label}\n\n" for label in ("good", "bad")] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(str(directory))
+    return load_tokenizer(str(directory))
+
+
+def test_a_label_is_decoded_as_the_demonstrations_write_it(tmp_path):
+    """Constrained decoding continues a query with the very tokens a demonstration's label and its end
+    are, the next demonstration following: a label that is another's prefix ends with the token the
+    model saw after labels."""
+    from megadiff.data.tokenizers import load_tokenizer
+
+    gpt2_style = _byte_level_bpe(tmp_path / "bpe")
+    assert gpt2_style.encode("\n\n") != gpt2_style.encode("\n\nsentence")[:len(gpt2_style.encode("\n\n"))]
+    for tokenizer in (load_tokenizer("cl100k_base"), gpt2_style):
+        following = tokenizer.encode("sentence:")
+        for label in ("good", "good news", "bad"):
+            example = Example("It rained all day.", label)
+            written = tokenizer.encode(demonstration(example) + "sentence:")
+            assert written == tokenizer.encode(query(example)) + label_tokens(tokenizer, [label])[0] + following

@@ -117,15 +117,19 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     ({"data_samples": 48}, ["train.global_batch_size=4"], (48, 48)),       # reads less: the checkpoint's order
     ({"data_samples": 48}, ["train.iters=8"], (64, 48)),                   # lengthened: drawn anew
     ({}, ["train.global_batch_size=4"], (36, 0)),                          # a checkpoint from before it was kept
+    ({"data_samples": 48, "changed": True}, ["train.global_batch_size=4"], (36, 0)),  # on other data: anew
 ])
 def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, overrides, expected):
     """megatron's order of a source read more than once depends on the training samples it is drawn for:
-    a resumed run keeps its checkpoint's count unless it reads further."""
+    a resumed run keeps its checkpoint's count unless it reads further, or reads other data."""
     from megadiff.config import build_config
     from megadiff.training.state import Start
 
     cfg = build_config({}, ["train.iters=6", "train.global_batch_size=8", *overrides])
-    start = Start() if saved is None else Start(saved={"iteration": 3, "consumed_samples": 24, **saved}, continues=True)
+    start = Start()
+    if saved is not None:
+        changes = ["data.prefix: 'web' -> 'books'"] if saved.pop("changed", False) else []
+        start = Start(saved={"iteration": 3, "consumed_samples": 24, **saved}, continues=True, data_changes=changes)
     assert start.data_samples(cfg) == expected
 
 

@@ -63,8 +63,8 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
 
 def _node_leader_first(build):
     """Local rank 0 of each node builds first (filling the node's datasets cache); the others
-    then read that cache instead of tokenizing concurrently. A build refused (the data's checks) on
-    any rank is refused on every rank, rather than leaving the others waiting for it."""
+    then read that cache instead of tokenizing concurrently. A build failing on any rank (the data's
+    checks) stops every rank, rather than leaving the others waiting for it."""
     leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
     led = refused_together(build if leader else _nothing)  # the followers wait here for their leader
     followed = refused_together(_nothing if leader else build)

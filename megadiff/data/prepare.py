@@ -190,15 +190,17 @@ def _refuse_replacing_other_data(plan: _Plan) -> None:
     manifest = read_manifest(plan.prefix)
     made_from = None if manifest is None else _source_names(manifest["fingerprint"]["sources"])
     if made_from == _source_names(plan.fingerprint["sources"]):
-        return  # the corpus itself, prepared before (perhaps with another tokenizer)
+        return  # the corpus itself, prepared before (perhaps with another tokenizer or data.cache_dir)
     raise DataError(f"data.prefix: {plan.prefix} holds data prepared from {made_from or 'sources no manifest names'}, "
                     f"which data.bundled_corpus={plan.data.bundled_corpus} would replace with the bundled corpus: set "
                     "data.bundled_corpus=null to use that data, or give another data.prefix for the corpus")
 
 
 def _source_names(fingerprints: list) -> list:
-    """The files (or hub datasets) of sources' fingerprints, without their sizes and times."""
-    return [[entry[0] if isinstance(entry, list) else entry for entry in source] for source in fingerprints]
+    """The files of sources' fingerprints as a bundled corpus names them (corpus/kjv.jsonl, in whichever
+    data.cache_dir), or the hub datasets, without their sizes and times."""
+    return [[list(Path(entry[0]).parts[-2:]) if isinstance(entry, list) else entry for entry in source]
+            for source in fingerprints]
 
 
 def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, chat_template: Optional[str]) -> dict:

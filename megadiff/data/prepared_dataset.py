@@ -54,3 +54,9 @@ class PreparedGPTDataset(GPTDataset):
         config = copy.copy(config)  # every dataset of a blend shares it
         config.tokenizer = config.tokenizer.for_prefix(dataset_path)
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+
+    @staticmethod
+    def _key_config_attributes() -> list[str]:
+        # data.split fixes the bounds; the split matrix also says which other splits a build asks for
+        # (build_datasets leaves out those it asks nothing of), which must not name other index files
+        return [key for key in GPTDataset._key_config_attributes() if key != "split_matrix"]

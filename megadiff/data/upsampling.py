@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
 from megadiff.data.prepared_dataset import PreparedGPTDataset
 
@@ -41,14 +41,21 @@ class LengthUpsampledGPTDataset(PreparedGPTDataset):
 
     def _get_num_tokens_per_epoch(self) -> int:
         # megatron asks this first when it builds the indices (on one rank, on a cache miss), and never
-        # otherwise: only the building rank pays for the repeated document list (1.5e9 documents of a 1T-
+        # otherwise: only the building rank makes the repeated document list (1.5e9 documents of a 1T-
         # token corpus: some 30 GB while it is made), every other rank loads the cached indices
         if not self._upsampled:
             repeats = length_repeats(self.dataset.sequence_lengths[self.indices], self.config.length_upsampling_unit)
             self.indices, self._upsampled = np.repeat(self.indices, repeats), True
         return super()._get_num_tokens_per_epoch()
 
+    def _build_document_sample_shuffle_indices(self):
+        split_documents = self.indices
+        try:
+            return super()._build_document_sample_shuffle_indices()
+        finally:  # the repeated list is let go once the indices are built
+            self.indices, self._upsampled = split_documents, False
+
     @staticmethod
     def _key_config_attributes() -> list[str]:
         # the unit changes the indices, so it belongs in the hash that names their cache files
-        return GPTDataset._key_config_attributes() + ["length_upsampling_unit"]
+        return PreparedGPTDataset._key_config_attributes() + ["length_upsampling_unit"]

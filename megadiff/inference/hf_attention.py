@@ -100,6 +100,11 @@ def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    softcap = getattr(hf.config, "attn_logit_softcapping", None)
+    if softcap:  # Gemma 2's: SDPA, which the calls go on through, has no soft cap (nor have the rows read)
+        raise ConfigError(f"{type(hf).__name__} soft-caps its attention logits (attn_logit_softcapping={softcap}), "
+                          "which reading its attention through SDPA would not do: its attention cannot be read")
+
     def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
         attended = attention_mask
         if attended is not None and attended.dtype != torch.bool:  # an additive mask: 0 where attended

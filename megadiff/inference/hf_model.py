@@ -68,7 +68,7 @@ class HFCausalLM:
     def __init__(self, hf, path: str | Path, window: int):
         self.hf, self.checkpoint_dir = hf, Path(path)
         self.tokenizer: Tokenizer = load_tokenizer(str(path))
-        self.cfg: Config = build_config({"model": {"seq_length": window}, "data": _export_data(path)})
+        self.cfg: Config = build_config({"model": {"seq_length": window}, **_export_data(path)})
 
     @property
     def device(self) -> torch.device:
@@ -126,11 +126,13 @@ class HFCausalLM:
 
 
 def _export_data(path: str | Path) -> dict:
-    """The data.* defaults: a megadiff export's run's (its sidecar config), so that its held-out split is
-    the run's; the tokenizer the directory's own; across documents, as transformers attends."""
+    """The data.* (and train.seed) defaults: a megadiff export's run's (its sidecar config), so that its
+    held-out samples are the run's; the tokenizer the directory's own; across documents, as transformers
+    attends."""
     sidecar = Path(path) / SIDECAR_CONFIG
-    data = read_saved_config(sidecar).get("data", {}) if sidecar.is_file() else {}
-    return {**data, "tokenizer": str(path), "document_masking": False}
+    run = read_saved_config(sidecar) if sidecar.is_file() else {}
+    seed = {"train": {"seed": run["train"]["seed"]}} if "seed" in run.get("train", {}) else {}
+    return {"data": {**run.get("data", {}), "tokenizer": str(path), "document_masking": False}, **seed}
 
 
 def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None = None) -> HFCausalLM:

@@ -134,12 +134,24 @@ class SharedContext:
 
 
 def label_tokens(tokenizer: Tokenizer, labels: Sequence[str]) -> list[list[int]]:
-    """Each label's tokens as they follow a query ("...label:" then " LABEL\\n\\n")."""
-    prefix = tokenizer.encode("label:")
-    tokens = [tokenizer.encode("label:" + label_continuation(label))[len(prefix):] for label in labels]
+    """Each label's tokens as a demonstration holds them after its "label:" (" LABEL\\n\\n"), the next
+    demonstration following: a byte-level BPE splits the newlines before a word otherwise than at the
+    end of a text (GPT-2's "\\n", "\\n" there, one "\\n\\n" token here)."""
+    tokens = [_in_demonstrations(tokenizer, label_continuation(label)) for label in labels]
     if len({tuple(t) for t in tokens}) < len(tokens):
         raise ConfigError("two labels encode to the same tokens")
     return tokens
+
+
+def _in_demonstrations(tokenizer: Tokenizer, continuation: str) -> list[int]:
+    """The tokens of a label's continuation after "label:", the next demonstration following, up to the
+    continuation's end (as encoded alone where the tokenizer does not give that end back)."""
+    prefix = len(tokenizer.encode("label:"))
+    followed = tokenizer.encode("label:" + continuation + "sentence:")[prefix:]
+    for count in range(1, len(followed) + 1):
+        if tokenizer.decode(followed[:count]).endswith(LABEL_END):
+            return followed[:count]
+    return tokenizer.encode("label:" + continuation)[prefix:]
 
 
 def label_names(draw: Sequence[Example], tests: Sequence[Example]) -> list[str]:

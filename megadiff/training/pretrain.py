@@ -120,10 +120,11 @@ class Pretraining:
                 self.metrics.print(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
                                    f"this run reads on from sample {start.position()[1]:,} of its own order")
             if 0 < drawn_for < self.train_samples:
-                self.metrics.print(f"train.iters: this run reads up to sample {self.train_samples:,}, past the "
-                                   f"{drawn_for:,} its data order was drawn for: sources read more than once follow "
-                                   "another order from here (some samples again, some never). To lengthen a run in "
-                                   "one order, give train.planned_samples when it starts")
+                self.metrics.print(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
+                                   f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "
+                                   "checkpoint's was drawn for: sources read more than once follow another order "
+                                   "from here (some samples again, some never). To lengthen a run in one order, give "
+                                   "train.planned_samples when it starts")
 
     def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
         t = self.cfg.train

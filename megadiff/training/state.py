@@ -115,7 +115,8 @@ class Start:
         the same order; train.planned_samples sets it from the start."""
         iteration, consumed = self.position()
         reads = consumed + max(cfg.train.iters - iteration, 0) * cfg.train.global_batch_size
-        drawn_for = self.saved.get("data_samples", 0) if self.continues else 0
+        # other data reads another order whatever the count
+        drawn_for = self.saved.get("data_samples", 0) if self.continues and not self.data_changes else 0
         return max(reads, drawn_for, cfg.train.planned_samples or 0), drawn_for
 
 
