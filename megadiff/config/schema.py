@@ -48,7 +48,8 @@ class ModelConfig(Section):
     seq_length: int = Field(4096, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
-    lambda_init: Union[Literal["depth"], float] = Field("depth", description="'depth': 0.8 - 0.6 exp(-0.3 l)")
+    lambda_init: Union[Literal["depth"], float] = Field(
+        "depth", description="'depth': 0.8 - 0.6 exp(-0.3 (l - 1)) for layers l = 1..L")
     lambda_std: float = Field(0.1, ge=0, description="std of the normal init of the four lambda vectors")
     lowrank_rank: int = Field(0, ge=0, description="Shared DIFF: rank r of the four low-rank updates")
     lowrank_zero_init: bool = Field(True, description="Shared DIFF: B factors start at zero (update = 0)")
