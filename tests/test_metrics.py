@@ -1,5 +1,7 @@
-"""The metrics writer's console line: the remaining-time estimate and its formatting."""
+"""The metrics writer: its console line (the remaining-time estimate, its formatting) and its files on resume."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -62,3 +64,39 @@ def test_a_run_killed_while_dropping_the_iterations_it_runs_again_keeps_its_hist
     with pytest.raises(KeyboardInterrupt):
         MetricsWriter(tmp_path, resume_from_iteration=1, tensorboard=False)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_last_line_cut_short_is_left_out_and_the_run_resumes(tmp_path):
+    """A crash or a full disk while a line was written: the iteration it records is run again on resume."""
+    first = MetricsWriter(tmp_path, tensorboard=False)
+    for iteration in (1, 2):
+        first.log({"iteration": iteration, "lm_loss": float(iteration)})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"iteration": 3, "lm_lo')
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [1, 2]
+    resumed = MetricsWriter(tmp_path, resume_from_iteration=2, tensorboard=False)
+    resumed.log({"iteration": 3, "lm_loss": 3.0})
+    resumed.close()
+    assert [(r["iteration"], r["lm_loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    with open(tmp_path / "metrics.jsonl", "r+") as metrics:  # a line cut short in the middle is not a crash's
+        lines = metrics.read().splitlines()
+        metrics.seek(0)
+        metrics.write("\n".join([lines[0][:10], *lines[1:]]) + "\n")
+        metrics.truncate()
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics(tmp_path)
+
+
+def test_a_run_restarted_from_scratch_logs_each_iteration_once_to_tensorboard(tmp_path):
+    """Crashed before its first checkpoint and run again: TensorBoard drops the first run's points too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for iterations in ((1, 2, 3), (1, 2, 3, 4)):
+        writer = MetricsWriter(tmp_path, tensorboard=True)
+        for iteration in iterations:
+            writer.log({"iteration": iteration, "lm_loss": float(iteration)})
+        writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("lm_loss")] == [1, 2, 3, 4]

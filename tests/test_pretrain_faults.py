@@ -16,6 +16,7 @@ from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import killed_while_saving, poisoned_run, signalled_while_starting
 from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
+from tests.wandb_log import exit_codes
 
 LONG = 10_000  # iterations: far more than a test runs before its signal arrives
 
@@ -133,10 +134,12 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
 
     # a background save of iteration 2, still being written, is committed before the run stops
     run_ranks(1, poisoned_run, base + ["train.iters=20", "train.max_skipped_nan_iters=2", "checkpoint.save_interval=2",
-                                       "checkpoint.async_save=true", f"output_dir={tmp_path / 'stops'}"],
+                                       "checkpoint.async_save=true", f"output_dir={tmp_path / 'stops'}",
+                                       "logging.wandb_project=megadiff-tests"],
               list(range(3, 21)), str(report))
     result = json.loads(report.read_text())
     assert result["exit_code"] == 3
+    assert exit_codes(sorted((tmp_path / "stops" / "wandb").glob("offline-run-*"))) == [1]  # W&B says: failed
     assert [e["iteration"] for e in result["events"]] == [1, 2, 3, 4, 5]  # stopped at the third skip
     assert read_latest_iteration(tmp_path / "stops" / CHECKPOINTS_DIR) == 4
 

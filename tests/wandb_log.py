@@ -43,3 +43,9 @@ def logged_history_and_config(run_dirs: list[Path]) -> tuple[list[dict], dict]:
                 updates = record.run.config.update if kind == "run" else record.config.update
                 config.update({item.key: json.loads(item.value_json) for item in updates})
     return history, config
+
+
+def exit_codes(run_dirs: list[Path]) -> list[int]:
+    """The exit code each offline run recorded as it finished (0: W&B shows it finished, else failed)."""
+    return [record.exit.exit_code for run_dir in run_dirs for record in wandb_records(next(run_dir.glob("*.wandb")))
+            if record.WhichOneof("record_type") == "exit"]

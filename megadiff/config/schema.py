@@ -158,8 +158,9 @@ class TrainConfig(Section):
     eval_iters: int = Field(1, ge=1)
     eval_each_source: bool = Field(False, description="with a data.blend of several prefixes: also each prefix's "
                                    "validation loss (valid_loss/<name>), eval_iters batches of each")
-    max_skipped_nan_iters: int = Field(10, ge=0, description="stop after this many steps skipped for a "
-                                       "non-finite loss or gradient")
+    max_skipped_nan_iters: int = Field(10, ge=0, description="the steps skipped for a non-finite loss or gradient "
+                                       "a run goes on after, over the whole run (checkpoints carry the count): one "
+                                       "more stops it")
     skip_spike_sigma: Optional[float] = Field(None, gt=0, description="skip the update of a step whose loss or "
                                               "gradient norm is more than this many standard deviations above "
                                               "the mean of the previous spike_window steps (OLMo uses 6)")

@@ -26,10 +26,17 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The records of metrics.jsonl (or of the one in directory `path`); a last line cut short (a crash or a
+    full disk while it was written) is left out, as the iteration it records is run again on resume."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        return records + [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        return records
 
 
 def _flatten(record: dict, prefix: str = "") -> dict[str, float]:
@@ -78,8 +85,10 @@ class MetricsWriter:
         self._tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            # purged from the first iteration run again: a run restarted from scratch too (crashed before its
+            # first checkpoint) would otherwise show its first iterations twice
             self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR),
-                                              purge_step=resume_from_iteration + 1 if resume_from_iteration else None)
+                                              purge_step=resume_from_iteration + 1)
         self._wandb = wandb
 
     def _truncate_after(self, iteration: int) -> None:
@@ -126,9 +135,10 @@ class MetricsWriter:
     def print(self, message: str) -> None:
         self.console.print(message)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ends with an error (W&B marks it so)."""
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:
-            self._wandb.close()
+            self._wandb.close(failed)

@@ -30,8 +30,8 @@ class WandbSink:
         """flat_record: {"iteration": n, "lm_loss": ..., "lambda/layer_1": ...}."""
         self.run.log(flat_record)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def wandb_sink(run_dir: str | Path, logging, run_config: dict) -> WandbSink | None:

@@ -8,6 +8,7 @@ boundary after `train.exit_duration_minutes`, or after SIGTERM/SIGUSR1 (exit cod
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -199,8 +200,9 @@ class Pretraining:
                         state.skipped_iterations > t.max_skipped_nan_iters:
                     raise TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a "
                                         f"non-finite loss or gradient (train.max_skipped_nan_iters = "
-                                        f"{t.max_skipped_nan_iters}); last loss {result.loss}. The weights were "
-                                        "never updated from them: lower train.lr, or resume from the last checkpoint")
+                                        f"{t.max_skipped_nan_iters}, over the whole run); last loss {result.loss}. "
+                                        "The weights were never updated from them: lower train.lr, or resume from the "
+                                        "last checkpoint (which carries the count: raise train.max_skipped_nan_iters)")
                 if t.eval_interval and state.iteration % t.eval_interval == 0:
                     valid = self.evaluate()
                     if self.metrics is not None:
@@ -229,8 +231,8 @@ class Pretraining:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
         finally:
-            if self.metrics is not None:
-                self.metrics.close()
+            if self.metrics is not None:  # an error on its way out fails the W&B run (it would read "finished")
+                self.metrics.close(failed=sys.exc_info()[0] is not None)
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
         return exit_code
 
