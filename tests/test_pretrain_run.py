@@ -82,6 +82,18 @@ def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base,
     assert lrs[6] == pytest.approx(5e-3) and lrs[8] == pytest.approx(1e-4)  # 6: the first schedule's end
 
 
+@pytest.mark.slow
+def test_a_record_every_few_steps_reports_their_means(base, tmp_path):
+    """logging.log_interval=2: each record's loss is the mean of its two steps' (as Megatron-LM logs), the
+    same steps a run logging every one records."""
+    every, pairs = tmp_path / "every", tmp_path / "pairs"
+    run_pretrain(1, base + ["train.iters=4", f"output_dir={every}"])
+    run_pretrain(1, base + ["train.iters=4", "logging.log_interval=2", f"output_dir={pairs}"])
+    each = losses(every)
+    assert [r["iteration"] for r in read_metrics(pairs)] == [2, 4]
+    assert losses(pairs) == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2], rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def logged_run(base, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "logged"

@@ -135,7 +135,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
     import deepspeed
 
-    from megadiff.observability.metrics import MetricsWriter
+    from megadiff.observability.metrics import MetricsWriter, StepMeans
 
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
     # before the minutes of start-up (model, head selection, DeepSpeed, checkpoint): a preemption signal
@@ -181,19 +181,21 @@ def finetune(cfg: FinetuneConfig) -> int:
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
-    iteration, exit_code = start, 0
+    iteration, exit_code, unrecorded = start, 0, StepMeans()
     while iteration < cfg.train.iters:
         iteration += 1
         set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
         torch.manual_seed(cfg.train.seed + iteration)
         began = time.perf_counter()
         loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
-        elapsed = time.perf_counter() - began
+        if writer is not None:
+            unrecorded.add(loss, time.perf_counter() - began)
         if writer is not None and iteration % cfg.logging.log_interval == 0:
             grad_norm = engine.get_global_grad_norm()
+            loss, seconds = unrecorded.take()
             writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
                         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                        "tokens_per_s": tokens_per_iteration / elapsed, "lambda": current_lambdas(engine.module)})
+                        "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)})
         exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                   and iteration % cfg.checkpoint.exit_interval == 0)
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:

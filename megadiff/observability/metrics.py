@@ -66,6 +66,23 @@ def format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+class StepMeans:
+    """What a record made every log_interval steps reports: the means of the steps' values since the
+    last record (as Megatron-LM logs), not the last step's alone."""
+
+    def __init__(self):
+        self._steps: list[tuple[float, ...]] = []
+
+    def add(self, *values: float) -> None:
+        self._steps.append(values)
+
+    def take(self) -> tuple[float, ...]:
+        """The mean of each value over the steps added since the last take (at least one)."""
+        means = tuple(sum(column) / len(column) for column in zip(*self._steps))
+        self._steps.clear()
+        return means
+
+
 class MetricsWriter:
     """Write with `log(record)`; `record["iteration"]` is the step axis."""
 

@@ -26,7 +26,7 @@ from megadiff.errors import MegadiffError
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
-from megadiff.observability.metrics import MetricsWriter
+from megadiff.observability.metrics import MetricsWriter, StepMeans
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
@@ -169,6 +169,7 @@ class Pretraining:
         batches = self._loader(self.datasets[0], state.consumed_samples, self.train_samples)
         preemption = self.preemption
         exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
+        unrecorded = StepMeans()  # the loss and seconds of the updating steps since the last record
         try:
             while state.iteration < t.iters:
                 started = time.perf_counter()
@@ -186,14 +187,18 @@ class Pretraining:
                     state.skipped_iterations += 1
                 elapsed = time.perf_counter() - started
                 self.checkpoints.poll()
+                if result.updated:
+                    unrecorded.add(result.loss, elapsed)
                 if state.iteration % cfg.logging.log_interval == 0 or not result.updated:
-                    record = {"iteration": state.iteration, "lm_loss": result.loss,
+                    # a skipped step is recorded alone, as it comes
+                    loss, seconds = unrecorded.take() if result.updated else (result.loss, elapsed)
+                    record = {"iteration": state.iteration, "lm_loss": loss,
                               "lr": self.engine.optimizer.param_groups[0]["lr"],
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
                               "skipped_iterations": state.skipped_iterations,
                               "skipped_spikes": state.skipped_spikes if self.spike_guard else None,
                               **self._loss_scale(state),
-                              **self.throughput.metrics(elapsed)}
+                              **self.throughput.metrics(seconds)}
                     self._log({k: v for k, v in record.items() if v is not None})
                 self._report_profile(self.profiler.stop(state.iteration))
                 if not (result.updated or result.spike or result.overflow) and \
