@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from megadiff.analysis.scaling import PowerLaw, fit_power_law, parse_count
+from megadiff.analysis.scaling import PowerLaw, fit_power_law, parse_count, run_points
 from megadiff.cli import main
 from megadiff.config import dump_config, load_config
 from megadiff.models.param_count import count_parameters
@@ -36,14 +36,18 @@ def paper_size(variant: str, size: str) -> float:
     return float(count.non_embedding + count.embedding)
 
 
-def write_run(directory, config_path, overrides, valid: dict[int, float]):
+def write_run(directory, config_path, overrides, valid: dict[int, float], batch_sizes: dict[int, int] | None = None):
     """A run directory as pretrain leaves it: its config and metrics.jsonl (training records between
-    the validation ones)."""
+    the validation ones); `batch_sizes`: {first iteration: global batch size} of a run that changed it
+    on resume (its config holds the last)."""
     directory.mkdir(parents=True)
-    dump_config(load_config(config_path, overrides), directory / "config.yaml")
-    lines = []
+    cfg = load_config(config_path, overrides)
+    dump_config(cfg, directory / "config.yaml")
+    lines, consumed, batch = [], 0, cfg.train.global_batch_size
     for iteration in range(1, max(valid) + 1):
-        lines.append({"iteration": iteration, "lm_loss": 9.0, "consumed_samples": iteration})
+        batch = (batch_sizes or {}).get(iteration, batch)
+        consumed += batch
+        lines.append({"iteration": iteration, "lm_loss": 9.0, "consumed_samples": consumed})
         if iteration in valid:
             lines.append({"iteration": iteration, "valid_loss": valid[iteration]})
     (directory / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -137,6 +141,16 @@ def test_tokens_follow_each_evaluation_from_the_first_kept(tmp_path):
     assert main(["scaling", *map(str, runs), "--by", "tokens", "--output", str(out)]) == 0
     with_first = json.loads(out.read_text())["fits"]["diff"]
     assert with_first["points"] == 6 and not math.isclose(with_first["alpha"], LAWS["diff"][0], rel_tol=1e-3)
+
+
+def test_tokens_are_those_read_when_a_run_changed_its_batch_size(tmp_path):
+    """Resumed at iteration 51 with global batches of 32 (its config.yaml says 32): an evaluation's tokens
+    are the samples read by then, not its iteration times the last batch size."""
+    config = ROOT / "configs" / "demo" / "diff-tiny.yaml"
+    run = write_run(tmp_path / "diff", config, ["train.global_batch_size=32", "model.seq_length=256"],
+                    {40: 4.0, 80: 3.5}, batch_sizes={1: 16, 51: 32})
+    points = run_points(run, "tokens")
+    assert [(p.iteration, p.x) for p in points] == [(40, 40 * 16 * 256), (80, (50 * 16 + 30 * 32) * 256)]
 
 
 def test_mistakes_are_named(size_runs, tmp_path, capsys):

@@ -93,7 +93,8 @@ def run_points(path: str | Path, by: str, metric: str = "valid_loss") -> list[Po
     if not (path / CONFIG_FILE).is_file() or not (path / METRICS_FILE).is_file():
         raise ConfigError(f"{path} is not a run's output_dir (it needs {CONFIG_FILE} and {METRICS_FILE})")
     cfg = checkpoint_config(path)
-    logged = [(r["iteration"], float(r[metric])) for r in read_metrics(path) if metric in r]
+    records = read_metrics(path)
+    logged = [(r["iteration"], float(r[metric])) for r in records if metric in r]
     if not logged:
         raise ConfigError(f"{path} logged no {metric}: runs log it every train.eval_interval iterations")
     bad = [iteration for iteration, loss in logged if not math.isfinite(loss) or loss <= 0]
@@ -103,8 +104,11 @@ def run_points(path: str | Path, by: str, metric: str = "valid_loss") -> list[Po
         count = count_parameters(cfg.model)
         iteration, loss = logged[-1]
         return [Point(str(path), cfg.model.variant, float(count.non_embedding + count.embedding), iteration, loss)]
-    tokens_per_iteration = cfg.train.global_batch_size * cfg.model.seq_length
-    return [Point(str(path), cfg.model.variant, float(iteration * tokens_per_iteration), iteration, loss)
+    # the samples the run had read by then: a resumed run may have changed its global batch size
+    consumed = {r["iteration"]: r["consumed_samples"] for r in records if "consumed_samples" in r}
+    return [Point(str(path), cfg.model.variant,
+                  float(consumed.get(iteration, iteration * cfg.train.global_batch_size) * cfg.model.seq_length),
+                  iteration, loss)
             for iteration, loss in logged]
 
 
