@@ -165,7 +165,7 @@ def test_each_blended_source_is_validated_as_evaluate_scores_it(base, tmp_path):
                             "train.eval_interval=2", "train.eval_iters=2", "train.eval_each_source=true"])
     (valid,) = [r for r in read_metrics(out) if "valid_loss" in r]
     names = (f"valid_loss/{Path(kjv).name}", "valid_loss/later")
-    assert set(valid) == {"iteration", "valid_loss", *names}
+    assert set(valid) == {"iteration", "consumed_samples", "valid_loss", *names}
     report = tmp_path / "eval.json"
     assert evaluate(str(out), sequences=2 * 8, batch_size=4, output=str(report)) == 0
     sources = json.loads(report.read_text())["sources"]

@@ -211,7 +211,9 @@ class Pretraining:
                 if t.eval_interval and state.iteration % t.eval_interval == 0:
                     valid = self.evaluate()
                     if self.metrics is not None:
-                        self.metrics.log({"iteration": state.iteration, **valid})
+                        # the samples read by then, which scaling laws by tokens take
+                        self.metrics.log({"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+                                          **valid})
                 interval = cfg.checkpoint.save_interval
                 if interval and state.iteration % interval == 0:
                     self._save()
