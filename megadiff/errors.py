@@ -24,14 +24,17 @@ def refused_together(check: Callable[[], Result]) -> Result:
         result, failure = check(), None
     except Exception as err:  # noqa: BLE001 -- every rank must hear of it, whatever it is
         result, failure = None, err
+    # a refusal's class travels (megadiff's are module-level, so picklable), any other error's name only
+    shared = None if failure is None else (
+        type(failure) if isinstance(failure, MegadiffError) else type(failure).__name__, str(failure))
     failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, None if failure is None else (type(failure), str(failure)))
+    dist.all_gather_object(failures, shared)
     if failure is not None:
         raise failure
     for rank, failed in enumerate(failures):
         if failed is not None:
             kind, message = failed
-            if issubclass(kind, MegadiffError):
+            if isinstance(kind, type):
                 raise kind(f"rank {rank} refused the run: {message}")
-            raise MegadiffError(f"rank {rank} failed: {kind.__name__}: {message}")
+            raise MegadiffError(f"rank {rank} failed: {kind}: {message}")
     return result

@@ -616,7 +616,7 @@ def test_a_base_model_that_differs_on_one_node_is_refused_on_every_rank(workspac
 
 def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | None, error: str, report: str) -> None:
     """finetune's data build, leader (LOCAL_RANK 0) first, failing on `failing_rank` with a refusal
-    (`error` "config") or an unexpected error ("os")."""
+    (`error` "config") or an unexpected error ("os", "local": of a class defined here)."""
     import time
 
     import torch.distributed as dist
@@ -625,12 +625,18 @@ def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | N
 
     leader_built = Path(report, "leader_built")
 
+    class LocalError(Exception):  # no class by name to pickle
+        pass
+
+    errors = {"config": ConfigError("data.files: too few tokens"), "os": OSError("disk on fire"),
+              "local": LocalError("made here")}
+
     def build() -> str:
         if rank == 0:
             time.sleep(1.0)
             leader_built.touch()
         if rank == failing_rank:
-            raise ConfigError("data.files: too few tokens") if error == "config" else OSError("disk on fire")
+            raise errors[error]
         return "leader's cache there" if leader_built.exists() else "built alone"
 
     dist.init_process_group("gloo")
@@ -649,6 +655,7 @@ def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | N
     (1, "config", ["ConfigError: rank 1 refused the run: data.files: too few tokens",
                    "ConfigError: data.files: too few tokens"]),
     (0, "os", ["OSError: disk on fire", "MegadiffError: rank 0 failed: OSError: disk on fire"]),
+    (1, "local", ["MegadiffError: rank 1 failed: LocalError: made here", "LocalError: made here"]),
 ])
 def test_the_data_is_built_by_the_node_leader_first_and_refused_on_every_rank(failing_rank, error, expected,
                                                                               tmp_path):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megadiff.observability.metrics import MetricsWriter, format_duration, read_metrics
+from megadiff.observability.metrics import MetricsWriter, StepMeans, format_duration, read_metrics
 
 
 class FakeClock:
@@ -100,3 +100,13 @@ def test_a_run_restarted_from_scratch_logs_each_iteration_once_to_tensorboard(tm
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [event.step for event in events.Scalars("lm_loss")] == [1, 2, 3, 4]
+
+
+def test_a_record_every_few_steps_takes_the_means_of_the_steps_since_the_last():
+    means = StepMeans()
+    for loss, seconds in ((2.0, 1.0), (4.0, 3.0)):
+        means.add(loss, seconds)
+    assert len(means) == 2 and means.take() == (3.0, 2.0)
+    assert len(means) == 0  # taken: the next record's steps start afresh
+    means.add(5.0, 1.5)
+    assert means.take() == (5.0, 1.5)

@@ -131,6 +131,14 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     records = read_metrics(tmp_path / "skips")
     assert [r["skipped_iterations"] for r in records] == [0, 1, 1, 2, 2, 2]
     assert math.isnan(records[1]["lm_loss"]) and math.isfinite(records[-1]["lm_loss"])
+    # a record every 2 steps: the means of the updating steps since the last one; a skipped step between
+    # records alone, as it comes (step 4, the interval's end, has the interval's step 3)
+    run_ranks(1, poisoned_run, base + ["train.iters=6", "logging.log_interval=2", f"output_dir={tmp_path / 'pairs'}"],
+              [2, 4], str(report))
+    pairs = read_metrics(tmp_path / "pairs")
+    assert [r["iteration"] for r in pairs] == [2, 4, 6]
+    assert [r["lm_loss"] for r in pairs] == pytest.approx(
+        [records[0]["lm_loss"], records[2]["lm_loss"], (records[4]["lm_loss"] + records[5]["lm_loss"]) / 2])
 
     # a background save of iteration 2, still being written, is committed before the run stops
     run_ranks(1, poisoned_run, base + ["train.iters=20", "train.max_skipped_nan_iters=2", "checkpoint.save_interval=2",

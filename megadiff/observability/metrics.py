@@ -71,15 +71,21 @@ class StepMeans:
     last record (as Megatron-LM logs), not the last step's alone."""
 
     def __init__(self):
-        self._steps: list[tuple[float, ...]] = []
+        self._sums: list[float] = []
+        self._steps = 0
+
+    def __len__(self) -> int:
+        """The steps added since the last take."""
+        return self._steps
 
     def add(self, *values: float) -> None:
-        self._steps.append(values)
+        self._sums = [total + value for total, value in zip(self._sums, values)] if self._steps else list(values)
+        self._steps += 1
 
     def take(self) -> tuple[float, ...]:
         """The mean of each value over the steps added since the last take (at least one)."""
-        means = tuple(sum(column) / len(column) for column in zip(*self._steps))
-        self._steps.clear()
+        means = tuple(total / self._steps for total in self._sums)
+        self._sums, self._steps = [], 0
         return means
 
 

@@ -8,7 +8,6 @@ boundary after `train.exit_duration_minutes`, or after SIGTERM/SIGUSR1 (exit cod
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -170,6 +169,7 @@ class Pretraining:
         preemption = self.preemption
         exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
         unrecorded = StepMeans()  # the loss and seconds of the updating steps since the last record
+        failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
         try:
             while state.iteration < t.iters:
                 started = time.perf_counter()
@@ -189,9 +189,10 @@ class Pretraining:
                 self.checkpoints.poll()
                 if result.updated:
                     unrecorded.add(result.loss, elapsed)
-                if state.iteration % cfg.logging.log_interval == 0 or not result.updated:
-                    # a skipped step is recorded alone, as it comes
-                    loss, seconds = unrecorded.take() if result.updated else (result.loss, elapsed)
+                on_interval = state.iteration % cfg.logging.log_interval == 0
+                if on_interval or not result.updated:
+                    # a skipped step between records is recorded alone, as it comes
+                    loss, seconds = unrecorded.take() if on_interval and unrecorded else (result.loss, elapsed)
                     record = {"iteration": state.iteration, "lm_loss": loss,
                               "lr": self.engine.optimizer.param_groups[0]["lr"],
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
@@ -234,12 +235,13 @@ class Pretraining:
             self.checkpoints.close()
             if exit_code == REQUEUE_EXIT_CODE:  # only once its checkpoint is committed: a requeue resumes from it
                 leave_requeue_marker(self.rank)
+            failed = False
         except TrainingError:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
         finally:
-            if self.metrics is not None:  # an error on its way out fails the W&B run (it would read "finished")
-                self.metrics.close(failed=sys.exc_info()[0] is not None)
+            if self.metrics is not None:
+                self.metrics.close(failed=failed)
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
         return exit_code
 
