@@ -190,12 +190,12 @@ def finetune(cfg: FinetuneConfig) -> int:
         loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
         if writer is not None:
             unrecorded.add(loss, time.perf_counter() - began)
-        if writer is not None and iteration % cfg.logging.log_interval == 0:
-            grad_norm = engine.get_global_grad_norm()
-            loss, seconds = unrecorded.take()
-            writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
-                        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                        "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)})
+            if iteration % cfg.logging.log_interval == 0:
+                grad_norm = engine.get_global_grad_norm()
+                loss, seconds = unrecorded.take()
+                writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
+                            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                            "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)})
         exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                   and iteration % cfg.checkpoint.exit_interval == 0)
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:

@@ -34,6 +34,7 @@ from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, share, share_size, sum_across_ranks
 from megadiff.inference.reporting import command_console, write_report
 from megadiff.models.differential_attention import DifferentialCoreAttention
+from megadiff.ops.common import map_pairs
 
 TOP = (1, 2, 3, 10, 100)
 HISTOGRAM_RANGE = (1e-8, 1e8)  # |values| below the range count as its lowest bin, above as its highest
@@ -112,7 +113,8 @@ def attention_maps(core_attention: torch.nn.Module, query: torch.Tensor, key: to
     attention's inputs [s, b, megatron heads, d]: adjacent megatron heads are a differential head's
     two maps, for queries and keys alike."""
     if isinstance(core_attention, DifferentialCoreAttention):
-        pairs = [(query[:, :, 0::2], key[:, :, 0::2]), (query[:, :, 1::2], key[:, :, 1::2])]
+        (q1, q2), (k1, k2) = map_pairs(query), map_pairs(key)
+        pairs = [(q1, k1), (q2, k2)]
     else:
         pairs = [(query, key)]
     return [(q.permute(1, 2, 0, 3), k.repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(1, 2, 0, 3))

@@ -17,6 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 from megadiff.models.context_parallel import context_parallel_differential_attention
 from megadiff.models.documents import packed_documents
 from megadiff.ops import IntegralCarry, depth_lambda_init, paired_differential_attention, reparameterized_lambda
+from megadiff.ops.common import map_pairs
 
 
 # lambda's vectors and the head-norm weight are replicated over the tensor-parallel ranks, each of which
@@ -96,7 +97,7 @@ class DifferentialCoreAttention(MegatronModule):
         lam = self.current_lambda()
         self.last_lambda = lam.detach()
         if self.config.context_parallel_size > 1:
-            (q1, q2), (k1, k2) = (t.unflatten(2, (-1, 2)).unbind(dim=3) for t in (query, key))
+            (q1, q2), (k1, k2) = map_pairs(query), map_pairs(key)
             out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
                                                           softmax_scale=self.softmax_scale, backend=self.backend,
                                                           cu_seqlens=documents)

@@ -62,6 +62,12 @@ def check_shapes(q1, k1, q2, k2, v, lam, integral: bool) -> None:
         raise ValueError("the DINT integral term needs as many queries as keys")
 
 
+def map_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N, 2H, d] (or megatron's [N, B, 2H, d]) whose heads 2i and 2i + 1 are differential head i's
+    two maps -> the two maps' [B, N, H, d] views."""
+    return t[:, :, 0::2], t[:, :, 1::2]
+
+
 def lambda_per_head(lam: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[] or [H] -> [H] in fp32."""
     return lam.float().expand(num_heads) if lam.dim() == 0 else lam.float()

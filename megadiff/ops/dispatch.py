@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from megadiff.ops.common import lambda_per_head, triton_supports
+from megadiff.ops.common import lambda_per_head, map_pairs, triton_supports
 from megadiff.ops.documents import attend_by_document
 from megadiff.ops.incremental import IntegralCarry
 from megadiff.ops.reference import differential_attention_reference
@@ -95,7 +95,7 @@ def paired_differential_attention(q, k, v, lam, *, causal: bool = True, integral
         return _triton_impl("paired_differential_attention_triton")(
             q, k, v, lam, causal=causal, integral=integral, softmax_scale=softmax_scale,
             return_first_map=return_first_map, cu_seqlens=cu_seqlens)
-    (q1, q2), (k1, k2) = (t.unflatten(2, (-1, 2)).unbind(3) for t in (q, k))
+    (q1, q2), (k1, k2) = map_pairs(q), map_pairs(k)
     return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral,
                                   softmax_scale=softmax_scale, backend=backend, return_first_map=return_first_map,
                                   cu_seqlens=cu_seqlens, logit_bits=logit_bits, integral_carry=integral_carry)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.common import (
-    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, running_mean, triton_fits,
+    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, map_pairs, running_mean,
+    triton_fits,
 )
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
@@ -144,11 +145,6 @@ class _DifferentialAttention(torch.autograd.Function):
         return (*_maps_backward(ctx, grad_out, grad_first_map), None, None, None, None, None, None)
 
 
-def _map_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, N, 2H, d] whose heads 2i and 2i + 1 are head i's two maps -> the two maps' [B, N, H, d] views."""
-    return t[:, :, 0::2], t[:, :, 1::2]
-
-
 def _pairs_layout(t: torch.Tensor) -> tuple:
     """What a gradient for `t` ([B, N, 2H, d]) is made from: megatron's sequence-major layout when t has it."""
     return (*t.shape, t.device, t.dtype, t.stride(0) < t.stride(1))
@@ -161,7 +157,7 @@ class _PairedDifferentialAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lam, causal, integral, scale, config, return_first_map, documents):
-        (q1, q2), (k1, k2) = _map_pairs(q), _map_pairs(k)
+        (q1, q2), (k1, k2) = map_pairs(q), map_pairs(k)
         ctx.pairs = (_pairs_layout(q), _pairs_layout(k))
         return _maps_forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map,
                              documents)
@@ -169,7 +165,7 @@ class _PairedDifferentialAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_first_map=None):
         dq, dk = (empty_bnhd(*layout) for layout in ctx.pairs)
-        (dq1, dq2), (dk1, dk2) = _map_pairs(dq), _map_pairs(dk)
+        (dq1, dq2), (dk1, dk2) = map_pairs(dq), map_pairs(dk)
         if row_offsets_fit_int32(dq1) and row_offsets_fit_int32(dk1):
             *_, dv, grad_lam = _maps_backward(ctx, grad_out, grad_first_map, grads=(dq1, dk1, dq2, dk2))
         else:  # a sequence too long for int32 offsets into the pairs: each map's own gradient, then stacked
@@ -204,7 +200,7 @@ def paired_differential_attention_triton(q, k, v, lam, *, causal=True, integral=
     their gradients come back as one tensor each, in q's and k's layout."""
     if q.dim() != 4 or q.shape[2] % 2 or k.dim() != 4 or k.shape[2] % 2:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, N, 2H, d]: two maps a head")
-    (q1, q2), (k1, k2) = _map_pairs(q), _map_pairs(k)
+    (q1, q2), (k1, k2) = map_pairs(q), map_pairs(k)
     check_shapes(q1, k1, q2, k2, v, lam, integral)
     _check_supported(q1, k1, q2, k2, v)
     documents = None if cu_seqlens is None else _documents(cu_seqlens, causal, q1, k1)
