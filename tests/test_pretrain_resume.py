@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -116,7 +117,6 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     (None, ["train.planned_samples=100"], (100, 0)),                       # or planned further
     ({"data_samples": 48}, ["train.global_batch_size=4"], (48, 48)),       # reads less: the checkpoint's order
     ({"data_samples": 48}, ["train.iters=8"], (64, 48)),                   # lengthened: drawn anew
-    ({}, ["train.global_batch_size=4"], (36, 0)),                          # a checkpoint from before it was kept
     ({"data_samples": 48, "changed": True}, ["train.global_batch_size=4"], (36, 0)),  # on other data: anew
 ])
 def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, overrides, expected):
@@ -131,6 +131,19 @@ def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, o
         changes = ["data.prefix: 'web' -> 'books'"] if saved.pop("changed", False) else []
         start = Start(saved={"iteration": 3, "consumed_samples": 24, **saved}, continues=True, data_changes=changes)
     assert start.data_samples(cfg) == expected
+
+
+def test_a_checkpoint_saved_before_data_samples_were_kept_reads_on_in_its_order(monkeypatch):
+    """Its run drew the order for what it read to its own train.iters: the saved config says how many."""
+    from megadiff.config import build_config
+    from megadiff.training import state
+
+    saved_cfg = build_config({}, ["train.iters=6", "train.global_batch_size=8"])
+    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("iter_0000003"), True))
+    monkeypatch.setattr(state, "checkpoint_config", lambda path: saved_cfg)
+    monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 24})
+    cfg = build_config({}, ["train.iters=6", "train.global_batch_size=4"])
+    assert state.plan_start(cfg).data_samples(cfg) == (48, 48)
 
 
 def test_a_resumed_layout_keeps_the_vocabulary_rows():

@@ -36,7 +36,7 @@ class TrainState:
     spike_history: dict = field(default_factory=dict)  # the spike guard's window (training/spikes.py)
     scheduler: dict | None = None
     layout: dict = field(default_factory=dict)
-    data_samples: int = 0  # the training samples the data order was drawn for (0: a checkpoint older than this)
+    data_samples: int = 0  # the training samples the data order was drawn for
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,14 +110,21 @@ class Start:
 
     def data_samples(self, cfg: Config) -> tuple[int, int]:
         """(the training samples to draw the data order for, those the checkpoint's order was drawn for, 0 where
-        unknown). megatron's order of a source read more than once depends on that count, so a resumed run keeps
-        its checkpoint's where it reads no further (another global batch size, fewer iterations) and reads on in
-        the same order; train.planned_samples sets it from the start."""
+        the run does not read on in it). megatron's order of a source read more than once depends on that count,
+        so a resumed run keeps its checkpoint's where it reads no further (another global batch size, fewer
+        iterations) and reads on in the same order; train.planned_samples sets it from the start."""
         iteration, consumed = self.position()
         reads = consumed + max(cfg.train.iters - iteration, 0) * cfg.train.global_batch_size
         # other data reads another order whatever the count
-        drawn_for = self.saved.get("data_samples", 0) if self.continues and not self.data_changes else 0
+        drawn_for = self.saved["data_samples"] if self.continues and not self.data_changes else 0
         return max(reads, drawn_for, cfg.train.planned_samples or 0), drawn_for
+
+
+def _drawn_before_data_samples_were_kept(saved: dict, saved_cfg: Config) -> int:
+    """The samples the order of a checkpoint saved before `data_samples` was kept was drawn for: its run drew
+    for what it read to its train.iters, and read a global batch per iteration since it started."""
+    remaining = max(saved_cfg.train.iters - saved["iteration"], 0)
+    return saved["consumed_samples"] + remaining * saved_cfg.train.global_batch_size
 
 
 def plan_start(cfg: Config) -> Start:
@@ -130,6 +137,8 @@ def plan_start(cfg: Config) -> Start:
     _check_same_model(saved_cfg, cfg, path)
     _check_same_vocabulary(saved_cfg, cfg, path)
     saved = read_train_state(path)  # None for a model-only checkpoint (e.g. converted from HF)
+    if saved is not None and "data_samples" not in saved:
+        saved["data_samples"] = _drawn_before_data_samples_were_kept(saved, saved_cfg)
     load_optimizer = saved is not None and (own or cfg.checkpoint.load_optimizer)
     if load_optimizer:
         _check_same_optimizer(saved_cfg, cfg, path)
