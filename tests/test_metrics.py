@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -86,6 +87,20 @@ def test_a_last_line_cut_short_is_left_out_and_the_run_resumes(tmp_path):
         metrics.truncate()
     with pytest.raises(json.JSONDecodeError):
         read_metrics(tmp_path)
+
+
+def test_non_finite_values_are_written_as_strict_json_and_read_back_as_nan(tmp_path):
+    """A diverged step's NaN loss or an overflowed grad_norm: jq, pandas or a browser read the file."""
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.log({"iteration": 1, "lm_loss": math.nan, "grad_norm": math.inf, "lambda": {"layer_1": -math.inf}})
+    writer.log({"iteration": 2, "lm_loss": 2.0, "grad_norm": 1.0, "lambda": {"layer_1": 0.5}})
+    writer.close()
+    strict = [json.loads(line, parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
+              for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert strict[0] == {"iteration": 1, "lm_loss": None, "grad_norm": None, "lambda": {"layer_1": None}}
+    first, second = read_metrics(tmp_path)
+    assert math.isnan(first["lm_loss"]) and math.isnan(first["grad_norm"]) and math.isnan(first["lambda"]["layer_1"])
+    assert second == {"iteration": 2, "lm_loss": 2.0, "grad_norm": 1.0, "lambda": {"layer_1": 0.5}}
 
 
 def test_a_run_restarted_from_scratch_logs_each_iteration_once_to_tensorboard(tmp_path):

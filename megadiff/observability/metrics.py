@@ -5,7 +5,8 @@ TensorBoard writer (+ W&B when asked): no megatron here. Only the logging rank c
 
 metrics.jsonl holds one JSON object per logged iteration. Its keys are the caller's: numbers,
 and dicts of numbers (e.g. {"lambda": {"layer_1": 0.2}}), which TensorBoard gets as
-"lambda/layer_1". A run that resumes appends, after dropping the lines of iterations it will
+"lambda/layer_1". A NaN or infinite value is written as null, which strict JSON readers (jq,
+pandas, JavaScript) take; `read_metrics` gives it back as NaN. A run that resumes appends, after dropping the lines of iterations it will
 run again, so the file always reads as one uninterrupted run.
 """
 from __future__ import annotations
@@ -32,11 +33,24 @@ def read_metrics(path: str | Path) -> list[dict]:
     if path.is_dir():
         path = path / METRICS_FILE
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = [json.loads(line) for line in lines[:-1]]
+    records = [_parse(line) for line in lines[:-1]]
     try:
-        return records + [json.loads(line) for line in lines[-1:]]
+        return records + [_parse(line) for line in lines[-1:]]
     except json.JSONDecodeError:
         return records
+
+
+def _parse(line: str) -> dict:
+    return json.loads(line, object_hook=lambda record: {k: math.nan if v is None else v for k, v in record.items()})
+
+
+def _to_json(record: dict) -> str:
+    """One strict JSON line: non-finite numbers as null."""
+    def finite(value):
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+    return json.dumps(finite(record), allow_nan=False)
 
 
 def _flatten(record: dict, prefix: str = "") -> dict[str, float]:
@@ -120,10 +134,10 @@ class MetricsWriter:
             return
         kept = [record for record in read_metrics(self.path) if record.get("iteration", 0) <= iteration]
         # atomically: a run killed here (preempted as it starts) keeps the whole history
-        write_atomically(self.path, "".join(json.dumps(record) + "\n" for record in kept).encode())
+        write_atomically(self.path, "".join(_to_json(record) + "\n" for record in kept).encode())
 
     def log(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(_to_json(record) + "\n")
         self._file.flush()
         step = record["iteration"]
         flat = _flatten(record)
