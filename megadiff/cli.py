@@ -27,6 +27,16 @@ def _target(path: str) -> Callable:
     return getattr(module, func_name)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
 def _config_command(sub, name: str, target: str, help_text: str) -> None:
     parser = sub.add_parser(name, help=help_text)
     parser.add_argument("config", help="YAML config file (see configs/)")
@@ -99,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser("params", help="print a config's parameter count without allocating it")
     params.add_argument("config")
     params.add_argument("overrides", nargs="*")
-    params.add_argument("--world-size", type=int, default=None,
+    params.add_argument("--world-size", type=_positive_int, default=None,
                         help="GPUs of the run, for the per-GPU memory (default: TP x PP x CP, one replica)")
     params.add_argument("--fit", type=float, default=None, metavar="GIB",
                         help="also list the tensor/pipeline/recompute layouts whose estimated peak fits GIB per GPU")

@@ -29,3 +29,14 @@ def test_overrides_may_follow_a_commands_options(capsys):
     assert exit_info.value.code == 2 and "unrecognized arguments: --wrld-size 64" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_arguments(["convert", "to-hf", "--load", "run", "--save", "hf", "stray"])  # no overrides there
+
+
+@pytest.mark.parametrize("given, said", [("0", "0 is not >= 1"), ("-8", "-8 is not >= 1"),
+                                         ("x", "'x' is not a whole number")])
+def test_a_world_size_is_a_positive_number(capsys, given, said):
+    """0 divided by zero in the batch checks; -8 was reported as profile ranks outside the run."""
+    from megadiff.cli import parse_arguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(["params", "cfg.yaml", "--world-size", given])
+    assert exit_info.value.code == 2 and f"argument --world-size: {said}" in capsys.readouterr().err

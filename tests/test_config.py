@@ -37,6 +37,16 @@ def test_softmax_head_dim_uses_all_heads():
     (["model.variant=shared_diff"], "model.lowrank_rank"),
     (["model.lowrank_rank=8"], "model.lowrank_rank"),
     (["model.variant=softmax", "model.lambda_init=0.5"], "model.lambda_init"),
+    (["model.lambda_init=1.0"], "model.lambda_init: 1.0 must be in \\[0, 1\\)"),
+    (["model.lambda_init=-0.1"], "model.lambda_init: -0.1 must be in"),
+    (["model.lambda_init=true"], "model.lambda_init: a number is expected, not true"),
+    (["model.num_layers=true"], "model.num_layers: a number is expected, not true"),
+    (["train.lr=.inf"], "train.lr: Input should be a finite number"),
+    (["model.init_std=.inf"], "model.init_std: Input should be a finite number"),
+    (["train.seed=-1"], "train.seed"),
+    (["train.seed=4294967200", "model.num_layers=2", "parallel.pipeline=2"],
+     "train.seed: 4294967200 \\+ 100 per pipeline stage reaches 4294967300"),
+    (["train.lr_warmup_iters=10", "train.lr_decay_iters=10"], "train.lr_decay_iters: 10 ends the decay before"),
     (["model.head_dim=7"], "model.head_dim"),
     (["train.min_lr=1", "train.lr=0.1"], "train.min_lr"),
     (["train.lr_decay_style=wsd"], "train.lr_wsd_decay_iters: train.lr_decay_style=wsd needs"),
@@ -67,6 +77,22 @@ def test_softmax_head_dim_uses_all_heads():
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         build_config({}, overrides)
+
+
+def test_booleans_and_strings_still_reach_the_fields_that_take_them():
+    cfg = build_config({}, ["model.tie_embeddings=true", "model.lambda_init=depth", "train.iters=1e3",
+                            "model.lambda_init=0"])
+    assert (cfg.model.tie_embeddings, cfg.model.lambda_init, cfg.train.iters) == (True, 0.0, 1000)
+
+
+def test_a_warmup_outlasting_the_run_is_said_not_refused():
+    """A recipe shortened for a trial keeps its warmup: the run starts, saying how far its lr rises."""
+    from megadiff.config import short_warmup_warning
+
+    assert short_warmup_warning(build_config({}, ["train.iters=100", "train.lr_warmup_iters=99"]).train) is None
+    trial = build_config({}, ["train.iters=100", "train.lr_warmup_iters=1000", "train.lr=3.2e-4"]).train
+    assert short_warmup_warning(trial) == ("train.lr_warmup_iters: 1000 iterations of warmup outlast train.iters=100: "
+                                           "the lr rises to 3.2e-05, never to train.lr=0.00032")
 
 
 def test_document_masking_refuses_tes_softmax_attention(monkeypatch):

@@ -87,6 +87,10 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
     ("train=lr: 0.1 #fast", r"would drop '#fast'"),  # a block mapping: its value ends before a BlockEnd
     ("output_dir=${nope}", r"output_dir: Interpolation key 'nope' not found"),
     ("output_dir=${oc.env:MEGADIFF_TEST_UNSET}", r"output_dir: .*MEGADIFF_TEST_UNSET"),
+    ("=3", r"override '=3' must look like key.sub=value"),
+    ("model..x=1", r"override 'model..x=1' must look like key.sub=value"),
+    ("data.blend.1=c", r"override 'data.blend.1=c': a list's items are not set one by one; give the whole list "
+                       r"\(data.blend=\[...\]\)"),
 ])
 def test_bad_overrides_are_config_errors_naming_them(override, message):
     with pytest.raises(ConfigError, match=message):

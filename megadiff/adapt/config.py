@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from megadiff.adapt.modeling_adapted import INPUT_METHODS
 from megadiff.config import ConfigError
 from megadiff.config.loader import format_validation_error
+from megadiff.config.schema import StrictNumbers
 
 Method = Literal["dex", "daa", "diff_q", "diff_k", "diff_v"]
 DAA_METHODS = ("daa",) + INPUT_METHODS
@@ -32,9 +33,7 @@ class AdaptationError(ConfigError):
     """A bad adaptation config or an unsupported model, found before any compute."""
 
 
-class AdaptationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class AdaptationConfig(StrictNumbers):
     method: Method = Field("dex", description="dex | daa, or DAA's ablations diff_q | diff_k | diff_v")
     selection: Optional[Literal["entropy", "importance", "all"]] = Field(
         None, description="which heads of each layer to adapt: 'entropy' (highest first), 'importance' "

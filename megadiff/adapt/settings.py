@@ -16,31 +16,27 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.config import ConfigError, WandbFields, validate_wandb
 from megadiff.config.loader import apply_overrides, format_validation_error, load_yaml_tree
-from megadiff.config.schema import read_chat_template
+from megadiff.config.schema import StrictNumbers, read_chat_template
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ModelSection(Section):
+class ModelSection(StrictNumbers):
     path: str = Field(..., description="local Hugging Face model directory (config.json + weights)")
     tokenizer: Optional[str] = Field(None, description="tokenizer directory; default: model.path")
     attn_implementation: Optional[str] = Field(None, description="transformers attention implementation "
                                                "(sdpa, eager, flash_attention_2, ...); default: transformers'")
 
 
-class DataSection(Section):
+class DataSection(StrictNumbers):
     files: list[str] = Field(..., min_length=1, description="text files (.txt/.md: one document per file) or "
                              "JSON lines (.json/.jsonl: one document per record)")
     text_key: str = Field("text", description="the text field of JSON records")
@@ -51,7 +47,7 @@ class DataSection(Section):
     chat_template: Optional[str] = Field(None, description="with messages_key: a Jinja chat template or a file "
                                          "holding it; default: the tokenizer's own")
     seq_length: int = Field(1024, ge=2, description="tokens per packed training sequence")
-    seed: int = Field(1234, description="seed of the sample order (one permutation per epoch)")
+    seed: int = Field(1234, ge=0, description="seed of the sample order (one permutation per epoch)")
     document_masking: bool = Field(False, description="attention stays within each packed document (position "
                                    "ids restart after each EOS, from which transformers masks), in training "
                                    "and head selection")
@@ -62,7 +58,7 @@ class DataSection(Section):
     _read_chat_template = field_validator("chat_template")(read_chat_template)
 
 
-class TrainSection(Section):
+class TrainSection(StrictNumbers):
     iters: int = Field(..., ge=1, description="optimizer steps")
     micro_batch_size: int = Field(1, ge=1, description="sequences per rank per micro-step")
     grad_accum: int = Field(1, ge=1, description="micro-steps per optimizer step")
@@ -77,13 +73,13 @@ class TrainSection(Section):
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                          "backward (transformers' gradient checkpointing): a layer's activations "
                                          "held at a time, for long sequences of large models (DAA's recipe)")
-    seed: int = Field(1234, description="seeds torch every iteration (seed + iteration): dropout is resumable")
+    seed: int = Field(1234, ge=0, description="seeds torch every iteration (seed + iteration): dropout is resumable")
     timeout_minutes: float = Field(60, gt=0, description="how long a rank waits in a collective before the job "
                                    "fails, e.g. while its node's first rank tokenizes data.files (torch's "
                                    "default, 10, is short for a large corpus)")
 
 
-class CheckpointSection(Section):
+class CheckpointSection(StrictNumbers):
     save_interval: int = Field(500, ge=1, description="save a DeepSpeed checkpoint every N iterations")
     keep_last: Optional[int] = Field(None, ge=1, description="keep only the last N checkpoints (default: all)")
     exit_interval: Optional[int] = Field(None, ge=1, description="save and stop at iterations divisible by N "
@@ -93,12 +89,12 @@ class CheckpointSection(Section):
                                                    "(exit code 0; rerunning the command resumes)")
 
 
-class LoggingSection(Section, WandbFields):
+class LoggingSection(StrictNumbers, WandbFields):
     log_interval: int = Field(1, ge=1)
     tensorboard: bool = True
 
 
-class FinetuneConfig(Section):
+class FinetuneConfig(StrictNumbers):
     model: ModelSection
     adaptation: AdaptationConfig = Field(default_factory=AdaptationConfig)
     data: DataSection

@@ -150,8 +150,13 @@ def dropped_comment(value: str) -> str:
 def parse_override(item: str) -> DictConfig:
     """One `key.sub=value` override as a tree; a malformed one is a ConfigError naming it."""
     key, equals, value = item.partition("=")
-    if not equals:
+    parts = key.split(".")
+    if not equals or not all(parts):
         raise ConfigError(f"override {item!r} must look like key.sub=value")
+    if index := next((i for i, part in enumerate(parts) if part.isdigit()), None):
+        whole = ".".join(parts[:index])
+        raise ConfigError(f"override {item!r}: a list's items are not set one by one; give the whole list "
+                          f"({whole}=[...])")
     if comment := dropped_comment(value):
         raise ConfigError(f"override {item!r}: ' #' starts a YAML comment, which would drop {comment!r}; quote a "
                           f"value holding it (\"{key}='{value}'\") or leave the comment out")
@@ -187,7 +192,7 @@ def format_validation_error(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"])
-        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"].removeprefix("Value error, ")
         lines.append(f"{key}: {message}")
     return "invalid config:\n  " + "\n  ".join(lines)
 

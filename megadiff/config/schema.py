@@ -8,17 +8,42 @@ with a message naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Variant = Literal["softmax", "diff", "shared_diff", "dint"]
 REPOSITORY = Path(__file__).resolve().parents[2]
 DIFFERENTIAL_VARIANTS = ("diff", "shared_diff", "dint")
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+def _takes_booleans(annotation) -> bool:
+    """Whether a field's type holds a bool or isn't a number (pydantic would read true as 1 for an int)."""
+    if annotation is bool or annotation is Any:
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return any(isinstance(arg, bool) for arg in args)
+    if args:
+        return any(_takes_booleans(arg) for arg in args if arg is not type(None))
+    return annotation not in (int, float)
+
+
+class StrictNumbers(BaseModel):
+    """Refuses what a typo makes of a number: true for 1 (`model.num_layers=true`), an infinite float
+    (`train.lr=.inf`, which pydantic's bounds let through and which trains NaN steps)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value, info: ValidationInfo):
+        if isinstance(value, bool) and not _takes_booleans(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"a number is expected, not {str(value).lower()}")
+        return value
+
+
+class Section(StrictNumbers):
+    model_config = ConfigDict(validate_assignment=True)
 
 
 def read_chat_template(value: Optional[str]) -> Optional[str]:
@@ -145,7 +170,7 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0)
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     fp8_backend: Literal["te", "torchao"] = Field("te", description="fp8: TransformerEngine layers (te) or "
                                                   "torch-native float8 linear layers (torchao)")

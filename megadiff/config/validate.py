@@ -60,8 +60,6 @@ def validate_model(model: ModelConfig) -> None:
         _fail("model.num_kv_heads", f"model.num_attention_heads ({h}) must be a multiple of num_kv_heads ({h_kv})")
     if resolved_head_dim(model) % 2:
         _fail("model.head_dim", f"{resolved_head_dim(model)} must be even for rotary embeddings")
-    if not math.isfinite(model.rope_theta):  # before int(), which raises OverflowError on inf
-        _fail("model.rope_theta", f"{model.rope_theta} must be finite")
     if model.rope_theta != int(model.rope_theta):  # megatron-core's RoPE takes an integer base
         _fail("model.rope_theta", f"{model.rope_theta} must be an integer (megatron would use {int(model.rope_theta)})")
     if model.variant == "shared_diff" and model.lowrank_rank < 1:
@@ -70,6 +68,9 @@ def validate_model(model: ModelConfig) -> None:
         _fail("model.lowrank_rank", f"only used by variant 'shared_diff', not '{model.variant}'")
     if isinstance(model.lambda_init, float) and not differential:
         _fail("model.lambda_init", "only used by the differential variants")
+    if isinstance(model.lambda_init, float) and not 0 <= model.lambda_init < 1:
+        _fail("model.lambda_init", f"{model.lambda_init} must be in [0, 1) (the papers' (0, 1)): the heads' output is "
+              "scaled by 1 - lambda_init, which 1 zeroes (no gradient reaches attention) and above 1 negates")
     if model.transformer_impl == "te":
         from importlib.util import find_spec
         if find_spec("transformer_engine") is None:
@@ -182,7 +183,11 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     validate_wandb(cfg.logging)
     if train.min_lr > train.lr:
         _fail("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr})")
-    _validate_wsd(train)
+    _validate_schedule(train)
+    last_stage_seed = train.seed + 100 * (cfg.parallel.pipeline - 1)  # initialize.set_seed's offset per stage
+    if last_stage_seed > 2**32 - 1:
+        _fail("train.seed", f"{train.seed} + 100 per pipeline stage reaches {last_stage_seed}; numpy's seeds stop at "
+              "2**32 - 1")
     if train.eval_interval and split_shares(cfg.data.split)[1] == 0:
         _fail("train.eval_interval", f"data.split {cfg.data.split!r} leaves no validation documents; give the "
               "valid split a share (e.g. 949,50,1) or set train.eval_interval=null")
@@ -210,6 +215,22 @@ def _validate_profiling(logging: LoggingConfig, world_size: int | None) -> None:
     outside = [rank for rank in logging.profile_ranks if rank < 0 or (world_size is not None and rank >= world_size)]
     if outside:
         _fail("logging.profile_ranks", f"{outside} are not ranks of this run (world size {world_size})")
+
+
+def _validate_schedule(train: TrainConfig) -> None:
+    if train.lr_decay_iters is not None and train.lr_decay_iters <= train.lr_warmup_iters:
+        _fail("train.lr_decay_iters", f"{train.lr_decay_iters} ends the decay before train.lr_warmup_iters "
+              f"({train.lr_warmup_iters}) ends the warmup")
+    _validate_wsd(train)
+
+
+def short_warmup_warning(train: TrainConfig) -> str | None:
+    """A run whose warmup outlasts it (a recipe shortened for a trial, its warmup kept) never reaches train.lr:
+    said, not refused, as a trial may mean it."""
+    if train.lr_warmup_iters < train.iters:
+        return None
+    return (f"train.lr_warmup_iters: {train.lr_warmup_iters} iterations of warmup outlast train.iters={train.iters}: "
+            f"the lr rises to {train.lr * train.iters / train.lr_warmup_iters:.3g}, never to train.lr={train.lr:g}")
 
 
 def _validate_wsd(train: TrainConfig) -> None:

@@ -20,6 +20,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
     Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
+    short_warmup_warning,
 )
 from megadiff.errors import MegadiffError
 from megadiff.models.memory import (
@@ -114,8 +115,9 @@ class Pretraining:
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
                                f"DP {self.dp}); {memory} on the most loaded rank; {how}")
-            if memory_warning:
-                self.metrics.print(memory_warning)
+            for warning in (memory_warning, short_warmup_warning(t)):
+                if warning:
+                    self.metrics.print(warning)
             if start.data_changes:
                 self.metrics.print(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
                                    f"this run reads on from sample {start.position()[1]:,} of its own order")
