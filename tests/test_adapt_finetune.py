@@ -468,8 +468,8 @@ def test_conversations_label_the_assistant_turns_only(workspace, tmp_path, monke
 @pytest.mark.slow
 def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp_path):
     """Dex instruction-tuned on chats: the first iteration's loss (the model still the original:
-    lambda(0) = 0) is the original model's cross entropy on the assistant turns of the same
-    micro-batches (both ranks, both micro-steps); the export renders chats with the template."""
+    lambda(0) = 0) is the original model's cross entropy on the assistant turns of the global batch
+    (both ranks, both micro-steps), each target weighing the same; the export renders chats with the template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megadiff.adapt.data import BatchReader, build_packed_dataset
@@ -480,18 +480,29 @@ def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp
         f"data.cache_dir={tmp_path}"])
     dataset = build_packed_dataset(cfg.data, AutoTokenizer.from_pretrained(workspace / "model"))
     model = AutoModelForCausalLM.from_pretrained(workspace / "model").eval()
-    masked, unmasked = [], []
+    logits, targets, every_token = [], [], []
     with torch.no_grad():
         for rank in range(2):
             reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, 2)
             for micro_step in range(cfg.train.grad_accum):
                 input_ids, labels = reader.micro_batch_at(0, micro_step)
-                logits = model(input_ids).logits[:, :-1].flatten(0, 1)
-                masked.append(torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100))
-                unmasked.append(torch.nn.functional.cross_entropy(logits, input_ids[:, 1:].flatten()))
-    expected, everything = torch.stack(masked).mean().item(), torch.stack(unmasked).mean().item()
+                logits.append(model(input_ids).logits[:, :-1].flatten(0, 1))
+                targets.append(labels[:, 1:].flatten())
+                every_token.append(input_ids[:, 1:].flatten())
+    counts = [int((t != -100).sum()) for t in targets]
+    assert len(set(counts)) > 1, counts  # micro-batches of unequal targets: a mean of their means would differ
+    logits = torch.cat(logits)
+    expected = torch.nn.functional.cross_entropy(logits, torch.cat(targets), ignore_index=-100).item()
+    everything = torch.nn.functional.cross_entropy(logits, torch.cat(every_token)).item()
     assert abs(expected - everything) > 2e-4 * everything  # what a run scoring every token would log
-    assert read_metrics(output)[0]["lm_loss"] == pytest.approx(expected, rel=2e-5)
+    first = read_metrics(output)[0]
+    assert first["lm_loss"] == pytest.approx(expected, rel=2e-5)
+    # the same global batch in four micro-steps of one row: the same objective, so the same gradient
+    resplit = workspace / "chat_resplit"
+    run_adapt(workspace, *_chat_overrides(workspace), f"output_dir={resplit}", "train.iters=1",
+              "train.micro_batch_size=1", "train.grad_accum=4")
+    again = read_metrics(resplit)[0]
+    assert (again["lm_loss"], again["grad_norm"]) == pytest.approx((first["lm_loss"], first["grad_norm"]), rel=1e-5)
     exported = AutoTokenizer.from_pretrained(output / "hf")
     chat = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Seth."}]
     assert exported.apply_chat_template(chat, tokenize=False) == \

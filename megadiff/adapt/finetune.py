@@ -75,28 +75,36 @@ def _nothing() -> None:
     return None
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
+def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     value = value.detach().float().clone()
     dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+    return value
 
 
 def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: int) -> tuple[float, float]:
-    """One optimizer step (grad_accum micro-steps); returns (mean loss over ranks, lr used)."""
-    losses = []
+    """One optimizer step (grad_accum micro-steps); returns (the loss: the mean over the global batch's
+    targets, lr used)."""
+    import torch.distributed as dist
+
     lr = engine.get_lr()[0]
-    for micro_step in range(grad_accum):
-        input_ids, labels = (t.to(engine.device) for t in reader.micro_batch_at(iteration - 1, micro_step))
-        # the mean over the micro-batch's targets, given as a count: with a loss mask a micro-batch of
-        # prompts alone has none, whose mean would be NaN (its loss is then 0, no gradient)
-        targets = (labels[:, 1:] != IGNORED_LABEL).sum().clamp(min=1)
-        loss = engine(**model_inputs(input_ids, reader.document_eos), labels=labels, num_items_in_batch=targets).loss
+    batches = [[t.to(engine.device) for t in reader.micro_batch_at(iteration - 1, micro_step)]
+               for micro_step in range(grad_accum)]
+    # every target of the global batch weighs the same, however it is split into micro-batches and ranks (with a
+    # loss mask they hold unequal targets): DeepSpeed averages the micro-steps' and ranks' gradients, so each
+    # micro-batch's summed loss is divided by the targets a micro-batch holds on average (at least one: a batch
+    # of prompts alone has none)
+    targets = _sum_over_ranks(sum((labels[:, 1:] != IGNORED_LABEL).sum() for _, labels in batches))
+    per_micro_batch = targets.clamp(min=1) / (grad_accum * dist.get_world_size())
+    losses = []
+    for input_ids, labels in batches:
+        loss = engine(**model_inputs(input_ids, reader.document_eos), labels=labels,
+                      num_items_in_batch=per_micro_batch).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
-    return _mean_over_ranks(torch.stack(losses).mean()), lr
+    return _sum_over_ranks(torch.stack(losses).sum()).item() / (grad_accum * dist.get_world_size()), lr
 
 
 def _export(cfg: FinetuneConfig, engine, tokenizer, stage: int, rank: int) -> None:
