@@ -38,18 +38,18 @@ TEXT = ("In the beginning God created the heaven and the earth. And the earth wa
 EOD = "<|endoftext|>"
 
 
-def build_tokenizer(directory: Path) -> Path:
-    """A byte-level BPE of 300 ids (<|endoftext|> = 0) as Hugging Face tokenizer files."""
+def build_tokenizer(directory: Path, bos: str | None = None) -> Path:
+    """A byte-level BPE of 300 ids (<|endoftext|> = 0, `bos` = 1 if given) as Hugging Face tokenizer files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOD],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOD] + ([bos] if bos else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([TEXT] * 4, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOD).save_pretrained(str(directory))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOD, bos_token=bos).save_pretrained(str(directory))
     return directory
 
 

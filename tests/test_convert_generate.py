@@ -60,7 +60,29 @@ def test_remote_code_cache_gives_the_tokens_of_full_recomputation(models, name):
         full = model(input_ids=prompt).logits[:, -1]
         prefill = model(input_ids=prompt[:, :-1], use_cache=True)
         step = model(input_ids=prompt[:, -1:], past_key_values=prefill.past_key_values).logits[:, -1]
+        # several new tokens after cached ones: the one causal mask that is built without padding
+        start = model(input_ids=prompt[:, :2], use_cache=True)
+        rest = model(input_ids=prompt[:, 2:], past_key_values=start.past_key_values).logits
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rest, model(input_ids=prompt).logits[:, 2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", REMOTE)
+def test_remote_code_builds_no_mask_without_padding_and_refuses_a_static_cache(models, name, monkeypatch):
+    """A [B, 1, N, N] mask is 4 GiB of booleans per 64K sequence, and keeps SDPA off its flash kernel."""
+    model = models[name][2]
+    modeling = __import__(type(model).__module__, fromlist=["attention_mask_4d"])
+
+    def no_mask(*args):
+        raise AssertionError("a mask was built for a batch without padding")
+
+    monkeypatch.setattr(modeling, "attention_mask_4d", no_mask)
+    with torch.no_grad():
+        prefill = model(input_ids=torch.tensor([PROMPT]), attention_mask=torch.ones(1, 5, dtype=torch.long),
+                        use_cache=True)
+        model(input_ids=torch.tensor([[3]]), past_key_values=prefill.past_key_values)
+    with pytest.raises(ValueError, match="not a static one"):
+        model.generate(torch.tensor([PROMPT]), max_new_tokens=2, cache_implementation="static", pad_token_id=0)
 
 
 @pytest.mark.parametrize("name", REMOTE)

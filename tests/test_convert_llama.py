@@ -11,17 +11,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from megadiff.checkpoint.format import checkpoint_config
 from megadiff.config import ConfigError
 from megadiff.convert import convert_from_hf, convert_to_hf
+from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.tokenizers import load_tokenizer
 from megadiff.inference import load_checkpoint
 from tests.convert_worker import TEXT, build_tokenizer
 
 
-def stock_llama(directory, tied: bool, rope_theta: float = 500.0):
-    build_tokenizer(directory)
+def stock_llama(directory, tied: bool, rope_theta: float = 500.0, bos: str | None = None):
+    build_tokenizer(directory, bos)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+                         tie_word_embeddings=tied, bos_token_id=1 if bos else 0, eos_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # norms away from 1 so that each one matters
@@ -56,6 +57,38 @@ def test_stock_llama_becomes_a_megadiff_softmax_checkpoint(tmp_path, tied):
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_an_export_names_its_tokenizers_bos_and_its_rope_base_for_every_transformers(tmp_path):
+    """A Llama-family tokenizer begins texts with a BOS of its own (not the EOS); transformers 4.x reads the
+    RoPE base from config.json's rope_theta alone, and took 10000 silently without it."""
+    import json
+
+    stock_llama(tmp_path / "llama", tied=False, bos="<s>")
+    exported = convert_to_hf(convert_from_hf(tmp_path / "llama", tmp_path / "megadiff"), tmp_path / "back")
+    config = json.loads((exported / "config.json").read_text())
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], generation["bos_token_id"]) == (1, 0, 1)
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 500.0
+
+
+@pytest.mark.parametrize("change, message", [
+    ("base", r"no tensor model.embed_tokens.weight .* \(LlamaModel, not LlamaForCausalLM\)"),
+    ("other_head", r"config.json ties the embeddings .* lm_head.weight differs from model.embed_tokens.weight"),
+])
+def test_weights_that_are_not_the_configs_causal_lm_are_refused_by_name(tmp_path, change, message):
+    from safetensors.torch import save_file
+
+    stock_llama(tmp_path / "llama", tied=change == "other_head")
+    weights = tmp_path / "llama" / "model.safetensors"
+    state = load_file(str(weights))
+    if change == "base":  # what LlamaModel.save_pretrained writes: no head, no "model." prefix
+        state = {name.removeprefix("model."): tensor for name, tensor in state.items() if name != "lm_head.weight"}
+    else:  # a tied config beside a separate head, which transformers then uses
+        state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=message):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
 
 
 def test_rotary_buffers_of_older_exports_are_left_behind(tmp_path):

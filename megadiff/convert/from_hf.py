@@ -28,6 +28,7 @@ from megadiff.inference.loader import (
     PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
 )
 
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precision: str, tokenizer: str,
                      console: Console) -> Config:
@@ -69,7 +70,7 @@ def _load_parts(model, parts: Iterable[dict[str, torch.Tensor]]) -> int:
 def _is_weight(name: str, tied_embeddings: bool) -> bool:
     """transformers before 4.31 saved RoPE's frequencies with each layer (they follow from config.json),
     and some tied checkpoints store the shared matrix twice."""
-    return not (name.endswith(".rotary_emb.inv_freq") or (tied_embeddings and name == "lm_head.weight"))
+    return not (name.endswith(".rotary_emb.inv_freq") or (tied_embeddings and name == LM_HEAD))
 
 
 def _tokenizer(hf_dir: HFDirectory, save: Path):
@@ -98,7 +99,15 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     hf_config = load_hf_config(hf_dir.config_dict, hf_dir.path)
     family = hf_config.model_type
     state = hf_dir.state
-    hf_dtype = state["model.embed_tokens.weight"].dtype
+    if EMBEDDING not in state:
+        raise ConversionError(f"{hf_dir.path}: no tensor {EMBEDDING} (a causal LM's); a model saved without its "
+                              f"head (LlamaModel, not LlamaForCausalLM) names it without 'model.'. Tensors there: "
+                              f"{', '.join(sorted(state)[:4])}, ...")
+    if hf_config.tie_word_embeddings and LM_HEAD in state and not torch.equal(state[LM_HEAD], state[EMBEDDING]):
+        raise ConversionError(f"{hf_dir.path}: config.json ties the embeddings (tie_word_embeddings), but its "
+                              f"{LM_HEAD} differs from {EMBEDDING}, and transformers then uses the separate head. "
+                              "Set tie_word_embeddings to false in config.json to convert it as the model it is")
+    hf_dtype = state[EMBEDDING].dtype
     if dtype is None and hf_dtype not in PRECISIONS:
         raise ConversionError(f"{hf_dir.path}: weights in {hf_dtype}; pass --dtype fp32, bf16 or fp16")
     precision = dtype or PRECISIONS[hf_dtype]

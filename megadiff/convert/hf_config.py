@@ -33,18 +33,26 @@ def choose_family(model: ModelConfig, remote_code: bool = False) -> str:
     return "diffllama"
 
 
-def _common_fields(model: ModelConfig, vocab_size: int, eod: int, dtype: torch.dtype) -> dict:
+def _common_fields(model: ModelConfig, vocab_size: int, bos: int, eod: int, dtype: torch.dtype) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=model.hidden_size,
                 intermediate_size=resolved_ffn_hidden_size(model), num_hidden_layers=model.num_layers,
                 max_position_embeddings=model.seq_length, rms_norm_eps=model.norm_eps,
                 rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-                tie_word_embeddings=model.tie_embeddings, bos_token_id=eod, eos_token_id=eod, pad_token_id=None,
+                tie_word_embeddings=model.tie_embeddings, bos_token_id=bos, eos_token_id=eod, pad_token_id=None,
                 dtype=dtype)
 
 
-def build_hf_config(model: ModelConfig, family: str, vocab_size: int, eod: int, dtype: torch.dtype):
+def build_hf_config(model: ModelConfig, family: str, vocab_size: int, bos: int, eod: int, dtype: torch.dtype):
     """The Hugging Face config of an export (vocab_size = the padded vocabulary)."""
-    common = _common_fields(model, vocab_size, eod, dtype)
+    config = _family_config(model, family, _common_fields(model, vocab_size, bos, eod, dtype))
+    if family != "megadiff":
+        # beside rope_parameters: transformers 4.x reads only this, and would take its default base (10000)
+        # silently
+        config.rope_theta = model.rope_theta
+    return config
+
+
+def _family_config(model: ModelConfig, family: str, common: dict):
     heads, kv_heads, d = model.num_attention_heads, resolved_kv_heads(model), resolved_head_dim(model)
     if family == "llama":
         from transformers import LlamaConfig

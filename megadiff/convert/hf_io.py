@@ -101,6 +101,9 @@ class HFWeights(Mapping[str, torch.Tensor]):
         source = self._sources[name]
         return source[name] if isinstance(source, dict) else source.get_tensor(name)
 
+    def __contains__(self, name) -> bool:
+        return name in self._sources  # without reading the tensor, as Mapping's would
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)
 

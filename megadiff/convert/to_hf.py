@@ -38,7 +38,7 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     vocab_size = padded_vocab_size(cfg.model, cfg.parallel.tensor)
     source_dtype = DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds
     target_dtype = DTYPES[dtype] if dtype else source_dtype
-    hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.eod, target_dtype)
+    hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.bos, tokenizer.eod, target_dtype)
     with step(console, f"reading {checkpoint_dir}"):
         source = load_checkpoint(checkpoint_dir)
     # cast before DiffLlama's head-norm fold: from-hf refolds the sidecar's tensors to recognise o_proj

@@ -38,6 +38,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     undecodable_ids: frozenset[int]
     eod: int
+    bos: int  # what the tokenizer begins a text with, where it names one (else eod)
     chat_template: Optional[str]
     special_tokens: dict[str, str]
     special_texts: tuple[str, ...]
@@ -64,6 +65,7 @@ class TiktokenTokenizer:
         self.undecodable_ids = frozenset(range(self.vocab_size)) - set(spec["mergeable_ranks"].values()) \
             - set(spec["special_tokens"].values())
         self.eod = self.encoding.eot_token
+        self.bos = self.eod
         self.chat_template = None
         self.special_tokens = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}  # as save_hf names them
 
@@ -125,6 +127,7 @@ class HFTokenizer:
         if eod is None:
             raise TokenizerError(f"tokenizer {path} has no eos token to use as end-of-document")
         self.eod = eod
+        self.bos = eod if self.hf.bos_token_id is None else self.hf.bos_token_id
         template = self.hf.chat_template
         # a tokenizer may hold several named templates; "default" is the one transformers applies
         self.chat_template = template.get("default") if isinstance(template, dict) else template

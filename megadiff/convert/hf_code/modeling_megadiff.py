@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
@@ -50,6 +50,18 @@ def attention_mask_4d(attention_mask, batch: int, query_len: int, past_len: int,
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]
     return allowed | (key_pos[None, :] == query_pos[:, None])[None, None]
+
+
+def sdpa_masking(attention_mask, batch: int, query_len: int, past_len: int, device):
+    """(attn_mask, is_causal) for SDPA. Without padding no [B, 1, Nq, Nk] mask is built (4 GiB of booleans per
+    sequence at 64K, and one that keeps SDPA off its flash kernel): a prompt is causal from its first position,
+    and one new token sees every cached one."""
+    if attention_mask is None or bool(attention_mask.all()):
+        if past_len == 0:
+            return None, True
+        if query_len == 1:
+            return None, False
+    return attention_mask_4d(attention_mask, batch, query_len, past_len, device), False
 
 
 class MegadiffAttention(nn.Module):
@@ -132,10 +144,10 @@ class MegadiffAttention(nn.Module):
             k1, k2 = keys[:, :self.kv_heads], keys[:, self.kv_heads:]
         group = self.heads // self.kv_heads
         k1, k2, v = (t.repeat_interleave(group, dim=1) for t in (k1, k2, v))
-        mask = attention_mask_4d(attention_mask, batch, seq, past_len, hidden_states.device)
+        mask, causal = sdpa_masking(attention_mask, batch, seq, past_len, hidden_states.device)
         scale = 1.0 / math.sqrt(d)
-        first = F.scaled_dot_product_attention(q1, k1, v, attn_mask=mask, scale=scale)
-        second = F.scaled_dot_product_attention(q2, k2, v, attn_mask=mask, scale=scale)
+        first = F.scaled_dot_product_attention(q1, k1, v, attn_mask=mask, is_causal=causal, scale=scale)
+        second = F.scaled_dot_product_attention(q2, k2, v, attn_mask=mask, is_causal=causal, scale=scale)
         lam = self._lambda()
         out = first.float() - lam * second.float()
         if self.integral:
@@ -186,6 +198,9 @@ class MegadiffModel(MegadiffPreTrainedModel):
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if isinstance(attention_mask, dict) or isinstance(past_key_values, StaticCache):
+            raise ValueError("megadiff's modeling code takes the default dynamic cache, not a static one "
+                             "(cache_implementation='static')")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("attention_mask must be a [batch, past + new tokens] padding mask")
         use_cache = self.config.use_cache if use_cache is None else use_cache
