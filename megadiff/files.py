@@ -33,6 +33,30 @@ def write_atomically(path: str | Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+STAGING_SUFFIX = ".partial"
+
+
+def staging_dir(final: Path) -> Path:
+    """Where a checkpoint directory is written before `commit_staged` gives it its name."""
+    return final.with_name(final.name + STAGING_SUFFIX)
+
+
+def remove_staging_leftovers(directory: str | Path) -> None:
+    """What saves killed before their commit left (one process, before a save)."""
+    for leftover in Path(directory).glob(f"*{STAGING_SUFFIX}"):
+        shutil.rmtree(leftover)
+
+
+def commit_staged(final: Path, marker: Path, marker_text: str) -> None:
+    """Give the staged directory (every rank's files written) its name, then move the marker to it. A crash at
+    any point leaves the previous checkpoint and marker as they were, and never a checkpoint's name on a
+    directory that is not whole (keep_last would count it, and remove a whole one in its place)."""
+    if final.exists():  # the same iteration saved again (e.g. a signal right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(staging_dir(final), final)
+    write_atomically(marker, marker_text.encode())
+
+
 def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep: int) -> None:
     """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`.
     Later numbers (a run restarted from an earlier checkpoint left them) are not counted, so the one

@@ -25,6 +25,14 @@ REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 REQUEUE_MARKER_ENV = "MEGADIFF_REQUEUE_MARKER"  # set by slurm/job.sh
 
 
+def ignore_preemption_signals(*_) -> None:
+    """For a helper process (a data loader's worker, a checkpoint writer's manager): Slurm's `scancel --signal`
+    and time-limit SIGTERM reach every process of the job step, and the default action would kill the helper
+    before the training process checkpoints with it and exits for requeue."""
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def leave_requeue_marker(rank: int) -> None:
     """Rank 0 leaves the file $MEGADIFF_REQUEUE_MARKER names (when set), once the preemption checkpoint
     is committed: under torchrun a Slurm batch script sees torchrun's exit code (1 when a worker exits

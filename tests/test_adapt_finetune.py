@@ -280,7 +280,8 @@ def test_gradient_checkpointing_recomputes_each_layer_in_training_mode(workspace
 
 def slow_second_rank_save(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
     """`megadiff adapt` on 2 ranks whose second writes its part of each checkpoint slowly, recording
-    what `latest` named meanwhile (a kill then would leave that)."""
+    the name it writes under, what `latest` named meanwhile and whether the checkpoint's own name was
+    taken yet (a kill then would leave that)."""
     import time
 
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -293,7 +294,8 @@ def slow_second_rank_save(rank: int, world_size: int, config: str, overrides: li
         if rank == 1:
             time.sleep(2.0)
             latest = Path(save_dir) / "latest"
-            seen.append([tag, latest.read_text() if latest.is_file() else None])
+            named = (Path(save_dir) / tag.removesuffix(".partial")).exists()
+            seen.append([tag, latest.read_text() if latest.is_file() else None, named])
         return original(self, save_dir, tag)
 
     DeepSpeedEngine._save_zero_checkpoint = save_zero_checkpoint
@@ -310,7 +312,9 @@ def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(workspace, tmp_
     run_ranks(2, slow_second_rank_save, str(workspace / "adapt.yaml"),
               [f"output_dir={output}", "train.iters=4", "checkpoint.save_interval=2", "checkpoint.keep_last=1"],
               str(report))
-    assert json.loads(report.read_text()) == [["iter_0000002", None], ["iter_0000004", "iter_0000002"]]
+    # written under a staging name: a save killed then leaves no checkpoint's name for keep_last to count
+    assert json.loads(report.read_text()) == [["iter_0000002.partial", None, False],
+                                              ["iter_0000004.partial", "iter_0000002", False]]
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000004"
     # checkpoint.keep_last: the older one removed once the newer one is committed
     assert sorted(p.name for p in (output / "checkpoints").iterdir() if p.is_dir()) == ["iter_0000004"]

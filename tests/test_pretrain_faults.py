@@ -85,20 +85,23 @@ def test_preemption_under_torchrun_checkpoints_and_resumes_exactly(base, tmp_pat
     assert len(losses(out)) == end
 
 
-def test_preemption_reaching_the_data_loader_workers_checkpoints(base, tmp_path):
-    """`scancel --signal=USR1` (slurm/job.sh) signals every process of the step, loader workers too."""
+def test_preemption_reaching_every_process_of_the_step_checkpoints(base, tmp_path):
+    """`scancel --signal=USR1` (slurm/job.sh) and the time limit's SIGTERM signal every process of the step:
+    the loader workers, and the manager process megatron's checkpoint writes report through (once a periodic
+    save had started it, its death failed the preemption checkpoint)."""
     out = tmp_path / "workers"
     launcher = subprocess.Popen(pretrain_command(1, base + [f"train.iters={LONG}", "train.dataloader_workers=2",
-                                                            f"output_dir={out}"]),
+                                                            "checkpoint.save_interval=1", f"output_dir={out}"]),
                                 env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_iteration(out, 2, launcher)
     trainer = psutil.Process(launcher.pid)
-    workers = trainer.children(recursive=True)
-    assert len(workers) >= 2
-    for process in [trainer, *workers]:
+    helpers = trainer.children(recursive=True)
+    assert len(helpers) >= 3  # two loader workers and the checkpoints' manager
+    for process in [trainer, *helpers]:
         process.send_signal(signal.SIGUSR1)
     stopped = _stopped_at(launcher, out)
     assert launcher.returncode == REQUEUE_EXIT_CODE and stopped >= 2
+    assert not list((out / CHECKPOINTS_DIR).glob("*.partial"))
 
 
 def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config.loader import config_yaml
 from megadiff.errors import refused_together
-from megadiff.files import remove_older_numbered, write_atomically
+from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
 
@@ -245,16 +245,22 @@ def leave_out_frozen_aliases(engine) -> None:
 
 
 def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: int | None) -> None:
-    """DeepSpeed's checkpoint, committed by its `latest` file once every rank has written its part,
-    then the checkpoints beyond `keep_last` removed. DeepSpeed's rank 0 writes `latest` before the
-    ranks' closing barrier: killed while another rank still wrote (a preemption's grace period running
-    out), a run left `latest` naming a checkpoint that no requeue could load."""
-    tag = f"{ITERATION_PREFIX}{iteration:07d}"
+    """DeepSpeed's checkpoint, written under a staging name, renamed and committed by its `latest` file once
+    every rank has written its part, then the checkpoints beyond `keep_last` removed. DeepSpeed's rank 0
+    writes `latest` before the ranks' closing barrier: killed while another rank still wrote (a preemption's
+    grace period running out), a run left `latest` naming a checkpoint that no requeue could load, and a
+    checkpoint's name on a directory that keep_last counted."""
+    import torch.distributed as dist
+
+    final = checkpoint_dir / f"{ITERATION_PREFIX}{iteration:07d}"
+    if rank == 0:
+        remove_staging_leftovers(checkpoint_dir)
+    dist.barrier()
     # the frozen parameters (most of the model: 16 GB of an 8B model in bf16) are model.path's
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"iteration": iteration}, save_latest=False,
-                           exclude_frozen_parameters=True)
+    engine.save_checkpoint(str(checkpoint_dir), tag=staging_dir(final).name, client_state={"iteration": iteration},
+                           save_latest=False, exclude_frozen_parameters=True)
     if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
-        write_atomically(checkpoint_dir / "latest", tag.encode())
+        commit_staged(final, checkpoint_dir / "latest", final.name)
         if keep_last:
             remove_older_numbered(checkpoint_dir, ITERATION_PREFIX, iteration, keep_last)
 

@@ -12,9 +12,9 @@ the layout (world size, TP, PP, CP) is unchanged; any layout can load the rest (
 """
 from __future__ import annotations
 
-import os
+import multiprocessing
 import random
-import shutil
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megadiff.checkpoint.format import (
@@ -30,9 +31,9 @@ from megadiff.checkpoint.format import (
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from megadiff.checkpoint.weights import load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
-from megadiff.files import remove_older_numbered, write_atomically
+from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
+from megadiff.preemption import ignore_preemption_signals
 
-PARTIAL_SUFFIX = ".partial"
 TRAIN_STATE_KEY = "train_state"
 RNG_KEY = "rng_state"
 
@@ -70,19 +71,25 @@ def _rng_sharded_object(states: dict | None) -> ShardedObject:
 
 def _staging_dir(checkpoints_dir: Path, iteration: int) -> Path:
     """Where a save writes before its commit renames it to iteration_dir(...)."""
-    final = iteration_dir(checkpoints_dir, iteration)
-    return final.with_name(final.name + PARTIAL_SUFFIX)
+    return staging_dir(iteration_dir(checkpoints_dir, iteration))
 
 
 def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> None:
     """Rank 0, after every rank's files are complete: rename into place, then move the marker."""
-    final = iteration_dir(checkpoints_dir, iteration)
-    if final.exists():  # the same iteration saved again (e.g. a signal right after a periodic save)
-        shutil.rmtree(final)
-    os.replace(_staging_dir(checkpoints_dir, iteration), final)
-    write_atomically(checkpoints_dir / LATEST_FILE, f"{iteration}\n".encode())
+    commit_staged(iteration_dir(checkpoints_dir, iteration), checkpoints_dir / LATEST_FILE, f"{iteration}\n")
     if keep_last:
         remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last)
+
+
+def _start_write_results_queue() -> None:
+    """megatron's checkpoint writers report through a manager process it spawns at the first save. A spawned
+    process takes the default action of Slurm's preemption signals (they reach every process of the job step),
+    so it died as the preemption checkpoint was being written, and the save with it. Started here, it ignores
+    them."""
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=ignore_preemption_signals)
+        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager running
 
 
 class CheckpointWriter:
@@ -93,14 +100,14 @@ class CheckpointWriter:
         self.dir = Path(checkpoints_dir)
         self.cfg = cfg
         self.keep_last = keep_last
+        _start_write_results_queue()
         self.queue = AsyncCallsQueue() if async_save else None
 
     def save(self, iteration: int, chunks: list, optimizer, train_state: dict) -> None:
         self.wait()  # one save in flight at a time: its commit must precede the next one's
         staging = _staging_dir(self.dir, iteration)
         if _rank() == 0:
-            for leftover in self.dir.glob(f"*{PARTIAL_SUFFIX}"):  # from a crashed save
-                shutil.rmtree(leftover)
+            remove_staging_leftovers(self.dir)
             staging.mkdir(parents=True)
         _barrier()
         state = model_sharded_state(chunks)

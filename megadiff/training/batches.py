@@ -9,7 +9,6 @@ data-parallel rank reads the same micro-batches.
 from __future__ import annotations
 
 import math
-import signal
 from functools import partial
 from typing import Iterator
 
@@ -17,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from megadiff.models.documents import document_cu_seqlens
-from megadiff.preemption import PREEMPTION_SIGNALS
+from megadiff.preemption import ignore_preemption_signals
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -53,13 +52,6 @@ def _collate(samples: list[dict], document_eod: int | None) -> dict[str, torch.T
     return batch
 
 
-def _leave_preemption_to_the_trainer(worker_id: int) -> None:
-    """Slurm's `scancel --signal` reaches every process of the job step: a loader worker killed by it
-    would crash the run before the training process checkpoints and exits for requeue."""
-    for signum in PREEMPTION_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
 def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0,
                        document_eod: int | None = None, micro_batches_per_step: int = 1) -> DataLoader:
     """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents.
@@ -70,7 +62,7 @@ def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0
     ahead = max(2, math.ceil(micro_batches_per_step / num_workers)) if num_workers else None
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), prefetch_factor=ahead,
-                      persistent_workers=num_workers > 0, worker_init_fn=_leave_preemption_to_the_trainer)
+                      persistent_workers=num_workers > 0, worker_init_fn=ignore_preemption_signals)
 
 
 class IterationBatches:
