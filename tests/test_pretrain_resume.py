@@ -133,17 +133,37 @@ def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, o
     assert start.data_samples(cfg) == expected
 
 
-def test_a_checkpoint_saved_before_data_samples_were_kept_reads_on_in_its_order(monkeypatch):
-    """Its run drew the order for what it read to its own train.iters: the saved config says how many."""
+def _planned_from(monkeypatch, saved_overrides: list[str], overrides: list[str], train_state: dict):
+    """plan_start of a run with `overrides` whose output_dir holds a checkpoint of a run with `saved_overrides`."""
     from megadiff.config import build_config
     from megadiff.training import state
 
-    saved_cfg = build_config({}, ["train.iters=6", "train.global_batch_size=8"])
+    saved_cfg = build_config({}, saved_overrides)
     monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("iter_0000003"), True))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: saved_cfg)
-    monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 24})
-    cfg = build_config({}, ["train.iters=6", "train.global_batch_size=4"])
-    assert state.plan_start(cfg).data_samples(cfg) == (48, 48)
+    monkeypatch.setattr(state, "read_train_state", lambda path: dict(train_state))
+    cfg = build_config({}, overrides)
+    return state.plan_start(cfg), cfg
+
+
+def test_a_checkpoint_saved_before_data_samples_were_kept_reads_on_in_its_order(monkeypatch):
+    """Its run drew the order for what it read to its own train.iters: the saved config says how many."""
+    start, cfg = _planned_from(monkeypatch, ["train.iters=6", "train.global_batch_size=8"],
+                               ["train.iters=6", "train.global_batch_size=4"], {"iteration": 3, "consumed_samples": 24})
+    assert start.data_samples(cfg) == (48, 48)
+
+
+def test_a_derived_model_setting_given_or_left_to_its_default_is_the_same_model(monkeypatch):
+    """A recipe's explicit head_dim (the default's value) against a conversion's null: the same weights."""
+    from megadiff.config import ConfigError
+
+    state = {"iteration": 3, "consumed_samples": 24, "data_samples": 48}
+    explicit = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_dim=8", "model.num_kv_heads=4",
+                "model.ffn_hidden_size=192"]
+    _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=4"], state)
+    with pytest.raises(ConfigError, match=r"another model \(model.num_attention_heads: 4 -> 8, model.num_kv_heads: "
+                                          r"4 -> 8, model.head_dim: 8 -> 4\)"):
+        _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=8"], state)
 
 
 def test_a_resumed_layout_keeps_the_vocabulary_rows():

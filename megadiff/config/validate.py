@@ -36,6 +36,16 @@ def resolved_ffn_hidden_size(model: ModelConfig) -> int:
     return -(-(8 * model.hidden_size // 3) // 64) * 64
 
 
+DERIVED_MODEL_KEYS = ("head_dim", "num_kv_heads", "ffn_hidden_size")
+
+
+def resolved_architecture(model: ModelConfig) -> dict:
+    """The model's settings with the derived ones resolved: null and the value it stands for (a recipe's
+    explicit head_dim, a conversion's default) are the same model."""
+    return {**model.model_dump(), "head_dim": resolved_head_dim(model), "num_kv_heads": resolved_kv_heads(model),
+            "ffn_hidden_size": resolved_ffn_hidden_size(model)}
+
+
 def qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
     """Widths of Q, K and V outputs (all maps together)."""
     maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1

@@ -10,8 +10,10 @@ import math
 import torch
 
 from megadiff.config import (
-    DIFFERENTIAL_VARIANTS, ModelConfig, resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads,
+    DIFFERENTIAL_VARIANTS, ModelConfig, resolved_architecture, resolved_ffn_hidden_size, resolved_head_dim,
+    resolved_kv_heads,
 )
+from megadiff.config.validate import DERIVED_MODEL_KEYS
 from megadiff.convert.hf_layout import ConversionError
 
 REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_megadiff.MegadiffConfig",
@@ -138,11 +140,8 @@ def model_fields_from_hf(hf, directory) -> dict:
 
 def same_model(model: ModelConfig, fields: dict) -> bool:
     """Whether `model` resolves to the architecture `fields` describe (defaults resolved on both sides)."""
-    candidate = model.model_copy(update=fields)
-    resolved = (resolved_head_dim, resolved_kv_heads, resolved_ffn_hidden_size)
-    return (all(getattr(model, key) == getattr(candidate, key) for key in fields
-                if key not in ("head_dim", "num_kv_heads", "ffn_hidden_size"))
-            and all(fn(model) == fn(candidate) for fn in resolved))
+    mine, theirs = resolved_architecture(model), resolved_architecture(model.model_copy(update=fields))
+    return all(mine[key] == theirs[key] for key in (*fields, *DERIVED_MODEL_KEYS))
 
 
 def vocab_padding_multiple(vocab_size: int) -> int:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.training_checkpoint import latest_checkpoint, load_training_checkpoint, read_train_state
-from megadiff.config import Config, ConfigError, padded_vocab_size
+from megadiff.config import Config, ConfigError, padded_vocab_size, resolved_architecture
 
 # what megatron's sample order is made from: a continued run changing one reads on from its position
 # in another order
@@ -49,10 +49,10 @@ def current_layout(cfg: Config) -> dict:
 
 
 def _check_same_model(saved: Config, cfg: Config, where: Path) -> None:
-    differing = [key for key, value in cfg.model.model_dump().items()
-                 if key not in CHANGEABLE_MODEL_KEYS and getattr(saved.model, key) != value]
+    before, now = resolved_architecture(saved.model), resolved_architecture(cfg.model)
+    differing = [key for key, value in now.items() if key not in CHANGEABLE_MODEL_KEYS and before[key] != value]
     if differing:
-        details = ", ".join(f"model.{k}: {getattr(saved.model, k)!r} -> {getattr(cfg.model, k)!r}" for k in differing)
+        details = ", ".join(f"model.{k}: {before[k]!r} -> {now[k]!r}" for k in differing)
         raise ConfigError(f"the checkpoint {where} was trained with another model ({details}); "
                           "use a new output_dir, or the checkpoint's model settings")
 
