@@ -106,6 +106,9 @@ def _grid() -> dict[str, Case]:
         # a context-parallel chunk: queries the last 20 of 45 keys, documents over the keys
         "documents-fewer-queries-tiles16x32": Case(n_q=20, n_k=45, blocks=(16, 32), per_head_lam=True,
                                                    documents=(0, 12, 30, 33, 45, 50, 90)),
+        # its first key tile lies in a document that ends before the first query: no query sees those keys
+        "documents-ending-before-the-queries-tiles32x32": Case(n_q=20, n_k=64, blocks=(32, 32), per_head_lam=True,
+                                                               documents=(0, 33, 64, 97, 128)),
         "documents-fewer-queries-first-map-tiles32x16": Case(n_q=20, n_k=45, blocks=(32, 16), first_map=True,
                                                              documents=(0, 27, 45, 70, 90)),
     })

@@ -48,7 +48,9 @@ def document_query_ends(DOC_END, offs_n, n_q, n_k, BLOCK_M: tl.constexpr):
     valid = offs_n < n_k
     shift = n_k - n_q
     ends = tl.load(DOC_END + offs_n, mask=valid, other=0)
-    last = tl.max(ends, 0) - shift
+    # >= 0: a tile whose documents all end before the first query (a context-parallel chunk's early keys) has
+    # no query that sees it, and its ranges must come out empty rather than reach before the queries
+    last = tl.maximum(tl.max(ends, 0) - shift, 0)
     first = tl.min(tl.where(valid, ends, n_k), 0) - shift
     return last, tl.maximum(first, 0) // BLOCK_M * BLOCK_M
 
