@@ -88,9 +88,15 @@ def running_mean(x: torch.Tensor, causal: bool, starts: torch.Tensor | None = No
 
 
 def sum_since(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """[B, N, H, e]: x summed over positions starts[b, i] .. i ([B, N] int64 starts, each <= i)."""
-    prefix = F.pad(x.cumsum(dim=1), (0, 0, 0, 0, 1, 0))  # prefix[:, k] = sum of x[:, :k]
-    return prefix[:, 1:] - prefix.gather(1, starts[:, :, None, None].expand(-1, -1, *x.shape[2:]))
+    """[B, N, H, e]: x summed over positions starts[b, i] .. i ([B, N] int64 starts, each <= i).
+
+    The difference of two prefix sums of x less its mean: those of x itself grow with the position, and
+    their difference for a short document late in a long sequence cancelled (1.5% off at 64K in fp32).
+    Indexed rather than gathered, so autograd keeps the indices, not the [B, N, H, e] prefix sums."""
+    mean = x.detach().mean(dim=1, keepdim=True)
+    prefix = F.pad((x - mean).cumsum(dim=1), (0, 0, 0, 0, 1, 0))  # prefix[:, k] = sum of (x - mean)[:, :k]
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    return prefix[:, 1:] - prefix[rows, starts] + mean * document_counts(starts, x.dtype)
 
 
 def document_counts(starts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
