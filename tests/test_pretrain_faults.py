@@ -134,14 +134,20 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     records = read_metrics(tmp_path / "skips")
     assert [r["skipped_iterations"] for r in records] == [0, 1, 1, 2, 2, 2]
     assert math.isnan(records[1]["lm_loss"]) and math.isfinite(records[-1]["lm_loss"])
+    # the LR schedule follows the updates (as megatron's): a skipped step's lr is the next one's
+    lrs = [r["lr"] for r in records]
+    assert lrs[1] == lrs[2] != lrs[3] == lrs[4] != lrs[5] and lrs[0] != lrs[1]
     # a record every 2 steps: the means of the updating steps since the last one; a skipped step between
-    # records alone, as it comes (step 4, the interval's end, has the interval's step 3)
+    # records alone, as it comes (steps 2 and 4, the intervals' ends, have the intervals' steps 1 and 3, and
+    # their own losses as skipped_loss)
     run_ranks(1, poisoned_run, base + ["train.iters=6", "logging.log_interval=2", f"output_dir={tmp_path / 'pairs'}"],
               [2, 4], str(report))
     pairs = read_metrics(tmp_path / "pairs")
     assert [r["iteration"] for r in pairs] == [2, 4, 6]
     assert [r["lm_loss"] for r in pairs] == pytest.approx(
         [records[0]["lm_loss"], records[2]["lm_loss"], (records[4]["lm_loss"] + records[5]["lm_loss"]) / 2])
+    assert math.isnan(pairs[0]["skipped_loss"]) and math.isnan(pairs[1]["skipped_loss"])
+    assert "skipped_loss" not in pairs[2]
 
     # a background save of iteration 2, still being written, is committed before the run stops
     run_ranks(1, poisoned_run, base + ["train.iters=20", "train.max_skipped_nan_iters=2", "checkpoint.save_interval=2",

@@ -179,6 +179,9 @@ class Pretraining:
                 self.scheduler.step(1)
                 result = train_step(self.engine, batches.next_iteration(), self.num_microbatches,
                                     spike_guard=self.spike_guard)
+                lr = self.engine.optimizer.param_groups[0]["lr"]
+                if not result.updated:  # as megatron's: the schedule follows the updates (fp16's first skips keep
+                    self.scheduler.step(-1)  # the warmup whole)
                 state.iteration += 1
                 state.consumed_samples += t.global_batch_size
                 if result.spike:
@@ -193,10 +196,12 @@ class Pretraining:
                     unrecorded.add(result.loss, elapsed)
                 on_interval = state.iteration % cfg.logging.log_interval == 0
                 if on_interval or not result.updated:
-                    # a skipped step between records is recorded alone, as it comes
-                    loss, seconds = unrecorded.take() if on_interval and unrecorded else (result.loss, elapsed)
+                    # a skipped step between records is recorded alone, as it comes; one ending an interval of
+                    # updating steps records their means, and its own loss as skipped_loss
+                    pending = on_interval and len(unrecorded) > 0
+                    loss, seconds = unrecorded.take() if pending else (result.loss, elapsed)
                     record = {"iteration": state.iteration, "lm_loss": loss,
-                              "lr": self.engine.optimizer.param_groups[0]["lr"],
+                              "skipped_loss": result.loss if pending and not result.updated else None, "lr": lr,
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
                               "skipped_iterations": state.skipped_iterations,
                               "skipped_spikes": state.skipped_spikes if self.spike_guard else None,
