@@ -113,6 +113,9 @@ ACTIVATION_LAYOUTS = {
                                               "parallel.tensor=2", "parallel.sequence_parallel=true"]),
     "interleaved pp2": (2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "train.global_batch_size=4"]),
     "cp2": (2, ["parallel.context=2"]),
+    "dint bf16 cp2": (2, ["model.variant=dint", "train.precision=bf16", "parallel.context=2"]),
+    # at 2 ranks the gathered K and V are as large as what CP=1 keeps: 4 tell them apart
+    "softmax cp4": (4, ["model.variant=softmax", "parallel.context=4"]),
 }
 
 
@@ -126,8 +129,8 @@ def test_activation_estimate_matches_what_autograd_keeps(layout):
     estimate = activation_memory(build_config({}, MODEL + ACTIVATION_BASE + overrides, world_size), world_size,
                                  device="cpu")
     # context parallelism: CPU SDPA falls back to its math kernel (and keeps the maps) for the
-    # chunks whose queries see more keys than they are, where the fused kernel keeps none
-    tolerance = 0.03 if "cp" in layout else 0.01
+    # chunks whose queries see more keys than they are, where the fused kernel keeps none (more of them at 4)
+    tolerance = {"cp2": 0.03, "dint bf16 cp2": 0.03, "softmax cp4": 0.05}.get(layout, 0.01)
     assert max(peaks) == pytest.approx(estimate.total, rel=tolerance)
 
 

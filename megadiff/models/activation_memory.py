@@ -89,9 +89,11 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
     # megatron's V is a view of the fused QKV projection's output, whose storage autograd keeps whole;
     # the differential core attention saves a [.., 2d]-headed copy of V (gathered, with K, under CP)
     checkpointed = tokens * (2 * q_width + 2 * k_width + v_width) * element
+    # under context parallelism the core attention saves its Q and the whole sequence's gathered K and V
+    gathered = tokens * q_width * element + share.kv_tokens * (k_width + v_width) * element
     if m.variant not in DIFFERENTIAL_VARIANTS:  # SDPA's log-sum-exp; its output is linear_proj's input (a view)
-        return checkpointed, checkpointed, tokens * heads * FP32
-    saved = tokens * q_width * element + share.kv_tokens * (k_width + v_width) * element
+        return gathered if share.kv_tokens != tokens else checkpointed, checkpointed, tokens * heads * FP32
+    saved = gathered
     backend = m.attention_backend
     if backend == "auto":  # as ops.resolve_backend chooses: V's heads are 2d wide
         backend = "triton" if device == "cuda" and triton_fits(resolved_head_dim(m), 2 * resolved_head_dim(m)) \
