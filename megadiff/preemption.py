@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,6 +32,20 @@ def ignore_preemption_signals(*_) -> None:
     before the training process checkpoints with it and exits for requeue."""
     for signum in PREEMPTION_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def follow_the_trainer(trainer: int) -> None:
+    """Initializer of a helper process the training process (pid `trainer`) spawns: it ignores the preemption
+    signals, and exits once the trainer is gone (killed outright, a spawned helper would outlive it, and now
+    a plain kill too)."""
+    ignore_preemption_signals()
+
+    def exit_without_the_trainer() -> None:
+        while os.getppid() == trainer:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_without_the_trainer, daemon=True).start()
 
 
 def leave_requeue_marker(rank: int) -> None:

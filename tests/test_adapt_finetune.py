@@ -382,9 +382,9 @@ def test_config_errors_name_their_key(workspace, tmp_path):
         load_finetune_config(yaml_file, ["train.lr_max=1"])
     with pytest.raises(ConfigError, match="train.lr: Input should be a finite number"):
         load_finetune_config(yaml_file, ["train.lr=.inf"])
-    with pytest.raises(ConfigError, match="train.iters: a number is expected, not true"):
+    with pytest.raises(ConfigError, match="train.iters: a number is expected, not true or false"):
         load_finetune_config(yaml_file, ["train.iters=true"])
-    with pytest.raises(ConfigError, match="adaptation.lambda_learn_init: a number is expected, not false"):
+    with pytest.raises(ConfigError, match="adaptation.lambda_learn_init: a number is expected, not true or false"):
         load_finetune_config(yaml_file, ["adaptation.lambda_learn_init=false"])
     with pytest.raises(ConfigError, match="adaptation.selection"):
         load_finetune_config(yaml_file, ["adaptation.method=diff_v", "adaptation.selection=entropy"])

@@ -39,8 +39,10 @@ def test_softmax_head_dim_uses_all_heads():
     (["model.variant=softmax", "model.lambda_init=0.5"], "model.lambda_init"),
     (["model.lambda_init=1.0"], "model.lambda_init: 1.0 must be in \\[0, 1\\)"),
     (["model.lambda_init=-0.1"], "model.lambda_init: -0.1 must be in"),
-    (["model.lambda_init=true"], "model.lambda_init: a number is expected, not true"),
-    (["model.num_layers=true"], "model.num_layers: a number is expected, not true"),
+    (["model.lambda_init=true"], "model.lambda_init: a number is expected, not true or false"),
+    (["model.num_layers=true"], "model.num_layers: a number is expected, not true or false"),
+    (["logging.profile_ranks=[true]"], "logging.profile_ranks: a number is expected"),
+    (["train.recompute=false"], "train.recompute: Input should be 'none', 'selective' or 'full'"),
     (["train.lr=.inf"], "train.lr: Input should be a finite number"),
     (["model.init_std=.inf"], "model.init_std: Input should be a finite number"),
     (["train.seed=-1"], "train.seed"),
@@ -89,7 +91,7 @@ def test_a_warmup_outlasting_the_run_is_said_not_refused():
     """A recipe shortened for a trial keeps its warmup: the run starts, saying how far its lr rises."""
     from megadiff.config import short_warmup_warning
 
-    assert short_warmup_warning(build_config({}, ["train.iters=100", "train.lr_warmup_iters=99"]).train) is None
+    assert short_warmup_warning(build_config({}, ["train.iters=100", "train.lr_warmup_iters=100"]).train) is None
     trial = build_config({}, ["train.iters=100", "train.lr_warmup_iters=1000", "train.lr=3.2e-4"]).train
     assert short_warmup_warning(trial) == ("train.lr_warmup_iters: 1000 iterations of warmup outlast train.iters=100: "
                                            "the lr rises to 3.2e-05, never to train.lr=0.00032")

@@ -156,3 +156,19 @@ def test_a_relative_chat_template_is_read_from_the_file_that_sets_it(tmp_path, m
     assert load_config(tmp_path / "run.yaml").data.chat_template.startswith("{% for m")
     monkeypatch.chdir(tmp_path)
     assert load_config(tmp_path / "run.yaml").data.chat_template.startswith("{% for m")
+
+
+def test_a_checkpoints_config_is_read_against_the_schema_not_the_checks_of_a_run(tmp_path):
+    """A checkpoint trained with TransformerEngine, read where it is not installed, or saved before a check
+    that now refuses its schedule: its resume, conversion and evaluation read it as it ran."""
+    from megadiff.checkpoint.format import CONFIG_FILE, checkpoint_config
+
+    tree = {"model": {"transformer_impl": "te"}, "train": {"iters": 200, "lr_warmup_iters": 100,
+                                                            "lr_decay_iters": 100}}
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(tree))
+    saved = checkpoint_config(tmp_path)
+    assert (saved.model.transformer_impl, saved.train.lr_decay_iters) == ("te", 100)
+    with pytest.raises(ConfigError, match="model.transformer_impl: 'te' needs TransformerEngine"):
+        build_config(tree)  # a run asking for them is refused
+    with pytest.raises(ConfigError, match="train.lr_decay_iters: 100 ends the decay before"):
+        build_config({"train": tree["train"]})

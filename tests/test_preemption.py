@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
+
+import psutil
 
 import torch.distributed as dist
 
@@ -79,3 +84,34 @@ def test_a_marker_that_cannot_be_written_is_reported_not_raised(tmp_path, monkey
     monkeypatch.setenv(REQUEUE_MARKER_ENV, str(tmp_path / "missing" / "requeue"))
     leave_requeue_marker(0)
     assert "could not leave the requeue marker" in capsys.readouterr().err
+
+
+TRAINER = """
+import time
+from megadiff.checkpoint.training_checkpoint import _start_write_results_queue
+_start_write_results_queue()
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_checkpoint_writers_manager_ignores_preemption_and_exits_with_its_trainer():
+    """Slurm signals every process of the step: the manager megatron's writes report through lives on
+    through them, and leaves when its trainer is killed outright (it would otherwise be orphaned)."""
+    from tests.pretrain_runs import ROOT, environment
+
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER], env=environment(), cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "started"
+        manager = next(child for child in psutil.Process(trainer.pid).children()
+                       if "spawn_main" in " ".join(child.cmdline()))
+        for preemption in (signal.SIGUSR1, signal.SIGTERM):
+            manager.send_signal(preemption)
+        time.sleep(0.5)
+        assert manager.is_running() and manager.status() != psutil.STATUS_ZOMBIE
+        trainer.kill()
+        trainer.wait()
+        manager.wait(timeout=10)  # psutil.TimeoutExpired if it outlives its trainer
+    finally:
+        trainer.kill()

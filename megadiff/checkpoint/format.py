@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megadiff.config import Config, build_config
-from megadiff.config.loader import read_saved_config
+from megadiff.config import Config
+from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.errors import MegadiffError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -73,7 +73,7 @@ def checkpoint_config(checkpoint_dir: str | Path) -> Config:
     for section, keys in RETIRED_CONFIG_KEYS.items():
         for key in keys:
             (saved.get(section) or {}).pop(key, None)
-    return build_config(saved)
+    return saved_config(saved)
 
 
 def model_keys(num_chunks: int) -> list[str]:

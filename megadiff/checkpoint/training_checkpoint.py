@@ -13,6 +13,7 @@ the layout (world size, TP, PP, CP) is unchanged; any layout can load the rest (
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 from multiprocessing.managers import SyncManager
 from pathlib import Path
@@ -32,7 +33,7 @@ from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_
 from megadiff.checkpoint.weights import load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
 from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
-from megadiff.preemption import ignore_preemption_signals
+from megadiff.preemption import follow_the_trainer
 
 TRAIN_STATE_KEY = "train_state"
 RNG_KEY = "rng_state"
@@ -85,10 +86,10 @@ def _start_write_results_queue() -> None:
     """megatron's checkpoint writers report through a manager process it spawns at the first save. A spawned
     process takes the default action of Slurm's preemption signals (they reach every process of the job step),
     so it died as the preemption checkpoint was being written, and the save with it. Started here, it ignores
-    them."""
+    them (and exits with the training process)."""
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=ignore_preemption_signals)
+        manager.start(initializer=follow_the_trainer, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager running
 
 

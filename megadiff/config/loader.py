@@ -197,12 +197,20 @@ def format_validation_error(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def build_config(data: dict, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:
+def saved_config(data: dict, overrides: Iterable[str] = ()) -> Config:
+    """A config a run saved (a checkpoint's, an export's sidecar), with `overrides`, read against the schema
+    alone: the checks of a run's settings (its schedule, the packages it logs or computes with) were that run's,
+    and a resume, conversion or evaluation of its checkpoints does not repeat them (a later megadiff's stricter
+    ones included)."""
     tree = apply_overrides(data, overrides)
     try:
-        cfg = Config.model_validate(tree)
+        return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
+
+
+def build_config(data: dict, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:
+    cfg = saved_config(data, overrides)
     validate_config(cfg, world_size)
     return cfg
 

@@ -17,28 +17,30 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 DIFFERENTIAL_VARIANTS = ("diff", "shared_diff", "dint")
 
 
-def _takes_booleans(annotation) -> bool:
-    """Whether a field's type holds a bool or isn't a number (pydantic would read true as 1 for an int)."""
-    if annotation is bool or annotation is Any:
-        return True
-    args = get_args(annotation)
+def _leaf_types(annotation) -> set:
+    """The types a field's annotation holds, through Optional/Union/list/tuple (a Literal's: its values')."""
     if get_origin(annotation) is Literal:
-        return any(isinstance(arg, bool) for arg in args)
-    if args:
-        return any(_takes_booleans(arg) for arg in args if arg is not type(None))
-    return annotation not in (int, float)
+        return {type(arg) for arg in get_args(annotation)}
+    args = get_args(annotation)
+    return set().union(*(_leaf_types(arg) for arg in args)) if args else {annotation}
+
+
+def _holds_boolean(value) -> bool:
+    return isinstance(value, bool) or (isinstance(value, (list, tuple)) and any(_holds_boolean(v) for v in value))
 
 
 class StrictNumbers(BaseModel):
-    """Refuses what a typo makes of a number: true for 1 (`model.num_layers=true`), an infinite float
-    (`train.lr=.inf`, which pydantic's bounds let through and which trains NaN steps)."""
+    """Refuses what a typo makes of a number: true for 1 (`model.num_layers=true`, also in a list of numbers),
+    an infinite float (`train.lr=.inf`, which pydantic's bounds let through and which trains NaN steps)."""
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_for_a_number(cls, value, info: ValidationInfo):
-        if isinstance(value, bool) and not _takes_booleans(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"a number is expected, not {str(value).lower()}")
+        if _holds_boolean(value):
+            leaves = _leaf_types(cls.model_fields[info.field_name].annotation)
+            if leaves & {int, float} and not leaves & {bool, Any}:
+                raise ValueError("a number is expected, not true or false")
         return value
 
 

@@ -237,7 +237,7 @@ def _validate_schedule(train: TrainConfig) -> None:
 def short_warmup_warning(train: TrainConfig) -> str | None:
     """A run whose warmup outlasts it (a recipe shortened for a trial, its warmup kept) never reaches train.lr:
     said, not refused, as a trial may mean it."""
-    if train.lr_warmup_iters < train.iters:
+    if train.lr_warmup_iters <= train.iters:  # the last iteration's lr is train.lr
         return None
     return (f"train.lr_warmup_iters: {train.lr_warmup_iters} iterations of warmup outlast train.iters={train.iters}: "
             f"the lr rises to {train.lr * train.iters / train.lr_warmup_iters:.3g}, never to train.lr={train.lr:g}")

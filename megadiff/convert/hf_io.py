@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from megadiff.config import Config, build_config, dump_config
-from megadiff.config.loader import read_saved_config
+from megadiff.config import Config, dump_config
+from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import save_chat_template
 
@@ -157,7 +157,7 @@ def read_hf_dir(path: str | Path) -> HFDirectory:
         config_dict=json.loads((directory / "config.json").read_text()),
         state=HFWeights(_weight_files(directory)),
         extras=HFWeights([extras_file]) if extras_file.is_file() else {},
-        source_cfg=build_config(read_saved_config(config_file)) if config_file.is_file() else None,
+        source_cfg=saved_config(read_saved_config(config_file)) if config_file.is_file() else None,
     )
 
 

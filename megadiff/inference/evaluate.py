@@ -24,7 +24,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from megadiff.config import ConfigError
-from megadiff.config.loader import build_config
+from megadiff.config.loader import saved_config
+from megadiff.config.validate import validate_data
 from megadiff.data.checks import split_documents
 from megadiff.data.datasets import build_datasets, megatron_blend, source_config
 from megadiff.data.errors import DataError
@@ -44,11 +45,14 @@ SPLITS = ("valid", "test")
 
 
 def evaluation_config(model: CausalLM | HFCausalLM, seq_length: int | None, overrides: Iterable[str]):
-    """The checkpoint's config with the evaluation's sequence length and data overrides."""
+    """The checkpoint's config with the evaluation's sequence length and data overrides (checked: the
+    rest was the training run's to check)."""
     overrides = list(overrides)
     if seq_length is not None:
         overrides.append(f"model.seq_length={seq_length}")
-    return build_config(model.cfg.model_dump(mode="json"), overrides)
+    cfg = saved_config(model.cfg.model_dump(mode="json"), overrides)
+    validate_data(cfg.data)
+    return cfg
 
 
 def distinct_samples(cfg, split: str) -> int | None:
