@@ -193,6 +193,13 @@ def test_training_samples_keep_the_loss_on_the_assistant_turns(tmp_path):
         assert mask[labels == tokenizer.eod].all()  # each conversation ends with the assistant
     assert all(mask.any() and not mask.all() for _, mask in samples)
     assert sum((labels == answer).sum() for labels, _ in samples) > 10
+    # read with another template, or as prompt/response data: refused before training on it
+    tulu = str(Path(CHATML).with_name("tulu.jinja"))
+    with pytest.raises(DataError, match="data.chat_template: .* was prepared with another chat template"):
+        build_datasets(build_config({}, overrides + [f"data.chat_template={tulu}"]), tokenizer, (10, 0, 0), seed=1)
+    as_responses = overrides + ["data.messages_key=null", "data.chat_template=null", "data.response_key=response"]
+    with pytest.raises(DataError, match="data.response_key: .* was prepared with data.messages_key=messages"):
+        build_datasets(build_config({}, as_responses), tokenizer, (10, 0, 0), seed=1)
 
 
 def test_mistakes_are_named(tmp_path):

@@ -6,6 +6,7 @@ without tokens.
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 from functools import cache
 from typing import Callable
@@ -16,6 +17,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 
 from megadiff.config import Config
+from megadiff.data.conversations import chat_template_of
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import IndexSummary, bin_path, idx_path, loss_mask_prefix, read_index, token_dtype
 from megadiff.data.locations import training_blend
@@ -39,6 +41,7 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
         _check_splits(prefix, summary, cfg, key)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
+            _check_same_masking(prefix, manifest, cfg, tokenizer)
             if cfg.data.document_masking:
                 _check_documents_whole(prefix, manifest)
         else:
@@ -60,6 +63,26 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
                         f"otherwise than {spec!r} now does (the same vocabulary size and EOD, but another "
                         "vocabulary, merges or normalisation, e.g. retrained): its tokens would mean other text; "
                         "prepare it again")
+
+
+def _check_same_masking(prefix: str, manifest: dict | None, cfg: Config, tokenizer: Tokenizer) -> None:
+    """Conversations prepared with another chat template (or prompt/response data read as conversations): the
+    run's config, which chat, generate and the export read, would name a template the model never saw."""
+    prepared = manifest["fingerprint"] if manifest else {}
+    if not ({"response_key", "messages_key"} & prepared.keys()):
+        return  # plain text (the loss mask check refuses it), or a manifest from before these were recorded
+    data, mask_key = cfg.data, cfg.data.loss_mask_key
+    kind = mask_key.removeprefix("data.")
+    if prepared.get(kind) is None:
+        other = next(key for key in ("response_key", "messages_key") if prepared.get(key) is not None)
+        raise DataError(f"{mask_key}: {prefix} was prepared with data.{other}={prepared[other]}, not {mask_key}; "
+                        "set the key it was prepared with, or prepare it again")
+    template = chat_template_of(data, tokenizer) if data.messages_key is not None else None
+    if template is not None and hashlib.sha256(template.encode()).hexdigest() != prepared.get("chat_template"):
+        raise DataError(f"data.chat_template: {prefix} was prepared with another chat template than this run's "
+                        f"({'data.chat_template' if data.chat_template is not None else 'the tokenizer' + chr(39) + 's'}"
+                        "): chat, generate --chat and the export would prompt the model in a format it was not tuned "
+                        "on. Set the template it was prepared with, or prepare it again")
 
 
 def _warn_of_a_loss_mask_left_out(prefix: str, manifest: dict | None, key: str) -> None:
