@@ -340,6 +340,24 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
     torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
 
 
+def test_hf_reads_the_tokenizer_of_a_directory_with_custom_code_without_asking(tmp_path, monkeypatch):
+    """A Dex/DAA export's config names its own code, which `--hf` runs: reading its tokenizer without saying
+    so, transformers asked on the terminal whether to run it (and waited 15 s for an answer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megadiff.inference.hf_model import HFCausalLM
+    from tests.convert_worker import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "custom_llama", "auto_map": {
+        "AutoConfig": "modeling_megadiff_adapted.AdaptedLlamaConfig",
+        "AutoModelForCausalLM": "modeling_megadiff_adapted.AdaptedLlamaForCausalLM"}}))
+    monkeypatch.setattr("builtins.input", lambda *args: pytest.fail("transformers asked to run the custom code"))
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=32))
+    assert HFCausalLM(hf, tmp_path, 32).tokenizer.vocab_size == 300
+
+
 def test_an_export_carries_its_runs_held_out_samples(tmp_path):
     """--hf on a megadiff export draws the run's held-out samples: its data settings and seed (the
     sample order's), with the export's own tokenizer, attending across documents as transformers does."""

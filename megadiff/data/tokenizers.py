@@ -112,13 +112,14 @@ def oniguruma_pattern(pattern: str) -> str:
 class HFTokenizer:
     undecodable_ids: frozenset[int] = frozenset()  # every id below len(hf) decodes
 
-    def __init__(self, path: str, hf=None):
-        """The tokenizer files in `path`, or `hf`, one already loaded from there (e.g. from a GGUF file)."""
+    def __init__(self, path: str, hf=None, trust_remote_code: bool = False):
+        """The tokenizer files in `path`, or `hf`, one already loaded from there (e.g. from a GGUF file);
+        `trust_remote_code` for a model directory whose code is run anyway (`--hf`), else transformers asks."""
         from transformers import AutoTokenizer
 
         self.name = path
         try:
-            self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path)
+            self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
             raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
                                  f"({str(err).strip().splitlines()[0]})") from None
@@ -153,11 +154,11 @@ class HFTokenizer:
 
 
 @lru_cache(maxsize=4)
-def load_tokenizer(spec: str) -> Tokenizer:
+def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Tokenizer:
     """'cl100k_base' / 'o200k_base', or a directory holding Hugging Face tokenizer files."""
     if spec in PACKAGED_TIKTOKEN:
         return TiktokenTokenizer(spec)
     if Path(spec).is_dir():
-        return HFTokenizer(spec)
+        return HFTokenizer(spec, trust_remote_code=trust_remote_code)
     raise TokenizerError(f"data.tokenizer: {spec!r} is neither one of {PACKAGED_TIKTOKEN} nor a directory of "
                          "Hugging Face tokenizer files")

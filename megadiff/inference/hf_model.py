@@ -67,7 +67,7 @@ class HFCausalLM:
 
     def __init__(self, hf, path: str | Path, window: int):
         self.hf, self.checkpoint_dir = hf, Path(path)
-        self.tokenizer: Tokenizer = load_tokenizer(str(path))
+        self.tokenizer: Tokenizer = load_tokenizer(str(path), trust_remote_code=True)
         self.cfg: Config = build_config({"model": {"seq_length": window}, **_export_data(path)})
 
     @property
@@ -146,7 +146,8 @@ def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None
     if dtype is not None and dtype not in PRECISION_DTYPES:
         raise ConfigError(f"--dtype must be one of {list(PRECISION_DTYPES)}, got {dtype}")
     init_process_group(timedelta(minutes=30))
-    load_tokenizer(str(path))  # a directory without tokenizer files is refused before the weights are read
+    # a directory without tokenizer files is refused before the weights are read
+    load_tokenizer(str(path), trust_remote_code=True)
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     window = window or getattr(config, "max_position_embeddings", None)
     if not window:
