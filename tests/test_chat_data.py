@@ -112,8 +112,23 @@ def test_sharegpt_turns_are_messages(tmp_path):
 def test_generation_blocks_say_which_text_is_the_assistants(tmp_path):
     sources = write_conversations(tmp_path / "src", CONVERSATIONS)
     prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", template=template_file(tmp_path, MARKED))).data)
+    # encoded as one text, each reply's "." and the "<" of the "<|im_end|>" after it are one cl100k token,
+    # which holds assistant's text: it takes the loss
     assert_documents(tmp_path / "chat", load_tokenizer("cl100k_base"), CONVERSATIONS, chatml,
-                     lambda messages: "".join(m["content"] for m in messages if m["role"] == "assistant"))
+                     lambda messages: "".join(m["content"] + "<" for m in messages if m["role"] == "assistant"))
+
+
+def test_a_conversation_is_encoded_as_its_chat_prompt():
+    """Training's ids of a conversation are those `chat`, `generate --chat` (and the export's
+    apply_chat_template) give its rendering, where a token spans a turn's edge too (MARKED in cl100k)."""
+    from megadiff.data.conversations import encode_conversation
+    from megadiff.inference.chat_prompts import encode_prompt, render_chat
+
+    tokenizer = load_tokenizer("cl100k_base")
+    for template in (Path(CHATML).read_text(), MARKED):
+        for messages in CONVERSATIONS[:2]:
+            prompt = render_chat(messages, template, tokenizer, generation_prompt=False)
+            assert encode_conversation(messages, template, tokenizer)[0][:-1] == encode_prompt(tokenizer, prompt)
 
 
 def test_the_tulu_template_renders_open_instructs_format(tmp_path, small_tokenizer_dir):
@@ -318,7 +333,9 @@ def test_the_templates_special_tokens_are_special_a_messages_are_text(tmp_path, 
     assert stats["inner_eods"] == 2 * 2 and ids.count(tokenizer.eod) == 3  # the two turns' ends and the EOD
     rendering = "".join(f"{m['role']}: {m['content']}<|endoftext|>\n" for m in conversation)
     assert tokenizer.decode(ids[:-1]) == rendering
-    assert tokenizer.decode(np.asarray(ids[:-1])[bits[:-1]].tolist()) == "It ends a text: <|endoftext|>.<|endoftext|>\n"
+    # the space the template writes before a reply and the reply's first word are one token: it takes the loss
+    masked = tokenizer.decode(np.asarray(ids[:-1])[bits[:-1]].tolist())
+    assert masked == " It ends a text: <|endoftext|>.<|endoftext|>\n"
 
 
 def test_a_messages_own_marker_characters_cannot_pair_with_the_wrappers():

@@ -79,10 +79,10 @@ def _check_same_masking(prefix: str, manifest: dict | None, cfg: Config, tokeniz
                         "set the key it was prepared with, or prepare it again")
     template = chat_template_of(data, tokenizer) if data.messages_key is not None else None
     if template is not None and hashlib.sha256(template.encode()).hexdigest() != prepared.get("chat_template"):
+        source = "data.chat_template" if data.chat_template is not None else "the tokenizer's"
         raise DataError(f"data.chat_template: {prefix} was prepared with another chat template than this run's "
-                        f"({'data.chat_template' if data.chat_template is not None else 'the tokenizer' + chr(39) + 's'}"
-                        "): chat, generate --chat and the export would prompt the model in a format it was not tuned "
-                        "on. Set the template it was prepared with, or prepare it again")
+                        f"({source}): chat, generate --chat and the export would prompt the model in a format it "
+                        "was not tuned on. Set the template it was prepared with, or prepare it again")
 
 
 def _warn_of_a_loss_mask_left_out(prefix: str, manifest: dict | None, key: str) -> None:

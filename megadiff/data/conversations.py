@@ -10,10 +10,11 @@ A template that marks the assistant's text with {% generation %} blocks says whe
 Otherwise an assistant message's text is what rendering the conversation through it adds to
 rendering the conversation before it with the generation prompt (the prefix rule TRL uses too),
 which holds for templates that render a turn alike whatever follows it; a template that does not
-is refused, naming the message. Each piece is encoded on its own, so the mask falls on token
-boundaries. A Hugging Face tokenizer reads the special tokens the template writes (<|im_start|>,
-the EOS) as special ids, while a special token's text inside a message stays text, as in
-documents (tiktoken reads none as special).
+is refused, naming the message. The conversation is encoded as one text, as a chat prompt (and Hugging
+Face's apply_chat_template) encodes it; a token takes the loss where its characters overlap the
+assistant's text (a tokenizer without character offsets, a slow one, encodes piece by piece). A Hugging
+Face tokenizer reads the special tokens the template writes (<|im_start|>, the EOS) as special ids, while
+a special token's text inside a message stays text, as in documents (tiktoken reads none as special).
 """
 from __future__ import annotations
 
@@ -148,16 +149,43 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
     if not messages:
         return [], []
     messages = as_messages(messages)
-    ids: list[int] = []
-    mask: list[int] = []
     marked = mark_special_texts(messages, tokenizer.special_texts)
-    for text, assistant in conversation_pieces(marked, template, tokenizer.special_tokens):
-        piece = encode_piece(text, tokenizer)
-        ids += piece
-        mask += [int(assistant)] * len(piece)
+    try:
+        ids, mask = _encode_whole(*_assistant_spans(marked, template, tokenizer.special_tokens), tokenizer)
+    except NotImplementedError:
+        ids, mask = [], []
+        for text, assistant in conversation_pieces(marked, template, tokenizer.special_tokens):
+            piece = encode_piece(text, tokenizer)
+            ids += piece
+            mask += [int(assistant)] * len(piece)
     if not any(mask):
         return [], []
     return ids + [tokenizer.eod], mask + [int(messages[-1]["role"] == "assistant")]
+
+
+def _encode_whole(text: str, spans: list[tuple[int, int]], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The rendered conversation's ids, as encode_piece gives them, and whether each token's characters
+    overlap an assistant's span."""
+    def assistant(start: int, end: int) -> bool:
+        return any(begin < end and start < stop if start < end else begin <= start < stop for begin, stop in spans)
+
+    ids: list[int] = []
+    mask: list[int] = []
+    for position, chunk, literal in _chunks(text):
+        chunk_ids, offsets = tokenizer.encode_with_offsets(chunk, ordinary=literal)
+        ids += chunk_ids
+        mask += [int(assistant(position + start, position + end)) for start, end in offsets]
+    return ids, mask
+
+
+def _chunks(text: str):
+    """(position, chunk, whether mark_special_texts wrapped it) of `text`, the wrappers left out."""
+    position = 0
+    for found in LITERAL.finditer(text):
+        yield position, text[position:found.start()], False
+        yield found.start(1), found.group(1), True
+        position = found.end()
+    yield position, text[position:], False
 
 
 def mark_special_texts(messages: list[dict], special_texts: tuple[str, ...]) -> list[dict]:
@@ -184,7 +212,7 @@ def encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:
     """A rendered piece's ids: the template's text with its special tokens as their ids, the texts
     mark_special_texts wrapped (a message's) as ordinary text."""
     ids: list[int] = []
-    for index, chunk in enumerate(LITERAL.split(text)):  # odd chunks were wrapped
+    for _, chunk, literal in _chunks(text):
         if chunk:
-            ids += tokenizer.encode_ordinary(chunk) if index % 2 else tokenizer.encode(chunk)
+            ids += tokenizer.encode_ordinary(chunk) if literal else tokenizer.encode(chunk)
     return ids

@@ -47,6 +47,8 @@ class Tokenizer(Protocol):
 
     def encode_ordinary(self, text: str) -> list[int]: ...
 
+    def encode_with_offsets(self, text: str, ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
     def save_hf(self, directory: str | Path) -> None: ...
@@ -75,6 +77,12 @@ class TiktokenTokenizer:
         return self.encoding.encode_ordinary(text)
 
     encode_ordinary = encode
+
+    def encode_with_offsets(self, text: str, ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode's ids, each with the (start, end) of its characters in `text`."""
+        ids = self.encoding.encode_ordinary(text)
+        starts = self.encoding.decode_with_offsets(ids)[1]
+        return ids, list(zip(starts, starts[1:] + [len(text)]))
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode([i for i in ids if i < self.vocab_size and i not in self.undecodable_ids])
@@ -145,6 +153,14 @@ class HFTokenizer:
         """Special tokens' texts in `text` stay text, as tiktoken's encode reads them: for documents,
         where a literal "<|endoftext|>" must not end the document."""
         return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def encode_with_offsets(self, text: str, ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode's (or with `ordinary`, encode_ordinary's) ids, each with the (start, end) of its characters in
+        `text`; NotImplementedError for a tokenizer without offsets (a slow, Python one)."""
+        if not self.hf.is_fast:
+            raise NotImplementedError(f"{self.name} gives no character offsets")
+        encoded = self.hf(text, add_special_tokens=False, split_special_tokens=ordinary, return_offsets_mapping=True)
+        return encoded["input_ids"], [tuple(span) for span in encoded["offset_mapping"]]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
