@@ -91,7 +91,8 @@ def test_chatml_conversations_keep_the_loss_on_the_assistant_turns(tmp_path):
     assert prepare(data) == stats  # up to date
     marked = template_file(tmp_path, MARKED)
     other = build_config({}, chat_overrides(sources, tmp_path / "out" / "chat", template=marked)).data
-    assert prepare(other) != stats  # another template: prepared again
+    with pytest.warns(UserWarning, match="block leaves out"):
+        assert prepare(other) != stats  # another template: prepared again
 
 
 def test_sharegpt_turns_are_messages(tmp_path):
@@ -110,8 +111,14 @@ def test_sharegpt_turns_are_messages(tmp_path):
 
 
 def test_generation_blocks_say_which_text_is_the_assistants(tmp_path):
+    from megadiff.data.conversations import turn_end
+
     sources = write_conversations(tmp_path / "src", CONVERSATIONS)
-    prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", template=template_file(tmp_path, MARKED))).data)
+    # its block holds the content alone: replies still end at "<|im_end|>", but the model is not taught it
+    assert turn_end(MARKED, {}) == turn_end(Path(CHATML).read_text(), {}) == "<|im_end|>"
+    with pytest.warns(UserWarning, match="block leaves out '<\\|im_end\\|>', which ends the assistant's turn"):
+        prepare(build_config({}, chat_overrides(sources, tmp_path / "chat",
+                                                template=template_file(tmp_path, MARKED))).data)
     # encoded as one text, each reply's "." and the "<" of the "<|im_end|>" after it are one cl100k token,
     # which holds assistant's text: it takes the loss
     assert_documents(tmp_path / "chat", load_tokenizer("cl100k_base"), CONVERSATIONS, chatml,

@@ -19,6 +19,7 @@ a special token's text inside a message stays text, as in documents (tiktoken re
 from __future__ import annotations
 
 import re
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -31,6 +32,9 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "func
                   "observation": "tool"}
 # what a template is rendered on when it is chosen, so a broken one fails before any tokenizing
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+# a reply whose end of turn is looked for
+REPLY = "megadiff-reply"
+PROBE_REPLY = [{"role": "user", "content": "u"}, {"role": "assistant", "content": REPLY}]
 # wrap a special token's text inside a message while the conversation is rendered, so that it can
 # be told apart from the template's own special tokens (Unicode noncharacters: never in text)
 LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
@@ -53,6 +57,7 @@ def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
         raise DataError(f"data.messages_key: tokenizer {tokenizer.name!r} has no chat template; set "
                         "data.chat_template to a Jinja template or a file holding one (e.g. configs/chat/chatml.jinja)")
     conversation_pieces(PROBE, template, tokenizer.special_tokens)
+    _warn_of_an_unlearned_turn_end(template, tokenizer.special_tokens)
     return template
 
 
@@ -72,13 +77,22 @@ def render_conversation(messages: list[dict], template: str, variables: dict, ge
 
 def turn_end(template: str, variables: dict) -> Optional[str]:
     """The text the template closes an assistant's turn with (ChatML: "<|im_end|>"), where it
-    writes one after the content: where a chat model's reply ends."""
-    reply = "megadiff-reply"
-    pieces = conversation_pieces([{"role": "user", "content": "u"}, {"role": "assistant", "content": reply}],
-                                 template, variables)
-    text = next((piece for piece, assistant in pieces if assistant), "")
-    end = text[text.index(reply) + len(reply):].strip() if reply in text else ""
+    writes one after the content: where a chat model's reply ends (inside a {% generation %} block
+    or after it)."""
+    text = _render(PROBE_REPLY, template, variables)[0]
+    end = text[text.index(REPLY) + len(REPLY):].strip() if REPLY in text else ""
     return end or None
+
+
+def _warn_of_an_unlearned_turn_end(template: str, variables: dict) -> None:
+    """A {% generation %} block holding the content alone leaves the loss off the turn's end: the model is
+    never taught to end its replies."""
+    end = turn_end(template, variables)
+    assistant = "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
+    if end is not None and end not in assistant:
+        warnings.warn(f"data.chat_template: its {{% generation %}} block leaves out {end!r}, which ends the "
+                      "assistant's turn: the model is not trained to end its replies (put it inside the block)",
+                      stacklevel=3)
 
 
 def _render(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
