@@ -87,7 +87,7 @@ def turn_end(template: str, variables: dict) -> Optional[str]:
 def _warn_of_an_unlearned_turn_end(template: str, variables: dict) -> None:
     """A {% generation %} block holding the content alone leaves the loss off the turn's end: the model is
     never taught to end its replies."""
-    end = turn_end(template, variables)
+    end = turn_end(template, variables) if GENERATION_BLOCK.search(template) else None
     assistant = "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
     if end is not None and end not in assistant:
         warnings.warn(f"data.chat_template: its {{% generation %}} block leaves out {end!r}, which ends the "

@@ -6,8 +6,8 @@ TensorBoard writer (+ W&B when asked): no megatron here. Only the logging rank c
 metrics.jsonl holds one JSON object per logged iteration. Its keys are the caller's: numbers,
 and dicts of numbers (e.g. {"lambda": {"layer_1": 0.2}}), which TensorBoard gets as
 "lambda/layer_1". A NaN or infinite value is written as null, which strict JSON readers (jq,
-pandas, JavaScript) take; `read_metrics` gives it back as NaN. A run that resumes appends, after dropping the lines of iterations it will
-run again, so the file always reads as one uninterrupted run.
+pandas, JavaScript) take; `read_metrics` gives it back as NaN. A run that resumes appends, after
+dropping the lines of iterations it will run again, so the file always reads as one uninterrupted run.
 """
 from __future__ import annotations
 
