@@ -66,6 +66,19 @@ def test_dints_running_mean_of_a_short_document_late_in_a_long_sequence_keeps_fp
     assert x.grad[0, :n - 3].abs().max() < 1e-6  # none but rounding
 
 
+def test_the_running_means_adjoint_of_a_short_document_early_in_a_long_sequence_keeps_fp32_precision():
+    """The Triton path's backward of DINT's running mean sums each document's suffix: as the difference of
+    whole-sequence suffix sums it cancelled as the forward's prefix sums did."""
+    from megadiff.ops.common import sum_until
+
+    n = 65536
+    x = 1.0 + 0.3 * torch.randn(1, n, 1, 8, generator=torch.Generator().manual_seed(0))
+    ends = torch.full((1, n), n)
+    ends[0, :3] = 3
+    exact = torch.stack([x[0, i:3].double().sum(0) for i in range(3)])
+    torch.testing.assert_close(sum_until(x, ends)[0, :3].double(), exact, rtol=1e-5, atol=0)
+
+
 def test_softmax_attention_matches_sdpa_with_a_document_mask():
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, N, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))

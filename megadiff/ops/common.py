@@ -99,6 +99,16 @@ def sum_since(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     return prefix[:, 1:] - prefix[rows, starts] + mean * document_counts(starts, x.dtype)
 
 
+def sum_until(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """[B, N, H, e]: x summed over positions i .. ends[b, i] - 1 ([B, N] int64 ends, each > i): sum_since's
+    transpose, taken the same way (suffix sums of x less its mean, indexed)."""
+    mean = x.detach().mean(dim=1, keepdim=True)
+    suffix = F.pad((x - mean).flip(1).cumsum(dim=1).flip(1), (0, 0, 0, 0, 0, 1))  # suffix[:, k]: (x - mean)[:, k:]
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    positions = torch.arange(ends.shape[1], device=ends.device)
+    return suffix[:, :-1] - suffix[rows, ends] + mean * (ends - positions).to(x.dtype)[:, :, None, None]
+
+
 def document_counts(starts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, N, 1, 1]: how many positions of its document each position has reached (itself included)."""
     positions = torch.arange(starts.shape[1], device=starts.device)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.common import (
     TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, map_pairs, running_mean,
-    triton_fits,
+    sum_until, triton_fits,
 )
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
@@ -68,10 +67,7 @@ def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | 
     if documents is None:
         counts = torch.arange(1, g.shape[1] + 1, device=g.device, dtype=g.dtype).view(1, -1, 1, 1)
         return (g / counts).flip(1).cumsum(1).flip(1)
-    scaled = g / document_counts(documents.starts.long(), g.dtype)
-    suffix = F.pad(scaled.flip(1).cumsum(1).flip(1), (0, 0, 0, 0, 0, 1))  # suffix[:, k] = sum of scaled[:, k:]
-    after = suffix.gather(1, documents.ends.long()[:, :, None, None].expand(-1, -1, *g.shape[2:]))
-    return suffix[:, :-1] - after
+    return sum_until(g / document_counts(documents.starts.long(), g.dtype), documents.ends.long())
 
 
 _documents_of_tensors = DerivedPerTensor()  # read once per micro-batch, not once per layer
