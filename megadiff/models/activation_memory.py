@@ -117,8 +117,8 @@ def _layer_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[int, int]
     m, t, element, stream = cfg.model, cfg.parallel.tensor, share.element, share.stream
     norms = 2 * stream * rms_norm_bytes(m.hidden_size, 1, element, device)
     linear_inputs = 2 * stream * m.hidden_size * element                # linear_qkv and fc1
-    if m.variant == "shared_diff":                                      # the four low-rank up-projections
-        linear_inputs += stream * 4 * m.lowrank_rank * element
+    if m.variant == "shared_diff":  # the four low-rank up-projections' input: X A, gathered once under SP
+        linear_inputs += share.tokens * 4 * m.lowrank_rank * element
     rope = share.tokens // cfg.train.micro_batch_size * 4 * resolved_head_dim(m) * element  # one per sequence
     qkv, checkpointed, core = _attention_core_bytes(cfg, device, share)
     proj = share.tokens * qkv_widths(m)[0] // t * element

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear, copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide, get_pg_size
 
@@ -49,16 +51,25 @@ class SharedDiffQKV(MegatronModule):
                 bias=False, gather_output=False, tp_group=tp_group))
         assert output_size == 2 * heads * d + 4 * kv_heads * d, "unexpected DIFF QKV width"
 
+    def _whole_down_projection(self, x: torch.Tensor) -> torch.Tensor:
+        """X A of every token on every tensor-parallel rank, gathered once for the four up-projections (under
+        SP from the ranks' token shards); its backward reduces the ranks' gradients, so A's gradient is
+        complete per token shard."""
+        down = F.linear(x, self.lowrank_down)
+        if self.config.sequence_parallel:
+            return gather_from_sequence_parallel_region(down, tensor_parallel_output_grad=True,
+                                                        group=self.shared.tp_group)
+        return copy_to_tensor_model_parallel_region(down, group=self.shared.tp_group)
+
     def forward(self, x: torch.Tensor):
         shared, _ = self.shared(x)
         seq, batch = shared.shape[:2]
         d, groups = self.head_dim, self.kv_heads_local
         shared = shared.view(seq, batch, groups, self.heads_per_group * d + 3 * d)
         q, k, v = torch.split(shared, [self.heads_per_group * d, d, 2 * d], dim=-1)
-        # X A on this rank's tokens; each up-projection (a ColumnParallelLinear) gathers the sequence
-        # under SP and all-reduces its input gradient, so A's gradient is complete per token shard
-        down = F.linear(x, self.lowrank_down).split(self.rank, dim=-1)
-        update = {name: getattr(self, f"lowrank_up_{name}")(part)[0] for name, part in zip(UPDATES, down)}
+        down = self._whole_down_projection(x).split(self.rank, dim=-1)
+        # the up-projections' own forwards would each gather (and reduce the gradient of) their part again
+        update = {name: F.linear(part, getattr(self, f"lowrank_up_{name}").weight) for name, part in zip(UPDATES, down)}
         q = q.reshape(seq, batch, groups, self.heads_per_group, d)
         q1 = q + update["q1"].view_as(q)
         q2 = q + update["q2"].view_as(q)
