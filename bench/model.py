@@ -14,9 +14,9 @@ peak memory, and the loss of every step. Results: bench/results/model-<device>-<
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import math
+import multiprocessing
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -137,26 +137,48 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     row["first_loss"], row["last_loss"] = row["losses"][0], row["losses"][-1]
-    del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
 def measure_safely(args, run: Run, device: torch.device) -> dict:
     """One run; a failure is recorded in its row, and the other runs still get measured."""
     try:
-        row = measure_run(args, run, device)
+        return measure_run(args, run, device)
     except Exception as error:  # noqa: BLE001 -- out of memory, a compiler failure, ...
         status = "out of memory" if isinstance(error, torch.OutOfMemoryError) else \
             f"error: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-        row = dict(asdict(run), run=run.name, status=status, losses=[])
-    # only now: inside `except` the traceback still holds measure_run's frame, its engine (weights
-    # and Adam state) with it, which the next run would find still allocated
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        return dict(asdict(run), run=run.name, status=status, losses=[])
+
+
+def _measure_in_child(args, run: Run, rows) -> None:
+    device = torch.device(args.device)
+    initialize(run_config(args, run).parallel, args.seed)
+    row = measure_safely(args, run, device)
+    if device.type == "cuda":  # the fused kernel's timings come with the tiles its autotuner chose here
+        from megadiff.ops.triton_kernel import tuned_tiles
+        row["triton_tiles"] = tuned_tiles()
+    shutdown()
+    rows.send(row)
+
+
+def measure_in_own_process(args, run: Run) -> dict:
+    """One run in a fresh process. In one process, the second run found the first one's weights, gradients
+    and Adam state still allocated (26 GiB on the 8-layer slice; its peak memory with them): megatron's
+    DDP, with overlap_grad_reduce, hooks each parameter's gradient accumulator with a closure that holds
+    the parameter, a cycle through autograd's C++ graph that the garbage collector cannot free."""
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_measure_in_child, args=(args, run, sender))
+    child.start()
+    sender.close()  # the child's end only: recv() then ends (EOFError) if the child dies without a row
+    try:
+        row = receiver.recv()
+    except EOFError:
+        row = None
+    child.join()
+    if row is None:
+        row = dict(asdict(run), run=run.name, status=f"error: its process died (exit code {child.exitcode})",
+                   losses=[])
     summary = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}"
                if "tokens_per_s" in row else "")
     print(f"  {row['status']}: {summary}", flush=True)
@@ -250,14 +272,15 @@ def main(argv=None) -> int:
                  micro_batch=args.micro_batch, micro_batches=args.micro_batches, warmup=args.warmup,
                  steps=args.steps, peak_tflops=args.peak_tflops, overrides=list(args.set),
                  config=str(args.config) if args.config else None)
-    report = dict(environment=environment(device), setup=setup, rows=[], ratios={})
-    initialize(diff.parallel, args.seed)
+    report = dict(environment=environment(device), setup=setup, rows=[], ratios={}, triton_tiles={})
     for run in runs:
         print(f"{run.name} ...", flush=True)
-        report["rows"].append(measure_safely(args, run, device))
+        row = measure_in_own_process(args, run)
+        for kernel, tiles in row.pop("triton_tiles", {}).items():
+            report["triton_tiles"].setdefault(kernel, {}).update(tiles)
+        report["rows"].append(row)
         report["ratios"] = add_ratios(report["rows"])
         path = write("model", report, markdown(report), args.out_dir)  # after each run: kept if cut short
-    shutdown()
     print(f"wrote {path} and {path.with_suffix('.md').name}")
     return 0
 

@@ -79,7 +79,8 @@ def write(benchmark: str, report: dict, markdown: str, out_dir: Path) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
     path = out_dir / f"{benchmark}-{slug}-{env['date']}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
-    if env["cuda"] is not None and torch.cuda.is_available():  # the fused kernel's timings come with its tiles
+    # the fused kernel's timings come with its tiles (which a report of child processes' runs brings itself)
+    if "triton_tiles" not in report and env["cuda"] is not None and torch.cuda.is_available():
         from megadiff.ops.triton_kernel import tuned_tiles
         report = {**report, "triton_tiles": tuned_tiles()}
     path.write_text(json.dumps(report, indent=2) + "\n")

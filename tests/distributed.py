@@ -1,9 +1,10 @@
 """Spawn real gloo ranks for multi-process tests.
 
 Ranks fork from a forkserver that imported torch and megatron-core once (a fresh interpreter that
-never ran a torch op, so forking it is safe) instead of each rank importing them anew: that import
-is most of a small multi-rank test's time. A forkserver child inherits the server's stdout and
-stderr, not the test's, so each rank writes to a log file that the test's stderr then receives.
+never ran a torch op, so forking it is safe on CPU) instead of each rank importing them anew: that
+import is most of a small multi-rank test's time. Where CUDA exists, ranks are spawned. A forkserver
+child inherits the server's stdout and stderr, not the test's, so each rank writes to a log file that
+the test's stderr then receives.
 """
 from __future__ import annotations
 
@@ -43,8 +44,15 @@ def _rank_entry(rank: int, world_size: int, port: int, environ: dict, log_path: 
 
 def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0) -> None:
     """Run target(rank, world_size, *args) in `world_size` fresh processes; fail if any rank fails."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    import torch
+
+    if torch.cuda.is_available():
+        # on a GPU machine importing PRELOAD initialised CUDA in the server, and its children failed with
+        # "Cannot re-initialize CUDA in forked subprocess" (seen on an H100): there, each rank starts afresh
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         log_paths = [str(Path(logs) / f"rank{rank}.log") for rank in range(world_size)]
