@@ -77,10 +77,14 @@ def test_remote_code_builds_no_mask_without_padding_and_refuses_a_static_cache(m
         raise AssertionError("a mask was built for a batch without padding")
 
     monkeypatch.setattr(modeling, "attention_mask_4d", no_mask)
+    masks_seen = []  # what the layers are given: a mask of ones is dropped once, not checked (a GPU sync) per layer
+    seeing = modeling.sdpa_masking
+    monkeypatch.setattr(modeling, "sdpa_masking", lambda mask, *args: masks_seen.append(mask) or seeing(mask, *args))
     with torch.no_grad():
         prefill = model(input_ids=torch.tensor([PROMPT]), attention_mask=torch.ones(1, 5, dtype=torch.long),
                         use_cache=True)
         model(input_ids=torch.tensor([[3]]), past_key_values=prefill.past_key_values)
+    assert len(masks_seen) == 2 * model.config.num_hidden_layers and not any(m is not None for m in masks_seen)
     with pytest.raises(ValueError, match="not a static one"):
         model.generate(torch.tensor([PROMPT]), max_new_tokens=2, cache_implementation="static", pad_token_id=0)
 

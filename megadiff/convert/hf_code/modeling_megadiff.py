@@ -53,10 +53,10 @@ def attention_mask_4d(attention_mask, batch: int, query_len: int, past_len: int,
 
 
 def sdpa_masking(attention_mask, batch: int, query_len: int, past_len: int, device):
-    """(attn_mask, is_causal) for SDPA. Without padding no [B, 1, Nq, Nk] mask is built (4 GiB of booleans per
-    sequence at 64K, and one that keeps SDPA off its flash kernel): a prompt is causal from its first position,
-    and one new token sees every cached one."""
-    if attention_mask is None or bool(attention_mask.all()):
+    """(attn_mask, is_causal) for SDPA. Without padding (attention_mask None) no [B, 1, Nq, Nk] mask is built
+    (4 GiB of booleans per sequence at 64K, and one that keeps SDPA off its flash kernel): a prompt is causal
+    from its first position, and one new token sees every cached one."""
+    if attention_mask is None:
         if past_len == 0:
             return None, True
         if query_len == 1:
@@ -203,6 +203,8 @@ class MegadiffModel(MegadiffPreTrainedModel):
                              "(cache_implementation='static')")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("attention_mask must be a [batch, past + new tokens] padding mask")
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: read back from the GPU once here, not in every layer
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
