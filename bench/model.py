@@ -49,6 +49,7 @@ SMALL_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attentio
                "model.seq_length=32", "model.attention_backend=sdpa"]
 PRECISIONS = {"bf16": ["train.precision=bf16"],
               "fp8": ["train.precision=fp8", "train.fp8_backend=torchao"]}
+CHILD_EXIT_TIMEOUT_S = 120
 ZIPF_EXPONENT = 1.1  # synthetic tokens follow a Zipf law, so the loss has something to learn quickly
 
 
@@ -97,6 +98,7 @@ def zipf_batches(cfg: Config, count: int, device: torch.device, seed: int) -> li
 
 def measure_run(args, run: Run, device: torch.device) -> dict:
     cfg = run_config(args, run)
+    initialize(cfg.parallel, args.seed)
     row = dict(asdict(run), run=run.name, params=count_parameters(cfg.model).total,
                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length,
                attention_backend=resolve_backend(cfg.model.attention_backend,
@@ -146,19 +148,18 @@ def measure_safely(args, run: Run, device: torch.device) -> dict:
         return measure_run(args, run, device)
     except Exception as error:  # noqa: BLE001 -- out of memory, a compiler failure, ...
         status = "out of memory" if isinstance(error, torch.OutOfMemoryError) else \
-            f"error: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+            f"error: {type(error).__name__}: {' '.join(str(error).split())[:300]}"  # one line: the Markdown table's
         return dict(asdict(run), run=run.name, status=status, losses=[])
 
 
 def _measure_in_child(args, run: Run, rows) -> None:
     device = torch.device(args.device)
-    initialize(run_config(args, run).parallel, args.seed)
     row = measure_safely(args, run, device)
     if device.type == "cuda":  # the fused kernel's timings come with the tiles its autotuner chose here
         from megadiff.ops.triton_kernel import tuned_tiles
         row["triton_tiles"] = tuned_tiles()
+    rows.send(row)  # before the teardown, which cannot lose the measurement then
     shutdown()
-    rows.send(row)
 
 
 def measure_in_own_process(args, run: Run) -> dict:
@@ -175,7 +176,10 @@ def measure_in_own_process(args, run: Run) -> dict:
         row = receiver.recv()
     except EOFError:
         row = None
-    child.join()
+    child.join(CHILD_EXIT_TIMEOUT_S)
+    if child.is_alive():  # stuck in its teardown, with its row already sent
+        child.kill()
+        child.join()
     if row is None:
         row = dict(asdict(run), run=run.name, status=f"error: its process died (exit code {child.exitcode})",
                    losses=[])

@@ -6,7 +6,7 @@
 #                                               #   benchmark (150 s), the kernel tests (150 s), the whole-model
 #                                               #   benchmark in BF16 (230 s), each kernel's autotuner measuring
 #                                               #   its first 3 fitting tile candidates (MEGADIFF_TRITON_CANDIDATES=3):
-#                                               #   compiling all 33 at the 3B head shape takes some 290 s
+#                                               #   a DIFF step at the 3B head shape compiles 19, about 9 s each
 # then, with what time is left (a warm machine; none starts with under 4 minutes left), any of the
 # full stages, each under 10 minutes:
 #   bash bench/run_on_gpu.sh attention          # 540 s: the attention benchmark with DINT rows, all candidates
@@ -64,7 +64,9 @@ for stage in $stages; do
              tests/test_transformer_engine.py tests/test_memory.py ;;
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
-    training) MEGADIFF_TRITON_CANDIDATES=1 run 300 "${gpu_pytest[@]}" tests/test_gpu_training.py ;;
+    # each command's output goes to $out/commands as it runs: a stage cut short still shows how far it got
+    training) MEGADIFF_TEST_OUTPUT_DIR="$out/commands" MEGADIFF_TRITON_CANDIDATES=1 \
+                run 300 "${gpu_pytest[@]}" tests/test_gpu_training.py ;;
     documents) run 400 python3 bench/attention.py --documents 512 --backends triton sdpa --out-dir "$out" ;;
     *) echo "unknown stage $stage (quick | attention | tests | model | training | documents)"; exit 2 ;;
   esac

@@ -1,6 +1,7 @@
 """Helpers for the pre-training tests: tiny runs of `megadiff pretrain`, as a user launches them."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -13,6 +14,9 @@ DEMO_CONFIG = ROOT / "configs" / "demo" / "diff-tiny.yaml"
 # torchrun forwards these to its workers (torch 2.13 reads PET_*, older ones TORCHELASTIC_*)
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# set by bench/run_on_gpu.sh: commands write their output into files there as they run
+OUTPUT_DIR_ENV = "MEGADIFF_TEST_OUTPUT_DIR"
+_command_numbers = itertools.count(1)
 
 
 def tiny_overrides(tokenizer_dir: Path, cache_dir: Path) -> list[str]:
@@ -40,10 +44,26 @@ def pretrain_command(nproc: int, overrides: list[str], config: Path = DEMO_CONFI
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry]
 
 
+def run_command(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`command` (a megadiff command line) with its output captured; where $MEGADIFF_TEST_OUTPUT_DIR is set,
+    written as it runs to numbered files there too, so that a run its stage's time limit kills still shows
+    how far each command got (captured output dies with the test)."""
+    directory = os.environ.get(OUTPUT_DIR_ENV)
+    if not directory:
+        return subprocess.run(command, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    subcommand = command[command.index("megadiff") + 1]
+    stem = Path(directory) / f"{next(_command_numbers):02d}-{subcommand}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.run(command, env={**environment(), "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=stdout,
+                              stderr=stderr, timeout=timeout)
+    return subprocess.CompletedProcess(command, proc.returncode, out.read_text(), err.read_text())
+
+
 def run_pretrain(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG, timeout: float = 300,
                  expect: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(pretrain_command(nproc, overrides, config), env=environment(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_command(pretrain_command(nproc, overrides, config), timeout)
     assert proc.returncode == expect, (f"exit code {proc.returncode}, expected {expect}\n"
                                        f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

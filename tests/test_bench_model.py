@@ -70,7 +70,12 @@ def test_a_run_whose_process_dies_is_recorded_and_the_next_still_runs(bench):
     """Each run has its own process (megatron's DDP keeps an engine alive in the one that built it)."""
     broken = bench.parse_args(["--device", "cpu", "--small", "--set", "model.no_such_key=1"])
     row = bench.measure_in_own_process(broken, bench.Run("diff", "bf16"))
-    assert row["run"] == "diff-bf16" and row["status"] == "error: its process died (exit code 1)"
+    assert row["run"] == "diff-bf16" and row["status"].startswith("error: ConfigError: ")
+    assert "model.no_such_key" in row["status"]
+    dying = bench.parse_args(["--device", "cpu", "--small"])
+    dying.device = "no-such-device"  # torch.device() raises before any row exists
+    row = bench.measure_in_own_process(dying, bench.Run("diff", "bf16"))
+    assert row["status"] == "error: its process died (exit code 1)"
     args = bench.parse_args(["--device", "cpu", "--small", "--steps", "1"])
     row = bench.measure_in_own_process(args, bench.Run("diff", "bf16"))
     assert row["status"] == "ok" and len(row["losses"]) == args.warmup + args.steps

@@ -18,7 +18,7 @@ import torch
 from megadiff.checkpoint.format import read_latest_iteration
 from megadiff.observability.metrics import read_metrics
 from tests.conftest import kjv_verses
-from tests.pretrain_runs import ROOT, environment, run_pretrain, tiny_overrides
+from tests.pretrain_runs import run_command, run_pretrain, tiny_overrides
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -43,8 +43,7 @@ def kjv_prefix(small_tokenizer_dir, tmp_path_factory) -> str:
 
 
 def _megadiff(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megadiff", *args], env=environment(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_command([sys.executable, "-m", "megadiff", *args], timeout=300)
     assert proc.returncode == 0, (f"megadiff {args[0]}: exit {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

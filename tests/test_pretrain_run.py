@@ -244,3 +244,15 @@ def test_demo_end_to_end_from_nothing(tmp_path):
     ("NVIDIA GeForce RTX 4090", None)])
 def test_mfu_peak_is_the_most_specific_known_device(device_name, peak):
     assert peak_tflops_of(device_name) == peak
+
+
+def test_commands_write_their_output_where_the_gpu_runner_asks(tmp_path, monkeypatch):
+    """bench/run_on_gpu.sh sets $MEGADIFF_TEST_OUTPUT_DIR: a stage its time limit kills keeps each command's
+    output so far (its test's captured output dies with it)."""
+    from tests.pretrain_runs import OUTPUT_DIR_ENV, run_command
+
+    monkeypatch.setenv(OUTPUT_DIR_ENV, str(tmp_path / "commands"))
+    proc = run_command([sys.executable, "-m", "megadiff", "params", str(DEMO_CONFIG), "--world-size", "nine"], 120)
+    assert proc.returncode == 2 and "'nine' is not a whole number" in proc.stderr
+    (out,) = (tmp_path / "commands").glob("*-params.out")
+    assert out.read_text() == proc.stdout and out.with_suffix(".err").read_text() == proc.stderr

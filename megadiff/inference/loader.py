@@ -49,7 +49,11 @@ def _preserved_rng():
     """Building a model seeds and draws from the global generators; leave the caller's alone."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[]):
+        # megatron's seeding also sets the current CUDA device's generator (on CPU, cpu_mode sends it to the
+        # CPU one); a caller that has used CUDA has chosen its device, one that has not has no state to keep
+        # (and querying would create a context on device 0 from every rank)
+        cuda_in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda_in_use else []):
             yield
     finally:
         random.setstate(python_state)
@@ -70,6 +74,9 @@ def build_single_process_model(cfg: Config):
         # megatron compiles its fused cross entropy for the shapes it meets: evaluation's vary (a shorter
         # last chunk and batch) and would recompile up to dynamo's limit, for no backward pass to save
         config.cross_entropy_loss_fusion = False
+        # megatron's fused SwiGLU (CUDA) is torch.compile'd anew in every process and for each new shape:
+        # every generate or evaluate command paid that compilation to save two elementwise passes
+        config.bias_activation_fusion = False
         (model,) = build_model(cfg, config)
     return model.eval()
 
