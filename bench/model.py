@@ -49,7 +49,7 @@ SMALL_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attentio
                "model.seq_length=32", "model.attention_backend=sdpa"]
 PRECISIONS = {"bf16": ["train.precision=bf16"],
               "fp8": ["train.precision=fp8", "train.fp8_backend=torchao"]}
-CHILD_EXIT_TIMEOUT_S = 120
+CHILD_EXIT_TIMEOUT_S = 120  # a run's process still tearing down after this is stuck (its row is already in)
 ZIPF_EXPONENT = 1.1  # synthetic tokens follow a Zipf law, so the loss has something to learn quickly
 
 
