@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from bench.report import RESULTS_DIR, cuda_missing, environment, markdown_table, timed_ms, write  # noqa: E402
+from bench.report import (  # noqa: E402
+    RESULTS_DIR, cuda_missing, environment, markdown_table, tiles_tuned_here, timed_ms, write,
+)
 from megadiff.ops import differential_attention  # noqa: E402
 
 
@@ -304,6 +306,7 @@ def main(argv=None) -> int:
         print(f"{shape}", flush=True)
         report["rows"] += run_shape(shape, args, device, dtype)
         report["targets"] = target_checks(report["rows"])
+        report["triton_tiles"] = tiles_tuned_here(device)  # the fused kernel's timings come with its tiles
         name = f"attention-docs{args.documents}" if args.documents else "attention"
         path = write(name, report, markdown(report), args.out_dir)  # after each shape: kept if cut short
     print(f"wrote {path} and {path.with_suffix('.md').name}")

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    RESULTS_DIR, cuda_missing, environment, markdown_table, synchronize, timed_ms, write,
+    RESULTS_DIR, cuda_missing, environment, markdown_table, synchronize, tiles_tuned_here, timed_ms, write,
 )
 from megadiff.config import Config, load_config, resolved_head_dim  # noqa: E402
 from megadiff.models.param_count import count_parameters, training_flops_per_token  # noqa: E402
@@ -155,9 +155,7 @@ def measure_safely(args, run: Run, device: torch.device) -> dict:
 def _measure_in_child(args, run: Run, rows) -> None:
     device = torch.device(args.device)
     row = measure_safely(args, run, device)
-    if device.type == "cuda":  # the fused kernel's timings come with the tiles its autotuner chose here
-        from megadiff.ops.triton_kernel import tuned_tiles
-        row["triton_tiles"] = tuned_tiles()
+    row["triton_tiles"] = tiles_tuned_here(device)  # the fused kernel's timings come with its tiles
     rows.send(row)  # before the teardown, which cannot lose the measurement then
     shutdown()
 

@@ -73,16 +73,21 @@ def markdown_table(columns, rows: list[dict]) -> list[str]:
     return lines
 
 
+def tiles_tuned_here(device: torch.device) -> dict:
+    """The tiles the fused kernel's autotuner chose in this process (none off CUDA): what its timings were
+    measured with, for a report to carry."""
+    if device.type != "cuda":
+        return {}
+    from megadiff.ops.triton_kernel import tuned_tiles
+    return tuned_tiles()
+
+
 def write(benchmark: str, report: dict, markdown: str, out_dir: Path) -> Path:
     """<out_dir>/<benchmark>-<device>-<date>.json and .md; returns the JSON path."""
     env = report["environment"]
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
     path = out_dir / f"{benchmark}-{slug}-{env['date']}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
-    # the fused kernel's timings come with its tiles (which a report of child processes' runs brings itself)
-    if "triton_tiles" not in report and env["cuda"] is not None and torch.cuda.is_available():
-        from megadiff.ops.triton_kernel import tuned_tiles
-        report = {**report, "triton_tiles": tuned_tiles()}
     path.write_text(json.dumps(report, indent=2) + "\n")
     path.with_suffix(".md").write_text(markdown)
     return path
