@@ -38,9 +38,10 @@ TEXT = ("In the beginning God created the heaven and the earth. And the earth wa
 EOD = "<|endoftext|>"
 
 
-def build_tokenizer(directory: Path, bos: str | None = None) -> Path:
-    """A byte-level BPE of 300 ids (<|endoftext|> = 0, `bos` = 1 if given) as Hugging Face tokenizer files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(directory: Path, bos: str | None = None, adds_bos: bool = False) -> Path:
+    """A byte-level BPE of 300 ids (<|endoftext|> = 0, `bos` = 1 if given) as Hugging Face tokenizer files;
+    with `adds_bos` it puts the BOS before every text, as Llama's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -49,6 +50,9 @@ def build_tokenizer(directory: Path, bos: str | None = None) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOD] + ([bos] if bos else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([TEXT] * 4, trainer)
+    if adds_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                                 special_tokens=[(bos, 1)])
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOD, bos_token=bos).save_pretrained(str(directory))
     return directory
 

@@ -739,16 +739,17 @@ def test_documents_begin_as_the_tokenizer_begins_a_text(workspace, tmp_path):
     from tokenizers import processors
     from transformers import AutoTokenizer
 
-    from megadiff.adapt.data import build_packed_dataset, document_start
+    from megadiff.adapt.data import build_packed_dataset
+    from megadiff.data.tokenizers import text_start
 
     plain = AutoTokenizer.from_pretrained(workspace / "model")
-    assert document_start(plain) == []
+    assert text_start(plain) == ()
     llama_like = AutoTokenizer.from_pretrained(workspace / "model")
     llama_like.add_special_tokens({"bos_token": "<s>"})
     bos = llama_like.bos_token_id
     llama_like.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    assert document_start(llama_like) == [bos]
+    assert text_start(llama_like) == (bos,)
     documents = [f"verse {i}: and the evening and the morning were the day" for i in range(30)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
     cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"data.files=[{tmp_path / 'docs.jsonl'}]",

@@ -135,7 +135,8 @@ def test_a_conversation_is_encoded_as_its_chat_prompt():
     for template in (Path(CHATML).read_text(), MARKED):
         for messages in CONVERSATIONS[:2]:
             prompt = render_chat(messages, template, tokenizer, generation_prompt=False)
-            assert encode_conversation(messages, template, tokenizer)[0][:-1] == encode_prompt(tokenizer, prompt)
+            ids = encode_conversation(messages, template, tokenizer)[0]
+            assert ids[:-1] == encode_prompt(tokenizer, prompt, chat=True)
 
 
 def test_the_tulu_template_renders_open_instructs_format(tmp_path, small_tokenizer_dir):

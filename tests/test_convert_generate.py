@@ -3,9 +3,11 @@ sum in it) gives the tokens of cache-free generation, left-padded batches the to
 prompts, and every export generates what megadiff's own (cache-free) generation gives."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megadiff.convert import convert_to_hf
 from megadiff.inference import load_checkpoint
@@ -49,6 +51,35 @@ def test_export_generates_what_megadiff_generates(models, name):
     ours = generate(load_checkpoint(checkpoint), PROMPT, max_new_tokens=NEW_TOKENS, stop_id=eod)
     theirs = hf_greedy(model, torch.tensor([PROMPT]))[0].tolist()
     assert theirs[:len(ours)] == ours
+
+
+def test_a_plain_prompt_is_read_as_the_tokenizer_reads_a_text(tmp_path, capsys):
+    """With a tokenizer that puts a BOS before every text (Llama's), `megadiff generate` continues the
+    prompt as transformers does the export's tokenizer's encoding of it, BOS first; files of prompts
+    alike."""
+    from megadiff.cli import main
+
+    tokenizer = str(build_tokenizer(tmp_path / "tokenizer", bos="<s>", adds_bos=True))
+    checkpoint = tmp_path / "checkpoint"
+    save_in_process(variant_config("diff", "single", tokenizer), checkpoint)
+    hf_dir = convert_to_hf(checkpoint, tmp_path / "hf")
+    hf_tokenizer, model = AutoTokenizer.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir)
+    prompt = "In the beginning God"
+    input_ids = hf_tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert input_ids[0, 0] == hf_tokenizer.bos_token_id
+    padded = model.config.vocab_size  # megadiff never generates the embedding's padding ids: nor does the oracle
+    with torch.no_grad():
+        new = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             suppress_tokens=list(range(len(hf_tokenizer), padded)))[0, input_ids.shape[1]:].tolist()
+    expected = hf_tokenizer.decode(new[:new.index(0)] if 0 in new else new)
+    capsys.readouterr()
+    assert main(["generate", "--load", str(checkpoint), "--prompt", prompt, "--max-new-tokens", str(NEW_TOKENS),
+                 "--dtype", "fp32"]) == 0
+    assert capsys.readouterr().out == prompt + expected + "\n"
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+    assert main(["generate", "--load", str(checkpoint), "--prompts", str(tmp_path / "prompts.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW_TOKENS), "--dtype", "fp32"]) == 0
+    assert json.loads((tmp_path / "out.jsonl").read_text())["completion"] == expected
 
 
 @pytest.mark.parametrize("name", REMOTE)

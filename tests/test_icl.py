@@ -187,9 +187,10 @@ def test_a_dint_export_answers_as_its_checkpoint(root, tmp_path):
 
 
 def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
-    """A Dex-adapted Llama saved as adaptation exports it (remote code): every cell's accuracy is
-    the naive decoding's through the transformers model, the demonstrations run once per cell
-    (the cache copied back to them for each query)."""
+    """A Dex-adapted Llama saved as adaptation exports it (remote code), its tokenizer putting a BOS
+    before every text as Llama's does: every cell's accuracy is the naive decoding's through the
+    transformers model of the prompt as its tokenizer encodes a text (BOS first), the demonstrations
+    run once per cell (the cache copied back to them for each query)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from megadiff.adapt import apply_dex
@@ -197,8 +198,8 @@ def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
     from megadiff.inference.hf_model import load_hf_model
     from tests.test_adapt import perturb_adapters
 
-    hf_tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    torch.manual_seed(0)
+    hf_tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tokenizer", bos="<s>", adds_bos=True))
+    torch.manual_seed(2)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          initializer_range=0.2, max_position_embeddings=WINDOW)).eval()
@@ -219,7 +220,8 @@ def test_an_adapted_model_answers_as_naive_constrained_decoding(root, tmp_path):
         context = "".join(f"sentence: {e.text}\nlabel: {e.label}\n\n" for e in draw[:count])
         right = 0
         for example in tests:
-            prompt = tokenizer.encode(context + f"sentence: {example.text}\nlabel:")
+            prompt = hf_tokenizer(context + f"sentence: {example.text}\nlabel:")["input_ids"]
+            assert prompt[0] == hf_tokenizer.bos_token_id
             with torch.no_grad():
                 answer = names[naive_answer(lambda ids: adapted(ids).logits, prompt, candidates)]
             answers.add(answer)

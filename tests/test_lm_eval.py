@@ -18,6 +18,7 @@ from megadiff.cli import main
 from megadiff.config import ConfigError
 from megadiff.convert import convert_to_hf
 from tests.conftest import kjv_verses
+from tests.convert_worker import build_tokenizer
 from tests.test_chat_data import CHATML
 from tests.distributed import run_ranks
 from tests.held_out_runs import held_out_run
@@ -173,6 +174,41 @@ def test_chat_requests_equal_the_harness_hf_model_on_the_export(tasks, tmp_path,
         assert [[request[0] for request in s["arguments"]] for s in ours["samples"][task]] == \
             [[request[0] for request in s["arguments"]] for s in theirs["samples"][task]]
     assert_same_answers(answers(ours["samples"]), answers(theirs["samples"]), rel=1e-4)
+
+
+def test_a_tokenizer_that_begins_texts_with_a_bos(tasks, tmp_path):
+    """A run whose tokenizer puts a BOS before every text (Llama's): a context begins with it, and an
+    empty context is conditioned on it, as the harness's Hugging Face model does on the export; a
+    rolling text is scored token by token after it (transformers' log-probabilities of the text's own
+    tokens: the harness's model would also score a second BOS there)."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tokenizer(tmp_path / "tokenizer", bos="<s>", adds_bos=True)
+    run, _ = held_out_run(tmp_path, "diff")
+    ours = answers(megadiff_lm_eval(run, tasks, tmp_path / "ours.json")["samples"])
+    hf_dir = convert_to_hf(run, tmp_path / "hf")
+    padded = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH},
+        tasks=["kjv_choice", "kjv_generate"], batch_size=1, device="cpu", log_samples=True,
+        gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
+        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
+    rolling = {key: answer for key, answer in ours.items() if key[0] == "kjv_rolling"}
+    assert_same_answers({key: answer for key, answer in ours.items() if key not in rolling},
+                        answers(theirs["samples"]), rel=1e-4)
+    tokenizer, model = AutoTokenizer.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert tokenizer("verse")["input_ids"][0] == tokenizer.bos_token_id == 1
+    for index, document in enumerate(_documents("kjv_rolling")):
+        tokens = tokenizer(document["text"], add_special_tokens=False)["input_ids"]
+        expected = 0.0
+        for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                tokens, prefix_token=tokenizer.bos_token_id, max_seq_len=SEQ_LENGTH, context_len=1)):
+            window = torch.tensor([(context + continuation)[:-1]])
+            with torch.no_grad():
+                log_probs = model(window).logits[0, -len(continuation):].float().log_softmax(-1)
+            expected += float(log_probs.gather(1, torch.tensor(continuation)[:, None]).sum())
+        assert rolling["kjv_rolling", index][0] == pytest.approx(expected, rel=1e-4)
 
 
 def test_special_texts_inside_chat_turns_stay_text_as_in_training(runs):

@@ -2,8 +2,8 @@
 packed into fixed-length sequences, read in a seeded order.
 
 Documents are tokenized without special tokens (a special token's text in a document is text),
-each preceded by what the tokenizer itself puts before a text (Llama's BOS; nothing for GPT-2's
-or Qwen's) and followed by the tokenizer's EOS; the token stream is cut into `seq_length`
+each preceded by what the tokenizer itself puts before a text (its text_start: Llama's BOS; nothing for
+GPT-2's or Qwen's) and followed by the tokenizer's EOS; the token stream is cut into `seq_length`
 pieces (the tail of each map batch of documents is dropped, as in transformers' run_clm). The
 order is one seeded permutation per epoch, so the sample behind any (iteration, micro-step,
 rank) is a pure function of those numbers: resuming at iteration k reads exactly what an
@@ -24,7 +24,7 @@ import torch
 from megadiff.adapt.settings import JSON_SUFFIXES, DataSection
 from megadiff.config import ConfigError
 from megadiff.data.conversations import PROBE, encode_conversation, resolve_chat_template
-from megadiff.data.tokenizers import HFTokenizer
+from megadiff.data.tokenizers import HFTokenizer, with_text_start
 
 
 IGNORED_LABEL = -100  # transformers' cross entropy skips these labels
@@ -62,11 +62,9 @@ def build_packed_dataset(data: DataSection, tokenizer):
     view = HFTokenizer("model.tokenizer", tokenizer)
     template = _chat_template(data, view) if conversations else None
 
-    start = document_start(tokenizer)
-
     def tokenize(batch):  # a special token's text in a document is text, as prepare-data reads it
         ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return {"input_ids": [start + row + [eos] for row in ids]}
+        return {"input_ids": [with_text_start(view, row) + [eos] for row in ids]}
 
     def tokenize_conversations(batch):
         encoded = [encode_conversation(messages, template, view) for messages in batch["messages"]]
@@ -89,17 +87,6 @@ def build_packed_dataset(data: DataSection, tokenizer):
     if len(packed) == 0:
         raise ConfigError(f"data.files: fewer than data.seq_length={seq_length} tokens in {data.files}")
     return packed.with_format("torch")
-
-
-def document_start(tokenizer) -> list[int]:
-    """The ids the tokenizer adds before a text of its own accord, as the model's pre-training
-    documents began (and transformers' run_clm reads them): Llama's BOS, nothing for GPT-2's."""
-    probe = "a"
-    plain, framed = tokenizer(probe, add_special_tokens=False)["input_ids"], tokenizer(probe)["input_ids"]
-    for start in range(len(framed) - len(plain) + 1):
-        if framed[start:start + len(plain)] == plain:
-            return framed[:start]
-    return []
 
 
 def _chat_template(data: DataSection, tokenizer: HFTokenizer) -> str:

@@ -63,6 +63,11 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
                         f"otherwise than {spec!r} now does (the same vocabulary size and EOD, but another "
                         "vocabulary, merges or normalisation, e.g. retrained): its tokens would mean other text; "
                         "prepare it again")
+    if prepared is not None and tokenizer.text_start and prepared.get("text_start") != list(tokenizer.text_start):
+        warnings.warn(f"data.tokenizer: {prefix} was prepared before documents began with the tokenizer's "
+                      f"{tokenizer.text_start} (e.g. Llama's BOS), which prompts, evaluations and Hugging Face "
+                      "pipelines put before a text: prepare it again (prepare-data does so) for a model that reads "
+                      "texts as they are given to it", stacklevel=2)
 
 
 def _check_same_masking(prefix: str, manifest: dict | None, cfg: Config, tokenizer: Tokenizer) -> None:

@@ -57,11 +57,14 @@ def tokenizer_digest(directory: str | Path) -> str:
 
 
 def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer) -> dict:
-    """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text."""
+    """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text and
+    the ids its documents begin with (where it adds any: data prepared before documents began with them
+    is prepared again)."""
     if spec in PACKAGED_TIKTOKEN:
         return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+    start = {"text_start": list(tokenizer.text_start)} if tokenizer.text_start else {}
     return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-            "splits": tokenizer_digest(spec)}
+            "splits": tokenizer_digest(spec), **start}
 
 
 def _output_sizes(outputs: Sequence[str | Path]) -> Optional[list[int]]:

@@ -3,7 +3,9 @@ or any Hugging Face tokenizer directory.
 
 Every tokenizer has `name`, `vocab_size` (ids in use, before the model pads its embedding),
 `undecodable_ids` (those below vocab_size that no token has, never to be generated), `eod` (the
-end-of-document id megatron's datasets append), `chat_template` (its Jinja chat template, if it
+end-of-document id megatron's datasets append), `text_start` (the ids the tokenizer puts before a
+text of its own accord: Llama's BOS, nothing for GPT-2's or tiktoken's; documents and plain-text
+prompts begin with them, chat templates write their own), `chat_template` (its Jinja chat template, if it
 has one), `special_tokens` (the names a chat template reads, e.g. eos_token), `special_texts`
 (the texts `encode` reads as special tokens), `encode` (prompts, rendered chat templates),
 `encode_ordinary` (documents: a special token's text stays text), `decode` and `save_hf(dir)`,
@@ -38,7 +40,8 @@ class Tokenizer(Protocol):
     vocab_size: int
     undecodable_ids: frozenset[int]
     eod: int
-    bos: int  # what the tokenizer begins a text with, where it names one (else eod)
+    bos: int  # the tokenizer's BOS id, where it names one (else eod)
+    text_start: tuple[int, ...]
     chat_template: Optional[str]
     special_tokens: dict[str, str]
     special_texts: tuple[str, ...]
@@ -68,6 +71,7 @@ class TiktokenTokenizer:
             - set(spec["special_tokens"].values())
         self.eod = self.encoding.eot_token
         self.bos = self.eod
+        self.text_start = ()
         self.chat_template = None
         self.special_tokens = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}  # as save_hf names them
 
@@ -137,6 +141,7 @@ class HFTokenizer:
             raise TokenizerError(f"tokenizer {path} has no eos token to use as end-of-document")
         self.eod = eod
         self.bos = eod if self.hf.bos_token_id is None else self.hf.bos_token_id
+        self.text_start = text_start(self.hf)
         template = self.hf.chat_template
         # a tokenizer may hold several named templates; "default" is the one transformers applies
         self.chat_template = template.get("default") if isinstance(template, dict) else template
@@ -167,6 +172,25 @@ class HFTokenizer:
 
     def save_hf(self, directory: str | Path) -> None:
         self.hf.save_pretrained(str(directory))
+
+
+def text_start(hf) -> tuple[int, ...]:
+    """The ids a Hugging Face tokenizer adds before a text of its own accord (its post-processor's), as the
+    model's pre-training documents began and transformers' pipelines and run_clm encode a text: Llama's
+    BOS, nothing for GPT-2's or Qwen's."""
+    probe = "a"
+    plain, framed = hf(probe, add_special_tokens=False)["input_ids"], hf(probe)["input_ids"]
+    for start in range(len(framed) - len(plain) + 1):
+        if framed[start:start + len(plain)] == plain:
+            return tuple(framed[:start])
+    return ()
+
+
+def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """A plain text's ids as the model reads a text: after the tokenizer's text_start, unless they begin
+    with it already (a prompt that spells out "<s>")."""
+    start = list(tokenizer.text_start)
+    return ids if ids[:len(start)] == start else start + ids
 
 
 @lru_cache(maxsize=4)

@@ -27,7 +27,7 @@ def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, te
         messages.append({"role": "user", "content": line})
         reply = print_continuation(model, render(messages), reply_end, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + turn,
-                                   context=context)
+                                   context=context, chat=True)
         messages.append({"role": "assistant", "content": reply})
     return 0
 

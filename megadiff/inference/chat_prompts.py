@@ -11,7 +11,7 @@ from megadiff.config import ConfigError
 from megadiff.data.conversations import (
     chat_template_of, encode_piece, mark_special_texts, render_conversation, turn_end,
 )
-from megadiff.data.tokenizers import Tokenizer
+from megadiff.data.tokenizers import Tokenizer, with_text_start
 from megadiff.inference.loader import CausalLM
 
 
@@ -41,10 +41,13 @@ def render_chat(messages: list[dict], template: str, tokenizer: Tokenizer, gener
                                tokenizer.special_tokens, generation_prompt, continue_final)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    """The ids the model is given for `prompt`, a plain text or render_chat's: special tokens' texts
-    become their ids, except the ones marked inside messages (plain text holds no marks)."""
-    return encode_piece(prompt, tokenizer)
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """The ids the model is given for `prompt`, a plain text or (`chat`) render_chat's: special tokens'
+    texts become their ids, except the ones marked inside messages (plain text holds no marks). A plain
+    text begins with the tokenizer's text_start (Llama's BOS) as documents do; a chat template writes
+    its own start, as training's conversations and transformers' apply_chat_template read it."""
+    ids = encode_piece(prompt, tokenizer)
+    return ids if chat else with_text_start(tokenizer, ids)
 
 
 def chat_renderer(model: CausalLM, option: str) -> tuple[Callable[[list[dict]], str], str | None]:

@@ -338,11 +338,12 @@ class TextStream:
 
 def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,
                        temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                       context: HeldContext | None = None, top_p: float = 1.0) -> str:
+                       context: HeldContext | None = None, top_p: float = 1.0, chat: bool = False) -> str:
     """Print `prompt`'s continuation as it is generated, up to the EOD (or `stop_text`, unshown), and
-    its rate on stderr; returns the text printed. `context`: the cache to continue (a conversation's)."""
+    its rate on stderr; returns the text printed. `context`: the cache to continue (a conversation's);
+    `chat`: the prompt is a rendered conversation (encode_prompt)."""
     tokenizer = model.tokenizer
-    prompt_ids = encode_prompt(tokenizer, prompt)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat)
     text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, decodable=decodable_ids(model), stop_id=tokenizer.eod,
@@ -383,5 +384,5 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     else:
         print(prompt, end="", flush=True)
     print_continuation(model, prompt, reply_end, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                       top_p=top_p, seed=seed)
+                       top_p=top_p, seed=seed, chat=chat)
     return 0

@@ -118,7 +118,7 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     for key, prompt in prompts:
         if chat:
             prompt = render(opening + list(prompt))
-        ids = encode_prompt(tokenizer, prompt)[-(window - max_new_tokens):]  # a longer prompt keeps its end
+        ids = encode_prompt(tokenizer, prompt, chat)[-(window - max_new_tokens):]  # a longer prompt keeps its end
         encoded[key] = ids or [tokenizer.eod]
     digests = {key: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for key, ids in encoded.items()}
     settings, own_settings = model_settings(model, None, dtype)

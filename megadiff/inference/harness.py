@@ -138,8 +138,16 @@ class MegadiffLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(self.tok.name)
 
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and the first rolling window are conditioned on: the tokenizer's text start
+        (Llama's BOS, as the harness's Hugging Face model takes it), else the end-of-document token."""
+        return self.tok.text_start[0] if self.tok.text_start else self.tok.eod
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return encode_prompt(self.tok, string)
+        """A context begins as a text does (encode_prompt), unless the harness asks for the bare tokens (a
+        continuation after prefix_token_id) or the string is a rendered conversation."""
+        return encode_prompt(self.tok, string, chat=self._chat_template is not None or add_special_tokens is False)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """The template requests are rendered with (the harness records it with the results)."""
@@ -216,7 +224,7 @@ class MegadiffLM(TemplateLM):
         results = []
         with self.progress("rolling log-likelihoods", len(requests)) as bar:
             for (text,) in (request.args for request in requests):
-                tokens = self.tok_encode(text)
+                tokens = self.tok_encode(text, add_special_tokens=False)  # prefix_token_id starts the text
                 windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
                     token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)]
                 results.append(sum(log_likelihood for log_likelihood, _ in self.score(windows)))
@@ -249,7 +257,7 @@ class MegadiffLM(TemplateLM):
         kwargs = generation_settings(gen_kwargs, self.max_gen_toks, self.max_length)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok.decode([self.eot_token_id]))
         max_new = kwargs.pop("max_gen_toks")
-        # an empty context is conditioned on the end-of-document token, as in log-likelihoods
+        # an empty context is conditioned on prefix_token_id, as in log-likelihoods
         prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
         temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
         return GenerationPlan(prompt, max_new, until, temperature, kwargs["top_k"], kwargs["top_p"])

@@ -22,7 +22,7 @@ import torch
 from rich.table import Table
 
 from megadiff.config import ConfigError
-from megadiff.data.tokenizers import Tokenizer
+from megadiff.data.tokenizers import Tokenizer, with_text_start
 from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.loader import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -162,7 +162,8 @@ def default_shots(tokenizer: Tokenizer, draw: Sequence[Example], tests: Sequence
     """1, 2, 4, ... and the most demonstrations of the draw that fit the window beside the longest
     test query and label."""
     longest_label = max(len(tokens) for tokens in label_tokens(tokenizer, label_names(draw, tests)))
-    room = window - longest_label - max(len(tokenizer.encode(query(example))) for example in tests)
+    room = window - longest_label - len(tokenizer.text_start) - max(len(tokenizer.encode(query(example)))
+                                                                    for example in tests)
     shots, used = 0, 0
     for example in draw:
         used += len(tokenizer.encode(demonstration(example)))
@@ -226,8 +227,9 @@ def accuracy_grid(model: CausalLM | HFCausalLM, draw: Sequence[Example], tests: 
             # the last cell's cache freed before the next one's is allocated: two caches of a 64K
             # window and a 6.8B model's weights take more than 80 GB
             context = None
-            context = SharedContext(model, tokenizer.encode(demonstrations))
-        prompt = tokenizer.encode(demonstrations + query(tests[index]))[-room:]
+            context = SharedContext(model, with_text_start(tokenizer, tokenizer.encode(demonstrations)))
+        # one text, beginning as the tokenizer begins a text (Llama's BOS)
+        prompt = with_text_start(tokenizer, tokenizer.encode(demonstrations + query(tests[index])))[-room:]
         with torch.no_grad():
             answer = names[constrained_answer(model, prompt, labels, context)] == tests[index].label
         correct[shots.index(count), order] += answer

@@ -1,9 +1,10 @@
 """`megadiff needles`: multi-needle retrieval from long contexts (the DIFF paper's key-information
 retrieval, sections 3.4 and 3.3), to check what a 64K extension can use.
 
-A case of length L: held-out text (the haystack: documents one after another, their EOD tokens
-left out) holding N needles "The magic number of CITY is NUMBER." at evenly spread depths, one of
-them (the first queried) moved to depth D (0 = start of the context, 1 = its end), then "What is
+A case of length L: the tokenizer's text start (Llama's BOS; none for GPT-2's or tiktoken's), then
+held-out text (the haystack: documents one after another, their EOD and text-start tokens left
+out) holding N needles "The magic number of CITY is NUMBER." at evenly spread depths, one of them
+(the first queried) moved to depth D (0 = start of the context, 1 = its end), then "What is
 the magic number of CITY? The magic number of CITY is" and the answer " NUMBER". With R query
 cities (the paper's R), the question asks for R of the needles ("What are the magic numbers of A
 and B? The magic number of A is") and the answers follow one another (" X. The magic number of B
@@ -94,7 +95,8 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
     numbers = [rng.randrange(1_000_000, 10_000_000) for _ in cities]
     pieces = [_needle(tokenizer, city, number) for city, number in zip(cities, numbers)]
     prompts, answers = _question(tokenizer, cities[:queries], numbers[:queries])
-    room = length - sum(map(len, pieces + prompts + answers))
+    opening = list(tokenizer.text_start)  # the case is one text
+    room = length - len(opening) - sum(map(len, pieces + prompts + answers))
     if room < 0:
         raise ConfigError(f"--lengths: {length} tokens are fewer than the needles, question and answer take "
                           f"({length - room})")
@@ -102,10 +104,10 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
         raise ConfigError(f"--lengths: {length} tokens need {room:,} haystack tokens; the held-out split has "
                           f"{len(haystack):,} (use longer held-out data: data.prefix=..., or shorter lengths)")
     start = rng.randrange(len(haystack) - room + 1)
-    hay = _text_without_eods(haystack, start, room, tokenizer.eod)
+    hay = _text_without_eods(haystack, start, room, {tokenizer.eod, *opening})
     # the distractors spread evenly over the context, the queried needle at `depth`
     places = [round(depth * room)] + [round((k + 0.5) / (needles - 1) * room) for k in range(needles - 1)]
-    tokens, cursor, spans = [], 0, [None] * needles
+    tokens, cursor, spans = opening, 0, [None] * needles
     for place, index in sorted((place, index) for index, place in enumerate(places)):
         tokens += hay[cursor:place]
         cursor = place
@@ -122,10 +124,10 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
     return Case(tokens, spans, answer_span, question_start, answer_spans)
 
 
-def _text_without_eods(haystack: np.ndarray, start: int, count: int, eod: int) -> list[int]:
-    """`count` tokens of the haystack from `start` on (wrapping around to its start), its documents'
-    EOD tokens left out: a document-masked model would not see a needle across one, and no model sees
-    one inside a text."""
+def _text_without_eods(haystack: np.ndarray, start: int, count: int, bounds: set[int]) -> list[int]:
+    """`count` tokens of the haystack from `start` on (wrapping around to its start), the tokens that
+    end and begin its documents (`bounds`: the EOD, a BOS) left out: a document-masked model would not
+    see a needle across one, and no model sees one inside a text."""
     tokens, read = [], 0
     while len(tokens) < count:
         if read == len(haystack):
@@ -133,7 +135,7 @@ def _text_without_eods(haystack: np.ndarray, start: int, count: int, eod: int) -
                               "documents' ends (use longer held-out data: data.prefix=..., or shorter lengths)")
         cursor = (start + read) % len(haystack)
         window = haystack[cursor:cursor + min(count - len(tokens), len(haystack) - read)]
-        tokens += [token for token in window.tolist() if token != eod]
+        tokens += [token for token in window.tolist() if token not in bounds]
         read += len(window)
     return tokens
 

@@ -1,0 +1,127 @@
+"""A text begins as the tokenizer begins one (its text_start: Llama's BOS, nothing for GPT-2's or
+tiktoken's), wherever megadiff makes one: prepared documents and prompt/response pairs, plain-text
+prompts, needle cases. Chat renderings begin as their template writes them. Data prepared before
+documents began with it is prepared again, and a run reading such data is told. (lm-eval's contexts:
+tests/test_lm_eval.py, against the harness's Hugging Face model; adaptation's documents:
+tests/test_adapt_finetune.py.)"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megadiff.config import build_config
+from megadiff.data.checks import check_training_data
+from megadiff.data.indexed import loss_mask_prefix
+from megadiff.data.manifest import manifest_path
+from megadiff.data.prepare import prepare
+from megadiff.data.tokenizers import load_tokenizer
+from megadiff.inference.chat_prompts import encode_prompt, render_chat
+from megadiff.inference.needles import build_case
+from tests.convert_worker import build_tokenizer
+from tests.test_chat_data import CHATML
+from tests.test_data_prepare import read_back
+
+BOS = "<s>"
+TEXTS = ["In the beginning God created the heaven and the earth.", "", "And God said, Let there be light."]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, str]:
+    """Tokenizer specs: one that puts a BOS before every text, one (same vocabulary) that does not."""
+    root = tmp_path_factory.mktemp("text_start")
+    return {"llama_like": str(build_tokenizer(root / "llama_like", bos=BOS, adds_bos=True)),
+            "plain": str(build_tokenizer(root / "plain", bos=BOS))}
+
+
+def test_text_start_is_what_the_tokenizer_adds_before_a_text(tokenizers):
+    from transformers import AutoTokenizer
+
+    for name, spec in tokenizers.items():
+        hf = AutoTokenizer.from_pretrained(spec)
+        added = hf("verse")["input_ids"][:-len(hf("verse", add_special_tokens=False)["input_ids"])]
+        assert load_tokenizer(spec).text_start == tuple(added) == ((1,) if name == "llama_like" else ())
+    assert load_tokenizer("cl100k_base").text_start == ()
+
+
+def _prepare(tmp_path: Path, spec: str, *overrides: str):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t, "answer": t[::-1]}) + "\n" for t in TEXTS))
+    cfg = build_config({}, [f"data.sources=[{tmp_path / 'docs.jsonl'}]", f"data.prefix={tmp_path / 'out' / 'docs'}",
+                            f"data.cache_dir={tmp_path / 'cache'}", f"data.tokenizer={spec}", *overrides])
+    prepare(cfg.data)
+    return cfg
+
+
+def test_prepared_documents_and_pairs_begin_with_it(tokenizers, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizers["llama_like"])
+    eos = hf.eos_token_id
+    _prepare(tmp_path / "docs", tokenizers["llama_like"])
+    # as the tokenizer encodes a text (BOS first), then the EOD; the empty document is skipped
+    assert read_back(tmp_path / "docs" / "out" / "docs") == [hf(t)["input_ids"] + [eos] for t in TEXTS if t]
+    _prepare(tmp_path / "pairs", tokenizers["llama_like"], "data.text_key=text", "data.response_key=answer")
+    pairs = tmp_path / "pairs" / "out" / "docs"
+    expected = [hf(t)["input_ids"] + hf(t[::-1], add_special_tokens=False)["input_ids"] + [eos] for t in TEXTS if t]
+    assert read_back(pairs) == expected
+    # the BOS is context, like the prompt: no loss on it
+    masks = read_back(loss_mask_prefix(pairs))
+    assert [mask[0] for mask in masks] == [0] * len(expected) and all(sum(mask) > 0 for mask in masks)
+    plain = _prepare(tmp_path / "plain", tokenizers["plain"])
+    assert read_back(tmp_path / "plain" / "out" / "docs") == [load_tokenizer(tokenizers["plain"]).encode(t) + [eos]
+                                                             for t in TEXTS if t]
+    assert "text_start" not in json.loads(manifest_path(plain.data.prefix).read_text())["fingerprint"]["tokenizer"]
+
+
+def test_data_prepared_without_it_is_prepared_again_and_a_run_is_told(tokenizers, tmp_path, capsys):
+    cfg = _prepare(tmp_path, tokenizers["llama_like"], "data.split=50,50,0", "model.seq_length=8")
+    manifest = manifest_path(cfg.data.prefix)
+    recorded = json.loads(manifest.read_text())
+    assert recorded["fingerprint"]["tokenizer"]["text_start"] == [1]
+    check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))  # no warning: pytest's filter makes it fail
+    # as an earlier megadiff wrote it: no text_start recorded (the tokens themselves left as they are)
+    del recorded["fingerprint"]["tokenizer"]["text_start"]
+    manifest.write_text(json.dumps(recorded))
+    with pytest.warns(UserWarning, match=r"prepared before documents began with the tokenizer's \(1,\)"):
+        check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))
+    capsys.readouterr()
+    prepare(cfg.data)
+    assert "text_start" in json.loads(manifest.read_text())["fingerprint"]["tokenizer"]
+    assert "is up to date" not in capsys.readouterr().out
+    prepare(cfg.data)  # the control: now it is
+    assert "is up to date" in capsys.readouterr().out
+
+
+def test_a_plain_prompt_begins_with_it_and_a_chat_as_its_template_writes(tokenizers):
+    tokenizer = load_tokenizer(tokenizers["llama_like"])
+    text = "And the earth was without form"
+    bare = tokenizer.encode(text)
+    assert bare[0] != 1 and encode_prompt(tokenizer, text) == [1] + bare
+    assert encode_prompt(tokenizer, BOS + text) == [1] + bare  # spelled out: not twice
+    chat = render_chat([{"role": "user", "content": text}], Path(CHATML).read_text(), tokenizer)
+    assert encode_prompt(tokenizer, chat, chat=True) == tokenizer.encode(chat)
+    with_bos = "{{ bos_token }}" + Path(CHATML).read_text()
+    chat = render_chat([{"role": "user", "content": text}], with_bos, tokenizer)
+    assert encode_prompt(tokenizer, chat, chat=True)[:2] == [1, tokenizer.encode("<|im_start|>")[0]]
+    plain = load_tokenizer(tokenizers["plain"])
+    assert encode_prompt(plain, text) == plain.encode(text)
+
+
+def test_a_needle_case_is_one_text(tokenizers):
+    tokenizer = load_tokenizer(tokenizers["llama_like"])
+    documents = [[1] + tokenizer.encode(t) + [tokenizer.eod] for t in TEXTS[::2] * 40]
+    haystack = np.asarray([token for document in documents for token in document])
+    for depth in (0.0, 0.5, 1.0):
+        case = build_case(tokenizer, haystack, 300, depth, 3, random.Random(4))
+        # the BOS once, first; no document's BOS or EOD inside; exactly the length asked
+        assert case.tokens[0] == 1 and 1 not in case.tokens[1:] and tokenizer.eod not in case.tokens
+        assert len(case.tokens) == 300
+        needle = case.tokens[slice(*case.needle_spans[0])]
+        assert tokenizer.decode(needle).startswith("\nThe magic number of")
+    assert build_case(tokenizer, haystack, 300, 0.0, 3, random.Random(4)).needle_spans[0][0] == 1  # after the BOS
+    plain = load_tokenizer(tokenizers["plain"])
+    assert build_case(plain, haystack[haystack != 1], 300, 0.0, 3, random.Random(4)).needle_spans[0][0] == 0
