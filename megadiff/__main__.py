@@ -1,6 +1,6 @@
 import sys
 
-from megadiff.cli import main
+from megadiff.cli import entry_point
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

@@ -340,5 +340,22 @@ def main(argv: list[str] | None = None) -> int:
     return result if isinstance(result, int) else 0
 
 
+def entry_point(argv: list[str] | None = None) -> int:
+    """The `megadiff` program: main(), then the process group a finished command formed released. An
+    inference command leaves its group for later calls in the same process (in-process callers of
+    main() keep their loaded models); left to the interpreter's exit, NCCL warns of it and may hang there."""
+    formed_before = _process_group_formed()
+    code = main(argv)
+    if code == 0 and _process_group_formed() and not formed_before:
+        from megadiff.parallel import shutdown
+        shutdown()
+    return code
+
+
+def _process_group_formed() -> bool:
+    distributed = sys.modules.get("torch.distributed")  # not imported: no group, and no import to pay for
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

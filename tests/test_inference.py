@@ -99,6 +99,30 @@ def cli_text(run_dir, capsys, *options: str) -> str:
     return capsys.readouterr().out.rstrip("\n")
 
 
+def test_the_program_releases_the_process_group_its_command_formed(run, capsys):
+    """`megadiff generate` as its own process ends with its process group destroyed (main() leaves it, for
+    in-process callers' later calls); a group formed before the command, as here, is left alone."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    script = ("import sys, torch.distributed as dist\nfrom megadiff import cli\n"
+              "code = getattr(cli, sys.argv[1])(['generate', '--load', sys.argv[2], '--prompt', 'In the', "
+              "'--max-new-tokens', '2'])\nprint('formed' if dist.is_initialized() else 'released', code)\n")
+    ends = {}
+    for entry in ("entry_point", "main"):
+        proc = subprocess.run([sys.executable, "-c", script, entry, str(run[0])], capture_output=True, text=True,
+                              timeout=300, cwd=Path(__file__).parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ends[entry] = proc.stdout.splitlines()[-1]
+    assert ends == {"entry_point": "released 0", "main": "formed 0"}
+    load_checkpoint(run[0])  # forms this process's group, if no test did before
+    from megadiff.cli import entry_point
+    assert entry_point(["generate", "--load", str(run[0]), "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
+    assert dist.is_initialized()
+
+
 def test_generate_cli_greedy_equals_argmax_loop(run, capsys):
     output_dir, reference = run
     tokenizer = load_tokenizer(reference.cfg.data.tokenizer)

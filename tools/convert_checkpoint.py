@@ -9,7 +9,7 @@ iter_* directory, saved with any tensor/pipeline-parallel layout. See docs/conve
 """
 import sys
 
-from megadiff.cli import main as megadiff_main
+from megadiff.cli import entry_point as megadiff_main
 
 if __name__ == "__main__":
     sys.exit(megadiff_main(["convert", *sys.argv[1:]]))

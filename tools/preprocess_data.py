@@ -10,7 +10,7 @@ running it again with unchanged sources and tokenizer does nothing. See docs/dat
 """
 import sys
 
-from megadiff.cli import main as megadiff_main
+from megadiff.cli import entry_point as megadiff_main
 
 if __name__ == "__main__":
     sys.exit(megadiff_main(["prepare-data", *sys.argv[1:]]))
