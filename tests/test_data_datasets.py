@@ -28,7 +28,7 @@ from tests.distributed import run_ranks
 
 SEQ = 16
 EOD = 1000
-TOKENIZER = SimpleNamespace(name="synthetic", vocab_size=EOD + 1, eod=EOD)
+TOKENIZER = SimpleNamespace(name="synthetic", vocab_size=EOD + 1, eod=EOD, text_start=())
 
 
 def write_documents(prefix: Path, documents: list[np.ndarray]) -> None:
@@ -232,7 +232,7 @@ def test_data_prepared_with_another_tokenizer(corpus, tmp_path):
     with pytest.raises(DataError, match="data.tokenizer: .*docs was prepared with tokenizer 'o200k_base'"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
     (tmp_path / "docs.manifest.json").unlink()
-    wide = SimpleNamespace(name="wide", vocab_size=100277, eod=100257)  # uint16 files cannot hold its ids
+    wide = SimpleNamespace(name="wide", vocab_size=100277, eod=100257, text_start=())  # uint16 files cannot hold its ids
     with pytest.raises(DataError, match="data.tokenizer: .*docs.bin stores uint16 ids, too narrow"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}", "model.vocab_size=100352"), wide)
 

@@ -38,13 +38,13 @@ def run(tmp_path_factory):
     return output_dir, cfg
 
 
-def naive_hits(tokens: list[int], labels: list[int], eod: int | None = None) -> list[bool]:
+def naive_hits(tokens: list[int], labels: list[int], eod: int | None = None, bos: int | None = None) -> list[bool]:
     """Position i is an AR hit when an earlier position j of its document had the same (token,
-    next token) pair; a document ends after an `eod` token."""
+    next token) pair, the next token not a document's `bos`; a document ends after an `eod` token."""
     def same_document(j: int, i: int) -> bool:
         return eod is None or eod not in tokens[j:i]
-    return [any((tokens[j], labels[j]) == (tokens[i], labels[i]) and same_document(j, i) for j in range(i))
-            for i in range(len(tokens))]
+    return [labels[i] != bos and any((tokens[j], labels[j]) == (tokens[i], labels[i]) and same_document(j, i)
+                                     for j in range(i)) for i in range(len(tokens))]
 
 
 def _naive_losses(run_dir: Path, cfg, seq_length: int, sequences: int, prefix: Path | None = None,
@@ -181,10 +181,12 @@ def test_recall_hits_stay_within_documents():
     tokens = torch.randint(0, 4, (3, 41), generator=generator)  # few ids: many repeated bigrams; 0 = EOD
     dataset = [{"tokens": row[:-1].numpy(), "labels": row[1:].numpy()} for row in tokens]
     for eod in (None, 0):
-        hits = recall_hits(dataset, 3, eod)
-        for row, sample in zip(hits, dataset):
-            assert row.tolist() == naive_hits(sample["tokens"].tolist(), sample["labels"].tolist(), eod)
+        for bos in (None, 1):  # with a tokenizer that begins each document with id 1
+            hits = recall_hits(dataset, 3, eod, text_start=() if bos is None else (bos,))
+            for row, sample in zip(hits, dataset):
+                assert row.tolist() == naive_hits(sample["tokens"].tolist(), sample["labels"].tolist(), eod, bos)
     assert not torch.equal(recall_hits(dataset, 3, 0), recall_hits(dataset, 3, None))
+    assert not torch.equal(recall_hits(dataset, 3, None, text_start=(1,)), recall_hits(dataset, 3, None))
 
 
 def test_summary_by_position_against_loops():

@@ -295,7 +295,8 @@ def test_a_cache_serves_the_weights_and_window_it_was_answered_with(root, tmp_pa
     """The request holds the dtype the weights are in: --dtype naming the run's own (fp32) takes
     what omitting it kept. A cache kept before requests held window and dtype was answered with the
     model's own: a rerun leaving both to the model takes it, one asking for bf16 is refused. One kept
-    before labels ended as the demonstrations do is refused."""
+    before prompts began with the tokenizer's text start, of a tokenizer that has none, is served; one
+    kept before labels ended as the demonstrations do is refused."""
     from megadiff.inference import icl
 
     computed = []
@@ -320,6 +321,9 @@ def test_a_cache_serves_the_weights_and_window_it_was_answered_with(root, tmp_pa
         rank_file.write_text("".join(json.dumps(record) + "\n" for record in older))
 
     kept_without("window", "dtype")
+    assert run() == 0 and len(computed) == 3
+    # kept before prompts began with the tokenizer's text start: this one's has none (nor a BOS)
+    kept_without("window", "dtype", "text_start")
     assert run() == 0 and len(computed) == 3
     capsys.readouterr()
     assert run("--dtype", "bf16") == 2

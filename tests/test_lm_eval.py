@@ -180,13 +180,15 @@ def test_a_tokenizer_that_begins_texts_with_a_bos(tasks, tmp_path):
     """A run whose tokenizer puts a BOS before every text (Llama's): a context begins with it, and an
     empty context is conditioned on it, as the harness's Hugging Face model does on the export; a
     rolling text is scored token by token after it (transformers' log-probabilities of the text's own
-    tokens: the harness's model would also score a second BOS there)."""
+    tokens: the harness's model would also score a second BOS there). A --cache
+    answered before contexts began with it is refused."""
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     build_tokenizer(tmp_path / "tokenizer", bos="<s>", adds_bos=True)
     run, _ = held_out_run(tmp_path, "diff")
-    ours = answers(megadiff_lm_eval(run, tasks, tmp_path / "ours.json")["samples"])
+    cache = tmp_path / "cache"
+    ours = answers(megadiff_lm_eval(run, tasks, tmp_path / "ours.json", extra=("--cache", str(cache)))["samples"])
     hf_dir = convert_to_hf(run, tmp_path / "hf")
     padded = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
     theirs = lm_eval.simple_evaluate(
@@ -209,6 +211,11 @@ def test_a_tokenizer_that_begins_texts_with_a_bos(tasks, tmp_path):
                 log_probs = model(window).logits[0, -len(continuation):].float().log_softmax(-1)
             expected += float(log_probs.gather(1, torch.tensor(continuation)[:, None]).sum())
         assert rolling["kjv_rolling", index][0] == pytest.approx(expected, rel=1e-4)
+    request = json.loads(Path(f"{cache}.request.json").read_text())
+    assert request.pop("text_start") == [1]
+    Path(f"{cache}.request.json").write_text(json.dumps(request))  # as recorded before contexts began with it
+    assert main(["lm-eval", "--load", str(run), "--tasks", "kjv_choice", "--include-path", str(tasks), "--cache",
+                 str(cache), "--dtype", "fp32"]) == 2
 
 
 def test_special_texts_inside_chat_turns_stay_text_as_in_training(runs):

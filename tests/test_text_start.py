@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,11 +83,13 @@ def test_data_prepared_without_it_is_prepared_again_and_a_run_is_told(tokenizers
     manifest = manifest_path(cfg.data.prefix)
     recorded = json.loads(manifest.read_text())
     assert recorded["fingerprint"]["tokenizer"]["text_start"] == [1]
-    check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))  # no warning: pytest's filter makes it fail
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))
     # as an earlier megadiff wrote it: no text_start recorded (the tokens themselves left as they are)
     del recorded["fingerprint"]["tokenizer"]["text_start"]
     manifest.write_text(json.dumps(recorded))
-    with pytest.warns(UserWarning, match=r"prepared before documents began with the tokenizer's \(1,\)"):
+    with pytest.warns(UserWarning, match=r"prepared before documents began with the tokenizer's \[1\]"):
         check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))
     capsys.readouterr()
     prepare(cfg.data)
@@ -125,3 +128,62 @@ def test_a_needle_case_is_one_text(tokenizers):
     assert build_case(tokenizer, haystack, 300, 0.0, 3, random.Random(4)).needle_spans[0][0] == 1  # after the BOS
     plain = load_tokenizer(tokenizers["plain"])
     assert build_case(plain, haystack[haystack != 1], 300, 0.0, 3, random.Random(4)).needle_spans[0][0] == 0
+
+
+def test_the_text_start_is_no_attention_noise(tokenizers, monkeypatch):
+    """needles --attention: a Llama's BOS (its attention sink) counts neither as the answer nor as noise."""
+    import torch
+
+    from megadiff.inference import needles
+
+    tokenizer = load_tokenizer(tokenizers["llama_like"])
+    haystack = np.asarray([token for t in TEXTS[::2] * 40 for token in tokenizer.encode(t) + [tokenizer.eod]])
+    case = build_case(tokenizer, haystack, 200, 0.5, 2, random.Random(1))
+    width = case.answer_start
+    for attended, noise in ((0, 0.0), (case.question_start - 1, 1.0)):  # all on the BOS, then on the haystack
+        rows = torch.zeros(1, width)
+        rows[0, attended] = 1.0
+        monkeypatch.setattr(needles, "attention_rows", lambda model, tokens, position: [rows])
+        assert needles.attention_allocation(object(), case) == (0.0, noise)
+    uniform = torch.full((1, width), 1.0 / width)
+    monkeypatch.setattr(needles, "attention_rows", lambda model, tokens, position: [uniform])
+    needle_tokens = sum(end - start for start, end in case.needle_spans)
+    expected = (case.question_start - 1 - needle_tokens) / width
+    assert needles.attention_allocation(object(), case)[1] == pytest.approx(expected)
+
+
+def test_a_bos_that_is_the_eod_begins_prompts_not_documents(tokenizers, tmp_path):
+    """OPT's </s> begins and ends a text: a prompt begins with it, a document does not (the previous
+    document's end gives it), so document boundaries stay one EOD apiece."""
+    from transformers import AutoTokenizer
+    from tokenizers import processors
+
+    hf = AutoTokenizer.from_pretrained(tokenizers["plain"])
+    eod = hf.eos_token_id
+    hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{hf.eos_token} $A", pair=f"{hf.eos_token} $A {hf.eos_token} $B", special_tokens=[(hf.eos_token, eod)])
+    hf.bos_token = hf.eos_token
+    hf.save_pretrained(tmp_path / "opt_like")
+    tokenizer = load_tokenizer(str(tmp_path / "opt_like"))
+    assert tokenizer.text_start == (eod,)
+    assert encode_prompt(tokenizer, TEXTS[0]) == [eod] + tokenizer.encode(TEXTS[0])
+    cfg = _prepare(tmp_path / "data", str(tmp_path / "opt_like"))
+    assert read_back(tmp_path / "data" / "out" / "docs") == [tokenizer.encode(t) + [eod] for t in TEXTS if t]
+    assert "text_start" not in json.loads(manifest_path(cfg.data.prefix).read_text())["fingerprint"]["tokenizer"]
+
+
+def test_conversations_begin_as_their_template_writes(tokenizers, tmp_path):
+    """Conversation data of a BOS-adding tokenizer: unchanged by the text start (the template decides),
+    so neither prepared again for it nor warned of."""
+    conversation = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Seth."}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(40)))
+    cfg = build_config({}, [f"data.sources=[{tmp_path / 'chat.jsonl'}]", f"data.prefix={tmp_path / 'out' / 'chat'}",
+                            f"data.cache_dir={tmp_path / 'cache'}", f"data.tokenizer={tokenizers['llama_like']}",
+                            "data.messages_key=messages", f"data.chat_template={CHATML}", "data.split=50,50,0",
+                            "model.seq_length=8"])
+    prepare(cfg.data)
+    assert "text_start" not in json.loads(manifest_path(cfg.data.prefix).read_text())["fingerprint"]["tokenizer"]
+    assert all(document[0] != 1 for document in read_back(tmp_path / "out" / "chat"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))

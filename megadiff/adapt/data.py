@@ -24,7 +24,7 @@ import torch
 from megadiff.adapt.settings import JSON_SUFFIXES, DataSection
 from megadiff.config import ConfigError
 from megadiff.data.conversations import PROBE, encode_conversation, resolve_chat_template
-from megadiff.data.tokenizers import HFTokenizer, with_text_start
+from megadiff.data.tokenizers import HFTokenizer, document_start
 
 
 IGNORED_LABEL = -100  # transformers' cross entropy skips these labels
@@ -62,9 +62,11 @@ def build_packed_dataset(data: DataSection, tokenizer):
     view = HFTokenizer("model.tokenizer", tokenizer)
     template = _chat_template(data, view) if conversations else None
 
+    start = document_start(view)
+
     def tokenize(batch):  # a special token's text in a document is text, as prepare-data reads it
         ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return {"input_ids": [with_text_start(view, row) + [eos] for row in ids]}
+        return {"input_ids": [start + row + [eos] for row in ids]}
 
     def tokenize_conversations(batch):
         encoded = [encode_conversation(messages, template, view) for messages in batch["messages"]]

@@ -22,7 +22,7 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import IndexSummary, bin_path, idx_path, loss_mask_prefix, read_index, token_dtype
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
-from megadiff.data.tokenizers import Tokenizer
+from megadiff.data.tokenizers import Tokenizer, document_start
 
 SPLITS = ("train", "valid", "test")
 
@@ -37,7 +37,8 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
     splits = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer).get("splits"))
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
-        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits)
+        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits,
+                         conversations=cfg.data.messages_key is not None)
         _check_splits(prefix, summary, cfg, key)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
@@ -49,7 +50,7 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, tokenizer: Tokenizer,
-                     spec: str, splits: Callable[[], str | None]) -> None:
+                     spec: str, splits: Callable[[], str | None], conversations: bool) -> None:
     prepared = manifest["fingerprint"]["tokenizer"] if manifest else None
     if prepared is not None and (prepared["vocab_size"], prepared["eod"]) != (tokenizer.vocab_size, tokenizer.eod):
         raise DataError(f"data.tokenizer: {prefix} was prepared with tokenizer {prepared['spec']!r} "
@@ -63,11 +64,12 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
                         f"otherwise than {spec!r} now does (the same vocabulary size and EOD, but another "
                         "vocabulary, merges or normalisation, e.g. retrained): its tokens would mean other text; "
                         "prepare it again")
-    if prepared is not None and tokenizer.text_start and prepared.get("text_start") != list(tokenizer.text_start):
+    start = document_start(tokenizer)
+    if prepared is not None and start and not conversations and prepared.get("text_start") != start:
         warnings.warn(f"data.tokenizer: {prefix} was prepared before documents began with the tokenizer's "
-                      f"{tokenizer.text_start} (e.g. Llama's BOS), which prompts, evaluations and Hugging Face "
-                      "pipelines put before a text: prepare it again (prepare-data does so) for a model that reads "
-                      "texts as they are given to it", stacklevel=2)
+                      f"{start} (e.g. Llama's BOS), which prompts, evaluations and Hugging Face pipelines put "
+                      "before a text: prepare it again (prepare-data does so) for a model that reads texts as "
+                      "they are given to it", stacklevel=2)
 
 
 def _check_same_masking(prefix: str, manifest: dict | None, cfg: Config, tokenizer: Tokenizer) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megadiff.data.indexed import bin_path, idx_path
-from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer
+from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, document_start
 from megadiff.files import write_atomically
 
 FORMAT = 1
@@ -56,13 +56,13 @@ def tokenizer_digest(directory: str | Path) -> str:
     return digest.hexdigest()
 
 
-def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer) -> dict:
-    """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text and
-    the ids its documents begin with (where it adds any: data prepared before documents began with them
-    is prepared again)."""
+def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer, documents: bool = True) -> dict:
+    """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text and,
+    for `documents` (not conversations, which begin as their template writes), the ids each begins with
+    where there are any (data prepared before documents began with them is prepared again)."""
     if spec in PACKAGED_TIKTOKEN:
         return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
-    start = {"text_start": list(tokenizer.text_start)} if tokenizer.text_start else {}
+    start = {"text_start": document_start(tokenizer)} if documents and document_start(tokenizer) else {}
     return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
             "splits": tokenizer_digest(spec), **start}
 

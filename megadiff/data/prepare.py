@@ -211,7 +211,7 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
         # encoded as one text (before: piece by piece, which split tokens at the turns' edges)
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest(),
             "conversation_encoding": "one text"} if chat_template is not None else {}),
-        "tokenizer": tokenizer_fingerprint(data.tokenizer, tokenizer),
+        "tokenizer": tokenizer_fingerprint(data.tokenizer, tokenizer, documents=chat_template is None),
         "dtype": token_dtype(tokenizer.vocab_size).name,
     }
 

@@ -1,6 +1,7 @@
 """Supervised fine-tuning data: the loss on the responses (or the assistant's turns) only.
 
-prepare-data with data.response_key stores each record as one document (prompt, response, EOD),
+prepare-data with data.response_key stores each record as one document (the tokenizer's text start,
+e.g. Llama's BOS, then prompt, response, EOD),
 with data.messages_key as its conversation rendered by the chat template, and, beside the tokens,
 an indexed dataset of the same documents holding 1 on the response's (the assistant's) tokens and
 the EOD (`loss_mask_prefix`). `ResponseMaskedGPTDataset` is megatron's GPTDataset,

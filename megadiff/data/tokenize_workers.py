@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from megadiff.data.conversations import encode_conversation
-from megadiff.data.tokenizers import load_tokenizer, with_text_start
+from megadiff.data.tokenizers import document_start, load_tokenizer
 
 Encoded = tuple[np.ndarray, np.ndarray]  # (ids of the batch, concatenated; tokens per document, 0 = skipped)
 # and, for prompt/response pairs and conversations, the loss mask beside the ids: 1 on a response's
@@ -24,13 +24,13 @@ EncodedPairs = tuple[np.ndarray, np.ndarray, np.ndarray]
 def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str) -> Encoded:
     """A document that encodes to no tokens (empty or missing text) is skipped, not stored as a lone EOD.
     A special token's text in a document is text: only the EOD appended ends the document, which
-    begins with the tokenizer's text_start (Llama's BOS), as the tokenizer frames a text."""
+    begins as the tokenizer begins a text (document_start: Llama's BOS)."""
     tokenizer = load_tokenizer(tokenizer_spec)
     pieces, lengths = [], []
     for text in texts:
         ids = tokenizer.encode_ordinary(text) if text else []
         if ids:
-            ids = with_text_start(tokenizer, ids) + [tokenizer.eod]
+            ids = document_start(tokenizer) + ids + [tokenizer.eod]
         pieces.append(np.asarray(ids, dtype=dtype))
         lengths.append(len(ids))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype), np.asarray(lengths, dtype=np.int64)
@@ -38,13 +38,13 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
 
 def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], tokenizer_spec: str,
                  dtype: str) -> EncodedPairs:
-    """Each pair -> the tokenizer's text_start, prompt ids, response ids, EOD (one text); a pair with an
+    """Each pair -> document_start (Llama's BOS), prompt ids, response ids, EOD (one text); a pair with an
     empty response (it would teach nothing) is skipped."""
     tokenizer = load_tokenizer(tokenizer_spec)
     documents = []
     for prompt, response in zip(prompts, responses):
         answer = tokenizer.encode_ordinary(response) + [tokenizer.eod] if response else []
-        question = with_text_start(tokenizer, tokenizer.encode_ordinary(prompt or "")) if answer else []
+        question = document_start(tokenizer) + tokenizer.encode_ordinary(prompt or "") if answer else []
         documents.append((question + answer, [0] * len(question) + [1] * len(answer)))
     return _masked(documents, dtype)
 

@@ -186,6 +186,12 @@ def text_start(hf) -> tuple[int, ...]:
     return ()
 
 
+def document_start(tokenizer: Tokenizer) -> list[int]:
+    """What a document begins with in prepared data: the text_start, unless it is the EOD (OPT's </s>
+    begins and ends a text), which the previous document's end already puts before it."""
+    return [] if tokenizer.text_start == (tokenizer.eod,) else list(tokenizer.text_start)
+
+
 def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     """A plain text's ids as the model reads a text: after the tokenizer's text_start, unless they begin
     with it already (a prompt that spells out "<s>")."""

@@ -221,7 +221,7 @@ def _source_losses(model: CausalLM | HFCausalLM, cfg, split: str, sequences: int
     if frequent is not None:  # tens of seconds at the default sample on one rank
         console.print(f"evaluate: counting bigrams in up to {frequent.sample_tokens:,} training tokens of "
                       f"{cfg.data.prefix}")
-    return losses, scored, recall_hits(dataset, count, eod, frequent, cfg.data)
+    return losses, scored, recall_hits(dataset, count, eod, frequent, cfg.data, model.tokenizer.text_start)
 
 
 def _print(console: Console, report: dict) -> None:

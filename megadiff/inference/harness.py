@@ -72,7 +72,8 @@ VLLM_NO_TOP_K = -1  # what vLLM's top_k takes for every id (a task written for v
 # each with the option that sets it
 CACHE_REQUEST_OPTIONS = {"checkpoint": "--load", "dtype": "--dtype", "attention_logit_bits": "--attention-logit-bits",
                          "chat_template": "--apply-chat-template", "system_instruction": "--system-instruction",
-                         "fewshot_as_multiturn": "--fewshot-as-multiturn", "gen_kwargs": "--gen-kwargs"}
+                         "fewshot_as_multiturn": "--fewshot-as-multiturn", "gen_kwargs": "--gen-kwargs",
+                         "text_start": "the tokenizer's text start, which contexts begin with (answered before they did)"}
 
 
 def generation_settings(gen_kwargs: dict, default_max_gen_toks: int, window: int) -> dict:
@@ -123,7 +124,7 @@ class MegadiffLM(TemplateLM):
         self.max_length = model.cfg.model.seq_length
         self.max_gen_toks = max_gen_toks
         # a checkpoint trained with data.document_masking never attended across an end-of-document
-        # token: nor does the harness's end-of-document prefix (empty contexts, rolling windows) here
+        # token: nor does an end-of-document prefix_token_id (empty contexts, rolling windows) here
         self.document_eod = document_eod(model)
         self._rank, self._world_size = rank_and_world()
         self._device = model.device
@@ -141,7 +142,9 @@ class MegadiffLM(TemplateLM):
     @property
     def prefix_token_id(self) -> int:
         """What an empty context and the first rolling window are conditioned on: the tokenizer's text start
-        (Llama's BOS, as the harness's Hugging Face model takes it), else the end-of-document token."""
+        (Llama's BOS, as the harness's Hugging Face model takes it), else the end-of-document token, which
+        began every document in training (the harness's model takes a BOS the tokenizer names but does
+        not add, e.g. SmolLM2's <|im_start|>)."""
         return self.tok.text_start[0] if self.tok.text_start else self.tok.eod
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
@@ -387,7 +390,9 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
             "attention_logit_bits": attention_logit_bits,
             "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:16] if chat_template else None,
             "system_instruction": system_instruction, "fewshot_as_multiturn": fewshot_as_multiturn,
-            "gen_kwargs": simple_parse_args_string(gen_kwargs) if gen_kwargs else None})
+            "gen_kwargs": simple_parse_args_string(gen_kwargs) if gen_kwargs else None,
+            # contexts begin with it (before, caches recorded none: they were answered without it)
+            **({"text_start": list(model.tokenizer.text_start)} if model.tokenizer.text_start else {})})
     results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template, seed=seed),
                               tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                               log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,

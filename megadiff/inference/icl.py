@@ -267,8 +267,10 @@ def icl_cli(load: str | None, dataset: str, dataset_config: str | None = None, t
     answers = None if cache is None else AnswerCache(cache, {
         "checkpoint": str(Path(model.checkpoint_dir).resolve()), "dataset": dataset, "dataset_config": dataset_config,
         "text_key": text_key, "label_key": label_key, "train_split": train_split, "test_split": test_split,
-        "examples": len(tests), "seed": seed, "arrangement": arrangement, "label_end": LABEL_END, **settings},
-        {**own_settings, "label_end": "\n"})  # caches from before labels ended as the demonstrations do
+        "examples": len(tests), "seed": seed, "arrangement": arrangement, "label_end": LABEL_END,
+        "text_start": list(model.tokenizer.text_start), **settings},
+        # caches from before labels ended as the demonstrations do, and prompts began with a BOS
+        {**own_settings, "label_end": "\n", "text_start": []})
     known = {} if answers is None else answers.answers()
     cells = grid_cells(shots, orders, len(tests))
     to_answer = sum(cell not in known for cell in cells)

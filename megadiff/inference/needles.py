@@ -53,6 +53,7 @@ class Case:
     answer_span: tuple[int, int]         # the first queried number inside its needle
     question_start: int
     answer_spans: list[tuple[int, int]]  # [start, end) of each queried number after the question
+    context_start: int = 0               # where the haystack begins: after the tokenizer's text start
 
     @property
     def needle_start(self) -> int:
@@ -107,7 +108,7 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
     hay = _text_without_eods(haystack, start, room, {tokenizer.eod, *opening})
     # the distractors spread evenly over the context, the queried needle at `depth`
     places = [round(depth * room)] + [round((k + 0.5) / (needles - 1) * room) for k in range(needles - 1)]
-    tokens, cursor, spans = opening, 0, [None] * needles
+    tokens, cursor, spans = list(opening), 0, [None] * needles
     for place, index in sorted((place, index) for index, place in enumerate(places)):
         tokens += hay[cursor:place]
         cursor = place
@@ -121,7 +122,7 @@ def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: f
         tokens += answer
     offset = _find(pieces[0], answers[0])  # the number as the answer spells it; else the whole needle
     answer_span = spans[0] if offset is None else (spans[0][0] + offset, spans[0][0] + offset + len(answers[0]))
-    return Case(tokens, spans, answer_span, question_start, answer_spans)
+    return Case(tokens, spans, answer_span, question_start, answer_spans, len(opening))
 
 
 def _text_without_eods(haystack: np.ndarray, start: int, count: int, bounds: set[int]) -> list[int]:
@@ -186,13 +187,13 @@ def attention_rows(model: CausalLM, tokens: list[int], position: int) -> list[to
 def attention_allocation(model: CausalLM | HFCausalLM, case: Case) -> tuple[float, float]:
     """(attention to the answer, attention noise) of the question's last token, the paper's Table 3:
     the normalized attention on the (first) queried number's tokens, and on the haystack (everything
-    before the question but the needles), each summed over those tokens and averaged over layers
-    and heads."""
+    before the question but the needles and the text start: a Llama's BOS, its attention sink, is no
+    context), each summed over those tokens and averaged over layers and heads."""
     position = case.answer_start - 1
     answer = torch.zeros(position + 1, dtype=torch.bool)
     answer[slice(*case.answer_span)] = True
     noise = torch.zeros(position + 1, dtype=torch.bool)
-    noise[:case.question_start] = True
+    noise[case.context_start:case.question_start] = True
     for start, end in case.needle_spans:
         noise[start:end] = False
     rows_of = hf_attention_rows if isinstance(model, HFCausalLM) else attention_rows

@@ -40,17 +40,19 @@ def bigram_keys(current: np.ndarray, following: np.ndarray) -> np.ndarray:
     return (current.astype(np.int64) << 32) | following.astype(np.int64)
 
 
-def context_bigrams(dataset, sequences: int, document_eod: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def context_bigrams(dataset, sequences: int, document_eod: int | None = None,
+                    text_start: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """[sequences, N] bigram keys of (the token at each position, the next one) and [sequences, N]
     booleans: whether that bigram is already in the position's context (with `document_eod`, in
-    its document)."""
+    its document). A next token that begins a document (`text_start`: Llama's BOS after each EOD)
+    is never a hit: it is the data's framing, recalled from nothing."""
     keys, repeated = [], []
     for index in range(sequences):
         tokens, labels = (np.asarray(dataset[index][key]) for key in ("tokens", "labels"))
         row = bigram_keys(tokens, labels)
         seen, hits = set(), []
-        for key, current in zip(row.tolist(), tokens.tolist()):
-            hits.append(key in seen)
+        for key, current, label in zip(row.tolist(), tokens.tolist(), labels.tolist()):
+            hits.append(key in seen and label not in text_start)
             seen.add(key)
             if current == document_eod:
                 seen.clear()
@@ -100,11 +102,11 @@ def training_bigram_rates(prefix: str, data_split: str, keys: np.ndarray, sample
 
 
 def recall_hits(dataset, sequences: int, document_eod: int | None = None, frequent: FrequentBigrams | None = None,
-                training_data=None) -> torch.Tensor:
-    """[sequences, N] booleans: which positions are AR hits. With `frequent`, `training_data` (a
-    data config naming one prefix, as source_config() makes them) holds the training split whose
-    frequent bigrams are left out."""
-    keys, hits = context_bigrams(dataset, sequences, document_eod)
+                training_data=None, text_start: tuple[int, ...] = ()) -> torch.Tensor:
+    """[sequences, N] booleans: which positions are AR hits (context_bigrams). With `frequent`,
+    `training_data` (a data config naming one prefix, as source_config() makes them) holds the
+    training split whose frequent bigrams are left out."""
+    keys, hits = context_bigrams(dataset, sequences, document_eod, text_start)
     if frequent is not None and hits.any():
         rates = training_bigram_rates(training_data.prefix, training_data.split, keys[hits], frequent.sample_tokens)
         hits[hits] = rates < frequent.per_million
