@@ -232,7 +232,8 @@ def test_data_prepared_with_another_tokenizer(corpus, tmp_path):
     with pytest.raises(DataError, match="data.tokenizer: .*docs was prepared with tokenizer 'o200k_base'"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
     (tmp_path / "docs.manifest.json").unlink()
-    wide = SimpleNamespace(name="wide", vocab_size=100277, eod=100257, text_start=())  # uint16 files cannot hold its ids
+    # uint16 files cannot hold its ids
+    wide = SimpleNamespace(name="wide", vocab_size=100277, eod=100257, text_start=())
     with pytest.raises(DataError, match="data.tokenizer: .*docs.bin stores uint16 ids, too narrow"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}", "model.vocab_size=100352"), wide)
 

@@ -73,7 +73,8 @@ VLLM_NO_TOP_K = -1  # what vLLM's top_k takes for every id (a task written for v
 CACHE_REQUEST_OPTIONS = {"checkpoint": "--load", "dtype": "--dtype", "attention_logit_bits": "--attention-logit-bits",
                          "chat_template": "--apply-chat-template", "system_instruction": "--system-instruction",
                          "fewshot_as_multiturn": "--fewshot-as-multiturn", "gen_kwargs": "--gen-kwargs",
-                         "text_start": "the tokenizer's text start, which contexts begin with (answered before they did)"}
+                         # contexts begin with it (a cache answered before they did records none)
+                         "text_start": "the tokenizer's text start"}
 
 
 def generation_settings(gen_kwargs: dict, default_max_gen_toks: int, window: int) -> dict:
