@@ -347,8 +347,7 @@ def entry_point(argv: list[str] | None = None) -> int:
     formed_before = _process_group_formed()
     code = main(argv)
     if code == 0 and _process_group_formed() and not formed_before:
-        from megadiff.parallel import shutdown
-        shutdown()
+        _target("megadiff.parallel:shutdown")()
     return code
 
 
