@@ -62,9 +62,9 @@ def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer, documents: bool = Tru
     where there are any (data prepared before documents began with them is prepared again)."""
     if spec in PACKAGED_TIKTOKEN:
         return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
-    start = {"text_start": document_start(tokenizer)} if documents and document_start(tokenizer) else {}
+    start = document_start(tokenizer) if documents else []
     return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-            "splits": tokenizer_digest(spec), **start}
+            "splits": tokenizer_digest(spec), **({"text_start": start} if start else {})}
 
 
 def _output_sizes(outputs: Sequence[str | Path]) -> Optional[list[int]]:

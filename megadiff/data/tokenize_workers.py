@@ -26,11 +26,12 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
     A special token's text in a document is text: only the EOD appended ends the document, which
     begins as the tokenizer begins a text (document_start: Llama's BOS)."""
     tokenizer = load_tokenizer(tokenizer_spec)
+    start = document_start(tokenizer)
     pieces, lengths = [], []
     for text in texts:
         ids = tokenizer.encode_ordinary(text) if text else []
         if ids:
-            ids = document_start(tokenizer) + ids + [tokenizer.eod]
+            ids = start + ids + [tokenizer.eod]
         pieces.append(np.asarray(ids, dtype=dtype))
         lengths.append(len(ids))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype), np.asarray(lengths, dtype=np.int64)
@@ -41,10 +42,11 @@ def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], t
     """Each pair -> document_start (Llama's BOS), prompt ids, response ids, EOD (one text); a pair with an
     empty response (it would teach nothing) is skipped."""
     tokenizer = load_tokenizer(tokenizer_spec)
+    start = document_start(tokenizer)
     documents = []
     for prompt, response in zip(prompts, responses):
         answer = tokenizer.encode_ordinary(response) + [tokenizer.eod] if response else []
-        question = document_start(tokenizer) + tokenizer.encode_ordinary(prompt or "") if answer else []
+        question = start + tokenizer.encode_ordinary(prompt or "") if answer else []
         documents.append((question + answer, [0] * len(question) + [1] * len(answer)))
     return _masked(documents, dtype)
 
