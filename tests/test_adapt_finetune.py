@@ -183,16 +183,21 @@ def test_zero_stages_agree(stage_runs, workspace):
 @pytest.mark.slow
 def test_resume_is_exact(stage_runs, workspace):
     """Stop at iteration 2 (exit_interval), rerun the same command: the whole curve equals the
-    uninterrupted run's (ZeRO-3, the stage with partitioned weights and optimizer)."""
+    uninterrupted run's (ZeRO-3, the stage with partitioned weights and optimizer). Recorded every 3
+    iterations, the stop falls between two records: the first holds the mean loss of iterations 1-3
+    all the same, and the run's last iteration (4) is recorded although no interval ends there."""
     output = workspace / "resumed"
-    command = (f"deepspeed={workspace / 'zero3_all.json'}", f"output_dir={output}", "checkpoint.exit_interval=2")
+    command = (f"deepspeed={workspace / 'zero3_all.json'}", f"output_dir={output}", "checkpoint.exit_interval=2",
+               "logging.log_interval=3")
     run_adapt(workspace, *command)
-    assert [r["iteration"] for r in read_metrics(output)] == [1, 2] and not (output / "hf").exists()
+    assert read_metrics(output) == [] and not (output / "hf").exists()
     second = run_adapt(workspace, *command)
     assert "resuming after iteration 2" in second.stdout
     resumed, uninterrupted = read_metrics(output), read_metrics(stage_runs(3))
-    keys = ("iteration", "lm_loss", "lr", "grad_norm", "lambda")
-    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in uninterrupted]
+    keys = ("iteration", "lr", "grad_norm", "lambda")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in uninterrupted[2:]]
+    each = [r["lm_loss"] for r in uninterrupted]
+    assert [r["lm_loss"] for r in resumed] == pytest.approx([sum(each[:3]) / 3, each[3]], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -388,6 +393,13 @@ def test_config_errors_name_their_key(workspace, tmp_path):
         load_finetune_config(yaml_file, ["adaptation.lambda_learn_init=false"])
     with pytest.raises(ConfigError, match="adaptation.selection"):
         load_finetune_config(yaml_file, ["adaptation.method=diff_v", "adaptation.selection=entropy"])
+    # a share of the heads where every head, or the given ones, are adapted: it was ignored without a word
+    for overrides in (["adaptation.method=daa"], ["adaptation.selected_heads=[[0],[1]]"]):
+        with pytest.raises(ConfigError, match="adaptation: .*heads_fraction=0.25 takes a share of the heads"):
+            load_finetune_config(yaml_file, [*overrides, "adaptation.heads_fraction=0.25"])
+    ranked = load_finetune_config(yaml_file, ["adaptation.method=daa", "adaptation.selection=importance",
+                                              "adaptation.heads_fraction=0.25"]).adaptation
+    assert ranked.resolved_selection == "importance" and ranked.heads_fraction == 0.25
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
@@ -524,6 +536,7 @@ def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
             "settings": json.loads(json.dumps(_planned_settings(first)))}
     check_planned_settings(plan, load_finetune_config(config, []))  # the same run again
     check_planned_settings(plan, load_finetune_config(config, ["adaptation.heads_fraction=0.5"]))  # as planned
+    check_planned_settings(plan, load_finetune_config(config, ["adaptation.selection=entropy"]))  # Dex's default
     for override, key in (("adaptation.anneal_steps=99", "anneal_steps"), ("adaptation.heads_fraction=0.25",
                                                                           "heads_fraction"),
                           ("adaptation.lambda_init=0.3", "lambda_init"), ("adaptation.selection=importance",

@@ -125,3 +125,14 @@ def test_a_record_every_few_steps_takes_the_means_of_the_steps_since_the_last():
     assert len(means) == 0  # taken: the next record's steps start afresh
     means.add(5.0, 1.5)
     assert means.take() == (5.0, 1.5)
+
+
+def test_step_means_continue_from_their_saved_state():
+    """What a checkpoint keeps of the steps since the last record (through JSON, as strictly as any
+    checkpoint format): the resumed means are those of every step since that record."""
+    means = StepMeans()
+    means.add(2.0, 1.0)
+    resumed = StepMeans(json.loads(json.dumps(means.state())))
+    resumed.add(4.0, 3.0)
+    assert len(resumed) == 2 and resumed.take() == (3.0, 2.0)
+    assert StepMeans(StepMeans().state()).state() == {"sums": [], "steps": 0}

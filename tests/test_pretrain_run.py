@@ -85,13 +85,17 @@ def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base,
 @pytest.mark.slow
 def test_a_record_every_few_steps_reports_their_means(base, tmp_path):
     """logging.log_interval=2: each record's loss is the mean of its two steps' (as Megatron-LM logs), the
-    same steps a run logging every one records."""
+    same steps a run logging every one records, the run's last step (5) recorded alone. Stopped at 3,
+    between two records, and resumed, the run records the same means."""
     every, pairs = tmp_path / "every", tmp_path / "pairs"
-    run_pretrain(1, base + ["train.iters=4", f"output_dir={every}"])
-    run_pretrain(1, base + ["train.iters=4", "logging.log_interval=2", f"output_dir={pairs}"])
+    run_pretrain(1, base + ["train.iters=5", f"output_dir={every}"])
+    pairs_run = base + ["train.iters=5", "logging.log_interval=2", f"output_dir={pairs}"]
+    run_pretrain(1, pairs_run + ["train.exit_interval=3"])
+    assert [r["iteration"] for r in read_metrics(pairs)] == [2]
+    run_pretrain(1, pairs_run)
     each = losses(every)
-    assert [r["iteration"] for r in read_metrics(pairs)] == [2, 4]
-    assert losses(pairs) == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2], rel=1e-6)
+    assert [r["iteration"] for r in read_metrics(pairs)] == [2, 4, 5]
+    assert losses(pairs) == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2, each[4]], rel=1e-6)
 
 
 @pytest.fixture(scope="module")

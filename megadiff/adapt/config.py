@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from megadiff.adapt.modeling_adapted import INPUT_METHODS
+from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.config import ConfigError
 from megadiff.config.loader import format_validation_error
 from megadiff.config.schema import StrictNumbers
@@ -60,13 +61,22 @@ class AdaptationConfig(StrictNumbers):
             raise ValueError(f"{method} adapts whole layers (one D x D matrix): only 'all' heads")
         return value
 
+    @model_validator(mode="after")
+    def _a_share_of_heads_needs_a_ranking(self):
+        """heads_fraction is the share of each layer's heads that entropy or importance ranks first: with every
+        head or selected_heads it was ignored without a word (DAA's default selection is every head)."""
+        default = type(self).model_fields["heads_fraction"].default
+        if self.heads_fraction != default and self.resolved_selection not in MEASURED_SELECTIONS:
+            chosen = "selected_heads" if self.resolved_selection == "given" else \
+                f"{self.method} with selection 'all' (every head of each layer)"
+            raise ValueError(f"heads_fraction={self.heads_fraction} takes a share of the heads that selection "
+                             f"'entropy' or 'importance' ranks; {chosen} adapts no share: remove heads_fraction, "
+                             "or set selection")
+        return self
+
     @property
     def resolved_selection(self) -> str:
-        if self.selected_heads is not None:
-            return "given"
-        if self.selection is not None:
-            return self.selection
-        return "entropy" if self.method == "dex" else "all"
+        return resolve_selection(self.method, self.selection, self.selected_heads)
 
     def trainable_patterns(self, tied_head: bool) -> list[str]:
         """adaptation.trainable, else the paper's policy. A head tied to the embeddings is no parameter
@@ -74,6 +84,15 @@ class AdaptationConfig(StrictNumbers):
         if self.trainable is not None:
             return list(self.trainable)
         return [pattern for pattern in PAPER_TRAINABLE[self.method] if not (tied_head and pattern == LM_HEAD)]
+
+
+def resolve_selection(method: str, selection: str | None, selected_heads: list | None) -> str:
+    """The selection a method runs: 'given' heads, else the one set, else the method's default."""
+    if selected_heads is not None:
+        return "given"
+    if selection is not None:
+        return selection
+    return "entropy" if method == "dex" else "all"
 
 
 def coerce_config(config: AdaptationConfig | dict | None, methods: tuple[str, ...]) -> AdaptationConfig:

@@ -173,11 +173,12 @@ def finetune(cfg: FinetuneConfig) -> int:
     # turns on its dropout and gradient checkpointing
     engine.train()
     checkpoint_dir = output_dir / CHECKPOINT_DIR
-    start = 0
+    start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
     if (checkpoint_dir / "latest").is_file():
         # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
         _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
         start = client_state["iteration"]
+        unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
         resume_schedule(engine.lr_scheduler, cfg.train)
     writer = None
     if rank == 0:
@@ -189,25 +190,28 @@ def finetune(cfg: FinetuneConfig) -> int:
                      f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                      + (f"resuming after iteration {start}" if start else "starting"))
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
-    iteration, exit_code, unrecorded = start, 0, StepMeans()
+    iteration, exit_code = start, 0
     while iteration < cfg.train.iters:
         iteration += 1
         set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
         torch.manual_seed(cfg.train.seed + iteration)
         began = time.perf_counter()
         loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
-        if writer is not None:
-            unrecorded.add(loss, time.perf_counter() - began)
-            if iteration % cfg.logging.log_interval == 0:
+        # on every rank (the loss is the global batch's): each saves them with its checkpoint
+        unrecorded.add(loss, time.perf_counter() - began)
+        # the run's last iteration too: the steps since the last record are not left out
+        if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.iters:
+            loss, seconds = unrecorded.take()
+            if writer is not None:
                 grad_norm = engine.get_global_grad_norm()
-                loss, seconds = unrecorded.take()
                 writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
                             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                             "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)})
         exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                   and iteration % cfg.checkpoint.exit_interval == 0)
         if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
-            _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last)
+            _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
+                  {"iteration": iteration, "unrecorded": unrecorded.state()})
         if exit_now and iteration < cfg.train.iters:
             exit_code = 0
             if stop.signalled:  # after `_save` committed the checkpoint a requeue resumes from
@@ -244,7 +248,8 @@ def leave_out_frozen_aliases(engine) -> None:
     engine.module_state_dict = module_state_dict
 
 
-def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: int | None) -> None:
+def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: int | None,
+          client_state: dict) -> None:
     """DeepSpeed's checkpoint, written under a staging name, renamed and committed by its `latest` file once
     every rank has written its part, then the checkpoints beyond `keep_last` removed. DeepSpeed's rank 0
     writes `latest` before the ranks' closing barrier: killed while another rank still wrote (a preemption's
@@ -257,7 +262,7 @@ def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: in
         remove_staging_leftovers(checkpoint_dir)
     dist.barrier()
     # the frozen parameters (most of the model: 16 GB of an 8B model in bf16) are model.path's
-    engine.save_checkpoint(str(checkpoint_dir), tag=staging_dir(final).name, client_state={"iteration": iteration},
+    engine.save_checkpoint(str(checkpoint_dir), tag=staging_dir(final).name, client_state=client_state,
                            save_latest=False, exclude_frozen_parameters=True)
     if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
         commit_staged(final, checkpoint_dir / "latest", final.name)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megadiff.adapt import deepspeed_setup as dss
 from megadiff.adapt.apply import has_tied_head, plan_adaptation
-from megadiff.adapt.config import DAA_METHODS
+from megadiff.adapt.config import DAA_METHODS, resolve_selection
 from megadiff.adapt.data import BatchReader
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import FinetuneConfig
@@ -79,10 +79,13 @@ def check_planned_settings(plan: dict, cfg: FinetuneConfig) -> None:
     recorded = {"anneal_steps": plan["anneal_steps"], "lambda_learn_init": plan["lambda_learn_init"],
                 **plan.get("settings", {})}
     for key in sorted(cfg.adaptation.model_fields_set & recorded.keys()):
-        asked = json.loads(json.dumps(getattr(cfg.adaptation, key)))  # as the plan file holds it
-        if asked != recorded[key]:
+        asked, planned = json.loads(json.dumps(getattr(cfg.adaptation, key))), recorded[key]  # as the file holds it
+        if key == "selection":  # unset, it is the method's default: Dex's entropy given by name is no other plan
+            asked = cfg.adaptation.resolved_selection
+            planned = resolve_selection(plan["method"], planned, recorded.get("selected_heads"))
+        if asked != planned:
             raise ConfigError(f"adaptation.{key}: {asked!r}, but {cfg.output_dir} was planned with "
-                              f"{recorded[key]!r} (its adapted heads and lambdas are fixed by {PLAN_FILE}); "
+                              f"{planned!r} (its adapted heads and lambdas are fixed by {PLAN_FILE}); "
                               "use another output_dir")
 
 

@@ -82,11 +82,14 @@ def format_duration(seconds: float) -> str:
 
 class StepMeans:
     """What a record made every log_interval steps reports: the means of the steps' values since the
-    last record (as Megatron-LM logs), not the last step's alone."""
+    last record (as Megatron-LM logs), not the last step's alone.
 
-    def __init__(self):
-        self._sums: list[float] = []
-        self._steps = 0
+    A checkpoint keeps `state()`: a run stopped between two records and resumed from it (`StepMeans(state)`)
+    records the same means as an uninterrupted run."""
+
+    def __init__(self, state: dict | None = None):
+        self._sums: list[float] = list(state["sums"]) if state else []
+        self._steps: int = state["steps"] if state else 0
 
     def __len__(self) -> int:
         """The steps added since the last take."""
@@ -101,6 +104,9 @@ class StepMeans:
         means = tuple(total / self._steps for total in self._sums)
         self._sums, self._steps = [], 0
         return means
+
+    def state(self) -> dict:
+        return {"sums": list(self._sums), "steps": self._steps}
 
 
 class MetricsWriter:

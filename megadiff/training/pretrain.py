@@ -94,6 +94,7 @@ class Pretraining:
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, start, self.engine, self.scheduler)
         self.state.data_samples = self.train_samples
+        self.unrecorded = StepMeans(self.state.unrecorded)  # the steps since the last record
         self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
                             if t.skip_spike_sigma else None)
         self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
@@ -144,6 +145,7 @@ class Pretraining:
 
     def _save(self) -> None:
         self.state.scheduler = self.scheduler.state_dict()
+        self.state.unrecorded = self.unrecorded.state()
         if self.spike_guard is not None:
             self.state.spike_history = self.spike_guard.history()
         self.engine.gather_updated_params()
@@ -170,7 +172,7 @@ class Pretraining:
         batches = self._loader(self.datasets[0], state.consumed_samples, self.train_samples)
         preemption = self.preemption
         exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
-        unrecorded = StepMeans()  # the loss and seconds of the updating steps since the last record
+        unrecorded = self.unrecorded
         failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
         try:
             while state.iteration < t.iters:
@@ -194,7 +196,8 @@ class Pretraining:
                 self.checkpoints.poll()
                 if result.updated:
                     unrecorded.add(result.loss, elapsed)
-                on_interval = state.iteration % cfg.logging.log_interval == 0
+                # the run's last iteration too: the steps since the last record are not left out
+                on_interval = state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.iters
                 if on_interval or not result.updated:
                     # a skipped step between records is recorded alone, as it comes; one ending an interval of
                     # updating steps records their means, and its own loss as skipped_loss

@@ -37,6 +37,9 @@ class TrainState:
     scheduler: dict | None = None
     layout: dict = field(default_factory=dict)
     data_samples: int = 0  # the training samples the data order was drawn for
+    # the loss and seconds of the updating steps since the last record (observability.metrics.StepMeans):
+    # a run stopped between two records records the same means once resumed
+    unrecorded: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
