@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megadiff.observability.metrics import MetricsWriter, StepMeans, format_duration, read_metrics
+from megadiff.observability.metrics import MetricsWriter, StepMeans, format_duration, read_metrics, records_at
 
 
 class FakeClock:
@@ -136,3 +136,8 @@ def test_step_means_continue_from_their_saved_state():
     resumed.add(4.0, 3.0)
     assert len(resumed) == 2 and resumed.take() == (3.0, 2.0)
     assert StepMeans(StepMeans().state()).state() == {"sums": [], "steps": 0}
+
+
+def test_a_run_records_every_interval_and_after_its_last_iteration():
+    assert [i for i in range(1, 8) if records_at(i, 3, 7)] == [3, 6, 7]
+    assert [i for i in range(1, 3) if records_at(i, 10, 2)] == [2]  # a run shorter than the interval

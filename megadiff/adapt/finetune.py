@@ -143,7 +143,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
     import deepspeed
 
-    from megadiff.observability.metrics import MetricsWriter, StepMeans
+    from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
 
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
     # before the minutes of start-up (model, head selection, DeepSpeed, checkpoint): a preemption signal
@@ -199,8 +199,7 @@ def finetune(cfg: FinetuneConfig) -> int:
         loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
         # on every rank (the loss is the global batch's): each saves them with its checkpoint
         unrecorded.add(loss, time.perf_counter() - began)
-        # the run's last iteration too: the steps since the last record are not left out
-        if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.iters:
+        if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
             loss, seconds = unrecorded.take()
             if writer is not None:
                 grad_norm = engine.get_global_grad_norm()

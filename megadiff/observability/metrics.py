@@ -80,6 +80,12 @@ def format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+def records_at(iteration: int, log_interval: int, last_iteration: int) -> bool:
+    """Whether a run records after `iteration`: every log_interval steps, and after its last iteration
+    (the steps since the previous record are not left out)."""
+    return iteration % log_interval == 0 or iteration == last_iteration
+
+
 class StepMeans:
     """What a record made every log_interval steps reports: the means of the steps' values since the
     last record (as Megatron-LM logs), not the last step's alone.

@@ -26,7 +26,7 @@ from megadiff.errors import MegadiffError
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
-from megadiff.observability.metrics import MetricsWriter, StepMeans
+from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
@@ -196,8 +196,7 @@ class Pretraining:
                 self.checkpoints.poll()
                 if result.updated:
                     unrecorded.add(result.loss, elapsed)
-                # the run's last iteration too: the steps since the last record are not left out
-                on_interval = state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.iters
+                on_interval = records_at(state.iteration, cfg.logging.log_interval, t.iters)
                 if on_interval or not result.updated:
                     # a skipped step between records is recorded alone, as it comes; one ending an interval of
                     # updating steps records their means, and its own loss as skipped_loss
