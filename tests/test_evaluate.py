@@ -176,6 +176,17 @@ def test_a_blend_reports_each_source_and_their_weighted_mean(run, tmp_path, weig
     assert report["sequences"] == 6
 
 
+def test_a_blend_weighs_the_sources_that_have_tokens_in_a_slice():
+    """A source without AR hits (short windows, few repeats) leaves the blend's AR-hit loss to the others."""
+    with_hits = {"ar_hit": {"loss": 2.0, "tokens": 8}, "others": {"loss": 5.0, "tokens": 40}}
+    without = {"ar_hit": {"loss": float("nan"), "tokens": 0}, "others": {"loss": 3.0, "tokens": 48}}
+    blended = recall.blend_recall([without, with_hits], [1.0, 3.0])
+    assert blended["ar_hit"] == {"loss": 2.0, "tokens": 8}
+    assert blended["others"] == {"loss": pytest.approx((3.0 + 3 * 5.0) / 4), "tokens": 88}
+    nothing = recall.blend_recall([without, without], [1.0, 1.0])["ar_hit"]
+    assert math.isnan(nothing["loss"]) and nothing["tokens"] == 0
+
+
 def test_recall_hits_stay_within_documents():
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 4, (3, 41), generator=generator)  # few ids: many repeated bigrams; 0 = EOD
@@ -373,3 +384,19 @@ def test_an_export_carries_its_runs_held_out_samples(tmp_path):
     assert defaults.train.seed == 7 and (defaults.data.prefix, defaults.data.split) == ("/data/web", "98,2,0")
     assert defaults.data.tokenizer == str(tmp_path) and not defaults.data.document_masking
     assert build_config(_export_data(tmp_path / "not-an-export")).data.tokenizer == str(tmp_path / "not-an-export")
+
+
+def test_data_named_for_a_run_on_the_bundled_corpus_is_read_not_replaced_by_it(tmp_path, capsys):
+    """A data.prefix override names the held-out text: a mistyped one is refused (the run's bundled corpus
+    is not prepared there and scored under its name), an existing one is evaluated."""
+    run_dir, cfg = held_out_run(tmp_path, "diff", overrides=("data.sources=[]", "data.prefix=null",
+                                                             "data.bundled_corpus=kjv"))
+    mistyped = tmp_path / "prepared" / "dcos"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "1", f"data.prefix={mistyped}"]) == 2
+    assert "dcos" in capsys.readouterr().err
+    assert not list(mistyped.parent.glob("dcos*"))
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "2", "--output", str(out),
+                 f"data.prefix={tmp_path / 'prepared' / 'docs'}"]) == 0
+    naive, _ = _naive_losses(run_dir, cfg, cfg.model.seq_length, 2, tmp_path / "prepared" / "docs")
+    assert json.loads(out.read_text())["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)

@@ -69,11 +69,13 @@ def expected_report(log: Path) -> dict:
 
 class FakeJudge:
     """/v1/chat/completions: answers the first `statuses` requests with those HTTP errors, then
-    judges by rule, answering 401 once `verdicts_before_refusing` verdicts were given."""
+    judges by rule, answering 401 once `verdicts_before_refusing` verdicts were given. `reply`:
+    the body of every 200 reply instead of the rule's judgment."""
 
-    def __init__(self, statuses=(), verdicts_before_refusing: int | None = None):
+    def __init__(self, statuses=(), verdicts_before_refusing: int | None = None, reply: bytes | None = None):
         self.statuses, self.limit = list(statuses), verdicts_before_refusing
         self.bodies, self.headers, self.lock = [], [], threading.Lock()
+        self.reply = reply
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -88,8 +90,8 @@ class FakeJudge:
                     judge.bodies.append(body)
                 prompt = re.search(r"### Input\n(.*)\n\n### Reference answer", body["messages"][0]["content"],
                                    re.DOTALL)[1]
-                reply = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                             "content": JUDGMENTS[len(prompt) % 3]}}]}).encode()
+                reply = judge.reply or json.dumps({"choices": [{"message": {
+                    "role": "assistant", "content": JUDGMENTS[len(prompt) % 3]}}]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
@@ -160,6 +162,19 @@ def test_an_interrupted_run_keeps_its_verdicts_and_a_rerun_asks_only_for_the_res
     with FakeJudge() as judge:  # another judge model: judged anew
         assert judge_cli(logged, judge, tmp_path, "--judge-model", "judge-2") == 0
     assert len(judge.bodies) == 12
+
+
+def test_a_reply_that_is_no_chat_completion_stops_the_run_and_a_declined_one_gives_no_verdict(
+        logged, tmp_path, capsys):
+    with FakeJudge(reply=b"<html>proxy login</html>") as judge:  # a proxy's page, answered 200
+        assert judge_cli(logged, judge, tmp_path) == 3
+    assert "sent no chat completion" in capsys.readouterr().err
+    assert not (tmp_path / "verdicts.jsonl").exists() or not (tmp_path / "verdicts.jsonl").read_text()
+    declined = json.dumps({"choices": [{"message": {"role": "assistant", "content": None}}]}).encode()
+    with FakeJudge(reply=declined) as judge:
+        assert judge_cli(logged, judge, tmp_path) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["tasks"].values()
+    assert all(row["no_verdict"] == row["outputs"] > 0 for row in rows)
 
 
 def test_lm_evals_own_sample_files_read_as_ours(logged, tmp_path):

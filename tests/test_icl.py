@@ -5,6 +5,7 @@ the checkpoint, a Dex-adapted Llama as the naive decoding through transformers."
 from __future__ import annotations
 
 import json
+import shutil
 import weakref
 from pathlib import Path
 
@@ -342,6 +343,12 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, caps
     assert "61" in capsys.readouterr().err
     assert main(["icl", "--load", missing, "--dataset", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+    for empty_split, text in (("train", ""), ("test", "\n")):
+        emptied = tmp_path / f"empty-{empty_split}"
+        shutil.copytree(root, emptied)
+        (emptied / f"{empty_split}.jsonl").write_text(text)
+        assert main(["icl", "--load", missing, "--dataset", str(emptied)]) == 2
+        assert f"{empty_split}.jsonl holds no examples" in capsys.readouterr().err
     assert main(["icl", "--hf", missing, "--dataset", str(root)]) == 2
     assert "no config.json" in capsys.readouterr().err
     from transformers import LlamaConfig

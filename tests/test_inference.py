@@ -5,6 +5,7 @@ too), and seeded sampling that is reproducible and stays within the top-k."""
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,6 +93,17 @@ def test_loaded_models_compute_losses_unfused(run, monkeypatch):
 def test_load_checkpoint_refuses_a_path_without_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not a megadiff checkpoint"):
         load_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_copied_without_its_shards_is_refused_by_name(run, tmp_path, capsys):
+    """Its metadata, which the tensor check reads, names shard files an interrupted copy left out."""
+    source = iteration_dir(run[0] / CHECKPOINTS_DIR, 7)
+    partial = tmp_path / source.name
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.distcp"))
+    with pytest.raises(CheckpointError, match="cannot be read whole .*distcp"):
+        load_checkpoint(partial)
+    assert main(["generate", "--load", str(partial), "--prompt", PROMPT]) == 3
+    assert "metadata names files it lacks" in capsys.readouterr().err
 
 
 def cli_text(run_dir, capsys, *options: str) -> str:

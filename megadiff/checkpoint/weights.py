@@ -6,6 +6,7 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import CONFIG_FILE, CheckpointError, model_keys, model_sharded_state
 from megadiff.config import Config, dump_config
@@ -22,8 +23,15 @@ def _named(keys: list[str]) -> str:
 
 def load_sharded(request: dict, checkpoint_dir: str | Path) -> dict:
     """dist_checkpointing.load of `request`; only TE's `_extra_state` may be absent from the checkpoint."""
-    loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
-                                                strict=StrictHandling.RETURN_UNEXPECTED)
+    try:
+        loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
+                                                    strict=StrictHandling.RETURN_UNEXPECTED)
+    except CheckpointException as error:
+        unreadable = [failure for failure, _ in error.failures.values() if isinstance(failure, OSError)]
+        if not unreadable:
+            raise
+        raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({unreadable[0]}): a checkpoint copied or "
+                              "written in part? Its metadata names files it lacks") from None
     required = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
     if required:
         raise CheckpointError(f"{checkpoint_dir} lacks {len(required)} saved tensors this run needs: "

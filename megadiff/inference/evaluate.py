@@ -48,6 +48,11 @@ def evaluation_config(model: CausalLM | HFCausalLM, seq_length: int | None, over
     """The checkpoint's config with the evaluation's sequence length and data overrides (checked: the
     rest was the training run's to check)."""
     overrides = list(overrides)
+    named = {override.split("=", 1)[0].strip() for override in overrides}
+    if named & {"data.prefix", "data.blend"} and "data.bundled_corpus" not in named:
+        # the held-out text is the data named, not a bundled corpus the run trained on: that corpus would
+        # be prepared at the prefix named (a mistyped one), or refused for the data there
+        overrides.insert(0, "data.bundled_corpus=null")
     if seq_length is not None:
         overrides.append(f"model.seq_length={seq_length}")
     cfg = saved_config(model.cfg.model_dump(mode="json"), overrides)

@@ -158,7 +158,7 @@ class ChatJudge:
             try:
                 request = urllib.request.Request(self.endpoint, data=body, headers=headers)
                 with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
-                    return json.load(reply)["choices"][0]["message"]["content"]
+                    return self._judgment(reply.read())
             except urllib.error.HTTPError as error:
                 if error.code not in RETRIED_STATUS or attempt == RETRIES:
                     raise JudgeError(f"the judge at {self.endpoint} answered {error.code}: "
@@ -168,6 +168,19 @@ class ChatJudge:
                     raise JudgeError(f"the judge at {self.endpoint} cannot be reached: {error}") from error
             time.sleep(RETRY_BACKOFF_S * 2 ** attempt)
             attempt += 1
+
+
+    def _judgment(self, reply: bytes) -> str:
+        """The reply's message; "" (no verdict) when the judge declined to write one (content null, as
+        servers answer a refusal)."""
+        try:
+            content = json.loads(reply)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as error:
+            raise JudgeError(f"the judge at {self.endpoint} sent no chat completion ({error!r}): "
+                             f"{reply[:300].decode(errors='replace')}") from None
+        if content is not None and not isinstance(content, str):
+            raise JudgeError(f"the judge at {self.endpoint} sent a message that is not text: {content!r:.300}")
+        return content or ""
 
 
 def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_model: str, records_path: Path,

@@ -60,11 +60,17 @@ def load_examples(dataset: str, config: str | None, split: str, text_key: str, l
     name (a ClassLabel's names, else the values as text)."""
     try:
         if Path(dataset).is_dir():
-            rows = datasets.load_dataset("json", data_files={split: str(Path(dataset) / f"{split}.jsonl")})[split]
+            path = Path(dataset) / f"{split}.jsonl"
+            with path.open() as lines:  # datasets' JSON reader fails on an empty file with a StopIteration
+                if not any(line.strip() for line in lines):
+                    raise ConfigError(f"{path} holds no examples")
+            rows = datasets.load_dataset("json", data_files={split: str(path)})[split]
         else:
             rows = datasets.load_dataset(dataset, config, split=split)
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
         raise ConfigError(f"cannot read the {split} split of {dataset}: {error}") from error
+    if not len(rows):
+        raise ConfigError(f"the {split} split of {dataset} holds no examples")
     missing = [key for key in (text_key, label_key) if key not in rows.column_names]
     if missing:
         raise ConfigError(f"{dataset} ({split}) has no column {missing}; it has {rows.column_names} "

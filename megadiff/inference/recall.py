@@ -122,7 +122,11 @@ def recall_split(losses: torch.Tensor, hits: torch.Tensor, scored: torch.Tensor)
 
 
 def blend_recall(splits: list[dict], weights: list[float]) -> dict:
-    """recall_split() of a blend: each slice's loss weighted as blend_summary weights the sources."""
-    total = sum(weights)
-    return {name: {"loss": sum(split[name]["loss"] * weight for split, weight in zip(splits, weights)) / total,
-                   "tokens": sum(split[name]["tokens"] for split in splits)} for name in ("ar_hit", "others")}
+    """recall_split() of a blend: each slice's loss weighted as blend_summary weights the sources, over
+    the sources that have tokens in that slice (NaN where none has)."""
+    def blended(name: str) -> dict:
+        present = [(split[name]["loss"], weight) for split, weight in zip(splits, weights) if split[name]["tokens"]]
+        total = sum(weight for _, weight in present)
+        return {"loss": sum(loss * weight for loss, weight in present) / total if present else float("nan"),
+                "tokens": sum(split[name]["tokens"] for split in splits)}
+    return {name: blended(name) for name in ("ar_hit", "others")}
