@@ -5,6 +5,7 @@ rendered by hand, on ChatML with tiktoken, on a real model's own template (SmolL
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -248,8 +249,12 @@ def test_mistakes_are_named(tmp_path):
     with pytest.raises(DataError, match="renders the turns before message 2 .* differently"):
         prepared(template=template_file(tmp_path, "{{ messages | length }} turns\n" + Path(CHATML).read_text()))
     for bad, message in (("Seth", "holds .*, not a list of messages"),
-                         ([{"content": "no role"}], 'must be a list of {"role"'),
-                         ([{"from": 1, "value": "x"}], "ShareGPT's")):
+                         ([{"content": "no role"}], 'must be a list of {"role".*found .*no role'),
+                         ([{"from": 1, "value": "x"}], "ShareGPT's"),
+                         ([{"role": "user", "content": "u"}, {"role": "Assistant", "content": "a"}],
+                          "unknown role 'Assistant'"),
+                         ([{"from": "human", "value": "u"}, {"from": "chatgpt", "value": "a"}],
+                          "unknown role 'chatgpt'")):
         with pytest.raises(DataError, match=message):
             prepared(sources=write_conversations(tmp_path / f"bad-{len(message)}", [bad, bad]))
     text = tmp_path / "kjv.txt"
@@ -324,26 +329,79 @@ def test_the_chat_recipe_reads_its_shipped_template_from_anywhere(tmp_path, monk
     assert cfg.checkpoint.reset_iteration and cfg.train.per_token_loss
 
 
-def test_the_templates_special_tokens_are_special_a_messages_are_text(tmp_path, small_tokenizer_dir):
+@pytest.mark.parametrize("kind", ["huggingface", "tiktoken"])
+def test_the_templates_special_tokens_are_special_a_messages_are_text(tmp_path, small_tokenizer_dir, kind, capsys):
     """A template that ends each turn with the EOS writes the EOD id there; a user who types the
-    EOS's text gets text, not the EOD (which would end the conversation under document masking)."""
+    EOS's text gets text, not the EOD (which would end the conversation under document masking). Elsewhere
+    the ids are those the exported tokenizer's apply_chat_template gives (tiktoken's too)."""
+    from transformers import AutoTokenizer
+
+    from megadiff.data.conversations import encode_conversation
+
+    spec = str(small_tokenizer_dir) if kind == "huggingface" else "cl100k_base"
     template = template_file(tmp_path, "{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + eos_token + "
                                        "'\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- 'assistant: ' -}}"
                                        "{%- endif -%}")
     conversation = [{"role": "user", "content": "What does <|endoftext|> mean?"},
                     {"role": "assistant", "content": "It ends a text: <|endoftext|>."}]
     sources = write_conversations(tmp_path / "src", [conversation, conversation])
-    stats = prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", str(small_tokenizer_dir),
-                                                    template)).data)
-    tokenizer = load_tokenizer(str(small_tokenizer_dir))
+    stats = prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", spec, template)).data)
+    tokenizer = load_tokenizer(spec)
+    tokenizer.save_hf(tmp_path / "export")
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    exported.chat_template = Path(template).read_text()
     tokens, mask = IndexedDataset(str(tmp_path / "chat")), IndexedDataset(loss_mask_prefix(tmp_path / "chat"))
     ids, bits = tokens[0].tolist(), mask[0].astype(bool)
+    if kind == "tiktoken":  # data prepared when tiktoken read the template's EOS as text is prepared again
+        manifest = tmp_path / "chat.manifest.json"
+        recorded = json.loads(manifest.read_text())
+        del recorded["fingerprint"]["tokenizer"]["template_special_tokens"]
+        manifest.write_text(json.dumps(recorded))
+        capsys.readouterr()
+        prepare(build_config({}, chat_overrides(sources, tmp_path / "chat", spec, template)).data)
+        assert "up to date" not in capsys.readouterr().out
+        assert json.loads(manifest.read_text())["fingerprint"] == {**recorded["fingerprint"], "tokenizer": {
+            **recorded["fingerprint"]["tokenizer"], "template_special_tokens": "ids"}}
+    plain = CONVERSATIONS[0]  # no special token's text in its messages, which the export would read as special
+    assert encode_conversation(plain, Path(template).read_text(), tokenizer)[0][:-1] == \
+        exported.apply_chat_template(plain, tokenize=True, return_dict=True)["input_ids"]
     assert stats["inner_eods"] == 2 * 2 and ids.count(tokenizer.eod) == 3  # the two turns' ends and the EOD
     rendering = "".join(f"{m['role']}: {m['content']}<|endoftext|>\n" for m in conversation)
     assert tokenizer.decode(ids[:-1]) == rendering
     # the space the template writes before a reply and the reply's first word are one token: it takes the loss
     masked = tokenizer.decode(np.asarray(ids[:-1])[bits[:-1]].tolist())
     assert masked == " It ends a text: <|endoftext|>.<|endoftext|>\n"
+
+
+def test_a_template_that_refuses_a_system_turn_is_taken(tmp_path):
+    """Gemma's template raises on a system message: conversations without one are what it is given."""
+    from megadiff.data.conversations import encode_conversation, resolve_chat_template
+
+    template = ("{%- if messages[0]['role'] == 'system' -%}{{- raise_exception('System role not supported') -}}"
+                "{%- endif -%}" + Path(CHATML).read_text())
+    tokenizer = load_tokenizer("cl100k_base")
+    data = build_config({}, ["data.messages_key=messages", f"data.chat_template={template_file(tmp_path, template)}"]
+                        ).data
+    assert resolve_chat_template(data, tokenizer) == template
+    ids, mask = encode_conversation(CONVERSATIONS[1], template, tokenizer)
+    assert tokenizer.decode(ids[:-1]) == chatml(CONVERSATIONS[1]) and any(mask)
+
+
+def test_a_template_without_a_generation_prompt_is_warned_of(tmp_path):
+    """ChatML without its add_generation_prompt branch: the assistant's header would be trained on."""
+    from megadiff.data.conversations import resolve_chat_template
+
+    tokenizer = load_tokenizer("cl100k_base")
+    without = Path(CHATML).read_text().split("{%- if add_generation_prompt")[0]
+    assert without != Path(CHATML).read_text()
+    for template, warned in ((without, True), (Path(CHATML).read_text(), False), (MARKED, False)):
+        data = build_config({}, ["data.messages_key=messages",
+                                 f"data.chat_template={template_file(tmp_path, template)}"]).data
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resolve_chat_template(data, tokenizer)
+        assert any("writes no generation prompt" in str(w.message) and "<|im_start|>assistant" in str(w.message)
+                   for w in caught) == warned
 
 
 def test_a_messages_own_marker_characters_cannot_pair_with_the_wrappers():

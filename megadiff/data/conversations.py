@@ -14,7 +14,7 @@ is refused, naming the message. The conversation is encoded as one text, as a ch
 Face's apply_chat_template) encodes it; a token takes the loss where its characters overlap the
 assistant's text (a tokenizer without character offsets, a slow one, encodes piece by piece). A Hugging
 Face tokenizer reads the special tokens the template writes (<|im_start|>, the EOS) as special ids, while
-a special token's text inside a message stays text, as in documents (tiktoken reads none as special).
+a special token's text inside a message stays text, as in documents (tiktoken's encodings alike).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from megadiff.data.tokenizers import Tokenizer
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant",
                   "observation": "tool"}
+# the roles chat templates know (OpenAI's and Hugging Face's): the loss is on "assistant" turns alone
+ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipython"}
 # what a template is rendered on when it is chosen, so a broken one fails before any tokenizing
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 # a reply whose end of turn is looked for
@@ -56,8 +58,15 @@ def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
     if template is None:
         raise DataError(f"data.messages_key: tokenizer {tokenizer.name!r} has no chat template; set "
                         "data.chat_template to a Jinja template or a file holding one (e.g. configs/chat/chatml.jinja)")
-    conversation_pieces(PROBE, template, tokenizer.special_tokens)
+    try:
+        conversation_pieces(PROBE, template, tokenizer.special_tokens)
+    except DataError as with_system:
+        try:  # some templates refuse a system turn (Gemma's): a conversation without one must do
+            conversation_pieces(PROBE_REPLY, template, tokenizer.special_tokens)
+        except DataError:
+            raise with_system from None
     _warn_of_an_unlearned_turn_end(template, tokenizer.special_tokens)
+    _warn_of_a_learned_turn_header(template, tokenizer.special_tokens)
     return template
 
 
@@ -93,6 +102,21 @@ def _warn_of_an_unlearned_turn_end(template: str, variables: dict) -> None:
         warnings.warn(f"data.chat_template: its {{% generation %}} block leaves out {end!r}, which ends the "
                       "assistant's turn: the model is not trained to end its replies (put it inside the block)",
                       stacklevel=3)
+
+
+def _warn_of_a_learned_turn_header(template: str, variables: dict) -> None:
+    """A template without a generation prompt (ChatML without its add_generation_prompt branch) writes the
+    assistant's turn header inside the assistant's text: the model is trained to write it, and a chat prompt
+    ends before it."""
+    if GENERATION_BLOCK.search(template) or render_conversation(PROBE_REPLY[:1], template, variables, True) != \
+            render_conversation(PROBE_REPLY[:1], template, variables):
+        return
+    assistant = "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
+    header = assistant[:assistant.find(REPLY)].strip()
+    if header:
+        warnings.warn(f"data.chat_template: it writes no generation prompt, so {header!r}, which it writes before "
+                      "each assistant message, is trained on as the assistant's text and chat prompts end "
+                      "before it (give it an {% if add_generation_prompt %} branch that writes it)", stacklevel=3)
 
 
 def _render(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
@@ -133,16 +157,19 @@ def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tu
 def as_messages(conversation) -> list[dict]:
     """A record's conversation as chat templates read it: ShareGPT's {"from", "value"} turns (e.g.
     OpenHermes-2.5, the Dex paper's instruction data) become {"role", "content"} messages."""
-    if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
-        conversation = None
-    else:
-        conversation = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
-                        if "from" in m and "role" not in m else m for m in conversation]
-    if conversation is None or not all(isinstance(m.get("role"), str) for m in conversation):
+    messages = None
+    if isinstance(conversation, list) and all(isinstance(m, dict) for m in conversation):
+        messages = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
+                    if "from" in m and "role" not in m else m for m in conversation]
+    if messages is None or not all(isinstance(m.get("role"), str) for m in messages):
         raise DataError(f"data.messages_key: a record's messages must be a list of {{\"role\": ..., \"content\": "
                         f"...}} (or ShareGPT's {{\"from\": ..., \"value\": ...}}) objects, found "
                         f"{str(conversation)[:120]!r}")
-    return conversation
+    unknown = sorted({m["role"] for m in messages} - ROLES)
+    if unknown:  # "Assistant" or ShareGPT's "chatgpt" would silently take no loss
+        raise DataError(f"data.messages_key: unknown role {unknown[0]!r} in {str(conversation)[:120]!r}; the roles "
+                        f"are {sorted(ROLES)} (ShareGPT's from: {sorted(SHAREGPT_ROLES)})")
+    return messages
 
 
 def conversation_pieces(messages: list[dict], template: str, variables: dict) -> list[tuple[str, bool]]:

@@ -59,9 +59,12 @@ def tokenizer_digest(directory: str | Path) -> str:
 def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer, documents: bool = True) -> dict:
     """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text and,
     for `documents` (not conversations, which begin as their template writes), the ids each begins with
-    where there are any (data prepared before documents began with them is prepared again)."""
+    where there are any (data prepared before documents began with them is prepared again); for tiktoken's
+    conversations, that a template's special tokens are read as ids."""
     if spec in PACKAGED_TIKTOKEN:
-        return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+        # conversations: a template's special tokens (its EOS) became their ids (before: their text's tokens)
+        return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                **({} if documents else {"template_special_tokens": "ids"})}
     start = document_start(tokenizer) if documents else []
     return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
             "splits": tokenizer_digest(spec), **({"text_start": start} if start else {})}

@@ -74,17 +74,20 @@ class TiktokenTokenizer:
         self.text_start = ()
         self.chat_template = None
         self.special_tokens = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}  # as save_hf names them
-
-    special_texts: tuple[str, ...] = ()  # tiktoken reads no text as a special token
+        # what `encode` reads as special tokens' ids, as the exported tokenizer (save_hf) reads them: a chat
+        # template's EOS is trained on as the id the export's apply_chat_template and generation stop give
+        self.special_texts = tuple(sorted(self.encoding.special_tokens_set))
 
     def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+    def encode_ordinary(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
-    encode_ordinary = encode
-
     def encode_with_offsets(self, text: str, ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        """encode's ids, each with the (start, end) of its characters in `text`."""
-        ids = self.encoding.encode_ordinary(text)
+        """encode's (or with `ordinary`, encode_ordinary's) ids, each with the (start, end) of its characters
+        in `text`."""
+        ids = self.encode_ordinary(text) if ordinary else self.encode(text)
         starts = self.encoding.decode_with_offsets(ids)[1]
         return ids, list(zip(starts, starts[1:] + [len(text)]))
 
