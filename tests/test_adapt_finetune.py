@@ -379,6 +379,11 @@ def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
 
 def test_config_errors_name_their_key(workspace, tmp_path):
     yaml_file = str(workspace / "adapt.yaml")
+    with pytest.raises(ConfigError, match="model.attn_implementation: .*unknown attention implementation 'garbage'"):
+        load_finetune_config(yaml_file, ["model.attn_implementation=garbage"])
+    for known in ("eager", "sdpa", "kernels-community/flash-attn"):
+        assert load_finetune_config(yaml_file, [f"model.attn_implementation={known}"]).model.attn_implementation \
+            == known
     with pytest.raises(ConfigError, match=r"data.files\[0\]: .*missing.jsonl does not exist"):
         load_finetune_config(yaml_file, [f"data.files=[{tmp_path / 'missing.jsonl'}]"])
     with pytest.raises(ConfigError, match=r"data.files\[0\]: .* is a directory; name its files \(.txt"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from megadiff.config import ConfigError, build_config, load_config, resolved_head_dim
@@ -153,3 +154,15 @@ def test_a_bad_triton_candidates_limit_is_refused_before_the_run_starts(monkeypa
     monkeypatch.setenv("MEGADIFF_TRITON_CANDIDATES", "all")
     assert main(["pretrain", str(DEMO_CONFIG)]) == 2
     assert "$MEGADIFF_TRITON_CANDIDATES must be a positive integer, got 'all'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_triton_backend_without_a_gpu_is_refused_before_the_run_starts(monkeypatch, capsys):
+    """Not at the first step, after the model and data are built."""
+    import megadiff.training.pretrain as pretrain
+    from megadiff.cli import main
+    from tests.pretrain_runs import DEMO_CONFIG
+
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
+    assert main(["pretrain", str(DEMO_CONFIG), "model.attention_backend=triton"]) == 2
+    assert "model.attention_backend: 'triton' cannot run here: the kernel needs a CUDA GPU" in capsys.readouterr().err

@@ -35,6 +35,17 @@ class ModelSection(StrictNumbers):
     attn_implementation: Optional[str] = Field(None, description="transformers attention implementation "
                                                "(sdpa, eager, flash_attention_2, ...); default: transformers'")
 
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, name: Optional[str]) -> Optional[str]:
+        """Else from_pretrained refuses it once the ranks have formed their group."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+        if name is not None and name not in known and "/" not in name:  # owner/repo: a hub kernel's
+            raise ValueError(f"unknown attention implementation {name!r}; transformers has {known}")
+        return name
+
 
 class DataSection(StrictNumbers):
     files: list[str] = Field(..., min_length=1, description="text files (.txt/.md: one document per file) or "

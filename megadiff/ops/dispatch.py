@@ -27,6 +27,17 @@ def _triton_impl(name: str = "differential_attention_triton") -> Callable | None
     return getattr(module, name, None)
 
 
+def triton_unavailable() -> str | None:
+    """Why `backend='triton'` cannot run in this process (None when it can): asked before a run that names it."""
+    try:
+        kernel = importlib.import_module("megadiff.ops.triton_kernel")
+    except ImportError:
+        return "triton (or the kernel module) is not importable"
+    if not (torch.cuda.is_available() or kernel.INTERPRETED):
+        return "the kernel needs a CUDA GPU (none is visible here), or TRITON_INTERPRET=1 to interpret it on the CPU"
+    return None
+
+
 def _triton_usable(q: torch.Tensor, value_dim: int) -> bool:
     return q.is_cuda and triton_supports(q.dtype, q.shape[-1], value_dim) and _triton_impl() is not None
 

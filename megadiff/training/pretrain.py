@@ -28,6 +28,7 @@ from megadiff.models.memory import (
 )
 from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
 from megadiff.ops.common import triton_candidates_limit
+from megadiff.ops.dispatch import triton_unavailable
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.parallel import compute_device, initialize, shutdown
@@ -318,4 +319,9 @@ def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
         triton_candidates_limit()
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    # else the first step fails, after minutes of start-up at scale
+    unavailable = triton_unavailable() if cfg.model.attention_backend == "triton" else None
+    if unavailable:
+        raise ConfigError(f"model.attention_backend: 'triton' cannot run here: {unavailable}; use auto (the kernel "
+                          "where it runs, else SDPA) or sdpa")
     return pretrain(cfg)
