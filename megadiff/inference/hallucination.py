@@ -169,7 +169,6 @@ class ChatJudge:
             time.sleep(RETRY_BACKOFF_S * 2 ** attempt)
             attempt += 1
 
-
     def _judgment(self, reply: bytes) -> str:
         """The reply's message; "" (no verdict) when the judge declined to write one (content null, as
         servers answer a refusal)."""
