@@ -93,11 +93,16 @@ def turn_end(template: str, variables: dict) -> Optional[str]:
     return end or None
 
 
+def _learned_reply_text(template: str, variables: dict) -> str:
+    """The text the loss is on when PROBE_REPLY is rendered: what the model learns to write as a reply."""
+    return "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
+
+
 def _warn_of_an_unlearned_turn_end(template: str, variables: dict) -> None:
     """A {% generation %} block holding the content alone leaves the loss off the turn's end: the model is
     never taught to end its replies."""
     end = turn_end(template, variables) if GENERATION_BLOCK.search(template) else None
-    assistant = "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
+    assistant = _learned_reply_text(template, variables)
     if end is not None and end not in assistant:
         warnings.warn(f"data.chat_template: its {{% generation %}} block leaves out {end!r}, which ends the "
                       "assistant's turn: the model is not trained to end its replies (put it inside the block)",
@@ -111,7 +116,7 @@ def _warn_of_a_learned_turn_header(template: str, variables: dict) -> None:
     if GENERATION_BLOCK.search(template) or render_conversation(PROBE_REPLY[:1], template, variables, True) != \
             render_conversation(PROBE_REPLY[:1], template, variables):
         return
-    assistant = "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
+    assistant = _learned_reply_text(template, variables)
     header = assistant[:assistant.find(REPLY)].strip()
     if header:
         warnings.warn(f"data.chat_template: it writes no generation prompt, so {header!r}, which it writes before "

@@ -19,20 +19,27 @@ from megadiff.ops.sdpa import differential_attention_sdpa
 BACKENDS = ("auto", "triton", "sdpa", "sdpa_split_v", "reference")
 
 
-def _triton_impl(name: str = "differential_attention_triton") -> Callable | None:
+NOT_IMPORTABLE = "triton (or the kernel module) is not importable"
+
+
+def _kernel_module():
+    """The fused kernel's module, or None where triton is missing (a CPU install need not have it)."""
     try:
-        module = importlib.import_module("megadiff.ops.triton_kernel")
+        return importlib.import_module("megadiff.ops.triton_kernel")
     except ImportError:
         return None
-    return getattr(module, name, None)
+
+
+def _triton_impl(name: str = "differential_attention_triton") -> Callable | None:
+    kernel = _kernel_module()
+    return None if kernel is None else getattr(kernel, name, None)
 
 
 def triton_unavailable() -> str | None:
     """Why `backend='triton'` cannot run in this process (None when it can): asked before a run that names it."""
-    try:
-        kernel = importlib.import_module("megadiff.ops.triton_kernel")
-    except ImportError:
-        return "triton (or the kernel module) is not importable"
+    kernel = _kernel_module()
+    if kernel is None:
+        return NOT_IMPORTABLE
     if not (torch.cuda.is_available() or kernel.INTERPRETED):
         return "the kernel needs a CUDA GPU (none is visible here), or TRITON_INTERPRET=1 to interpret it on the CPU"
     return None
@@ -50,7 +57,7 @@ def resolve_backend(backend: str, q: torch.Tensor, value_dim: int | None = None)
     if backend == "auto":
         return "triton" if _triton_usable(q, value_dim or q.shape[-1]) else "sdpa"
     if backend == "triton" and _triton_impl() is None:
-        raise RuntimeError("attention backend 'triton' requested but triton (or the kernel module) is not importable")
+        raise RuntimeError(f"attention backend 'triton' requested but {NOT_IMPORTABLE}")
     return backend
 
 
