@@ -1,8 +1,12 @@
 """A save's commit: the staged directory renamed into place, the marker moved, older checkpoints
-beyond checkpoint.keep_last removed, never the one just committed."""
+beyond checkpoint.keep_last removed, never the one just committed; and the checkpoint a rerun finds."""
 from __future__ import annotations
 
-from megadiff.checkpoint.format import iteration_dir, read_latest_iteration
+import pytest
+
+from megadiff.checkpoint.format import (
+    LATEST_FILE, CheckpointError, iteration_dir, latest_checkpoint, read_latest_iteration, resolve_checkpoint_dir,
+)
 from megadiff.checkpoint.training_checkpoint import _commit, _staging_dir
 
 
@@ -29,3 +33,31 @@ def test_keep_last_counts_no_checkpoint_after_the_committed_one(tmp_path):
     _commit_staged(tmp_path, 950, keep_last=1)
     assert read_latest_iteration(tmp_path) == 950 and iteration_dir(tmp_path, 950).is_dir()
     assert _saved(tmp_path) == ["iter_0000950", "iter_0001000"]
+
+
+def _whole(directory, iteration: int) -> None:
+    """A committed checkpoint as latest_checkpoint sees one: named, with its metadata."""
+    iteration_dir(directory, iteration).mkdir()
+    (iteration_dir(directory, iteration) / "metadata.json").write_text("{}")
+
+
+def test_checkpoints_without_their_marker_resume_from_the_newest_whole_one(tmp_path):
+    """A crash between a first commit's rename and its marker, or checkpoints copied without it: starting
+    afresh there wrote over the run's checkpoints and metrics."""
+    assert latest_checkpoint(tmp_path) is None
+    for iteration in (3, 6):
+        _whole(tmp_path, iteration)
+    iteration_dir(tmp_path, 9).mkdir()  # named but empty: not a checkpoint
+    _staging_dir(tmp_path, 12).mkdir()
+    assert latest_checkpoint(tmp_path) == iteration_dir(tmp_path, 6)
+
+
+def test_a_marker_naming_a_removed_checkpoint_is_refused_with_those_left(tmp_path):
+    for iteration in (3, 6):
+        _whole(tmp_path, iteration)
+    (tmp_path / LATEST_FILE).write_text("9\n")
+    with pytest.raises(CheckpointError, match=r"names iteration 9, but .*iter_0000009 is missing: write the "
+                                              r"iteration to resume from \(3, 6\) into it"):
+        latest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="names iteration 9"):
+        resolve_checkpoint_dir(tmp_path)

@@ -106,6 +106,33 @@ def test_a_checkpoint_copied_without_its_shards_is_refused_by_name(run, tmp_path
     assert "metadata names files it lacks" in capsys.readouterr().err
 
 
+def _cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda checkpoint: _cut_short(next(checkpoint.glob("*.distcp"))),
+    lambda checkpoint: (checkpoint / "metadata.json").write_text("{not json"),
+], ids=["shard cut short", "metadata overwritten"])
+def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, capsys, damage):
+    damaged = tmp_path / "iter_0000007"
+    shutil.copytree(iteration_dir(run[0] / CHECKPOINTS_DIR, 7), damaged)
+    damage(damaged)
+    with pytest.raises(CheckpointError, match=f"{damaged} is damaged: a file of it cannot be read"):
+        load_checkpoint(damaged)
+
+
+def test_a_checkpoint_whose_training_state_cannot_be_read_is_refused_by_name(run, tmp_path):
+    """What a rerun reads first, before its data and model: common.pt cut short."""
+    from megadiff.checkpoint.training_checkpoint import read_train_state
+
+    damaged = tmp_path / "iter_0000007"
+    shutil.copytree(iteration_dir(run[0] / CHECKPOINTS_DIR, 7), damaged)
+    _cut_short(damaged / "common.pt")
+    with pytest.raises(CheckpointError, match=f"{damaged} is damaged: .*RuntimeError"):
+        read_train_state(damaged)
+
+
 def cli_text(run_dir, capsys, *options: str) -> str:
     assert main(["generate", "--load", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "6", *options]) == 0
     return capsys.readouterr().out.rstrip("\n")

@@ -12,6 +12,7 @@ import pytest
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
 from megadiff.checkpoint.training_checkpoint import read_train_state
+from megadiff.data.manifest import tokenizer_identity
 from megadiff.observability.metrics import read_metrics
 from megadiff.observability.wandb_sink import RUN_ID_FILE
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
@@ -82,7 +83,7 @@ def test_resume_into_another_layout_continues_the_curve(base, runs, tmp_path):
     assert len(losses(resumed)) == ITERS
 
 
-def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(base, tmp_path):
+def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(base, small_tokenizer_dir, tmp_path):
     """Stopped at iteration 3 after 3 x 8 samples. Rerun with global batches of 4: it reads on from sample 24
     to the end (a sampler sized for 6 x 4 samples ran dry before); of 16: refused, 24 samples are no whole
     number of its batches; with another optimizer: refused by name, before any data or model is built."""
@@ -109,7 +110,9 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
     assert [r["consumed_samples"] for r in records] == [8, 16, 24, 28, 32, 36]
     # read on in the first run's order: drawn for its 48 samples, not the 36 the rerun reads to
-    assert read_train_state(output / CHECKPOINTS_DIR / "iter_0000006")["data_samples"] == 48
+    saved = read_train_state(output / CHECKPOINTS_DIR / "iter_0000006")
+    assert saved["data_samples"] == 48
+    assert saved["tokenizer"] == tokenizer_identity(str(small_tokenizer_dir))  # what its ids mean
 
 
 @pytest.mark.parametrize("saved, overrides, expected", [
@@ -203,3 +206,26 @@ def test_a_continued_run_names_what_of_its_data_order_changed(monkeypatch):
     assert start.continues and start.data_changes == []
     start = state.plan_start(build_config({}, ["data.blend=[0.5,web,0.5,books]", "data.prefix=web", "train.seed=2"]))
     assert start.data_changes == ["data.blend: [] -> [0.5, 'web', 0.5, 'books']", "train.seed: 1 -> 2"]
+
+
+def test_a_continued_run_refuses_another_tokenizer_and_takes_a_copy_of_its_own(monkeypatch, small_tokenizer_dir,
+                                                                               tmp_path):
+    """The embeddings' rows stand for the checkpoint's token ids: another tokenizer of the vocabulary's size
+    (every shape check passes it) reads text into other ids. A copy of it elsewhere is the same tokenizer."""
+    from megadiff.config import ConfigError
+
+    ours = tokenizer_identity(str(small_tokenizer_dir))
+    saved = {"iteration": 3, "consumed_samples": 24, "data_samples": 48, "tokenizer": ours}
+    copy = shutil.copytree(small_tokenizer_dir, tmp_path / "copy")
+    start, _ = _planned_from(monkeypatch, [f"data.tokenizer={small_tokenizer_dir}"], [f"data.tokenizer={copy}"], saved)
+    assert start.tokenizer == ours
+    with pytest.raises(ConfigError, match=f"data.tokenizer: {copy} reads text into other ids than "):
+        _planned_from(monkeypatch, [f"data.tokenizer={small_tokenizer_dir}"], [f"data.tokenizer={copy}"],
+                      {**saved, "tokenizer": tokenizer_identity("o200k_base")})
+
+
+def test_training_state_of_a_newer_version_is_refused_by_name(monkeypatch):
+    from megadiff.checkpoint.format import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"does not know \(tokens_seen\): it was saved by a newer version"):
+        _planned_from(monkeypatch, [], [], {"iteration": 3, "consumed_samples": 24, "tokens_seen": 7})

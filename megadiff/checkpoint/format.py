@@ -45,6 +45,30 @@ def read_latest_iteration(checkpoints_dir: str | Path) -> int | None:
     return int(text)
 
 
+def saved_iterations(checkpoints_dir: str | Path) -> list[int]:
+    """The iterations of the whole checkpoints in `checkpoints_dir` (committed: named, with their metadata)."""
+    return sorted(int(path.name.removeprefix(ITERATION_PREFIX))
+                  for path in Path(checkpoints_dir).glob(f"{ITERATION_PREFIX}*")
+                  if path.name.removeprefix(ITERATION_PREFIX).isdigit() and (path / "metadata.json").is_file())
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The checkpoint the marker names, else the newest whole one (a crash between a first commit's rename
+    and its marker, or checkpoints copied without the marker: starting afresh would overwrite their run);
+    None where there is none. A marker naming a removed checkpoint is refused."""
+    iteration = read_latest_iteration(checkpoints_dir)
+    saved = saved_iterations(checkpoints_dir)
+    if iteration is None:
+        return iteration_dir(checkpoints_dir, saved[-1]) if saved else None
+    path = iteration_dir(checkpoints_dir, iteration)
+    if not path.is_dir():
+        fix = (f"write the iteration to resume from ({', '.join(map(str, saved))}) into it" if saved
+               else "remove it to start afresh")
+        raise CheckpointError(f"{Path(checkpoints_dir) / LATEST_FILE} names iteration {iteration}, but {path} is "
+                              f"missing: {fix}, or use a new output_dir")
+    return path
+
+
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """A run's output_dir, its checkpoints/ directory (-> latest) or one iteration's directory."""
     path = Path(path)
@@ -53,10 +77,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     if (path / CHECKPOINTS_DIR).is_dir():
         path = path / CHECKPOINTS_DIR
     if (path / LATEST_FILE).is_file():
-        iteration = read_latest_iteration(path)
-        path = iteration_dir(path, iteration)
-        if not path.is_dir():
-            raise CheckpointError(f"the latest marker names iteration {iteration}, but {path} is missing")
+        path = latest_checkpoint(path)
     if not (path / "metadata.json").is_file() or not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path} is not a megadiff checkpoint (no metadata.json / {CONFIG_FILE}); pass a run's "
                               "output_dir, its checkpoints/ directory or an iter_* directory")

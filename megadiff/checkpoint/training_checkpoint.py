@@ -27,10 +27,10 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, ITERATION_PREFIX, LATEST_FILE, iteration_dir, model_sharded_state, read_latest_iteration,
+    CONFIG_FILE, ITERATION_PREFIX, LATEST_FILE, iteration_dir, model_sharded_state,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
-from megadiff.checkpoint.weights import load_into_chunks, load_sharded
+from megadiff.checkpoint.weights import damage_reported, load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
 from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
 from megadiff.preemption import follow_the_trainer
@@ -149,14 +149,10 @@ class CheckpointWriter:
             self.queue.close()
 
 
-def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
-    iteration = read_latest_iteration(checkpoints_dir)
-    return None if iteration is None else iteration_dir(checkpoints_dir, iteration)
-
-
 def read_train_state(checkpoint_dir: str | Path) -> dict | None:
     """The training state saved with a checkpoint (None for a model-only one), weights untouched."""
-    return dist_checkpointing.load_common_state_dict(str(checkpoint_dir)).get(TRAIN_STATE_KEY)
+    with damage_reported(checkpoint_dir, also=(RuntimeError,)):  # torch.load of a common.pt cut short
+        return dist_checkpointing.load_common_state_dict(str(checkpoint_dir)).get(TRAIN_STATE_KEY)
 
 
 def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer, *, load_optimizer: bool = True,

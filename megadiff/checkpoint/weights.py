@@ -1,6 +1,9 @@
 """Model-only save/load in the run checkpoint format (conversion, inference, initial loads)."""
 from __future__ import annotations
 
+import json
+import pickle
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,17 +24,30 @@ def _named(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
+@contextmanager
+def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...] = ()):
+    """A checkpoint's files that cannot be read (missing, cut short, overwritten) as a CheckpointError naming
+    the checkpoint, not torch's traceback from inside its reader; `also`: other errors that mean as much where
+    the caller reads nothing else."""
+    try:
+        yield
+    except CheckpointException as error:
+        failure = next(iter(error.failures.values()))[0]
+        if isinstance(failure, OSError):
+            raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({failure}): a checkpoint copied or "
+                                  "written in part? Its metadata names files it lacks") from None
+        raise CheckpointError(f"{checkpoint_dir} is damaged: a file of it cannot be read "
+                              f"({type(failure).__name__}: {failure})") from error
+    except (json.JSONDecodeError, pickle.UnpicklingError, EOFError, *also) as error:
+        raise CheckpointError(f"{checkpoint_dir} is damaged: a file of it cannot be read "
+                              f"({type(error).__name__}: {error})") from error
+
+
 def load_sharded(request: dict, checkpoint_dir: str | Path) -> dict:
     """dist_checkpointing.load of `request`; only TE's `_extra_state` may be absent from the checkpoint."""
-    try:
+    with damage_reported(checkpoint_dir):
         loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
                                                     strict=StrictHandling.RETURN_UNEXPECTED)
-    except CheckpointException as error:
-        unreadable = [failure for failure, _ in error.failures.values() if isinstance(failure, OSError)]
-        if not unreadable:
-            raise
-        raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({unreadable[0]}): a checkpoint copied or "
-                              "written in part? Its metadata names files it lacks") from None
     required = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
     if required:
         raise CheckpointError(f"{checkpoint_dir} lacks {len(required)} saved tensors this run needs: "

@@ -56,6 +56,14 @@ def tokenizer_digest(directory: str | Path) -> str:
     return digest.hexdigest()
 
 
+def tokenizer_identity(spec: str) -> Optional[str]:
+    """What token ids mean: the packaged encoding's name, or how a tokenizer directory splits text (a copy of it
+    elsewhere is the same tokenizer); None for a spec naming neither (loading it says so)."""
+    if spec in PACKAGED_TIKTOKEN:
+        return spec
+    return tokenizer_digest(spec) if Path(spec).is_dir() else None
+
+
 def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer, documents: bool = True) -> dict:
     """The manifest's tokenizer entry: its spec, ids, and for a directory a hash of how it splits text and,
     for `documents` (not conversations, which begin as their template writes), the ids each begins with

@@ -17,7 +17,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.gather import model_sharded_tensors
-from megadiff.checkpoint.weights import load_model_weights
+from megadiff.checkpoint.weights import damage_reported, load_model_weights
 from megadiff.config import Config, ParallelConfig
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.models import build_model, to_transformer_config
@@ -85,8 +85,9 @@ def check_checkpoint_tensors(model, checkpoint_dir: Path) -> None:
     """Refuse a checkpoint whose model tensors are missing, unknown or shaped differently from
     what its config.yaml describes, naming them (before dist_checkpointing's own errors)."""
     expected = {shard.key: tuple(shard.global_shape) for shard in model_sharded_tensors([model])}
-    saved = {key: tuple(meta.global_shape) for key, meta in dist_checkpointing.load_tensors_metadata(
-        str(checkpoint_dir)).items() if key.startswith(MODEL_KEY_PREFIXES)}
+    with damage_reported(checkpoint_dir):
+        metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
+    saved = {key: tuple(meta.global_shape) for key, meta in metadata.items() if key.startswith(MODEL_KEY_PREFIXES)}
     problems = [f"missing tensor {key}" for key in sorted(set(expected) - set(saved))]
     problems += [f"unknown tensor {key} {saved[key]}" for key in sorted(set(saved) - set(expected))]
     problems += [f"tensor {key} has shape {saved[key]}, the config gives {expected[key]}"

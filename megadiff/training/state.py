@@ -6,14 +6,17 @@ Rerunning a command continues from the latest checkpoint of its output_dir. With
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch.distributed as dist
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resolve_checkpoint_dir
-from megadiff.checkpoint.training_checkpoint import latest_checkpoint, load_training_checkpoint, read_train_state
+from megadiff.checkpoint.format import (
+    CHECKPOINTS_DIR, CheckpointError, checkpoint_config, latest_checkpoint, resolve_checkpoint_dir,
+)
+from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
 from megadiff.config import Config, ConfigError, padded_vocab_size, resolved_architecture
+from megadiff.data.manifest import tokenizer_identity
 
 # what megatron's sample order is made from: a continued run changing one reads on from its position
 # in another order
@@ -40,6 +43,7 @@ class TrainState:
     # the loss and seconds of the updating steps since the last record (observability.metrics.StepMeans):
     # a run stopped between two records records the same means once resumed
     unrecorded: dict = field(default_factory=dict)
+    tokenizer: str | None = None  # tokenizer_identity of data.tokenizer: what the embeddings' rows stand for
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +109,7 @@ class Start:
     saved: dict | None = None       # the checkpoint's training state; None for a model-only checkpoint
     load_optimizer: bool = False
     continues: bool = False         # its iteration count, data position and LR schedule go on
+    tokenizer: str | None = None    # tokenizer_identity of the run's data.tokenizer
     data_changes: list[str] = field(default_factory=list)  # "key: before -> now" of DATA_ORDER_KEYS, if it continues
 
     def position(self) -> tuple[int, int]:
@@ -130,16 +135,25 @@ def _drawn_before_data_samples_were_kept(saved: dict, saved_cfg: Config) -> int:
     return saved["consumed_samples"] + remaining * saved_cfg.train.global_batch_size
 
 
+def _check_known_state(saved: dict | None, where: Path) -> None:
+    unknown = sorted(set(saved or {}) - {f.name for f in fields(TrainState)})
+    if unknown:
+        raise CheckpointError(f"{where} keeps training state this megadiff does not know ({', '.join(unknown)}): "
+                              "it was saved by a newer version; resume it with that version")
+
+
 def plan_start(cfg: Config) -> Start:
     """The starting checkpoint, checked against the config (model, optimizer, batch size) before
     any data is prepared or model built."""
     path, own = _starting_checkpoint(cfg)
+    tokenizer = tokenizer_identity(cfg.data.tokenizer)
     if path is None:
-        return Start()
+        return Start(tokenizer=tokenizer)
     saved_cfg = checkpoint_config(path)
     _check_same_model(saved_cfg, cfg, path)
     _check_same_vocabulary(saved_cfg, cfg, path)
     saved = read_train_state(path)  # None for a model-only checkpoint (e.g. converted from HF)
+    _check_known_state(saved, path)
     if saved is not None and "data_samples" not in saved:
         saved["data_samples"] = _drawn_before_data_samples_were_kept(saved, saved_cfg)
     load_optimizer = saved is not None and (own or cfg.checkpoint.load_optimizer)
@@ -149,7 +163,13 @@ def plan_start(cfg: Config) -> Start:
     pairs = [(f"{section}.{key}", getattr(getattr(saved_cfg, section), key), getattr(getattr(cfg, section), key))
              for section, key in DATA_ORDER_KEYS]
     changes = [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
-    start = Start(path, own, saved, load_optimizer, continues, changes if continues else [])
+    if continues and None not in (tokenizer, saved.get("tokenizer")) and tokenizer != saved["tokenizer"]:
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} reads text into other ids than "
+                          f"{saved_cfg.data.tokenizer}, which {path} was trained with; keep that tokenizer, or start "
+                          f"a new output_dir from the checkpoint with checkpoint.load={path} "
+                          "checkpoint.reset_iteration=true")
+    start = Start(path, own, saved, load_optimizer, continues, data_changes=changes if continues else [],
+                  tokenizer=tokenizer)
     (iteration, consumed), batch = start.position(), cfg.train.global_batch_size
     if start.continues and not own and iteration >= cfg.train.iters:
         raise ConfigError(f"train.iters: {path} is at iteration {iteration}, and this run continues its count up to "
@@ -163,7 +183,7 @@ def plan_start(cfg: Config) -> Start:
 
 def restore(cfg: Config, start: Start, engine, scheduler) -> tuple[TrainState, str]:
     """Load the starting checkpoint, if any, into the engine and scheduler; says what it did."""
-    fresh = TrainState(layout=current_layout(cfg))
+    fresh = TrainState(layout=current_layout(cfg), tokenizer=start.tokenizer)
     if start.path is None:
         return fresh, "starting from scratch"
     load_training_checkpoint(start.path, engine.unwrapped(), engine.optimizer, load_optimizer=start.load_optimizer,
@@ -174,7 +194,7 @@ def restore(cfg: Config, start: Start, engine, scheduler) -> tuple[TrainState, s
     if state.scheduler is not None:
         scheduler.load_state_dict(state.scheduler)
     resharded = "" if state.layout == fresh.layout else f", resharded from {state.layout}"
-    state.layout = fresh.layout
+    state.layout, state.tokenizer = fresh.layout, fresh.tokenizer
     # checkpoint.load only starts a new output_dir: a rerun goes on from its own checkpoints
     ignored = f" (not checkpoint.load={cfg.checkpoint.load}: this output_dir has its own)" \
         if start.own and cfg.checkpoint.load else ""
