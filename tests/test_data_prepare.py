@@ -201,6 +201,21 @@ def test_a_single_source_failure_leaves_no_output_and_no_temporary_files(corpus,
     assert [p.name for p in (tmp_path / "x.parts").iterdir()] == ["00000.lock"]
 
 
+def test_a_failed_preparation_of_changed_sources_leaves_none_of_the_old_data(corpus, tmp_path, monkeypatch):
+    """The old tokens, their manifest gone, trained as if they were the new sources' (or read with the new
+    tokenizer's ids): the prefix holds no data until the new data is whole."""
+    source = tmp_path / "source.jsonl"
+    source.write_text(corpus[0].read_text())
+    config = data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={tmp_path / 'x'}")
+    prepare(config)
+    with source.open("a") as appended:
+        appended.write(json.dumps({"text": "a changed source"}) + "\n")
+    _count_encodings(monkeypatch, fail_at=1)
+    with pytest.raises(RuntimeError, match="worker died"):
+        prepare(config)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("x")) == ["x.lock", "x.parts"]
+
+
 def test_shares_of_the_parts_then_a_plain_run_that_only_merges(corpus, prepared, tmp_path, monkeypatch, capsys):
     """`--part 0/2` and `--part 1/2` (as two nodes would run them) tokenize the three files between
     them; the plain run then tokenizes nothing and writes the one-file run's bytes."""
@@ -313,6 +328,10 @@ def test_cli_reports_bad_data_without_a_traceback(tmp_path, capsys):
     ("unreadable", r"data.sources\[0\]: .*bad.jsonl could not be read"),
     ("empty directory", r"data.sources\[0\]: directory .* holds no json/jsonl/txt/parquet files"),
     ("unsupported", r"data.sources\[0\]: .*notes.md: unsupported file type"),
+    ("not utf-8", r"data.text_key: field 'text' of record 1 \(counted from 0\) of data.sources\[0\] "
+                  r"\(.*latin1.jsonl\) is not UTF-8 text"),
+    ("not utf-8 text file", r"data.sources\[0\]: .*latin1.txt could not be read: .*\(UnicodeDecodeError: "),
+    ("compressed otherwise", r"data.sources\[0\]: .*dump.*part-1.jsonl.zst and 1 more files: compressed as .zst"),
 ])
 def test_bad_sources_are_refused_naming_the_key(tmp_path, case, message):
     good, empty, blank, bad = (tmp_path / n for n in ("good.jsonl", "empty.jsonl", "blank.jsonl", "bad.jsonl"))
@@ -322,6 +341,11 @@ def test_bad_sources_are_refused_naming_the_key(tmp_path, case, message):
     bad.write_text("{not json\n")
     (tmp_path / "notes.md").write_text("# notes")
     (tmp_path / "nothing").mkdir()
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    (tmp_path / "dump").mkdir()
+    for name in ("part-0.jsonl", "part-1.jsonl.zst", "part-2.jsonl.zst"):
+        (tmp_path / "dump" / name).write_text(json.dumps({"text": "a document"}) + "\n")
     prefix = f"data.prefix={tmp_path / 'out'}"
     overrides = {
         "missing file": [f"data.sources=[{good},{tmp_path / 'missing.jsonl'}]", prefix],
@@ -334,6 +358,9 @@ def test_bad_sources_are_refused_naming_the_key(tmp_path, case, message):
         "unreadable": [f"data.sources=[{bad}]", prefix],
         "empty directory": [f"data.sources=[{tmp_path / 'nothing'}]", prefix],
         "unsupported": [f"data.sources=[{tmp_path / 'notes.md'}]", prefix],
+        "not utf-8": [f"data.sources=[{tmp_path / 'latin1.jsonl'}]", prefix],
+        "not utf-8 text file": [f"data.sources=[{tmp_path / 'latin1.txt'}]", prefix],
+        "compressed otherwise": [f"data.sources=[{tmp_path / 'dump'}]", prefix],
     }[case]
     with pytest.raises(DataError, match=message):
         prepare(data_config(tmp_path, *overrides))
@@ -341,20 +368,22 @@ def test_bad_sources_are_refused_naming_the_key(tmp_path, case, message):
 
 
 def test_text_files_directories_and_globs_keep_source_order(tmp_path):
-    """A .txt file is one document; a directory or glob expands to its files in sorted order."""
+    """A .txt file is one document (its line ends read as "\\n", as Python reads text); a directory or glob
+    expands to its data files (suffixes in any case) in sorted order, other files left out."""
     folder = tmp_path / "books"
     folder.mkdir()
-    texts = {"b.txt": "Second book.\nIt has two lines.\n", "a.txt": "First book.\n", "c.jsonl": None}
-    for name, text in texts.items():
-        if text is not None:
-            (folder / name).write_text(text)
-    (folder / "c.jsonl").write_text(json.dumps({"text": "Third, from json."}) + "\n")
+    (folder / "a.txt").write_text("First book.\n")
+    (folder / "b.txt").write_bytes(b"Second book.\r\nIt has two lines.\r\n")
+    (folder / "c.JSONL").write_text(json.dumps({"text": "Third, from json."}) + "\n")
+    (folder / "d.ndjson").write_text(json.dumps({"text": "Fourth, from ndjson."}) + "\n")
+    (folder / "README.md").write_text("# not data")
     first = tmp_path / "first.jsonl"
     first.write_text(json.dumps({"text": "Zeroth."}) + "\n")
     prefix = tmp_path / "out"
     prepare(data_config(tmp_path, f"data.sources=[{first},{folder}]", f"data.prefix={prefix}"))
     tokenizer = load_tokenizer("cl100k_base")
-    order = ["Zeroth.", texts["a.txt"], texts["b.txt"], "Third, from json."]
+    order = ["Zeroth.", "First book.\n", "Second book.\nIt has two lines.\n", "Third, from json.",
+             "Fourth, from ndjson."]
     assert read_back(prefix) == [tokenizer.encode(t) + [tokenizer.eod] for t in order]
 
     globbed = tmp_path / "globbed"

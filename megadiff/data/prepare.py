@@ -158,13 +158,22 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
         stats = plan.up_to_date(console)
         if stats is not None:
             return stats
-        remove_manifest(plan.prefix)
+        _remove_outputs(plan)
         part_stats = _prepare_parts(plan, range(len(plan.parts)))
         stats = _merge(plan, part_stats)
         write_manifest(plan.prefix, plan.fingerprint, stats, plan.output_prefixes())
         shutil.rmtree(parts_dir(plan.prefix))
     _print_summary(console, plan.output_prefixes(), stats)
     return stats
+
+
+def _remove_outputs(plan: _Plan) -> None:
+    """The prefix's data of other sources or tokenizer, before any of its new data is written: a failed or
+    killed run would leave it there to be trained on, with the manifest that told it apart gone."""
+    remove_manifest(plan.prefix)
+    for prefix in plan.output_prefixes():
+        bin_path(prefix).unlink(missing_ok=True)
+        idx_path(prefix).unlink(missing_ok=True)
 
 
 def prepare_share(data: DataConfig, index: int, count: int, console: Console | None = None) -> None:

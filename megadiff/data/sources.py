@@ -1,7 +1,7 @@
 """data.sources -> one Hugging Face `datasets.Dataset` of document texts, in source order.
 
-A source is a file (json/jsonl with one document per record, parquet, or txt with one
-document per file; optionally .gz/.bz2/.xz compressed), a directory or glob of such files
+A source is a file (json/jsonl/ndjson with one document per record, parquet, or txt with one
+document per file; optionally .gz/.bz2/.xz compressed; suffixes in any case), a directory or glob of such files
 (sorted), or otherwise a dataset name loaded from the Hugging Face hub (split "train"). Every
 source is checked when the plan is made, before any tokenizing: a hub name must load.
 """
@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Optional
 
 from megadiff.data.errors import DataError
 
-BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".txt": "text", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz")
 TEXT_TYPES = ("string", "large_string")
 
@@ -43,10 +43,16 @@ class Source:
 
 
 def builder_for(path: Path) -> Optional[str]:
-    suffixes = path.suffixes
+    suffixes = [suffix.lower() for suffix in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSIONS:
         suffixes = suffixes[:-1]
     return BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def _unread_compression(path: Path) -> Optional[str]:
+    """The suffix of a data file compressed in a way no builder reads (corpus.jsonl.zst: ".zst")."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    return suffixes[-1] if len(suffixes) > 1 and suffixes[-2] in BUILDERS and builder_for(path) is None else None
 
 
 def _is_ignored(path: Path, ignored: tuple[Path, ...]) -> bool:
@@ -55,9 +61,21 @@ def _is_ignored(path: Path, ignored: tuple[Path, ...]) -> bool:
     return any(path == other or other in path.parents for other in ignored)
 
 
-def _readable_files(paths: Iterable[Path], ignored: tuple[Path, ...]) -> list[Path]:
+def _refuse_unread_compression(files: list[Path], key: str) -> None:
+    """Data files compressed in a way no builder reads: left out of a directory, most of a dump shipped as
+    .jsonl.zst would be lost without a word."""
+    unread = sorted(path for path in files if _unread_compression(path))
+    if unread:
+        more = f" and {len(unread) - 1} more files" if len(unread) > 1 else ""
+        raise DataError(f"{key}: {unread[0]}{more}: compressed as {_unread_compression(unread[0])}, which is not "
+                        f"read; decompress, or compress as {'/'.join(COMPRESSIONS)}")
+
+
+def _readable_files(paths: Iterable[Path], key: str, ignored: tuple[Path, ...]) -> list[Path]:
     """The files among `paths` a builder reads, but the `ignored` ones, sorted."""
-    return sorted(p for p in paths if p.is_file() and builder_for(p) and not _is_ignored(p, ignored))
+    files = [path for path in paths if path.is_file() and not _is_ignored(path, ignored)]
+    _refuse_unread_compression(files, key)
+    return sorted(path for path in files if builder_for(path))
 
 
 def _looks_local(entry: str) -> bool:
@@ -70,17 +88,18 @@ def _files_of(entry: str, key: str, ignored: tuple[Path, ...]) -> Optional[list[
     """The local files an entry names, or None when it names no local path (a hub dataset)."""
     kinds = "json/jsonl/txt/parquet"
     if glob.has_magic(entry):
-        files = _readable_files((Path(p) for p in glob.glob(entry, recursive=True)), ignored)
+        files = _readable_files((Path(p) for p in glob.glob(entry, recursive=True)), key, ignored)
         if not files:
             raise DataError(f"{key}: no {kinds} files match {entry!r}")
         return files
     path = Path(entry).expanduser()
     if path.is_dir():
-        files = _readable_files(path.rglob("*"), ignored)
+        files = _readable_files(path.rglob("*"), key, ignored)
         if not files:
             raise DataError(f"{key}: directory {path} holds no {kinds} files")
         return files
     if path.is_file():
+        _refuse_unread_compression([path], key)
         if builder_for(path) is None:
             raise DataError(f"{key}: {path}: unsupported file type; use {kinds}")
         return [path]
@@ -138,7 +157,9 @@ def _hub_source(key: str, name: str) -> Source:
 def _unloadable(source: Source, err: Exception) -> DataError:
     what = ("is not a local file or directory, and loading it as a Hugging Face dataset failed"
             if source.builder == "hub" else "could not be read")
-    return DataError(f"{source.key}: {source.describe()} {what}: {err}")
+    cause = err.__cause__ or err.__context__  # datasets wraps a builder's error in a generic one
+    because = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    return DataError(f"{source.key}: {source.describe()} {what}: {err}{because}")
 
 
 @contextlib.contextmanager
@@ -192,7 +213,35 @@ def _column(table, source: Source, setting: str, key: str, name: str):
     if not fits:
         raise DataError(f"{setting}: field {key!r} of {source.key} ({source.describe()}) holds {feature}, not {wanted}")
     column = table.select_columns([key])
+    if name != "messages":
+        _check_utf8(column.data.column(key), source, setting, key)
     return column.rename_column(key, name) if key != name else column
+
+
+def _check_utf8(texts, source: Source, setting: str, key: str) -> None:
+    """Arrow's JSON reader takes bytes that are no UTF-8 into its strings; they failed as a batch was read, with a
+    traceback, after everything before them had been tokenized."""
+    import pyarrow as pa
+
+    offset = 0
+    for chunk in texts.chunks:
+        try:
+            chunk.validate(full=True)
+        except pa.ArrowInvalid:
+            record = next((offset + i for i, text in enumerate(chunk.cast(pa.large_binary()).to_pylist())
+                           if text is not None and not _is_utf8(text)), None)
+            where = "a record" if record is None else f"record {record} (counted from 0)"
+            raise DataError(f"{setting}: field {key!r} of {where} of {source.key} ({source.describe()}) is not "
+                            "UTF-8 text; convert the file to UTF-8") from None
+        offset += len(chunk)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def record_fields(text_key: str, response_key: Optional[str] = None,
