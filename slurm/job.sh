@@ -22,6 +22,11 @@ if [[ $# -lt 1 ]]; then
     echo "usage: sbatch slurm/<script>.sbatch CONFIG [key=value ...] (see the script's header)" >&2
     exit 2
 fi
+# before srun starts a process on every node, each of which would say so (under torchrun's traceback)
+if [[ ! -f $1 ]]; then
+    echo "config file not found: $1 (in $PWD, where the job was submitted; give a path from there)" >&2
+    exit 2
+fi
 
 # The first node hosts the rendezvous (whatever MASTER_ADDR the submitting shell had); a port
 # from the job id keeps two jobs sharing a node apart, below Linux's ephemeral ports (32768-60999),
@@ -45,6 +50,7 @@ say "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} nodes ($SLURM_J
 
 _megadiff_preempted=0
 _megadiff_terminated=0
+_megadiff_requeueing=0
 
 _forward_preemption() {
     _megadiff_preempted=1
@@ -54,6 +60,8 @@ _forward_preemption() {
 }
 
 _note_termination() {
+    # a requeue ends this run of the job with SIGTERM too: nothing to tell
+    (( _megadiff_requeueing )) && return
     _megadiff_terminated=1
     say "SIGTERM: the training checkpoints and stops; the job is not requeued"
 }
@@ -61,6 +69,7 @@ _note_termination() {
 # A busy controller may refuse a moment: a requeue that never happens must not end the job as done.
 _requeue() {
     local attempt
+    _megadiff_requeueing=1
     for attempt in 1 2 3 4 5; do
         scontrol requeue "$SLURM_JOB_ID" && exit 0
         sleep $(( attempt * 10 ))

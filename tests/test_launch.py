@@ -100,3 +100,19 @@ def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):
 
     assert cache_dir() == f"{tmp_path}/megadiff-triton-someone"
     assert cache_dir(TRITON_CACHE_DIR="/shared/triton") == "/shared/triton"
+
+
+def test_tensor_parallel_groups_spanning_nodes_are_said(monkeypatch):
+    """megatron's tensor-parallel groups are consecutive ranks: with 8 processes per node, TP=16 or TP=3 puts
+    a group on two nodes; TP=8, or any TP on one node, does not."""
+    from megadiff.config import ParallelConfig
+    from megadiff.parallel import tensor_parallel_across_nodes
+
+    def said(tensor: int, per_node: int, world: int) -> str | None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        return tensor_parallel_across_nodes(ParallelConfig(tensor=tensor))
+
+    assert said(8, 8, 32) is None and said(2, 8, 32) is None and said(3, 6, 6) is None
+    assert "parallel.tensor=16 over 8 processes per node: tensor-parallel groups span nodes" in said(16, 8, 32)
+    assert "parallel.tensor=3 over 8 processes per node" in said(3, 8, 48)

@@ -122,6 +122,7 @@ def test_metrics_console_and_tensorboard(logged_run):
     assert [r["iteration"] for r in records if "valid_loss" in r] == [3, 6]
     assert "iteration 6/6 | lm_loss" in proc.stdout
     assert "GiB on the most loaded rank" in proc.stdout  # the model-state memory, at the start
+    assert f"starting from scratch; metrics and checkpoints in {out}" in proc.stdout  # where to look, at once
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert {"lm_loss", "lr", "grad_norm", "lambda/layer_1", "valid_loss"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("lm_loss")] == pytest.approx([r["lm_loss"] for r in train])

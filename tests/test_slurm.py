@@ -71,7 +71,7 @@ def test_preempted_job_is_requeued_and_resumes_the_uninterrupted_curve(case, slu
     context = f"job {final}\nlog (end):\n{text[-6000:]}"
     assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), context
     assert preemption_message in text, context
-    assert "requeueing (restart 1)" in text, context
+    assert "requeueing (restart 1)" in text and "the job is not requeued" not in text, context
     assert "restart 0 on 2 nodes" in text and "restart 1 on 2 nodes" in text, context
     resumed = re.search(r"resumed from \S+ at iteration (\d+)", text)
     assert resumed and 2 <= int(resumed.group(1)) < ITERS, context

@@ -11,26 +11,42 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# scancel takes its time (as a busy controller does): a step may end while the trap waits on it
-STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; sleep 1.5',
-            "scontrol": 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi'}
+# scancel takes its time (as a busy controller does): a step may end while the trap waits on it; a requeue
+# ends the batch script's run with SIGTERM, as Slurm's does
+STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; sleep 1.5', "srun": 'echo "srun $*" >> "$CALLS"',
+            "scontrol": 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi\n'
+                        'if [[ $1 == requeue ]]; then kill -TERM $PPID; fi'}
+
+
+def _slurm_environment(tmp_path: Path, **variables: str) -> dict:
+    """A job's environment with the stand-ins first on its PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in STANDINS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+            "TMPDIR": str(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_SUBMIT_DIR": str(tmp_path), **variables}
 
 
 def _run_step(tmp_path: Path, step: str, usr1_after: float | None,
               submit_dir: Path | None = None) -> tuple[int, str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in STANDINS.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    calls = tmp_path / "calls"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "TMPDIR": str(tmp_path),
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_SUBMIT_DIR": str(submit_dir or tmp_path)}
-    script = f"source {ROOT / 'slurm/job.sh'} config.yaml\nrun_step_requeue_on_preemption bash -c '{step}'"
+    env = _slurm_environment(tmp_path, SLURM_SUBMIT_DIR=str(submit_dir or tmp_path))
+    calls = Path(env["CALLS"])
+    (tmp_path / "config.yaml").touch()
+    started = tmp_path / "started"
+    started.unlink(missing_ok=True)
+    script = (f"source {ROOT / 'slurm/job.sh'} {tmp_path / 'config.yaml'}\n"
+              f"run_step_requeue_on_preemption bash -c 'touch {started}; {step}'")
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     if usr1_after is not None:
+        # the step runs once the traps are set (a loaded machine may take longer than usr1_after to get there)
+        while not started.exists() and proc.poll() is None:
+            time.sleep(0.01)
         time.sleep(usr1_after)
         proc.send_signal(signal.SIGUSR1)
     output = proc.communicate(timeout=60)[0]
@@ -48,6 +64,7 @@ def test_the_step_s_own_exit_code_decides(tmp_path, step, usr1_after, code, requ
     returncode, output, calls = _run_step(tmp_path, step, usr1_after)
     assert returncode == code, output
     assert ("scontrol requeue 4242" in calls) is requeued, output
+    assert "the job is not requeued" not in output  # Slurm's SIGTERM of a requeue is no scancel
     if not requeued:
         assert f"the step finished with exit code {code}" in output
 
@@ -80,3 +97,18 @@ def test_a_count_that_cannot_be_kept_ends_the_job_rather_than_requeueing_for_eve
     (tmp_path / ".megadiff-uncommitted-requeues-4242").write_text("")  # left empty by a failed write
     returncode, output, calls = _run_step(tmp_path, "sleep 1; exit 3", 0.3)
     assert returncode == 3 and "scontrol requeue" not in calls and "unreadable" in output, output
+
+
+@pytest.mark.parametrize("arguments, variables, message", [
+    (["missing.yaml"], {}, "config file not found: missing.yaml (in "),
+    (["config.yaml"], {"SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_PER_NODE": "h100:4"},
+     "--ntasks-per-node=8 differs from --gpus-per-node=4: this script runs one training process per GPU"),
+])
+def test_a_job_that_cannot_run_ends_before_its_step_starts(tmp_path, arguments, variables, message):
+    """Refused once, by the batch script, rather than by every process the step would start on every node."""
+    (tmp_path / "config.yaml").touch()
+    env = _slurm_environment(tmp_path, MEGADIFF_ROOT=str(ROOT), SLURM_CPUS_ON_NODE="8", **variables)
+    proc = subprocess.run(["bash", str(ROOT / "slurm/pretrain_per_gpu.sbatch"), *arguments], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "calls").exists()  # no srun

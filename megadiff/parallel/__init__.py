@@ -1,4 +1,6 @@
 """Distributed set-up: process groups, megatron parallel state, the CPU mode."""
-from megadiff.parallel.initialize import compute_device, init_process_group, initialize, set_seed, shutdown
+from megadiff.parallel.initialize import (
+    compute_device, init_process_group, initialize, set_seed, shutdown, tensor_parallel_across_nodes,
+)
 
-__all__ = ["compute_device", "init_process_group", "initialize", "set_seed", "shutdown"]
+__all__ = ["compute_device", "init_process_group", "initialize", "set_seed", "shutdown", "tensor_parallel_across_nodes"]

@@ -36,6 +36,18 @@ def init_process_group(timeout: timedelta) -> None:
                                 timeout=timeout)
 
 
+def tensor_parallel_across_nodes(parallel: ParallelConfig) -> str | None:
+    """megatron gives a tensor-parallel group consecutive ranks: where a node's processes are no multiple of
+    parallel.tensor, its groups span nodes and their all-reduces, several in every layer, cross the network.
+    Said, not refused: a model may need it."""
+    per_node, world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if per_node in (0, world) or per_node % parallel.tensor == 0:
+        return None
+    return (f"parallel.tensor={parallel.tensor} over {per_node} processes per node: tensor-parallel groups span "
+            "nodes, and their all-reduces in every layer go over the network (a divisor of the processes per node "
+            "keeps each group on one node)")
+
+
 def compute_device() -> torch.device:
     """Where megatron computes and where NCCL collectives need their tensors: this process's CUDA
     device when there is one (megatron's own layers and RoPE go there whatever else asks), else

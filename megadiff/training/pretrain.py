@@ -31,7 +31,7 @@ from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
-from megadiff.parallel import compute_device, initialize, shutdown
+from megadiff.parallel import compute_device, initialize, shutdown, tensor_parallel_across_nodes
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
@@ -116,8 +116,9 @@ class Pretraining:
                 memory += f" + activations {activations.total / GIB:.2f} GiB"
             self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
                                f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
-                               f"DP {self.dp}); {memory} on the most loaded rank; {how}")
-            for warning in (memory_warning, short_warmup_warning(t)):
+                               f"DP {self.dp}); {memory} on the most loaded rank; {how}; metrics and checkpoints "
+                               f"in {self.output}")
+            for warning in (memory_warning, short_warmup_warning(t), tensor_parallel_across_nodes(cfg.parallel)):
                 if warning:
                     self.metrics.print(warning)
             if start.data_changes:
@@ -234,7 +235,8 @@ class Pretraining:
                     if preemption.signalled:
                         exit_code = REQUEUE_EXIT_CODE
                         self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
-                                  f"{state.iteration}, then exiting with code {exit_code} (requeue)")
+                                  f"{state.iteration}, then exiting with code {exit_code} (on which the Slurm "
+                                  "scripts requeue a preempted job)")
                     elif preemption.out_of_time:
                         self._say(f"train.exit_duration_minutes={t.exit_duration_minutes} spent: checkpointing at "
                                   f"iteration {state.iteration}, then exiting with code 0")
