@@ -130,6 +130,10 @@ run_torchrun_per_node() {
     gpus=${gpus##*:}
     if [[ -z ${GPUS_PER_NODE:-} && $gpus != 0 ]]; then
         export GPUS_PER_NODE=$gpus
+    elif [[ $gpus != 0 && $GPUS_PER_NODE != "$gpus" ]]; then
+        # sbatch hands the job the submitting shell's environment: an export left there would go unnoticed
+        say "GPUS_PER_NODE=$GPUS_PER_NODE (set where the job was submitted) runs $GPUS_PER_NODE processes per node," \
+            "not one per GPU of --gpus-per-node=$gpus"
     fi
     run_step_requeue_on_preemption srun --label --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --wait=300 "$@"
 }

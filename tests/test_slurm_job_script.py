@@ -112,3 +112,13 @@ def test_a_job_that_cannot_run_ends_before_its_step_starts(tmp_path, arguments, 
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert not (tmp_path / "calls").exists()  # no srun
+
+
+def test_a_gpus_per_node_the_submitting_shell_set_is_said_when_it_differs_from_the_allocation(tmp_path):
+    (tmp_path / "config.yaml").touch()
+    env = _slurm_environment(tmp_path, GPUS_PER_NODE="4", SLURM_GPUS_PER_NODE="h100:8", SLURM_CPUS_ON_NODE="8")
+    script = f"source {ROOT / 'slurm/job.sh'} config.yaml\nrun_torchrun_per_node launch/pretrain_multi_node.sh"
+    proc = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "GPUS_PER_NODE=4 (set where the job was submitted) runs 4 processes per node, not one per GPU of " \
+           "--gpus-per-node=8" in proc.stdout, proc.stdout + proc.stderr
+    assert "srun --label --ntasks-per-node=1" in (tmp_path / "calls").read_text()  # said, and run as asked
