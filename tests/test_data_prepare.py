@@ -544,3 +544,11 @@ def test_a_directory_of_many_files_becomes_one_source_in_one_pass(tmp_path, monk
     (source,) = sources_module.resolve_sources([str(tmp_path)])
     assert source.files == tuple(sorted(tmp_path.iterdir()))
     assert sum(files_given) == 300
+
+
+def test_a_prefix_with_brackets_is_printed_as_written(corpus, tmp_path, capsys):
+    prefix = tmp_path / "web[v2]" / "subset"
+    config = data_config(tmp_path, f"data.sources=[{corpus[0]}]", f"data.prefix='{prefix}'")
+    prepare(config)
+    prepare(config)
+    assert f"prepare-data: {prefix} is up to date" in capsys.readouterr().out

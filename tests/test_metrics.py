@@ -141,3 +141,15 @@ def test_step_means_continue_from_their_saved_state():
 def test_a_run_records_every_interval_and_after_its_last_iteration():
     assert [i for i in range(1, 8) if records_at(i, 3, 7)] == [3, 6, 7]
     assert [i for i in range(1, 3) if records_at(i, 10, 2)] == [2]  # a run shorter than the interval
+
+
+def test_messages_and_progress_lines_print_as_written(tmp_path, capsys):
+    """Paths and names are no markup: an output_dir runs/E[v1] printed as runs/E, and runs/F[/v1] raised
+    a MarkupError as the run started."""
+    writer = MetricsWriter(tmp_path / "E[v1]", tensorboard=False)
+    message = f"metrics and checkpoints in {tmp_path / 'E[v1]'}; data.blend[0] [bold]x[/bold] F[/v1]"
+    writer.print(message)
+    writer.log({"iteration": 1, "lm_loss": 2.5, "note[/x]": 1.0})
+    writer.close()
+    out = capsys.readouterr().out
+    assert message in out and "note[/x] 1" in out

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from megadiff.checkpoint.format import CONFIG_FILE, checkpoint_config
 from megadiff.config import ConfigError
+from megadiff.console import plain_console
 from megadiff.inference.reporting import write_report
 from megadiff.models.param_count import count_parameters
 from megadiff.observability.metrics import METRICS_FILE, read_metrics
@@ -195,7 +196,7 @@ def scaling_cli(runs: Sequence[str], by: str = "params", metric: str = "valid_lo
     points = [point for run in runs for point in run_points(run, by, metric)]
     report = scaling_report(points, by, baseline, sizes, parse_count(start) if start else 0.0)
     report.update(metric=metric, points=[asdict(p) for p in points])
-    console = Console(highlight=False, soft_wrap=True)
+    console = plain_console()
     _print(console, report, metric)
     write_report(console, report, output)
     return 0

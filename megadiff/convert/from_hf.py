@@ -18,11 +18,12 @@ from rich.console import Console
 
 from megadiff.checkpoint.weights import save_model_weights
 from megadiff.config import Config, ModelConfig, padded_vocab_size, validate_config
+from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, same_model, vocab_padding_multiple
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
-from megadiff.convert.steps import conversion_console, step
+from megadiff.convert.steps import step
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
 from megadiff.inference.loader import (
     PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
@@ -91,7 +92,7 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
 
 
 def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True) -> Path:
-    console = conversion_console()
+    console = plain_console()
     out = Path(save)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")

@@ -9,10 +9,6 @@ from typing import Iterator
 from rich.console import Console
 
 
-def conversion_console() -> Console:
-    return Console(soft_wrap=True, markup=False, highlight=False)  # paths print whole, as written
-
-
 @contextmanager
 def step(console: Console, action: str) -> Iterator[None]:
     """'megadiff convert: ACTION ...' now, 'megadiff convert: ACTION: N s' once it is done."""

@@ -12,11 +12,12 @@ import torch
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import padded_vocab_size
+from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
 from megadiff.convert.hf_layout import Dims, megatron_to_hf
-from megadiff.convert.steps import conversion_console, step
+from megadiff.convert.steps import step
 from megadiff.inference.loader import checkpoint_tokenizer, load_checkpoint, single_process_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,7 +31,7 @@ def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                   remote_code: bool = False) -> Path:
-    console = conversion_console()
+    console = plain_console()
     checkpoint_dir = resolve_checkpoint_dir(load)
     cfg = checkpoint_config(checkpoint_dir)
     family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read

@@ -35,6 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from megadiff.config import Config, DataConfig, load_config
+from megadiff.console import plain_console
 from megadiff.data.conversations import resolve_chat_template
 from megadiff.data.corpus import write_bundled_corpus
 from megadiff.data.errors import DataError
@@ -151,7 +152,7 @@ def _plan(data: DataConfig) -> _Plan:
 
 def prepare(data: DataConfig, console: Console | None = None) -> dict:
     """Prepare data.sources (or data.bundled_corpus) at data_prefix(data); returns the manifest's stats."""
-    console = console or Console()
+    console = console or plain_console()
     with exclusive_lock(f"{data_prefix(data)}.lock"):
         plan = _plan(data)
         _refuse_replacing_other_data(plan)
@@ -179,7 +180,7 @@ def _remove_outputs(plan: _Plan) -> None:
 def prepare_share(data: DataConfig, index: int, count: int, console: Console | None = None) -> None:
     """Tokenize parts index, index + count, ... only (one of `count` processes sharing the work);
     a plain `prepare` afterwards finds them done and merges."""
-    console = console or Console()
+    console = console or plain_console()
     with exclusive_lock(f"{data_prefix(data)}.lock"):
         plan = _plan(data)
         _refuse_replacing_other_data(plan)

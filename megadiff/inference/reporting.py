@@ -6,12 +6,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from megadiff.console import plain_console
 from megadiff.inference.ranks import reports
 
 
 def command_console() -> Console:
     """Where a command prints: rank 0's console; the other ranks' is silent."""
-    return Console(highlight=False, soft_wrap=True, quiet=not reports())
+    return plain_console(quiet=not reports())
 
 
 def write_report(console: Console, report: dict, output: str | None) -> None:

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rich.console import Console
 
+from megadiff.console import plain_console
 from megadiff.files import write_atomically
 from megadiff.observability.wandb_sink import WandbSink
 
@@ -130,7 +130,7 @@ class MetricsWriter:
         self.console_keys = console_keys
         self._clock = clock
         self._first_logged: tuple[float, int] | None = None  # (time, iteration): the rate excludes start-up
-        self.console = Console(highlight=False, soft_wrap=True)
+        self.console = plain_console()
         self._tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
