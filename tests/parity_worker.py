@@ -51,14 +51,15 @@ LAYOUTS = {
                                  "parallel.virtual_pipeline=2", "data.document_masking=true",
                                  "train.recompute=full"]),
     "cp2_documents": (2, ["parallel.context=2", "data.document_masking=true"]),
+    "cp4_documents": (4, ["parallel.context=4", "data.document_masking=true"]),
     # CP ranks gather each TP rank's heads of the SP-gathered sequence chunks
     "tp2_sp_cp2_documents": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2",
                                  "data.document_masking=true"]),
 }
 EOD = 0
-# documents [0, 4), [4, 10), [10, 16) and [0, 6), [6, 16): under CP=2 (chunks of 4) one starts at a
-# chunk's start, one inside a chunk, and they run across one or two chunk ends
-EOD_POSITIONS = ([3, 9], [5])
+# documents [0, 4), [4, 9), [9, 16) and [0, 6), [6, 16): under CP=2 (chunks of 4) and CP=4 (chunks of 2)
+# some start at a chunk's start, some inside a chunk, and they run across one or several chunk ends
+EOD_POSITIONS = ([3, 8], [5])
 
 
 def layout_independent_weights(chunks: list, seed: int) -> None:
