@@ -32,8 +32,6 @@ def _slurm_environment(tmp_path: Path, **variables: str) -> dict:
 
 def _run_step(tmp_path: Path, step: str, usr1_after: float | None,
               submit_dir: Path | None = None) -> tuple[int, str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
     env = _slurm_environment(tmp_path, SLURM_SUBMIT_DIR=str(submit_dir or tmp_path))
     calls = Path(env["CALLS"])
     (tmp_path / "config.yaml").touch()

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-
 from megadiff.console import plain_console
 from megadiff.files import write_atomically
 from megadiff.observability.wandb_sink import WandbSink
