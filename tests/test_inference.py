@@ -110,13 +110,18 @@ def _cut_short(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
 
 
+def _copy_of_the_checkpoint(run, tmp_path) -> Path:
+    copy = tmp_path / "iter_0000007"
+    shutil.copytree(iteration_dir(run[0] / CHECKPOINTS_DIR, 7), copy)
+    return copy
+
+
 @pytest.mark.parametrize("damage", [
     lambda checkpoint: _cut_short(next(checkpoint.glob("*.distcp"))),
     lambda checkpoint: (checkpoint / "metadata.json").write_text("{not json"),
 ], ids=["shard cut short", "metadata overwritten"])
-def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, capsys, damage):
-    damaged = tmp_path / "iter_0000007"
-    shutil.copytree(iteration_dir(run[0] / CHECKPOINTS_DIR, 7), damaged)
+def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, damage):
+    damaged = _copy_of_the_checkpoint(run, tmp_path)
     damage(damaged)
     with pytest.raises(CheckpointError, match=f"{damaged} is damaged: a file of it cannot be read"):
         load_checkpoint(damaged)
@@ -126,8 +131,7 @@ def test_a_checkpoint_whose_training_state_cannot_be_read_is_refused_by_name(run
     """What a rerun reads first, before its data and model: common.pt cut short."""
     from megadiff.checkpoint.training_checkpoint import read_train_state
 
-    damaged = tmp_path / "iter_0000007"
-    shutil.copytree(iteration_dir(run[0] / CHECKPOINTS_DIR, 7), damaged)
+    damaged = _copy_of_the_checkpoint(run, tmp_path)
     _cut_short(damaged / "common.pt")
     with pytest.raises(CheckpointError, match=f"{damaged} is damaged: .*RuntimeError"):
         read_train_state(damaged)
