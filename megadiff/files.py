@@ -57,13 +57,17 @@ def commit_staged(final: Path, marker: Path, marker_text: str) -> None:
     write_atomically(marker, marker_text.encode())
 
 
+def numbered_dirs(directory: str | Path, prefix: str) -> list[tuple[int, Path]]:
+    """The directories `<prefix><number>` in `directory` (checkpoints), by number."""
+    return sorted((int(path.name.removeprefix(prefix)), path) for path in Path(directory).glob(f"{prefix}*")
+                  if path.is_dir() and path.name.removeprefix(prefix).isdigit())
+
+
 def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep: int) -> None:
     """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`.
     Later numbers (a run restarted from an earlier checkpoint left them) are not counted, so the one
     just committed can never be removed."""
-    numbered = sorted((int(path.name.removeprefix(prefix)), path) for path in Path(directory).glob(f"{prefix}*")
-                      if path.is_dir() and path.name.removeprefix(prefix).isdigit())
-    for _, path in [entry for entry in numbered if entry[0] <= newest][:-keep]:
+    for _, path in [entry for entry in numbered_dirs(directory, prefix) if entry[0] <= newest][:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 

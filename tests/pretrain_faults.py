@@ -1,11 +1,16 @@
 """Runs inside a spawned rank: `megadiff pretrain` with a fault injected (a test-only patch)."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
+import io
 import json
 import os
 import signal
 
 import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 import megadiff.checkpoint.training_checkpoint as training_checkpoint
 import megadiff.training.pretrain as pretrain
@@ -52,8 +57,8 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_step
 def signalled_while_starting(rank: int, world_size: int, overrides: list[str], report: str,
                              disk_full: bool = False) -> None:
     """`megadiff pretrain` whose ranks get SIGUSR1 as their process groups come up, before the data,
-    the model or a checkpoint: records the run's exit code, or with `disk_full` (every checkpoint
-    write fails) the error it raised."""
+    the model or a checkpoint, with `disk_full` every checkpoint write failing: records the run's exit code
+    and error."""
     original_initialize = pretrain.initialize
 
     def initialize(*args, **kwargs):
@@ -66,13 +71,17 @@ def signalled_while_starting(rank: int, world_size: int, overrides: list[str], r
     pretrain.initialize = initialize
     if disk_full:
         training_checkpoint.dist_checkpointing.save = save
-    try:
-        result = {"exit_code": main(["pretrain", str(DEMO_CONFIG), *overrides])}
-    except OSError as err:
-        result = {"error": str(err)}
+    _report_pretrain(rank, overrides, report)
+
+
+def _report_pretrain(rank: int, overrides: list[str], report: str) -> None:
+    """`megadiff pretrain` in this rank: rank 0 writes its exit code and what it printed to stderr to `report`."""
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        exit_code = main(["pretrain", str(DEMO_CONFIG), *overrides])
     if rank == 0:
         with open(report, "w") as handle:
-            json.dump(result, handle)
+            json.dump({"exit_code": exit_code, "stderr": errors.getvalue()}, handle)
 
 
 def _children(pid: int) -> list[int]:
@@ -97,3 +106,24 @@ def killed_while_saving(rank: int, world_size: int, overrides: list[str], doomed
 
     training_checkpoint.dist_checkpointing.save = save
     pretrain.pretrain(load_config(DEMO_CONFIG, overrides, world_size=world_size))
+
+
+def disk_full_while_saving(rank: int, world_size: int, overrides: list[str], doomed_iteration: int,
+                           report: str) -> None:
+    """Every file write of one iteration's checkpoint fails as on a full disk, in megatron's writer processes
+    (forked from this one, so they see the patch): records the run's exit code and error."""
+    original_save, original_write = training_checkpoint.dist_checkpointing.save, filesystem_async._write_item
+    doomed = {"now": False}
+
+    def save(state, directory, *args, **kwargs):
+        doomed["now"] = f"iter_{doomed_iteration:07d}" in str(directory)
+        return original_save(state, directory, *args, **kwargs)
+
+    @functools.wraps(original_write)  # megatron reads its signature
+    def write_item(*args, **kwargs):
+        if doomed["now"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original_write(*args, **kwargs)
+
+    training_checkpoint.dist_checkpointing.save, filesystem_async._write_item = save, write_item
+    _report_pretrain(rank, overrides, report)

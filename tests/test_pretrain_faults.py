@@ -14,7 +14,9 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
 from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
-from tests.pretrain_faults import killed_while_saving, poisoned_run, signalled_while_starting
+from tests.pretrain_faults import (
+    disk_full_while_saving, killed_while_saving, poisoned_run, signalled_while_starting,
+)
 from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
 from tests.wandb_log import exit_codes
 
@@ -114,7 +116,8 @@ def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_commit
     report, output = tmp_path / "report.json", tmp_path / "started"
     run_ranks(2, signalled_while_starting, base + ["train.iters=50", "checkpoint.async_save=true",
                                                    f"output_dir={tmp_path / 'disk-full'}"], str(report), True)
-    assert "No space left on device" in json.loads(report.read_text())["error"]
+    disk_full = json.loads(report.read_text())
+    assert disk_full["exit_code"] == 3 and "No space left on device" in disk_full["stderr"]
     assert not marker.exists()
     run_ranks(2, signalled_while_starting, base + ["train.iters=50", f"output_dir={output}"], str(report))
     assert json.loads(report.read_text())["exit_code"] == REQUEUE_EXIT_CODE
@@ -231,6 +234,23 @@ def test_data_parallel_ranks_agree_on_a_spike(base, tmp_path):
     result = json.loads(report.read_text())
     assert result["exit_code"] == 0
     assert [event["spike"] for event in result["events"]] == [False] * 5 + [True]
+
+
+@pytest.mark.parametrize("ranks,async_save", [(1, "false"), (2, "true")])
+def test_a_full_disk_while_saving_is_reported_with_the_checkpoint_kept(base, tmp_path, ranks, async_save):
+    """Every write of iteration 4's checkpoint fails as on a full disk, in megatron's writer processes: the
+    run ended with their "Worker failure" traceback on every rank, the partial files left taking space."""
+    out, report = tmp_path / "full", tmp_path / "report.json"
+    run_ranks(ranks, disk_full_while_saving, base + ["train.iters=6", "checkpoint.save_interval=2",
+                                                     f"checkpoint.async_save={async_save}", f"output_dir={out}"],
+              4, str(report))
+    result = json.loads(report.read_text())
+    assert result["exit_code"] == 3 and "Traceback" not in result["stderr"], result["stderr"]
+    checkpoints = out / CHECKPOINTS_DIR
+    assert (f"the checkpoint of iteration 4 could not be written into {checkpoints} ([Errno 28] No space left on "
+            f"device); the run's last checkpoint, {checkpoints / 'iter_0000002'}, is kept") in result["stderr"], result["stderr"]
+    assert read_latest_iteration(checkpoints) == 2 and sorted(p.name for p in checkpoints.iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 @pytest.mark.slow

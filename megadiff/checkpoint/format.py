@@ -18,6 +18,7 @@ from pathlib import Path
 from megadiff.config import Config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.errors import MegadiffError
+from megadiff.files import numbered_dirs
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -47,9 +48,8 @@ def read_latest_iteration(checkpoints_dir: str | Path) -> int | None:
 
 def saved_iterations(checkpoints_dir: str | Path) -> list[int]:
     """The iterations of the whole checkpoints in `checkpoints_dir` (committed: named, with their metadata)."""
-    return sorted(int(path.name.removeprefix(ITERATION_PREFIX))
-                  for path in Path(checkpoints_dir).glob(f"{ITERATION_PREFIX}*")
-                  if path.name.removeprefix(ITERATION_PREFIX).isdigit() and (path / "metadata.json").is_file())
+    return [iteration for iteration, path in numbered_dirs(checkpoints_dir, ITERATION_PREFIX)
+            if (path / "metadata.json").is_file()]
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:

@@ -12,9 +12,11 @@ the layout (world size, TP, PP, CP) is unchanged; any layout can load the rest (
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
+import shutil
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -25,9 +27,11 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, ITERATION_PREFIX, LATEST_FILE, iteration_dir, model_sharded_state,
+    CONFIG_FILE, ITERATION_PREFIX, LATEST_FILE, CheckpointError, iteration_dir, model_sharded_state,
+    read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from megadiff.checkpoint.weights import damage_reported, load_into_chunks, load_sharded
@@ -103,28 +107,47 @@ class CheckpointWriter:
         self.keep_last = keep_last
         _start_write_results_queue()
         self.queue = AsyncCallsQueue() if async_save else None
+        self.in_flight: int | None = None  # the iteration of the background save not yet committed
 
     def save(self, iteration: int, chunks: list, optimizer, train_state: dict) -> None:
         self.wait()  # one save in flight at a time: its commit must precede the next one's
         staging = _staging_dir(self.dir, iteration)
-        if _rank() == 0:
-            remove_staging_leftovers(self.dir)
-            staging.mkdir(parents=True)
-        _barrier()
-        state = model_sharded_state(chunks)
-        state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
-        state[TRAIN_STATE_KEY] = train_state
-        state[RNG_KEY] = _rng_sharded_object(_rng_states())
-        commit = self._commit_fn(iteration)
-        if self.queue is None:
-            dist_checkpointing.save(state, str(staging))
+        with self._failure_reported(iteration):
+            if _rank() == 0:
+                remove_staging_leftovers(self.dir)
+                staging.mkdir(parents=True)
             _barrier()
-            commit()
-            _barrier()
-        else:
-            request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
-            request.add_finalize_fn(commit)
-            self.queue.schedule_async_request(request)
+            state = model_sharded_state(chunks)
+            state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
+            state[TRAIN_STATE_KEY] = train_state
+            state[RNG_KEY] = _rng_sharded_object(_rng_states())
+            commit = self._commit_fn(iteration)
+            if self.queue is None:
+                dist_checkpointing.save(state, str(staging))
+                _barrier()
+                commit()
+                _barrier()
+            else:
+                request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+                request.add_finalize_fn(commit)
+                self.queue.schedule_async_request(request)
+                self.in_flight = iteration
+
+    @contextlib.contextmanager
+    def _failure_reported(self, iteration: int):
+        """A save that failed (a full disk, a quota, a lost mount: megatron's writers report it as a "Worker
+        failure" on every rank) as a CheckpointError saying what is kept, not a traceback from the writers. Its
+        partial files are removed, to give back the space."""
+        try:
+            yield
+        except (CheckpointException, OSError) as error:
+            if _rank() == 0:
+                shutil.rmtree(_staging_dir(self.dir, iteration), ignore_errors=True)
+            kept = read_latest_iteration(self.dir)
+            kept = (f"the run's last checkpoint, {iteration_dir(self.dir, kept)}, is kept and a rerun resumes from it"
+                    if kept is not None else "the run has no checkpoint yet")
+            raise CheckpointError(f"the checkpoint of iteration {iteration} could not be written into {self.dir} "
+                                  f"({_write_failure(error)}); {kept}") from error
 
     def _commit_fn(self, iteration: int):
         def commit() -> None:
@@ -135,18 +158,33 @@ class CheckpointWriter:
 
     def poll(self) -> None:
         """Commit background saves that every rank has finished (collective: call on every rank)."""
-        if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize(blocking=False)
 
     def wait(self) -> None:
+        self._finalize(blocking=True)
         if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=True)
             _barrier()
+
+    def _finalize(self, blocking: bool) -> None:
+        if self.queue is not None and self.in_flight is not None:
+            with self._failure_reported(self.in_flight):
+                if self.queue.maybe_finalize_async_calls(blocking=blocking):
+                    self.in_flight = None
 
     def close(self) -> None:
         self.wait()
         if self.queue is not None:
             self.queue.close()
+
+
+def _write_failure(error: Exception) -> str:
+    """What a failed write came down to, where this rank holds it: megatron gives the failures to its coordinator
+    rank only, as its writers' "Worker failure: <the OSError>" (the OSError itself is lost on the way)."""
+    if not isinstance(error, CheckpointException):
+        return str(error)
+    if not error.failures:
+        return "a write failed on another rank; rank 0's message names it"
+    return str(next(iter(error.failures.values()))[0]).removeprefix("Worker failure: ")
 
 
 def read_train_state(checkpoint_dir: str | Path) -> dict | None:

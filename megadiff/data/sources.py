@@ -42,8 +42,13 @@ class Source:
         return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
 
 
+def _suffixes(path: Path) -> list[str]:
+    """A file's suffixes in lower case: CORPUS.JSONL is read as corpus.jsonl."""
+    return [suffix.lower() for suffix in path.suffixes]
+
+
 def builder_for(path: Path) -> Optional[str]:
-    suffixes = [suffix.lower() for suffix in path.suffixes]
+    suffixes = _suffixes(path)
     if suffixes and suffixes[-1] in COMPRESSIONS:
         suffixes = suffixes[:-1]
     return BUILDERS.get(suffixes[-1]) if suffixes else None
@@ -51,7 +56,7 @@ def builder_for(path: Path) -> Optional[str]:
 
 def _unread_compression(path: Path) -> Optional[str]:
     """The suffix of a data file compressed in a way no builder reads (corpus.jsonl.zst: ".zst")."""
-    suffixes = [suffix.lower() for suffix in path.suffixes]
+    suffixes = _suffixes(path)
     return suffixes[-1] if len(suffixes) > 1 and suffixes[-2] in BUILDERS and builder_for(path) is None else None
 
 
