@@ -60,11 +60,12 @@ def outputs_only(directory: Path, prefix_name: str) -> None:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
-    """A jsonl of KJV chapters plus an empty document and one with another key's text missing."""
+    """A jsonl of KJV chapters plus an empty document and a record without the text field."""
     root = tmp_path_factory.mktemp("corpus")
     documents = read_documents(write_bundled_corpus("kjv", root))[:CHAPTERS]
     records = [{"text": d, "id": i} for i, d in enumerate(documents)]
     records.insert(3, {"text": "", "id": -1})
+    records.insert(7, {"body": "a record of another format", "id": -2})
     path = root / "subset.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path, documents
@@ -103,11 +104,24 @@ def test_kjv_corpus_is_one_document_per_chapter_of_the_naive_read(tmp_path):
 def test_tokens_are_each_document_encoded_plus_eod(corpus, prepared):
     prefix, stats = prepared
     tokenizer = load_tokenizer("cl100k_base")
-    expected = [tokenizer.encode(doc) + [tokenizer.eod] for doc in corpus[1]]  # the empty document is skipped
+    expected = [tokenizer.encode(doc) + [tokenizer.eod] for doc in corpus[1]]  # the textless records are skipped
     assert read_back(prefix) == expected
-    assert (stats["documents"], stats["skipped_empty"], stats["tokens"]) == (CHAPTERS, 1, sum(map(len, expected)))
+    assert (stats["documents"], stats["skipped_empty"], stats["skipped_missing"], stats["tokens"]) == \
+        (CHAPTERS, 2, 1, sum(map(len, expected)))
     assert np.fromfile(f"{prefix}.bin", dtype=np.int32).size == stats["tokens"]  # cl100k needs int32
     outputs_only(prefix.parent, prefix.name)
+
+
+def test_records_without_the_text_field_are_counted_apart_from_empty_ones(tmp_path, capsys):
+    """A key misspelt in some records (or records of another format) read as empty documents: the summary
+    said "2 empty skipped", which hid a data problem."""
+    source = tmp_path / "mixed.jsonl"
+    source.write_text("".join(json.dumps(record) + "\n" for record in
+                              [{"text": "In the beginning"}, {"Text": "misspelt"}, {"text": ""}, {"content": "other"}]))
+    stats = prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={tmp_path / 'out'}"))
+    assert (stats["documents"], stats["skipped_empty"], stats["skipped_missing"]) == (1, 3, 2)
+    summary = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the table's lines unwrapped
+    assert "documents 1 (3 skipped: 2 without the field 'text' (data.text_key), 1 empty)" in summary
 
 
 def test_token_dtype_is_megatrons_choice():

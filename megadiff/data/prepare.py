@@ -164,7 +164,7 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
         stats = _merge(plan, part_stats)
         write_manifest(plan.prefix, plan.fingerprint, stats, plan.output_prefixes())
         shutil.rmtree(parts_dir(plan.prefix))
-    _print_summary(console, plan.output_prefixes(), stats)
+    _print_summary(console, plan.output_prefixes(), stats, data)
     return stats
 
 
@@ -261,10 +261,13 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
     return stats
 
 
-def _stats(plan: _Plan, texts: int, documents: int, tokens: int, seconds: float,
+def _stats(plan: _Plan, texts: int, documents: int, missing: int, tokens: int, seconds: float,
            masked: dict | None = None) -> dict:
-    """What a part or the whole holds; `masked` (MASKED_STATS), of prompt/response data and conversations."""
-    return {"documents": documents, "skipped_empty": texts - documents, "tokens": tokens, **(masked or {}),
+    """What a part or the whole holds; `missing`: skipped records without the field that decides (_deciding_field:
+    a typo in the key, or the records of another format); `masked` (MASKED_STATS), of prompt/response data and
+    conversations."""
+    return {"documents": documents, "skipped_empty": texts - documents, "skipped_missing": missing, "tokens": tokens,
+            **(masked or {}),
             "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
             "dtype": plan.dtype.name, "tokenizer": plan.tokenizer.name}
 
@@ -274,7 +277,9 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=prefix.parent)
     try:
         data = plan.data
-        texts = load_texts([source], record_fields(data.text_key, data.response_key, data.messages_key), work_dir)
+        fields = record_fields(data.text_key, data.response_key, data.messages_key)
+        texts = load_texts([source], fields, work_dir)
+        missing = texts.data.column(list(fields)[-1]).null_count
         documents, tokens, masked = 0, 0, dict.fromkeys(MASKED_STATS, 0)
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
@@ -304,7 +309,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
         progress.remove_task(task)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return _stats(plan, len(texts), documents, tokens, time.perf_counter() - start,
+    return _stats(plan, len(texts), documents, missing, tokens, time.perf_counter() - start,
                   masked if data.masks_loss else None)
 
 
@@ -312,6 +317,7 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
     """Concatenate the parts that hold documents, in source order, into <prefix>.bin/.idx."""
     texts = sum(s["documents"] + s["skipped_empty"] for s in part_stats.values())
     documents, tokens = (sum(s[key] for s in part_stats.values()) for key in ("documents", "tokens"))
+    missing = sum(s.get("skipped_missing", 0) for s in part_stats.values())  # parts prepared before it was counted
     described = ", ".join(s.describe() for s in plan.sources)
     if texts == 0:
         raise DataError(f"data.sources: no documents in {described}")
@@ -329,14 +335,24 @@ def _merge(plan: _Plan, part_stats: dict[int, dict]) -> dict:
             writer.commit()
     masked = {key: sum(s.get(key, 0) for s in part_stats.values()) for key in MASKED_STATS} \
         if plan.data.masks_loss else None
-    return _stats(plan, texts, documents, tokens, sum(s["seconds"] for s in part_stats.values()), masked)
+    return _stats(plan, texts, documents, missing, tokens, sum(s["seconds"] for s in part_stats.values()), masked)
 
 
-def _print_summary(console: Console, prefixes: list[str], stats: dict) -> None:
+def _skipped(stats: dict, data: DataConfig) -> str:
+    """The records skipped, for the documents line; those without the field apart (a wrong key?)."""
+    skipped, missing = stats["skipped_empty"], stats.get("skipped_missing", 0)
+    if not skipped:
+        return ""
+    if not missing:
+        return f" ({skipped:,} empty skipped)"
+    setting, key = list(record_fields(data.text_key, data.response_key, data.messages_key).values())[-1]
+    return f" ({skipped:,} skipped: {missing:,} without the field {key!r} ({setting}), {skipped - missing:,} empty)"
+
+
+def _print_summary(console: Console, prefixes: list[str], stats: dict, data: DataConfig) -> None:
     """The stats and the files written: the tokens' (and a loss mask's) .bin and .idx."""
     table = Table(title=f"prepare-data: {prefixes[0]}", show_header=False)
-    table.add_row("documents", f"{stats['documents']:,}" + (f" ({stats['skipped_empty']:,} empty skipped)"
-                                                            if stats["skipped_empty"] else ""))
+    table.add_row("documents", f"{stats['documents']:,}" + _skipped(stats, data))
     table.add_row("tokens (EOD included)", f"{stats['tokens']:,} as {stats['dtype']}, tokenizer {stats['tokenizer']}")
     if "loss_tokens" in stats:
         table.add_row("loss tokens (responses or assistant turns, EOD)", f"{stats['loss_tokens']:,} "
