@@ -4,9 +4,9 @@ each other, exact resume against an uninterrupted run, the exported HF directory
 from __future__ import annotations
 
 import json
-import shutil
 import math
 import os
+import shutil
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -417,6 +417,10 @@ def test_config_errors_name_their_key(workspace, tmp_path):
     cfg = load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
     with pytest.raises(ConfigError, match="optimizer.params.lr"):
         deepspeed_config(cfg, world_size=2)
+    for without_zero in ({"zero_optimization": {"stage": 0}}, {}):  # trained, but with a grad_norm of NaN
+        conflicting.write_text(json.dumps(without_zero))
+        with pytest.raises(ConfigError, match="zero_optimization.stage must be 1, 2 or 3, not 0"):
+            load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
     from megadiff.cli import main
 
     assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
@@ -728,10 +732,13 @@ def test_deepspeed_auto_values_and_schedule(workspace):
         shipped = load_finetune_config(str(workspace / "adapt.yaml"), [
             f"deepspeed={REPO / f'configs/deepspeed/zero{stage}.json'}", "train.precision=bf16"])
         assert deepspeed_config(shipped, world_size=4)["data_types"]["grad_accum_dtype"] == "fp32", stage
-    # linear warmup (the first step already trains), then cosine to min_ratio at the last step
+    # linear warmup (the first step already trains), then cosine towards min_ratio, reached one step after the
+    # last: with min_ratio 0 the last step trained nothing
     steps = [lr_multiplier(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(20)]
-    assert steps[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and steps[4] == pytest.approx(1.0)
-    assert steps[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(steps[4:], steps[5:]))
+    assert steps[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 17)) for k in range(1, 17)]
+    assert steps[4:] == pytest.approx(cosine) and all(a > b for a, b in zip(steps[3:], steps[4:]))
+    assert all(lr_multiplier(s, 0, 5, min_ratio=0.0) > 0 for s in range(5))
 
 
 def test_a_special_tokens_text_in_a_document_is_text(workspace, tmp_path):
@@ -749,6 +756,37 @@ def test_a_special_tokens_text_in_a_document_is_text(workspace, tmp_path):
     as_text = [tokenizer(d, split_special_tokens=True, add_special_tokens=False)["input_ids"] for d in documents]
     assert all(tokenizer.eos_token_id not in ids for ids in as_text)
     assert stream == [token for ids in as_text for token in ids + [tokenizer.eos_token_id]][:len(stream)]
+
+
+def test_bad_data_files_are_refused_by_name_and_textless_records_skipped(workspace, tmp_path):
+    """An empty .jsonl ended in a bare StopIteration from datasets, a line that is no JSON in its
+    DatasetGenerationError, a record with a null text in the tokenizer's ValueError."""
+    from transformers import AutoTokenizer
+
+    from megadiff.adapt.data import build_packed_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "model")
+
+    def packed(*files: Path, key: str = "text") -> list[int]:
+        cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"data.files=[{','.join(map(str, files))}]",
+                                                                   f"data.text_key={key}",
+                                                                   f"data.cache_dir={tmp_path / 'cache'}"])
+        return build_packed_dataset(cfg.data, tokenizer)[:]["input_ids"].flatten().tolist()
+
+    documents = [f"verse {i}: and God saw the light, that it was good" for i in range(30)]
+    records = [json.dumps({"text": d}) for d in documents]
+    (tmp_path / "docs.jsonl").write_text("\n".join([records[0], '{"text": null}', '{"body": "x"}', '{"text": ""}',
+                                                    *records[1:]]) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    eos = tokenizer.eos_token_id
+    expected = [t for d in documents for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [eos]]
+    stream = packed(tmp_path / "empty.jsonl", tmp_path / "docs.jsonl")
+    assert stream == expected[:len(stream)] and len(stream) > 0
+    (tmp_path / "broken.jsonl").write_text(records[0] + "\n{not json\n")
+    with pytest.raises(ConfigError, match=r"data.files\[1\]: .*broken.jsonl could not be read"):
+        packed(tmp_path / "docs.jsonl", tmp_path / "broken.jsonl")
+    with pytest.raises(ConfigError, match=r"data.text_key: data.files\[0\] \(.*docs.jsonl\) has no field 'content'"):
+        packed(tmp_path / "docs.jsonl", key="content")
 
 
 def test_documents_begin_as_the_tokenizer_begins_a_text(workspace, tmp_path):

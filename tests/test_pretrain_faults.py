@@ -247,8 +247,9 @@ def test_a_full_disk_while_saving_is_reported_with_the_checkpoint_kept(base, tmp
     result = json.loads(report.read_text())
     assert result["exit_code"] == 3 and "Traceback" not in result["stderr"], result["stderr"]
     checkpoints = out / CHECKPOINTS_DIR
-    assert (f"the checkpoint of iteration 4 could not be written into {checkpoints} ([Errno 28] No space left on "
-            f"device); the run's last checkpoint, {checkpoints / 'iter_0000002'}, is kept") in result["stderr"], result["stderr"]
+    said = (f"the checkpoint of iteration 4 could not be written into {checkpoints} ([Errno 28] No space left on "
+            f"device); the run's last checkpoint, {checkpoints / 'iter_0000002'}, is kept")
+    assert said in result["stderr"], result["stderr"]
     assert read_latest_iteration(checkpoints) == 2 and sorted(p.name for p in checkpoints.iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt"]
 

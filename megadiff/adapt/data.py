@@ -16,7 +16,7 @@ which transformers ignores, elsewhere).
 """
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,24 +30,19 @@ from megadiff.data.tokenizers import HFTokenizer, document_start
 IGNORED_LABEL = -100  # transformers' cross entropy skips these labels
 
 
-def _load_documents(files: list[str], key: str, column: str, cache_dir: Optional[str]):
-    """One datasets.Dataset of the records' `key` field as a `column` column, files in the given order."""
-    from datasets import concatenate_datasets, load_dataset
+def _load_documents(data: DataSection, column: str):
+    """One datasets.Dataset of the records' text (or with data.messages_key, conversation) as a `column` column,
+    files in the given order, as prepare-data reads them (data/sources.py: an empty file holds no records; a
+    missing field, bytes that are no UTF-8 or a line that is no JSON are refused naming the file). Records
+    without the field, or with an empty one, are skipped: they hold no document."""
+    from megadiff.data.sources import Source, load_texts, record_fields
 
-    setting = "data.messages_key" if column == "messages" else "data.text_key"
-    parts = []
-    for name in files:
-        if name.endswith(JSON_SUFFIXES):
-            part = load_dataset("json", data_files=name, split="train", cache_dir=cache_dir)
-            if key not in part.column_names:
-                raise ConfigError(f"{setting}: {key!r} is not a field of {name} (fields: {part.column_names})")
-            part = part.select_columns([key])
-            if key != column:
-                part = part.rename_column(key, column)
-        else:
-            part = load_dataset("text", data_files=name, split="train", sample_by="document", cache_dir=cache_dir)
-        parts.append(part)
-    return concatenate_datasets(parts)
+    fields = record_fields(data.text_key) if column == "text" else record_fields("", messages_key=data.messages_key)
+    sources = [Source(f"data.files[{i}]", "json" if name.endswith(JSON_SUFFIXES) else "text", files=(Path(name),))
+               for i, name in enumerate(data.files)]
+    records = load_texts(sources, fields, data.cache_dir)
+    return records.filter(lambda batch: [bool(value) for value in batch[column]], batched=True,
+                          desc="skipping records without text")
 
 
 def build_packed_dataset(data: DataSection, tokenizer):
@@ -81,7 +76,7 @@ def build_packed_dataset(data: DataSection, tokenizer):
         return columns
 
     column = "messages" if conversations else "text"
-    documents = _load_documents(data.files, data.messages_key or data.text_key, column, data.cache_dir)
+    documents = _load_documents(data, column)
     tokens = documents.map(tokenize_conversations if conversations else tokenize, batched=True,
                            remove_columns=[column], desc="tokenizing",
                            num_proc=data.workers if data.workers > 1 else None)  # rows keep their order

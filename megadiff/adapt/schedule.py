@@ -12,11 +12,12 @@ from megadiff.adapt.settings import TrainSection
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Multiplier for optimizer step `step` (0-based): (step + 1) / warmup during warmup (the first
-    step already trains), then cosine from 1 down to min_ratio at the last step."""
+    step already trains), then cosine from 1 towards min_ratio, which it would reach one step after the
+    last: every step trains (with the recipes' min_lr_ratio of 0, a last step at min_ratio trained nothing),
+    and the peak is taken once."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - 1)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    progress = min(1.0, (step + 1 - warmup_steps) / (total_steps + 1 - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

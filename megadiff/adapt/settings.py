@@ -152,8 +152,9 @@ def read_deepspeed_json(path: str) -> dict:
     except json.JSONDecodeError as err:
         raise ConfigError(f"deepspeed: {path} is not valid JSON ({err})") from None
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed: {path}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    if stage not in (1, 2, 3):  # without ZeRO, DeepSpeed's engine has no gradient norm to report
+        raise ConfigError(f"deepspeed: {path}: zero_optimization.stage must be 1, 2 or 3, not {stage!r} "
+                          "(configs/deepspeed/zero2.json is the usual choice)")
     return ds
 
 
