@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 import warnings
@@ -34,6 +35,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a GPU's memory in GiB (a number > 0)")
     return value
 
 
@@ -111,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("overrides", nargs="*")
     params.add_argument("--world-size", type=_positive_int, default=None,
                         help="GPUs of the run, for the per-GPU memory (default: TP x PP x CP, one replica)")
-    params.add_argument("--fit", type=float, default=None, metavar="GIB",
+    params.add_argument("--fit", type=_positive_gib, default=None, metavar="GIB",
                         help="also list the tensor/pipeline/recompute layouts whose estimated peak fits GIB per GPU")
     params.set_defaults(run=lambda a: _target("megadiff.models.param_count:print_param_count")(
         a.config, a.overrides, world_size=a.world_size, fit_gib=a.fit))

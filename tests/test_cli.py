@@ -40,3 +40,14 @@ def test_a_world_size_is_a_positive_number(capsys, given, said):
     with pytest.raises(SystemExit) as exit_info:
         parse_arguments(["params", "cfg.yaml", "--world-size", given])
     assert exit_info.value.code == 2 and f"argument --world-size: {said}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["inf", "nan", "0", "-5"])
+def test_fit_is_a_gpus_memory(capsys, given):
+    """inf and nan stopped `params` with a traceback; 0 and -5 listed no layout, advising more GPUs."""
+    from megadiff.cli import parse_arguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(["params", "cfg.yaml", "--fit", given])
+    assert exit_info.value.code == 2
+    assert f"argument --fit: {given} is not a GPU's memory in GiB (a number > 0)" in capsys.readouterr().err

@@ -134,6 +134,20 @@ def test_activation_estimate_matches_what_autograd_keeps(layout):
     assert max(peaks) == pytest.approx(estimate.total, rel=tolerance)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="test_activation_estimate_on_cuda runs the compiled kernel")
+def test_dint_keeps_no_more_than_diff_with_the_fused_kernel(monkeypatch):
+    """The kernel's autograd Function takes DINT's integral in and saves what it saves for DIFF: the estimate
+    counted the integral's fp32 tensors as the SDPA path keeps them (9% more for DINT-3B, and --fit then
+    recomputed where nothing had to be). Run under the Triton interpreter, which the ranks read at import."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    overrides = ["model.attention_backend=triton", "model.seq_length=64", "model.variant=dint"]
+    results = multiprocessing.get_context("spawn").Queue()
+    run_ranks(1, measure_activations, overrides, results)
+    estimate = activation_memory(build_config({}, MODEL + overrides, 1), 1, device="cpu")
+    assert results.get()[0] == pytest.approx(estimate.total, rel=0.01)
+
+
 def test_what_is_not_estimated_and_what_is_only_warned_about():
     config = Path(__file__).resolve().parents[1] / "configs" / "diff-3b.yaml"
     assert estimate_activations(load_config(config, ["model.attention_backend=reference"]), 1) == (

@@ -107,7 +107,10 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
     else:  # SDPA calls per map (two per map with split V), and lambda * (A2 V) in fp32
         statistics = (4 if backend == "sdpa_split_v" else 2) * heads * FP32
         combine = q_width * FP32
-    integral = q_width * FP32 + FP32 if m.variant == "dint" else 0  # lambda x running mean, and its divisors
+    # lambda x running mean, and its divisors; the kernel's autograd Function takes the integral in (without
+    # context parallelism, which continues it across chunks outside) and saves nothing more for it
+    integral_outside = backend != "triton" or share.kv_tokens != tokens
+    integral = q_width * FP32 + FP32 if m.variant == "dint" and integral_outside else 0
     head_norm = rms_norm_bytes(q_width, heads, element, device)
     return saved, checkpointed, tokens * (outputs + statistics + combine + integral + head_norm)
 
