@@ -216,6 +216,18 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tmp_path, capsys, co
     assert message in capsys.readouterr().err
 
 
+def test_prompts_hold_line_separators_as_json_writes_them(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw inside strings: str.splitlines() cut
+    such lines in two, and the file was refused as not JSON. CRLF line ends still read."""
+    from megadiff.inference.generate_file import read_prompts
+
+    texts = ["first line\u2028second line", "a\u2029b\u0085c", "plain"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\r\n".join(json.dumps({"id": i, "prompt": t}, ensure_ascii=False) for i, t in enumerate(texts)),
+                    encoding="utf-8", newline="")
+    assert [prompt for _, prompt in read_prompts(str(path), chat=False)] == texts
+
+
 def test_an_empty_prompt_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
     assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompt", ""]) == 2
     assert "the prompt is empty" in capsys.readouterr().err

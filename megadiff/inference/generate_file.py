@@ -27,7 +27,7 @@ from megadiff.inference.generate import check_generation, decodable_ids, generat
 from megadiff.inference.loader import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
-from megadiff.inference.records import RankRecords, model_settings
+from megadiff.inference.records import RankRecords, lines_of, model_settings
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -41,7 +41,7 @@ def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
     if not Path(path).is_file():
         raise ConfigError(f"--prompts {path} is not a file")
     prompts, ids = [], set()
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines_of(Path(path)), start=1):
         if not line.strip():
             continue
         try:

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
-from megadiff.inference.records import append_record, read_records
+from megadiff.inference.records import append_record, lines_of, read_records
 from megadiff.inference.reporting import command_console, write_report
 
 JUDGE_INSTRUCTIONS = """Below are the input a language model was given, the reference answer(s) and the model's output.
@@ -103,7 +103,7 @@ def _logged_tasks(path: Path) -> dict[str, list[dict]]:
             match = SAMPLES_FILE.search(path.name)
             if match is None:
                 raise ConfigError(f"{path}: lm_eval names its sample logs samples_TASK_DATE.jsonl")
-            return {match["task"]: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]}
+            return {match["task"]: [json.loads(line) for line in lines_of(path) if line.strip()]}
         tasks = json.loads(path.read_text()).get("samples")
     except (json.JSONDecodeError, AttributeError) as error:
         raise ConfigError(f"{path} is not a harness sample log: {error}") from error

@@ -11,11 +11,17 @@ from megadiff.config import ConfigError
 from megadiff.inference.ranks import rank_and_world, wait_for_ranks
 
 
+def lines_of(path: Path) -> list[str]:
+    """A JSON-lines file's lines, split at "\n" alone: str.splitlines() also splits at U+2028, U+2029 and
+    U+0085, which JSON written with ensure_ascii=False holds raw inside its strings."""
+    return path.read_text(encoding="utf-8").split("\n")
+
+
 def read_records(path: Path) -> list[dict]:
     """The records in `path` (none when it does not exist)."""
     records = []
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in lines_of(path):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
