@@ -271,23 +271,28 @@ def test_mistakes_are_named(tmp_path):
 
 def test_an_export_chats_as_the_run_trained(tmp_path):
     """convert to-hf writes the run's data.chat_template into the exported tokenizer: transformers
-    renders with it."""
-    from transformers import AutoTokenizer
+    renders with it, and its generate() stops at the end of the assistant's turn (<|im_end|>) as megadiff's
+    chat does; it ran past it, stopping at the EOD alone."""
+    from transformers import AutoTokenizer, GenerationConfig
 
     from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
     from megadiff.convert import convert_to_hf
-    from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+    from tests.convert_worker import save_in_process, variant_config
+    from tests.test_inference import chatml_tokenizer
 
-    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    tokenizer = chatml_tokenizer(tmp_path / "tokenizer")
     cfg = build_config(variant_config("diff", "single", str(tokenizer)).model_dump(mode="json"),
                        ["data.messages_key=messages", f"data.chat_template={CHATML}"])
     save_in_process(cfg, iteration_dir(tmp_path / "run" / CHECKPOINTS_DIR, 1))
     (tmp_path / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
-    exported = AutoTokenizer.from_pretrained(str(convert_to_hf(tmp_path / "run", tmp_path / "hf")))
+    hf_dir = convert_to_hf(tmp_path / "run", tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(str(hf_dir))
     messages = CONVERSATIONS[0]
     assert exported.apply_chat_template(messages, tokenize=False) == chatml(messages)
     assert exported.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True) == \
         chatml(messages[:2]) + "<|im_start|>assistant\n"
+    assert GenerationConfig.from_pretrained(hf_dir).eos_token_id == [
+        exported.eos_token_id, exported.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_a_chat_run_from_conversations_to_a_reply(tmp_path, small_tokenizer_dir, capsys):

@@ -24,7 +24,7 @@ import torch
 from megadiff.config import Config, dump_config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
-from megadiff.data.conversations import save_chat_template
+from megadiff.data.conversations import chat_template_of, save_chat_template, turn_end_id
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
 SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
@@ -70,7 +70,8 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
     for stale in (SIDECAR_UNFOLDED, CHAT_TEMPLATE_FILE, *CODE_FILES):
         (directory / stale).unlink(missing_ok=True)
     config.save_pretrained(str(directory))
-    GenerationConfig.from_model_config(config).save_pretrained(str(directory))
+    _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
+        str(directory))
     _save_weights(state, directory)
     tokenizer.save_hf(directory)
     save_chat_template(source_cfg.data, directory)
@@ -80,6 +81,16 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
     if config.model_type == "megadiff":
         for name in CODE_FILES:
             shutil.copyfile(CODE_DIR / name, directory / name)
+
+
+def _generation_config(generation, tokenizer, source_cfg: Config):
+    """transformers' generate() stops at the EOS ids of the generation config: with the exported chat template's
+    end of turn among them (a chat-tuned model's reply ends there), it stops where megadiff's chat stops."""
+    template = chat_template_of(source_cfg.data, tokenizer)
+    end = turn_end_id(template, tokenizer) if template is not None else None
+    if end is not None and end != generation.eos_token_id:
+        generation.eos_token_id = [generation.eos_token_id, end]
+    return generation
 
 
 class HFWeights(Mapping[str, torch.Tensor]):

@@ -93,6 +93,14 @@ def turn_end(template: str, variables: dict) -> Optional[str]:
     return end or None
 
 
+def turn_end_id(template: str, tokenizer: Tokenizer) -> Optional[int]:
+    """The id of turn_end's text where it is one token (ChatML's <|im_end|>, a special token): what an
+    exported model's generation stops at besides the EOD, as megadiff's chat stops at the text."""
+    end = turn_end(template, tokenizer.special_tokens)
+    ids = encode_piece(end, tokenizer) if end is not None else []
+    return ids[0] if len(ids) == 1 else None
+
+
 def _learned_reply_text(template: str, variables: dict) -> str:
     """The text the loss is on when PROBE_REPLY is rendered: what the model learns to write as a reply."""
     return "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
