@@ -37,7 +37,7 @@ def _load_documents(data: DataSection, column: str):
     without the field, or with an empty one, are skipped: they hold no document."""
     from megadiff.data.sources import Source, load_texts, record_fields
 
-    fields = record_fields(data.text_key) if column == "text" else record_fields("", messages_key=data.messages_key)
+    fields = record_fields(data.text_key, messages_key=data.messages_key)
     sources = [Source(f"data.files[{i}]", "json" if name.endswith(JSON_SUFFIXES) else "text", files=(Path(name),))
                for i, name in enumerate(data.files)]
     records = load_texts(sources, fields, data.cache_dir)

@@ -261,14 +261,17 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
     return stats
 
 
+def _deciding_field(data: DataConfig) -> tuple[str, tuple[str, str]]:
+    """(column, (setting, field)) of what a record without it is skipped for: its text, response or conversation."""
+    return list(record_fields(data.text_key, data.response_key, data.messages_key).items())[-1]
+
+
 def _stats(plan: _Plan, texts: int, documents: int, missing: int, tokens: int, seconds: float,
            masked: dict | None = None) -> dict:
-    """What a part or the whole holds; `missing`: skipped records without the field that decides (_deciding_field:
-    a typo in the key, or the records of another format); `masked` (MASKED_STATS), of prompt/response data and
-    conversations."""
+    """What a part or the whole holds; `missing`: the records skipped without _deciding_field (a misspelt key, or
+    records of another format); `masked` (MASKED_STATS), of prompt/response data and conversations."""
     return {"documents": documents, "skipped_empty": texts - documents, "skipped_missing": missing, "tokens": tokens,
-            **(masked or {}),
-            "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
+            **(masked or {}), "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
             "dtype": plan.dtype.name, "tokenizer": plan.tokenizer.name}
 
 
@@ -277,9 +280,8 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     work_dir = tempfile.mkdtemp(prefix=".prepare-", dir=prefix.parent)
     try:
         data = plan.data
-        fields = record_fields(data.text_key, data.response_key, data.messages_key)
-        texts = load_texts([source], fields, work_dir)
-        missing = texts.data.column(list(fields)[-1]).null_count
+        texts = load_texts([source], record_fields(data.text_key, data.response_key, data.messages_key), work_dir)
+        missing = texts.data.column(_deciding_field(data)[0]).null_count
         documents, tokens, masked = 0, 0, dict.fromkeys(MASKED_STATS, 0)
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
@@ -345,7 +347,7 @@ def _skipped(stats: dict, data: DataConfig) -> str:
         return ""
     if not missing:
         return f" ({skipped:,} empty skipped)"
-    setting, key = list(record_fields(data.text_key, data.response_key, data.messages_key).values())[-1]
+    _, (setting, key) = _deciding_field(data)
     return f" ({skipped:,} skipped: {missing:,} without the field {key!r} ({setting}), {skipped - missing:,} empty)"
 
 
