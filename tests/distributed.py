@@ -42,11 +42,13 @@ def _rank_entry(rank: int, world_size: int, port: int, environ: dict, log_path: 
     target(rank, world_size, *args)
 
 
-def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0) -> None:
-    """Run target(rank, world_size, *args) in `world_size` fresh processes; fail if any rank fails."""
+def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0, fresh: bool = False) -> None:
+    """Run target(rank, world_size, *args) in `world_size` fresh processes; fail if any rank fails. `fresh`: each
+    rank a new interpreter, for settings read as a module is imported (TRITON_INTERPRET, read as the kernel's
+    module is), which the forkserver may have imported before the test set them."""
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or fresh:
         # on a GPU machine importing PRELOAD initialised CUDA in the server, and its children failed with
         # "Cannot re-initialize CUDA in forked subprocess" (seen on an H100): there, each rank starts afresh
         ctx = mp.get_context("spawn")

@@ -143,7 +143,7 @@ def test_dint_keeps_no_more_than_diff_with_the_fused_kernel(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     overrides = ["model.attention_backend=triton", "model.seq_length=64", "model.variant=dint"]
     results = multiprocessing.get_context("spawn").Queue()
-    run_ranks(1, measure_activations, overrides, results)
+    run_ranks(1, measure_activations, overrides, results, fresh=True)
     estimate = activation_memory(build_config({}, MODEL + overrides, 1), 1, device="cpu")
     assert results.get()[0] == pytest.approx(estimate.total, rel=0.01)
 

@@ -217,6 +217,10 @@ def test_64k_style_extension_from_a_shorter_run(base, logged_run, tmp_path):
                                    "model.seq_length=64", "model.rope_theta=640000", "data.length_upsampling=true",
                                    "parallel.context=2", "train.iters=2", "train.lr=8e-4"])
     assert f"initialised from {short / CHECKPOINTS_DIR / 'iter_0000006'}" in proc.stdout
+    assert "the model's positions differ from the checkpoint's (model.seq_length: 32 -> 64; model.rope_theta: " \
+        in proc.stdout
+    # the new phase's own schedule (warmup to 8e-4), not the short run's peak of 5e-3 its optimizer state carried
+    assert [r["lr"] for r in read_metrics(out) if "lm_loss" in r] == pytest.approx([4e-4, 8e-4])
     extended = losses(out)
     assert len(extended) == 2 and all(math.isfinite(x) for x in extended)
     # the trained weights were loaded: far below a fresh model's loss (about ln 512 = 6.24)

@@ -47,6 +47,16 @@ def _keep_current_step(inner: DistributedOptimizer):
 
 
 def load_optimizer_state(optimizer, state: dict) -> None:
+    """The saved Adam state (moments, steps) into `optimizer`. Its param groups' settings stay this run's: loading
+    replaced them with the saved run's max_lr and min_lr (which megatron's scheduler reads before its own), betas
+    and eps, so a new phase from another run's checkpoint (the 64K extension) trained at that run's peak lr."""
+    configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    _load_adam_state(optimizer, state)
+    for group, settings in zip(optimizer.param_groups, configured, strict=True):
+        group.update(settings)
+
+
+def _load_adam_state(optimizer, state: dict) -> None:
     distributed = _distributed(optimizer)
     for inner in distributed:
         inner._set_main_param_and_optimizer_states = _keep_current_step(inner)

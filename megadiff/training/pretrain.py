@@ -121,6 +121,9 @@ class Pretraining:
             for warning in (memory_warning, short_warmup_warning(t), tensor_parallel_across_nodes(cfg.parallel)):
                 if warning:
                     self.metrics.print(warning)
+            if start.position_changes:
+                self.metrics.print(f"the model's positions differ from the checkpoint's "
+                                   f"({'; '.join(start.position_changes)}): its weights are trained on with them")
             if start.data_changes:
                 self.metrics.print(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
                                    f"this run reads on from sample {start.position()[1]:,} of its own order")

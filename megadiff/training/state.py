@@ -27,6 +27,9 @@ DATA_ORDER_KEYS = (("data", "prefix"), ("data", "blend"), ("data", "bundled_corp
 # vocabulary's padding multiple: as long as the padded size stays, _check_same_vocabulary)
 CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "attention_backend", "transformer_impl",
                          "make_vocab_size_divisible_by"}
+# of those, what changes every attention score the weights were trained with: said at the start (a length
+# extension changes them on purpose; a resumed run's override may not)
+POSITION_KEYS = ("seq_length", "rope_theta")
 
 
 @dataclass
@@ -111,6 +114,7 @@ class Start:
     continues: bool = False         # its iteration count, data position and LR schedule go on
     tokenizer: str | None = None    # tokenizer_identity of the run's data.tokenizer
     data_changes: list[str] = field(default_factory=list)  # "key: before -> now" of DATA_ORDER_KEYS, if it continues
+    position_changes: list[str] = field(default_factory=list)  # "model.key: before -> now" of POSITION_KEYS
 
     def position(self) -> tuple[int, int]:
         """(iterations done, samples consumed) the run starts from."""
@@ -142,6 +146,11 @@ def _check_known_state(saved: dict | None, where: Path) -> None:
                               "it was saved by a newer version; resume it with that version")
 
 
+def _changes(pairs: list[tuple[str, object, object]]) -> list[str]:
+    """"name: before -> now" of the (name, before, now) that differ."""
+    return [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
+
+
 def plan_start(cfg: Config) -> Start:
     """The starting checkpoint, checked against the config (model, optimizer, batch size) before
     any data is prepared or model built."""
@@ -162,14 +171,16 @@ def plan_start(cfg: Config) -> Start:
     continues = saved is not None and (own or not cfg.checkpoint.reset_iteration)
     pairs = [(f"{section}.{key}", getattr(getattr(saved_cfg, section), key), getattr(getattr(cfg, section), key))
              for section, key in DATA_ORDER_KEYS]
-    changes = [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
+    changes = _changes(pairs)
+    positions = _changes([(f"model.{key}", getattr(saved_cfg.model, key), getattr(cfg.model, key))
+                          for key in POSITION_KEYS])
     if continues and None not in (tokenizer, saved.get("tokenizer")) and tokenizer != saved["tokenizer"]:
         raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} reads text into other ids than "
                           f"{saved_cfg.data.tokenizer}, which {path} was trained with; keep that tokenizer, or start "
                           f"a new output_dir from the checkpoint with checkpoint.load={path} "
                           "checkpoint.reset_iteration=true")
     start = Start(path, own, saved, load_optimizer, continues, data_changes=changes if continues else [],
-                  tokenizer=tokenizer)
+                  position_changes=positions, tokenizer=tokenizer)
     (iteration, consumed), batch = start.position(), cfg.train.global_batch_size
     if start.continues and not own and iteration >= cfg.train.iters:
         raise ConfigError(f"train.iters: {path} is at iteration {iteration}, and this run continues its count up to "
