@@ -59,6 +59,30 @@ def test_stock_llama_becomes_a_megadiff_softmax_checkpoint(tmp_path, tied):
         assert torch.equal(back[name], tensor), name
 
 
+def test_a_vocabulary_padded_before_conversion_trains_tensor_parallel(tmp_path):
+    """docs/conversion.md's way to train an odd vocabulary (a Llama's 32,001) at parallel.tensor > 1: the
+    conversion keeps a vocabulary as it is, so it is padded in transformers first."""
+    from megadiff.config import ConfigError
+    from megadiff.training.state import _check_same_vocabulary
+
+    llama = stock_llama(tmp_path / "llama", tied=False)
+    llama.resize_token_embeddings(301)  # an added token: 301 rows pad to no multiple but 1
+    llama.resize_token_embeddings(301, pad_to_multiple_of=128)
+    llama.save_pretrained(tmp_path / "padded")
+    load_tokenizer(str(tmp_path / "llama")).save_hf(tmp_path / "padded")
+    checkpoint = convert_from_hf(tmp_path / "padded", tmp_path / "megadiff")
+    cfg = checkpoint_config(checkpoint)
+    assert (cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by) == (384, 128)
+
+    def at_tensor_parallel(*overrides: str):
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update=dict(overrides)),
+                                      "parallel": cfg.parallel.model_copy(update={"tensor": 2})})
+
+    with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=192, which pads to 384"):
+        _check_same_vocabulary(cfg, at_tensor_parallel(), checkpoint)
+    _check_same_vocabulary(cfg, at_tensor_parallel(("make_vocab_size_divisible_by", 192)), checkpoint)
+
+
 def test_an_export_names_its_tokenizers_bos_and_its_rope_base_for_every_transformers(tmp_path):
     """A Llama-family tokenizer begins texts with a BOS of its own (not the EOS); transformers 4.x reads the
     RoPE base from config.json's rope_theta alone, and took 10000 silently without it."""

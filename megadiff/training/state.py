@@ -76,7 +76,9 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
         return
     tensor = cfg.parallel.tensor
     fix = (f"set model.make_vocab_size_divisible_by={rows // tensor}, which pads to {rows} at parallel.tensor="
-           f"{tensor}" if rows % tensor == 0 else f"keep parallel.tensor={saved.parallel.tensor}")
+           f"{tensor}" if rows % tensor == 0 else
+           f"keep parallel.tensor={saved.parallel.tensor}, or convert the Hugging Face model again after padding its "
+           "vocabulary (resize_token_embeddings(..., pad_to_multiple_of=128), docs/conversion.md)")
     raise ConfigError(f"model.make_vocab_size_divisible_by: {where} holds a vocabulary of {saved.model.vocab_size} "
                       f"padded to {rows} rows ({saved.model.make_vocab_size_divisible_by} x parallel.tensor="
                       f"{saved.parallel.tensor}), this run would pad it to {now} "
