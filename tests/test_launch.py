@@ -11,6 +11,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from megadiff.checkpoint.format import CHECKPOINTS_DIR
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import free_port
@@ -116,3 +118,24 @@ def test_tensor_parallel_groups_spanning_nodes_are_said(monkeypatch):
     assert said(8, 8, 32) is None and said(2, 8, 32) is None and said(3, 6, 6) is None
     assert "parallel.tensor=16 over 8 processes per node: tensor-parallel groups span nodes" in said(16, 8, 32)
     assert "parallel.tensor=3 over 8 processes per node" in said(3, 8, 48)
+
+
+def test_more_processes_on_a_node_than_its_gpus_are_refused(monkeypatch):
+    """8 processes per node where each sees the node's 4 GPUs put two on each GPU (local rank modulo the
+    devices), and NCCL hung or failed at its first collective. One GPU bound to each task (Slurm's binding:
+    device 0 in every task) is the case the modulo is for."""
+    import torch
+
+    from megadiff.config import ConfigError
+    from megadiff.parallel.initialize import local_device
+
+    def device(local_rank: int, processes: int, visible: int) -> int:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+        return local_device()
+
+    assert device(5, 8, 8) == 5 and device(5, 8, 1) == 0 and device(3, 4, 8) == 3
+    with pytest.raises(ConfigError, match="8 processes on this node, and 4 GPUs visible to each: some would share"):
+        device(5, 8, 4)
+

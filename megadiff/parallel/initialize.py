@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megadiff.config import ParallelConfig
+from megadiff.config import ConfigError, ParallelConfig
 from megadiff.parallel import cpu_mode
 
 
@@ -27,13 +27,24 @@ def init_process_group(timeout: timedelta) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        # modulo: where Slurm binds one GPU to each task, that GPU is device 0 whatever the local rank
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(local_device())
     if "RANK" in os.environ:  # torchrun, Slurm tasks, spawned test ranks
         dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python` run: a group of one, leaving the environment of child processes alone
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                                 timeout=timeout)
+
+
+def local_device() -> int:
+    """This process's CUDA device: its local rank's, modulo the devices it sees (where Slurm binds one GPU to
+    each task, that GPU is device 0 whatever the local rank). More processes on a node than the GPUs each sees
+    (several) would share GPUs: NCCL then hangs or fails at its first collective, after the start-up."""
+    devices, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if 1 < devices < processes:
+        raise ConfigError(f"{processes} processes on this node, and {devices} GPUs visible to each: some would "
+                          "share a GPU. Start one process per GPU (--nproc-per-node, or Slurm's --ntasks-per-node "
+                          "equal to --gpus-per-node)")
+    return int(os.environ.get("LOCAL_RANK", "0")) % devices
 
 
 def tensor_parallel_across_nodes(parallel: ParallelConfig) -> str | None:
