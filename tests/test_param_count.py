@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megadiff.config import build_config, load_config, resolved_head_dim
+from megadiff.config import build_config, load_config, padded_vocab_size, resolved_head_dim
+from megadiff.data.tokenizers import load_tokenizer
 from megadiff.models.param_count import count_parameters, training_flops_per_token
 from tests.distributed import run_ranks
 from tests.pretrain_runs import ROOT
@@ -15,7 +16,7 @@ CONFIGS = ROOT / "configs"
 # DIFF paper table 10 (and its softmax baselines, which double the heads). The paper's sizes count
 # the layers plus one vocabulary matrix.
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
-THREE_B = ["diff-3b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
+THREE_B = ["diff-3b.yaml", "diff-3b-350b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
            "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml", "diff-3b-64k-math-sft.yaml",
            "softmax-3b-64k-math-sft.yaml", "shared-diff-3b-64k.yaml", "dint-3b-64k.yaml", "diff-3b-chat-sft.yaml"]
 
@@ -54,6 +55,27 @@ def test_shared_diff_scaling_recipes_follow_its_table(size):
 def test_3b_recipes_are_3b(recipe):
     """DIFF-3B (table 9) and Shared DIFF-3B (its table 1): about 3B parameters in the layers."""
     assert count_parameters(load_config(CONFIGS / recipe).model).non_embedding == pytest.approx(3e9, rel=0.07)
+
+
+def test_the_comparison_runs_train_350b_tokens():
+    """DIFF paper appendix B: DIFF-3B and the Transformer-3B compared (table 8, figure 3b, tables 2, 4, 5) both
+    train 350B tokens, and section 3.3 extends those models (test_64k_recipes_extend_their_4k_models); table 1's
+    DIFF-3B trains 1T. The baseline trained 1T, and the extension loaded the 1T run."""
+    def tokens(name: str) -> int:
+        cfg = load_config(CONFIGS / f"{name}.yaml")
+        return cfg.train.iters * cfg.train.global_batch_size * cfg.model.seq_length
+
+    assert tokens("diff-3b") == pytest.approx(1e12, rel=1e-3)
+    assert tokens("diff-3b-350b") == tokens("softmax-3b") == pytest.approx(350e9, rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["diff-3b.yaml", "scaling/diff-1.4b.yaml"])
+def test_the_recipes_vocabulary_has_the_papers_rows(recipe):
+    """DIFF paper table 9 (and Shared DIFF's table 1): 100,288 rows, cl100k_base's 100,277 ids padded; the
+    recipes padded that figure again, to 100,352. At TP 1 and 2 (the 3B recipe's layout) they are the paper's."""
+    model = load_config(CONFIGS / recipe).model
+    assert [padded_vocab_size(model, tensor) for tensor in (1, 2)] == [100288, 100288]
+    assert model.vocab_size == load_tokenizer(load_config(CONFIGS / recipe).data.tokenizer).vocab_size
 
 
 def test_differential_and_softmax_recipes_match():
@@ -130,8 +152,9 @@ def test_distillation_recipes_continue_the_math_models(variant):
 
 @pytest.mark.parametrize("variant", ["diff", "softmax", "shared-diff", "dint"])
 def test_64k_recipes_extend_their_4k_models(variant):
-    """The same model but for the window and RoPE's base, continued from the 4K run."""
-    short, long = (load_config(CONFIGS / f"{variant}-3b{suffix}.yaml") for suffix in ("", "-64k"))
+    """The same model but for the window and RoPE's base, continued from the 4K run (DIFF's: appendix B's 350B)."""
+    short = load_config(CONFIGS / f"{variant}-3b{'-350b' if variant == 'diff' else ''}.yaml")
+    long = load_config(CONFIGS / f"{variant}-3b-64k.yaml")
     assert long.model.seq_length == 65536 and long.model.rope_theta == 640000
     assert long.model.model_copy(update={"seq_length": short.model.seq_length,
                                          "rope_theta": short.model.rope_theta}) == short.model
