@@ -149,7 +149,7 @@ def _check_known_state(saved: dict | None, where: Path) -> None:
 
 
 def _changes(pairs: list[tuple[str, object, object]]) -> list[str]:
-    """"name: before -> now" of the (name, before, now) that differ."""
+    """Each (name, before, now) that differs, as "name: before -> now"."""
     return [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
 
 
