@@ -34,7 +34,7 @@ from megadiff.checkpoint.format import (
     read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
-from megadiff.checkpoint.weights import damage_reported, load_into_chunks, load_sharded
+from megadiff.checkpoint.weights import damage_reported, first_failure, load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
 from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
 from megadiff.preemption import follow_the_trainer
@@ -184,7 +184,7 @@ def _write_failure(error: Exception) -> str:
         return str(error)
     if not error.failures:
         return "a write failed on another rank; rank 0's message names it"
-    return str(next(iter(error.failures.values()))[0]).removeprefix("Worker failure: ")
+    return str(first_failure(error)).removeprefix("Worker failure: ")
 
 
 def read_train_state(checkpoint_dir: str | Path) -> dict | None:

@@ -24,6 +24,11 @@ def _named(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
+def first_failure(error: CheckpointException) -> BaseException:
+    """The first of the per-rank failures torch's checkpoint reader or writer gathered into `error`."""
+    return next(iter(error.failures.values()))[0]
+
+
 @contextmanager
 def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...] = ()):
     """A checkpoint's files that cannot be read (missing, cut short, overwritten) as a CheckpointError naming
@@ -32,7 +37,7 @@ def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...
     try:
         yield
     except CheckpointException as error:
-        failure = next(iter(error.failures.values()))[0]
+        failure = first_failure(error)
         if isinstance(failure, OSError):
             raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({failure}): a checkpoint copied or "
                                   "written in part? Its metadata names files it lacks") from None
