@@ -16,7 +16,8 @@ CONFIGS = ROOT / "configs"
 # DIFF paper table 10 (and its softmax baselines, which double the heads). The paper's sizes count
 # the layers plus one vocabulary matrix.
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
-THREE_B = ["diff-3b.yaml", "diff-3b-350b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "shared-diff-3b.yaml", "diff-3b-64k.yaml",
+THREE_B = ["diff-3b.yaml", "diff-3b-350b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "dint-3b-350b.yaml", "shared-diff-3b.yaml",
+           "shared-diff-3b-350b.yaml", "diff-3b-64k.yaml",
            "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml", "diff-3b-64k-math-sft.yaml",
            "softmax-3b-64k-math-sft.yaml", "shared-diff-3b-64k.yaml", "dint-3b-64k.yaml", "diff-3b-chat-sft.yaml"]
 
@@ -60,13 +61,15 @@ def test_3b_recipes_are_3b(recipe):
 def test_the_comparison_runs_train_350b_tokens():
     """DIFF paper appendix B: DIFF-3B and the Transformer-3B compared (table 8, figure 3b, tables 2, 4, 5) both
     train 350B tokens, and section 3.3 extends those models (test_64k_recipes_extend_their_4k_models); table 1's
-    DIFF-3B trains 1T. The baseline trained 1T, and the extension loaded the 1T run."""
+    DIFF-3B trains 1T. The baseline trained 1T, and the extensions loaded the 1T runs."""
     def tokens(name: str) -> int:
         cfg = load_config(CONFIGS / f"{name}.yaml")
         return cfg.train.iters * cfg.train.global_batch_size * cfg.model.seq_length
 
-    assert tokens("diff-3b") == pytest.approx(1e12, rel=1e-3)
-    assert tokens("diff-3b-350b") == tokens("softmax-3b") == pytest.approx(350e9, rel=1e-5)
+    for variant in ("diff", "shared-diff", "dint"):  # Shared DIFF's table 2 is 1T runs, its tables 4-5 DIFF's 350B
+        assert tokens(f"{variant}-3b") == pytest.approx(1e12, rel=1e-3)
+        assert tokens(f"{variant}-3b-350b") == tokens("softmax-3b") == pytest.approx(350e9, rel=1e-5)
+        assert load_config(CONFIGS / f"{variant}-3b-350b.yaml").model == load_config(CONFIGS / f"{variant}-3b.yaml").model
 
 
 @pytest.mark.parametrize("recipe", ["diff-3b.yaml", "scaling/diff-1.4b.yaml"])
@@ -152,8 +155,8 @@ def test_distillation_recipes_continue_the_math_models(variant):
 
 @pytest.mark.parametrize("variant", ["diff", "softmax", "shared-diff", "dint"])
 def test_64k_recipes_extend_their_4k_models(variant):
-    """The same model but for the window and RoPE's base, continued from the 4K run (DIFF's: appendix B's 350B)."""
-    short = load_config(CONFIGS / f"{variant}-3b{'-350b' if variant == 'diff' else ''}.yaml")
+    """The same model but for the window and RoPE's base, continued from the 4K run on appendix B's 350B tokens."""
+    short = load_config(CONFIGS / f"{variant}-3b{'' if variant == 'softmax' else '-350b'}.yaml")
     long = load_config(CONFIGS / f"{variant}-3b-64k.yaml")
     assert long.model.seq_length == 65536 and long.model.rope_theta == 640000
     assert long.model.model_copy(update={"seq_length": short.model.seq_length,

@@ -171,6 +171,11 @@ def test_mistakes_are_named(size_runs, tmp_path, capsys):
                          {1: 3.0, 2: float("nan")})
     assert main(["scaling", str(diverged)]) == 2
     assert "valid_loss is not a positive number at iteration 2" in capsys.readouterr().err
+    unfinished = write_run(tmp_path / "unfinished", ROOT / "configs" / "scaling" / "diff-830m.yaml", [], {2: 3.0})
+    assert main(["scaling", str(unfinished), *diff_runs]) == 2
+    assert "stopped at iteration 2 of its 40000 (train.iters): by size a run counts once trained" in \
+        capsys.readouterr().err
+    assert main(["scaling", "--by", "tokens", str(unfinished), *diff_runs, "--baseline", "diff"]) == 0
 
 
 def least_squares_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -185,10 +190,10 @@ def test_a_variant_is_matched_at_its_fitted_curve_or_else_at_its_one_point(size_
     (DINT here) at its measured loss."""
     noise = [0.01, -0.02, 0.015, -0.005, 0.0]
     scaling = ROOT / "configs" / "scaling"
-    diff_runs = [write_run(tmp_path / f"diff-{size}", scaling / f"diff-{size}.yaml", [],
+    diff_runs = [write_run(tmp_path / f"diff-{size}", scaling / f"diff-{size}.yaml", ["train.iters=1"],
                            {1: law_loss("diff", paper_size("diff", size)) + delta})
                  for size, delta in zip(SIZES, noise)]
-    dint = write_run(tmp_path / "dint", scaling / "diff-1.4b.yaml", ["model.variant=dint"], {1: 2.3})
+    dint = write_run(tmp_path / "dint", scaling / "diff-1.4b.yaml", ["model.variant=dint", "train.iters=1"], {1: 2.3})
     softmax_runs = [str(run) for run in size_runs if "softmax" in run.name]
     out = tmp_path / "report.json"
     assert main(["scaling", *softmax_runs, *map(str, diff_runs), str(dint), "--output", str(out)]) == 0

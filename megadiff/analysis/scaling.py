@@ -89,7 +89,7 @@ class Point:
 
 
 def run_points(path: str | Path, by: str, metric: str = "valid_loss") -> list[Point]:
-    """One run's points: its last `metric` (by params) or every one it logged (by tokens)."""
+    """One run's points: its last `metric` (by params, of a finished run) or every one it logged (by tokens)."""
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / METRICS_FILE).is_file():
         raise ConfigError(f"{path} is not a run's output_dir (it needs {CONFIG_FILE} and {METRICS_FILE})")
@@ -102,6 +102,10 @@ def run_points(path: str | Path, by: str, metric: str = "valid_loss") -> list[Po
     if bad:
         raise ConfigError(f"{path}: {metric} is not a positive number at iteration {bad[0]}: no power law takes it")
     if by == "params":
+        trained = max((r["iteration"] for r in records if "lm_loss" in r), default=0)
+        if trained < cfg.train.iters:  # its last loss is of a model on the way, at a learning rate not yet decayed
+            raise ConfigError(f"{path} stopped at iteration {trained} of its {cfg.train.iters} (train.iters): by "
+                              "size a run counts once trained; resume it to its end, or compare it --by tokens")
         count = count_parameters(cfg.model)
         iteration, loss = logged[-1]
         return [Point(str(path), cfg.model.variant, float(count.non_embedding + count.embedding), iteration, loss)]

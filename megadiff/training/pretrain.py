@@ -223,7 +223,7 @@ class Pretraining:
                                         f"{t.max_skipped_nan_iters}, over the whole run); last loss {result.loss}. "
                                         "The weights were never updated from them: lower train.lr, or resume from the "
                                         "last checkpoint (which carries the count: raise train.max_skipped_nan_iters)")
-                if t.eval_interval and state.iteration % t.eval_interval == 0:
+                if t.eval_interval and records_at(state.iteration, t.eval_interval, t.iters):  # and the last
                     valid = self.evaluate()
                     if self.metrics is not None:
                         # the samples read by then, which scaling laws by tokens take
