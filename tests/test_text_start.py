@@ -1,6 +1,6 @@
 """A text begins as the tokenizer begins one (its text_start: Llama's BOS, nothing for GPT-2's or
 tiktoken's), wherever megadiff makes one: prepared documents and prompt/response pairs, plain-text
-prompts, needle cases. Chat renderings begin as their template writes them. Data prepared before
+prompts, needle cases, conversations (where their template writes no start of its own). Data prepared before
 documents began with it is prepared again, and a run reading such data is told. (lm-eval's contexts:
 tests/test_lm_eval.py, against the harness's Hugging Face model; adaptation's documents:
 tests/test_adapt_finetune.py.)"""
@@ -10,6 +10,7 @@ import json
 import random
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -114,6 +115,35 @@ def test_a_plain_prompt_begins_with_it_and_a_chat_as_its_template_writes(tokeniz
     assert encode_prompt(plain, text) == plain.encode(text)
 
 
+def test_a_conversation_begins_with_it_where_its_template_writes_none(tokenizers, tmp_path):
+    """data.chat_template without a BOS of its own (ChatML, Tulu) on a tokenizer that begins texts with one: a
+    conversation begins with it, without loss, as open-instruct's tokenizer(text) begins one, and so does its chat
+    prompt; the template saved with an export writes it, so apply_chat_template gives the trained ids. A template
+    that writes it (Llama 2's {{ bos_token }}) has it once; a tokenizer without one is left as it is."""
+    from transformers import AutoTokenizer
+
+    from megadiff.data.conversations import chat_template_of, encode_conversation, save_chat_template
+
+    messages = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Seth."}]
+    tokenizer = load_tokenizer(tokenizers["llama_like"])
+    chatml = Path(CHATML).read_text()
+    for template in (chatml, "{{ bos_token }}" + chatml):
+        data = SimpleNamespace(chat_template=template)
+        ids, mask = encode_conversation(messages, chat_template_of(data, tokenizer), tokenizer)
+        unopened, _ = encode_conversation(messages, chatml, tokenizer)
+        assert ids == [1] + unopened and mask[0] == 0 and sum(mask) > 0
+        prompt = encode_prompt(tokenizer, render_chat(messages[:1], chat_template_of(data, tokenizer), tokenizer),
+                               chat=True)
+        assert prompt == ids[:len(prompt)]
+        save_chat_template(data, tokenizer, tmp_path)
+        exported = AutoTokenizer.from_pretrained(tokenizers["llama_like"])
+        exported.chat_template = (tmp_path / "chat_template.jinja").read_text()
+        rendered = exported.apply_chat_template(messages, tokenize=False)
+        assert exported.encode(rendered, add_special_tokens=False) == ids[:-1]  # all but the EOD
+    plain = load_tokenizer(tokenizers["plain"])
+    assert chat_template_of(SimpleNamespace(chat_template=chatml), plain) == chatml
+
+
 def test_a_needle_case_is_one_text(tokenizers):
     tokenizer = load_tokenizer(tokenizers["llama_like"])
     documents = [[1] + tokenizer.encode(t) + [tokenizer.eod] for t in TEXTS[::2] * 40]
@@ -172,9 +202,9 @@ def test_a_bos_that_is_the_eod_begins_prompts_not_documents(tokenizers, tmp_path
     assert "text_start" not in json.loads(manifest_path(cfg.data.prefix).read_text())["fingerprint"]["tokenizer"]
 
 
-def test_conversations_begin_as_their_template_writes(tokenizers, tmp_path):
-    """Conversation data of a BOS-adding tokenizer: unchanged by the text start (the template decides),
-    so neither prepared again for it nor warned of."""
+def test_prepared_conversations_begin_with_it_once(tokenizers, tmp_path):
+    """Conversation data of a BOS-adding tokenizer, with a template that writes none: the BOS begins each
+    conversation (the template's opening, which the data's fingerprint holds), and a run is not warned of it."""
     conversation = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Seth."}]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(40)))
     cfg = build_config({}, [f"data.sources=[{tmp_path / 'chat.jsonl'}]", f"data.prefix={tmp_path / 'out' / 'chat'}",
@@ -183,7 +213,7 @@ def test_conversations_begin_as_their_template_writes(tokenizers, tmp_path):
                             "model.seq_length=8"])
     prepare(cfg.data)
     assert "text_start" not in json.loads(manifest_path(cfg.data.prefix).read_text())["fingerprint"]["tokenizer"]
-    assert all(document[0] != 1 for document in read_back(tmp_path / "out" / "chat"))
+    assert all(document[0] == 1 and 1 not in document[1:] for document in read_back(tmp_path / "out" / "chat"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))

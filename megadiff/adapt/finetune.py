@@ -33,6 +33,8 @@ from megadiff.adapt.plan import adaptation_plan
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
 from megadiff.config.loader import config_yaml
+from megadiff.data.conversations import chat_template_of
+from megadiff.data.tokenizers import HFTokenizer
 from megadiff.errors import refused_together
 from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
@@ -124,7 +126,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     stage = dss.zero_stage(ds_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     if cfg.data.chat_template is not None:  # the export is chatted with as it was tuned
-        tokenizer.chat_template = cfg.data.chat_template
+        tokenizer.chat_template = chat_template_of(cfg.data, HFTokenizer("model.tokenizer", tokenizer))
     # the data first: its refusals (template, fields, too few tokens) come before minutes of loading weights
     dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
     model, hf_ds_config = _load_model(cfg, ds_config)

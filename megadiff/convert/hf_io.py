@@ -74,7 +74,7 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
         str(directory))
     _save_weights(state, directory)
     tokenizer.save_hf(directory)
-    save_chat_template(source_cfg.data, directory)
+    save_chat_template(source_cfg.data, tokenizer, directory)
     dump_config(source_cfg, directory / SIDECAR_CONFIG)
     if extras:
         save_file(_owned_copies(extras), str(directory / SIDECAR_UNFOLDED), metadata={"format": "pt"})

@@ -18,6 +18,7 @@ a special token's text inside a message stays text, as in documents (tiktoken's 
 """
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from functools import lru_cache
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from megadiff.data.errors import DataError
-from megadiff.data.tokenizers import Tokenizer
+from megadiff.data.tokenizers import Tokenizer, document_start
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant",
@@ -44,9 +45,29 @@ LITERAL = re.compile(f"{LITERAL_OPEN}(.*?){LITERAL_CLOSE}", re.DOTALL)
 
 
 def chat_template_of(data, tokenizer: Tokenizer) -> Optional[str]:
-    """The chat template a run's conversations are rendered with: data.chat_template, else the
-    tokenizer's own (None without either)."""
-    return data.chat_template if data.chat_template is not None else tokenizer.chat_template
+    """The chat template a run's conversations are rendered with: data.chat_template (opening with the
+    tokenizer's document start where it writes none), else the tokenizer's own (None without either)."""
+    if data.chat_template is None:
+        return tokenizer.chat_template
+    return _opening_with_document_start(data.chat_template, tokenizer)
+
+
+def _opening_with_document_start(template: str, tokenizer: Tokenizer) -> str:
+    """`template`, writing the tokenizer's document start (Llama's BOS) first where it writes none: a model
+    read every pre-training document after it, and open-instruct's trainer puts it before each Tulu
+    conversation (its tokenizer(text)). Written in the template, the export's apply_chat_template gives it too."""
+    start = document_start(tokenizer)
+    opening = tokenizer.decode(start)
+    if not start or tokenizer.encode(opening) != start:
+        return template
+    for probe in (PROBE, PROBE_REPLY):  # some templates refuse a system turn
+        try:
+            rendered = render_conversation(probe, template, tokenizer.special_tokens)
+        except DataError:
+            continue
+        return template if encode_piece(rendered, tokenizer)[:len(start)] == start else \
+            f"{{{{ {json.dumps(opening)} }}}}" + template
+    return template  # one that renders nothing is refused by resolve_chat_template, naming its error
 
 
 def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
@@ -70,11 +91,12 @@ def resolve_chat_template(data, tokenizer: Tokenizer) -> Optional[str]:
     return template
 
 
-def save_chat_template(data, directory: str | Path) -> None:
-    """Write data.chat_template into an exported tokenizer (transformers reads chat_template.jinja),
-    so the model is chatted with as it was trained; a tokenizer's own template is saved with it."""
+def save_chat_template(data, tokenizer: Tokenizer, directory: str | Path) -> None:
+    """Write data.chat_template, as conversations were rendered with it, into an exported tokenizer
+    (transformers reads chat_template.jinja), so the model is chatted with as it was trained; a tokenizer's
+    own template is saved with it."""
     if data.chat_template is not None:
-        (Path(directory) / "chat_template.jinja").write_text(data.chat_template)
+        (Path(directory) / "chat_template.jinja").write_text(chat_template_of(data, tokenizer))
 
 
 def render_conversation(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
