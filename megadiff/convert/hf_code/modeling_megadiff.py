@@ -24,10 +24,14 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_megadiff import MegadiffConfig
 
@@ -156,7 +160,7 @@ class MegadiffAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, 2 * self.heads * d))
 
 
-class MegadiffDecoderLayer(nn.Module):
+class MegadiffDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: MegadiffConfig, layer_idx: int):
         super().__init__()
         self.self_attn = MegadiffAttention(config, layer_idx)
@@ -174,8 +178,10 @@ class MegadiffPreTrainedModel(PreTrainedModel):
     config_class = MegadiffConfig
     config: MegadiffConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True  # the attention always runs SDPA, whatever attn_implementation says
     _no_split_modules = ["MegadiffDecoderLayer"]
+    _can_record_outputs = {"hidden_states": MegadiffDecoderLayer}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -192,12 +198,18 @@ class MegadiffModel(MegadiffPreTrainedModel):
         self.layers = nn.ModuleList(MegadiffDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False  # merge_with_config_defaults builds no cache while checkpointing
         self.post_init()
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if kwargs.get("output_attentions", self.config.output_attentions):
+            raise ValueError("megadiff's differential attention runs in SDPA, which returns no attention weights: "
+                             "output_attentions is not supported")
         if isinstance(attention_mask, dict) or isinstance(past_key_values, StaticCache):
             raise ValueError("megadiff's modeling code takes the default dynamic cache, not a static one "
                              "(cache_implementation='static')")
@@ -205,7 +217,6 @@ class MegadiffModel(MegadiffPreTrainedModel):
             raise ValueError("attention_mask must be a [batch, past + new tokens] padding mask")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: read back from the GPU once here, not in every layer
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -216,10 +227,9 @@ class MegadiffModel(MegadiffPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, attention_mask,
-                                  past_key_values if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
-                                       past_key_values=past_key_values if use_cache else None)
+            # the cache by keyword: checkpointing drops it, or the recompute would append to it twice
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
 class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
@@ -229,13 +239,17 @@ class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = MegadiffModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # DINT's running sum cannot be rolled back to fewer tokens: generate() refuses assisted decoding
+        self._is_stateful = config.variant == "dint"
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int = 0,
                 **kwargs) -> CausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
@@ -243,7 +257,8 @@ class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states)
 
 
 __all__ = ["MegadiffForCausalLM", "MegadiffModel", "MegadiffPreTrainedModel"]
