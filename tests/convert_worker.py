@@ -6,6 +6,7 @@ checkpoint saved by TP=2 or PP=2 ranks and a single-process model built here hol
 tensors."""
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 from megatron.core import parallel_state
@@ -38,17 +39,25 @@ TEXT = ("In the beginning God created the heaven and the earth. And the earth wa
 EOD = "<|endoftext|>"
 
 
-def build_tokenizer(directory: Path, bos: str | None = None, adds_bos: bool = False) -> Path:
+def build_tokenizer(directory: Path, bos: str | None = None, adds_bos: bool = False,
+                    sentencepiece_like: bool = False) -> Path:
     """A byte-level BPE of 300 ids (<|endoftext|> = 0, `bos` = 1 if given) as Hugging Face tokenizer files;
-    with `adds_bos` it puts the BOS before every text, as Llama's does."""
+    with `adds_bos` it puts the BOS before every text, as Llama's does; `sentencepiece_like`: words begin
+    with "▁" instead, and a text with one of its own (Llama 2's Metaspace, prepend_scheme "first")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    if sentencepiece_like:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+        alphabet = list("▁\n" + string.ascii_letters + string.digits + string.punctuation)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOD] + ([bos] if bos else []),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=alphabet)
     tokenizer.train_from_iterator([TEXT] * 4, trainer)
     if adds_bos:
         tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",

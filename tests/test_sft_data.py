@@ -18,6 +18,7 @@ from megadiff.data.indexed import loss_mask_prefix
 from megadiff.data.prepare import prepare
 from megadiff.data.tokenizers import load_tokenizer
 from tests.conftest import kjv_verses
+from tests.convert_worker import build_tokenizer
 from megadiff.observability.metrics import read_metrics
 from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
 
@@ -54,12 +55,21 @@ def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in
     kept = [record for record in records if record["answer"]]
     assert len(tokens) == len(mask) == len(kept)
     for i, record in enumerate(kept):
-        prompt, response = tokenizer.encode(record["question"]), tokenizer.encode(record["answer"])
-        assert tokens[i].tolist() == prompt + response + [tokenizer.eod]
-        assert mask[i].tolist() == [0] * len(prompt) + [1] * (len(response) + 1)
-    assert stats["loss_tokens"] == sum(len(tokenizer.encode(record["answer"])) + 1 for record in kept)
+        assert_pair(tokenizer, tokens[i].tolist(), mask[i].tolist(), record["question"], record["answer"])
+    assert stats["loss_tokens"] == sum(int(mask[i].sum()) for i in range(len(kept)))
     assert f"{stats['loss_tokens']:,} (" in summary
     assert prepare(data) == stats  # up to date: nothing redone
+
+
+def assert_pair(tokenizer, ids: list[int], mask: list[int], prompt: str, response: str) -> None:
+    """The pair's text exactly, then the EOD; the loss on the tokens from the first holding response
+    characters (one at the edge may hold the prompt's last ones) through the EOD."""
+    assert ids[-1] == tokenizer.eod and tokenizer.eod not in ids[:-1]
+    assert tokenizer.decode(ids[:-1]) == prompt + response
+    first = mask.index(1)
+    assert mask == [0] * first + [1] * (len(ids) - first)
+    context = tokenizer.decode(ids[:first])
+    assert prompt.startswith(context) and len(prompt) - len(context) < 4
 
 
 def sft_corpus(tmp_path, records: int = 40):
@@ -143,6 +153,22 @@ def test_a_lost_loss_mask_is_prepared_again(tmp_path, capsys):
     assert {ext: Path(f"{mask}{ext}").read_bytes() for ext in (".bin", ".idx")} == written
     prepare(data)
     assert "up to date" in capsys.readouterr().out
+
+
+def test_a_response_reads_as_it_continues_its_prompt_with_a_sentencepiece_tokenizer(tmp_path):
+    """A Llama 2-like tokenizer begins every text it encodes with a space ("▁"): a response encoded alone gained
+    one ("French:  chat")."""
+    spec = str(build_tokenizer(tmp_path / "tokenizer", bos="<s>", adds_bos=True, sentencepiece_like=True))
+    records = [{"question": "Translate: chat\nFrench: ", "answer": "chat"}, {"question": "Q: 2+2?\nA:\n", "answer": "4"},
+               {"question": "And God said,", "answer": " Let there be light"}]
+    write_records(tmp_path / "src" / "a.jsonl", records)
+    prepare(build_config({}, sft_overrides(tmp_path / "src", tmp_path / "sft", spec)).data)
+    tokenizer = load_tokenizer(spec)
+    tokens, mask = IndexedDataset(str(tmp_path / "sft")), IndexedDataset(loss_mask_prefix(tmp_path / "sft"))
+    for i, record in enumerate(records):
+        ids = tokens[i].tolist()
+        assert ids[0] == 1 and mask[i][0] == 0  # the BOS, as a document's
+        assert_pair(tokenizer, ids[1:], mask[i].tolist()[1:], record["question"], record["answer"])
 
 
 def test_a_special_tokens_text_in_a_prompt_or_response_is_text(tmp_path, small_tokenizer_dir):

@@ -68,7 +68,7 @@ def test_prepared_documents_and_pairs_begin_with_it(tokenizers, tmp_path):
     assert read_back(tmp_path / "docs" / "out" / "docs") == [hf(t)["input_ids"] + [eos] for t in TEXTS if t]
     _prepare(tmp_path / "pairs", tokenizers["llama_like"], "data.text_key=text", "data.response_key=answer")
     pairs = tmp_path / "pairs" / "out" / "docs"
-    expected = [hf(t)["input_ids"] + hf(t[::-1], add_special_tokens=False)["input_ids"] + [eos] for t in TEXTS if t]
+    expected = [hf(t + t[::-1])["input_ids"] + [eos] for t in TEXTS if t]  # one text
     assert read_back(pairs) == expected
     # the BOS is context, like the prompt: no loss on it
     masks = read_back(loss_mask_prefix(pairs))

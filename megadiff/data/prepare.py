@@ -217,7 +217,8 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
     return {
         "sources": [source.fingerprint() for source in sources],
         "text_key": data.text_key,
-        **({"response_key": data.response_key} if data.response_key is not None else {}),
+        # a pair encoded as one text (before: its prompt and response apart, which changed SentencePiece's text)
+        **({"response_key": data.response_key, "pair_encoding": "one text"} if data.response_key is not None else {}),
         # encoded as one text (before: piece by piece, which split tokens at the turns' edges)
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest(),
             "conversation_encoding": "one text"} if chat_template is not None else {}),

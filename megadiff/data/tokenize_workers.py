@@ -39,16 +39,32 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
 
 def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], tokenizer_spec: str,
                  dtype: str) -> EncodedPairs:
-    """Each pair -> document_start (Llama's BOS), prompt ids, response ids, EOD (one text); a pair with an
-    empty response (it would teach nothing) is skipped."""
+    """Each pair -> document_start (Llama's BOS), the prompt and response encoded as one text, EOD; the loss on
+    the tokens holding response characters and on the EOD. A pair with an empty response (it would teach
+    nothing) is skipped."""
     tokenizer = load_tokenizer(tokenizer_spec)
     start = document_start(tokenizer)
     documents = []
     for prompt, response in zip(prompts, responses):
-        answer = tokenizer.encode_ordinary(response) + [tokenizer.eod] if response else []
-        question = start + tokenizer.encode_ordinary(prompt or "") if answer else []
-        documents.append((question + answer, [0] * len(question) + [1] * len(answer)))
+        if not response:
+            documents.append(([], []))
+            continue
+        ids, mask = _encode_pair(prompt or "", response, tokenizer)
+        documents.append((start + ids + [tokenizer.eod], [0] * len(start) + mask + [1]))
     return _masked(documents, dtype)
+
+
+def _encode_pair(prompt: str, response: str, tokenizer) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of prompt + response as one text, as TRL encodes a prompt and its completion: encoded
+    alone, a response would begin as a text begins (SentencePiece writes a space before it) and the tokens at
+    the edge split apart. A token spanning the edge takes the loss. A tokenizer without character offsets (a
+    slow one) encodes them apart."""
+    try:
+        ids, offsets = tokenizer.encode_with_offsets(prompt + response, ordinary=True)
+    except NotImplementedError:
+        question, answer = tokenizer.encode_ordinary(prompt), tokenizer.encode_ordinary(response)
+        return question + answer, [0] * len(question) + [1] * len(answer)
+    return ids, [int(end > len(prompt)) for _, end in offsets]
 
 
 def encode_conversations(conversations: list, template: str, tokenizer_spec: str, dtype: str) -> EncodedPairs:
