@@ -29,3 +29,18 @@ def test_an_exported_tiktoken_tokenizer_splits_as_tiktoken(name, tmp_path):
         assert exported.encode(text, add_special_tokens=False) == tokenizer.encode(text), text
     assert exported.convert_tokens_to_ids("<|endoftext|>") == tokenizer.eod
     assert len(exported) == tokenizer.vocab_size
+
+
+def test_a_sentencepiece_model_without_its_package_is_named(tmp_path):
+    """A directory holding only tokenizer.model (Llama 2's, Gemma's): transformers needs the sentencepiece
+    package for it, and without it reads the file as tiktoken's, failing on a line of bytes."""
+    import importlib.util
+
+    from megadiff.data.tokenizers import TokenizerError
+
+    if importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed: transformers reads the model itself")
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x0e\x0a\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>"}')
+    with pytest.raises(TokenizerError, match="tokenizer.model is a SentencePiece model: pip install sentencepiece"):
+        load_tokenizer(str(tmp_path))

@@ -15,6 +15,7 @@ which writes Hugging Face tokenizer files so an exported model directory is comp
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import re
 import shutil
 import tempfile
@@ -137,7 +138,7 @@ class HFTokenizer:
             self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
             raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
-                                 f"({str(err).strip().splitlines()[0]})") from None
+                                 f"({str(err).strip().splitlines()[0]}){_sentencepiece_hint(path)}") from None
         self.vocab_size = len(self.hf)
         eod = self.hf.eos_token_id
         if eod is None:
@@ -175,6 +176,17 @@ class HFTokenizer:
 
     def save_hf(self, directory: str | Path) -> None:
         self.hf.save_pretrained(str(directory))
+
+
+def _sentencepiece_hint(path: str) -> str:
+    """Where a directory holds only a SentencePiece model (Llama 2's, Gemma's tokenizer.model): transformers reads
+    it with the sentencepiece package alone, and without it tries it as a tiktoken file, whose error misleads."""
+    directory = Path(path)
+    if not (directory / "tokenizer.model").is_file() or (directory / "tokenizer.json").is_file():
+        return ""
+    if importlib.util.find_spec("sentencepiece") is not None:
+        return ""
+    return "; its tokenizer.model is a SentencePiece model: pip install sentencepiece"
 
 
 def text_start(hf) -> tuple[int, ...]:
