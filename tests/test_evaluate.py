@@ -353,6 +353,47 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
     torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
 
 
+def test_hf_losses_keep_fp32_precision_over_a_large_vocabulary(tmp_path):
+    """cl100k's 100K ids: each loss within 5e-6 of the float64 one (summed over a [B, V, n] layout, torch's
+    fp32 was 2e-5 off)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megadiff.inference.hf_model import HFCausalLM
+    from tests.convert_worker import build_tokenizer
+
+    torch.manual_seed(0)
+    vocab = 100352
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.normal_(0, 1.0)  # logits of std 4 (unit-RMS states of width 16), as a trained model's
+    ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    with torch.no_grad():
+        exact = F.cross_entropy(hf(ids).logits.double().flatten(0, 1), labels.flatten(), reduction="none")
+    losses = HFCausalLM(hf, build_tokenizer(tmp_path), 64)(ids, labels)
+    torch.testing.assert_close(losses.double().flatten(), exact, rtol=5e-6, atol=0)
+
+
+def test_hf_directories_transformers_cannot_load_are_named(tmp_path, capsys):
+    """An architecture transformers does not know, custom code or weights a directory lacks, a window below
+    1: a config error naming it, not transformers' traceback pointing at the hub."""
+    from megadiff.cli import main
+    from tests.convert_worker import build_tokenizer
+
+    directories = {"unknown": {"model_type": "nonesuch"},
+                   "codeless": {"model_type": "x", "auto_map": {"AutoConfig": "configuration_x.XConfig"}},
+                   "weightless": {"model_type": "llama", "vocab_size": 300, "hidden_size": 8,
+                                  "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}}
+    for name, config in directories.items():
+        build_tokenizer(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert main(["outliers", "--hf", str(tmp_path / name), "--sequences", "1"]) == 2
+        assert f"--hf {tmp_path / name} cannot be loaded: " in capsys.readouterr().err
+    assert main(["outliers", "--hf", str(tmp_path / "weightless"), "--window", "0"]) == 2
+    assert "--window must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_hf_reads_the_tokenizer_of_a_directory_with_custom_code_without_asking(tmp_path, monkeypatch):
     """A Dex/DAA export's config names its own code, which `--hf` runs: reading its tokenizer without saying
     so, transformers asked on the terminal whether to run it (and waited 15 s for an answer)."""
@@ -380,7 +421,8 @@ def test_an_export_carries_its_runs_held_out_samples(tmp_path):
 
     run = build_config({}, ["train.seed=7", "data.prefix=/data/web", "data.split=98,2,0", "data.document_masking=true"])
     dump_config(run, tmp_path / SIDECAR_CONFIG)
-    defaults = build_config({"model": {"seq_length": 64}, **_export_data(tmp_path)})
+    with pytest.warns(UserWarning, match="trained with data.document_masking.*--hf's losses are not the run's"):
+        defaults = build_config({"model": {"seq_length": 64}, **_export_data(tmp_path)})
     assert defaults.train.seed == 7 and (defaults.data.prefix, defaults.data.split) == ("/data/web", "98,2,0")
     assert defaults.data.tokenizer == str(tmp_path) and not defaults.data.document_masking
     assert build_config(_export_data(tmp_path / "not-an-export")).data.tokenizer == str(tmp_path / "not-an-export")
