@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megadiff.cli import main
-from megadiff.inference.loader import CausalLM
+from megadiff.checkpoint.single_process import CausalLM
 from tests.distributed import run_ranks
 from tests.held_out_runs import held_out_run
 

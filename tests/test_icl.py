@@ -18,7 +18,7 @@ from megadiff.config import build_config
 from megadiff.inference.icl import (
     Example, accuracy_grid, arranged, default_shots, demonstration, label_tokens, query,
 )
-from megadiff.inference.loader import load_checkpoint
+from megadiff.checkpoint.single_process import load_checkpoint
 from tests.conftest import kjv_verses
 from tests.convert_worker import build_tokenizer, save_in_process, variant_config
 from tests.distributed import run_ranks

@@ -78,7 +78,7 @@ def test_load_checkpoint_in_bf16_keeps_lambda_vectors_fp32(run):
 def test_loaded_models_compute_losses_unfused(run, monkeypatch):
     """Training fuses cross entropy where CUDA and bf16 are (a compiled graph); a loaded model's losses
     come in shapes that vary, which would recompile it up to dynamo's limit."""
-    import megadiff.inference.loader as loader
+    import megadiff.checkpoint.single_process as loader
 
     def as_on_cuda(cfg):
         config = to_transformer_config(cfg)

@@ -1,5 +1,6 @@
 """The dependency direction the README promises, checked on the source and on what an import loads:
 `ops` is pure torch (+ triton) and knows no megatron; `models` builds on `ops` and megatron-core;
+`checkpoint` and `convert` on `models`, never on the commands (`inference`, `training`) that use them;
 `adapt` works on Hugging Face models alone (no megatron); the CLI parses and calls, importing its
 commands only when one runs; nothing in megadiff imports tests."""
 from __future__ import annotations
@@ -17,6 +18,9 @@ ALLOWED = {
     "ops": set(),
     "config": {"errors"},
     "models": {"config", "ops", "errors"},
+    # a checkpoint's single-process model is built here, below both convert and inference, which use it
+    "checkpoint": {"config", "data", "errors", "files", "models", "parallel", "preemption"},
+    "convert": {"checkpoint", "config", "console", "data", "errors", "models"},
     "cli": {"config", "errors"},
 }
 

@@ -222,7 +222,7 @@ def test_special_texts_inside_chat_turns_stay_text_as_in_training(runs):
     """A request rendered as a conversation whose turns hold special tokens' texts (the EOD) is
     encoded as training encodes that conversation: those texts stay text."""
     from megadiff.inference.harness import MegadiffLM
-    from megadiff.inference.loader import load_checkpoint
+    from megadiff.checkpoint.single_process import load_checkpoint
     from tests.test_inference import MARKUP_MESSAGE, training_prompt
 
     template = Path(CHATML).read_text()
@@ -332,7 +332,7 @@ def test_document_masked_checkpoint_never_attends_across_the_prefix(runs, docume
     """The harness conditions a text's first token on an end-of-document prefix; a checkpoint
     trained with data.document_masking then scores the rest of the text as if alone."""
     from megadiff.inference.harness import MegadiffLM
-    from megadiff.inference.loader import CausalLM, load_checkpoint
+    from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 
     loaded = load_checkpoint(runs["diff"], torch.float32)
     data = loaded.cfg.data.model_copy(update={"document_masking": document_masking})
@@ -499,7 +499,7 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
 
 
 def document_masked(run: Path):
-    from megadiff.inference.loader import CausalLM, load_checkpoint
+    from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 
     loaded = load_checkpoint(run, torch.float32)
     data = loaded.cfg.data.model_copy(update={"document_masking": True})
@@ -537,7 +537,7 @@ def test_generation_follows_top_p_and_refuses_what_it_cannot_do(runs, tasks, tmp
     """A nucleus of one id (top_p=1e-9) samples the greedy answer; a kwarg generation would ignore
     is refused, and --gen-kwargs asking so (or more tokens than the window) before the checkpoint is read."""
     from megadiff.inference import harness
-    from megadiff.inference.loader import load_checkpoint
+    from megadiff.checkpoint.single_process import load_checkpoint
 
     lm = harness.MegadiffLM(load_checkpoint(runs["diff"], torch.float32), max_gen_toks=6)
     context = "In the beginning God created"
@@ -578,7 +578,7 @@ def test_a_long_continuation_is_scored_a_chunk_of_logits_at_a_time():
     """A rolling window's continuation is the whole window: its logits are formed LOSS_CHUNK_TOKENS
     positions at a time (a 64K window's at once would take some 66 GB), and sum to the same answer."""
     from megadiff.inference.harness import MegadiffLM
-    from megadiff.inference.loader import LOSS_CHUNK_TOKENS
+    from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS
 
     length = 2 * LOSS_CHUNK_TOKENS + 100
     model = LinearModel(window=length + 10)

@@ -25,7 +25,7 @@ from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
-from megadiff.inference.loader import (
+from megadiff.checkpoint.single_process import (
     PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
 )
 

@@ -1,4 +1,4 @@
 """Inference: a checkpoint of any layout as one module in one process, text generation, held-out evaluation."""
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 
 __all__ = ["CausalLM", "load_checkpoint"]

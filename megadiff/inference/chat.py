@@ -12,7 +12,7 @@ import sys
 
 from megadiff.inference.chat_prompts import chat_renderer, system_turns
 from megadiff.inference.generate import HeldContext, check_generation, print_continuation
-from megadiff.inference.loader import load_checkpoint
+from megadiff.checkpoint.single_process import load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 

@@ -33,7 +33,7 @@ from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.hf_model import HFCausalLM, load_model
-from megadiff.inference.loader import CausalLM
+from megadiff.checkpoint.single_process import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
 from megadiff.inference.recall import (

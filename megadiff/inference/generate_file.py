@@ -24,7 +24,7 @@ from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
 from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
 from megadiff.inference.generate import check_generation, decodable_ids, generate_batch, stop_texts_check
-from megadiff.inference.loader import CausalLM, load_checkpoint
+from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
 from megadiff.inference.records import RankRecords, lines_of, model_settings

@@ -41,7 +41,7 @@ from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_pro
 from megadiff.inference.generate import (
     check_generation, decodable_ids, document_eod, generate_batch, stop_texts_check,
 )
-from megadiff.inference.loader import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
+from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports, wait_for_ranks
 from megadiff.inference.reporting import command_console

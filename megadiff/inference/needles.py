@@ -32,7 +32,7 @@ from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config
 from megadiff.inference.hf_attention import hf_attention_rows
 from megadiff.inference.hf_model import HFCausalLM, load_model
-from megadiff.inference.loader import CausalLM
+from megadiff.checkpoint.single_process import CausalLM
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks

@@ -65,7 +65,7 @@ def build_single_process_model(cfg: Config):
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() > 1
             or parallel_state.get_pipeline_model_parallel_world_size() > 1):
-        raise RuntimeError("megadiff.inference builds single-process models; this process already runs model "
+        raise RuntimeError("a single-process model cannot be built where this process already runs model "
                            "parallelism")
     with _preserved_rng():
         initialize(ParallelConfig(), seed=cfg.train.seed)
