@@ -17,15 +17,13 @@ WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _target(path: str) -> Callable:
-    """'package.module:function' -> the function; a missing module is a clear 'not implemented' error."""
+    """'package.module:function' -> the function, its module imported only now (a command loads what it runs)."""
     module_name, func_name = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):
-            raise SystemExit(f"megadiff: {module_name} is not implemented yet") from None
-        raise
-    return getattr(module, func_name)
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def _options(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    return {name: getattr(args, name) for name in names}
 
 
 def _positive_int(text: str) -> int:
@@ -48,11 +46,13 @@ def _positive_gib(text: str) -> float:
     return value
 
 
-def _config_command(sub, name: str, target: str, help_text: str) -> None:
+def _config_command(sub, name: str, target: str, help_text: str, options: tuple[str, ...] = ()):
+    """A command on a config and its overrides; `options`: the arguments, added by the caller, it passes on."""
     parser = sub.add_parser(name, help=help_text)
     parser.add_argument("config", help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    parser.set_defaults(run=lambda a: _target(target)(a.config, a.overrides))
+    parser.set_defaults(run=lambda a: _target(target)(a.config, a.overrides, **_options(a, options)))
+    return parser
 
 
 def _model_source(parser: argparse.ArgumentParser) -> None:
@@ -105,13 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megadiff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    _config_command(sub, "prepare-data", "megadiff.data.prepare:prepare_from_config",
-                    "tokenize text into a megatron indexed dataset (.bin/.idx)")
-    prepare = sub.choices["prepare-data"]
+    prepare = _config_command(sub, "prepare-data", "megadiff.data.prepare:prepare_from_config",
+                              "tokenize text into a megatron indexed dataset (.bin/.idx)", options=("part",))
     prepare.add_argument("--part", metavar="I/N", help="tokenize only every N-th source file, starting at the I-th "
                          "(0-based), for N processes or nodes sharing the work; then run without --part to merge")
-    prepare.set_defaults(run=lambda a: _target("megadiff.data.prepare:prepare_from_config")(
-        a.config, a.overrides, part=a.part))
     _config_command(sub, "pretrain", "megadiff.training.pretrain:pretrain_from_config",
                     "pre-train (one process or under torchrun)")
     _config_command(sub, "adapt", "megadiff.adapt.finetune:finetune_from_config",
@@ -129,20 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format")
     conv_sub = convert.add_subparsers(dest="direction", required=True)
-    for direction, target in (("to-hf", "megadiff.convert.to_hf:convert_to_hf"),
-                              ("from-hf", "megadiff.convert.from_hf:convert_from_hf")):
+    for direction, target, options in (("to-hf", "megadiff.convert.to_hf:convert_to_hf", ("remote_code",)),
+                                       ("from-hf", "megadiff.convert.from_hf:convert_from_hf", ())):
         p = conv_sub.add_parser(direction)
         p.add_argument("--load", required=True, help="source directory")
         p.add_argument("--save", required=True, help="destination directory")
         p.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                        help="weight dtype of the output (default: keep the source's)")
         p.add_argument("--no-check", action="store_true", help="skip the logits comparison of both sides")
-        p.set_defaults(run=lambda a, t=target: _target(t)(a.load, a.save, dtype=a.dtype, check=not a.no_check))
-    to_hf = conv_sub.choices["to-hf"]
-    to_hf.add_argument("--remote-code", action="store_true",
-                       help="export DIFF with megadiff's modeling code (trust_remote_code) instead of stock DiffLlama")
-    to_hf.set_defaults(run=lambda a: _target("megadiff.convert.to_hf:convert_to_hf")(
-        a.load, a.save, dtype=a.dtype, check=not a.no_check, remote_code=a.remote_code))
+        p.set_defaults(run=lambda a, t=target, o=options: _target(t)(a.load, a.save, dtype=a.dtype,
+                                                                     check=not a.no_check, **_options(a, o)))
+    conv_sub.choices["to-hf"].add_argument(
+        "--remote-code", action="store_true",
+        help="export DIFF with megadiff's modeling code (trust_remote_code) instead of stock DiffLlama")
 
     gen = sub.add_parser("generate", help="generate text from a megadiff checkpoint")
     gen.add_argument("--load", required=True)

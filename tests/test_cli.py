@@ -51,3 +51,22 @@ def test_fit_is_a_gpus_memory(capsys, given):
         parse_arguments(["params", "cfg.yaml", "--fit", given])
     assert exit_info.value.code == 2
     assert f"argument --fit: {given} is not a GPU's memory in GiB (a number > 0)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, target, call", [
+    (["prepare-data", "c.yaml", "a=1", "--part", "0/2"], "megadiff.data.prepare:prepare_from_config",
+     (("c.yaml", ["a=1"]), {"part": "0/2"})),
+    (["pretrain", "c.yaml"], "megadiff.training.pretrain:pretrain_from_config", (("c.yaml", []), {})),
+    (["convert", "to-hf", "--load", "r", "--save", "h", "--remote-code"], "megadiff.convert.to_hf:convert_to_hf",
+     (("r", "h"), {"dtype": None, "check": True, "remote_code": True})),
+    (["convert", "from-hf", "--load", "h", "--save", "c", "--dtype", "bf16", "--no-check"],
+     "megadiff.convert.from_hf:convert_from_hf", (("h", "c"), {"dtype": "bf16", "check": False})),
+])
+def test_each_command_calls_its_function_with_its_options(monkeypatch, argv, target, call):
+    from megadiff import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "_target", lambda path: lambda *args, **kwargs: calls.append((path, (args, kwargs))))
+    args = cli.parse_arguments(argv)
+    args.run(args)
+    assert calls == [(target, call)]
