@@ -56,10 +56,6 @@ class Case:
     context_start: int = 0               # where the haystack begins: after the tokenizer's text start
 
     @property
-    def needle_start(self) -> int:
-        return self.needle_spans[0][0]
-
-    @property
     def answer_start(self) -> int:
         """Where the first answer begins (the question ends just before)."""
         return self.answer_spans[0][0]
