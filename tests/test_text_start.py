@@ -217,3 +217,16 @@ def test_prepared_conversations_begin_with_it_once(tokenizers, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_training_data(cfg, load_tokenizer(tokenizers["llama_like"]))
+
+
+def test_a_needle_case_reads_as_one_text_with_a_sentencepiece_tokenizer(tmp_path):
+    """A Llama 2-like tokenizer begins every text it encodes with a space: each needle and the question, encoded
+    apart, began with one inside the case ("dove \nThe magic number ..."); the answers are the needles' numbers."""
+    tokenizer = load_tokenizer(str(build_tokenizer(tmp_path, bos=BOS, adds_bos=True, sentencepiece_like=True)))
+    haystack = np.asarray([token for text in TEXTS[::2] * 40 for token in tokenizer.encode(text)])
+    case = build_case(tokenizer, haystack, 400, 0.5, 2, random.Random(0), queries=2)
+    text = tokenizer.decode(case.tokens)
+    assert text.count("\nThe magic number of ") == 2 and " \nThe magic" not in text and " \nWhat" not in text
+    assert ". The magic number of" in text.split("\nWhat")[1]  # the second query, after the first answer
+    assert case.answer_span != case.needle_spans[0]  # the number found inside its needle
+    assert [case.tokens[slice(*span)] for span in case.answer_spans][0] == case.tokens[slice(*case.answer_span)]

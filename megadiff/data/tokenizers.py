@@ -207,6 +207,14 @@ def document_start(tokenizer: Tokenizer) -> list[int]:
     return [] if tokenizer.text_start == (tokenizer.eod,) else list(tokenizer.text_start)
 
 
+def encode_continuing(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of `text` (opening with a space, a newline or punctuation) where it goes on from a word: a
+    SentencePiece tokenizer (Llama 2's) begins every text it encodes with a space, which there is none of."""
+    word = tokenizer.encode("a")
+    ids = tokenizer.encode("a" + text)
+    return ids[len(word):] if ids[:len(word)] == word else tokenizer.encode(text)
+
+
 def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     """A plain text's ids as the model reads a text: after the tokenizer's text_start, unless they begin
     with it already (a prompt that spells out "<s>")."""

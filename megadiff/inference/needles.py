@@ -28,7 +28,7 @@ from megadiff.config import ConfigError
 from megadiff.data.checks import split_tokens
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.data.tokenizers import Tokenizer
+from megadiff.data.tokenizers import Tokenizer, encode_continuing
 from megadiff.inference.evaluate import check_request, evaluation_config
 from megadiff.inference.hf_attention import hf_attention_rows
 from megadiff.inference.hf_model import HFCausalLM, load_model
@@ -67,7 +67,7 @@ class Case:
 
 
 def _needle(tokenizer: Tokenizer, city: str, number: int) -> list[int]:
-    return tokenizer.encode(f"\nThe magic number of {city} is {number}.\n")
+    return encode_continuing(tokenizer, f"\nThe magic number of {city} is {number}.\n")
 
 
 def _find(piece: list[int], part: list[int]) -> int | None:
@@ -79,9 +79,9 @@ def _question(tokenizer: Tokenizer, cities: list[str], numbers: list[int]) -> tu
     each further city), and the answers."""
     asked = cities[0] if len(cities) == 1 else f"{', '.join(cities[:-1])} and {cities[-1]}"
     verb = "is the magic number" if len(cities) == 1 else "are the magic numbers"
-    prompts = [tokenizer.encode(f"\nWhat {verb} of {asked}? The magic number of {cities[0]} is")]
-    prompts += [tokenizer.encode(f". The magic number of {city} is") for city in cities[1:]]
-    return prompts, [tokenizer.encode(f" {number}") for number in numbers]
+    prompts = [encode_continuing(tokenizer, f"\nWhat {verb} of {asked}? The magic number of {cities[0]} is")]
+    prompts += [encode_continuing(tokenizer, f". The magic number of {city} is") for city in cities[1:]]
+    return prompts, [encode_continuing(tokenizer, f" {number}") for number in numbers]
 
 
 def build_case(tokenizer: Tokenizer, haystack: np.ndarray, length: int, depth: float, needles: int,
