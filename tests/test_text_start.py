@@ -230,3 +230,19 @@ def test_a_needle_case_reads_as_one_text_with_a_sentencepiece_tokenizer(tmp_path
     assert ". The magic number of" in text.split("\nWhat")[1]  # the second query, after the first answer
     assert case.answer_span != case.needle_spans[0]  # the number found inside its needle
     assert [case.tokens[slice(*span)] for span in case.answer_spans][0] == case.tokens[slice(*case.answer_span)]
+
+
+def test_a_messages_special_token_text_reads_as_written_with_a_sentencepiece_tokenizer(tmp_path):
+    """A message's "<s>" stays text, encoded apart from what surrounds it: a Llama 2-like tokenizer began each
+    piece with a space ("Is  <s> a tag?"). The conversation reads as rendered, its chat prompt as its start."""
+    from megadiff.data.conversations import chat_template_of, encode_conversation, render_conversation
+
+    tokenizer = load_tokenizer(str(build_tokenizer(tmp_path, bos=BOS, adds_bos=True, sentencepiece_like=True)))
+    template = chat_template_of(SimpleNamespace(chat_template=Path(CHATML).read_text()), tokenizer)
+    messages = [{"role": "user", "content": "Is <s> a tag?"}, {"role": "assistant", "content": "Yes, <s> is."}]
+    ids, mask = encode_conversation(messages, template, tokenizer)
+    assert tokenizer.decode(ids[:-1]) == render_conversation(messages, template, tokenizer.special_tokens)
+    assert ids.count(1) == 1  # the opening BOS; the messages' "<s>" are text
+    assert tokenizer.decode([i for i, learned in zip(ids, mask) if learned][:-1]) == "Yes, <s> is.<|im_end|>\n"
+    prompt = encode_prompt(tokenizer, render_chat(messages[:1], template, tokenizer), chat=True)
+    assert prompt == ids[:len(prompt)]

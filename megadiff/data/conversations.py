@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from megadiff.data.errors import DataError
-from megadiff.data.tokenizers import Tokenizer, document_start
+from megadiff.data.tokenizers import Tokenizer, document_start, encode_continuing, encode_continuing_with_offsets
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant",
@@ -248,7 +248,9 @@ def _encode_whole(text: str, spans: list[tuple[int, int]], tokenizer: Tokenizer)
     ids: list[int] = []
     mask: list[int] = []
     for position, chunk, literal in _chunks(text):
-        chunk_ids, offsets = tokenizer.encode_with_offsets(chunk, ordinary=literal)
+        # a chunk after a message's special-token text goes on from it (SentencePiece would begin it with a space)
+        chunk_ids, offsets = encode_continuing_with_offsets(tokenizer, chunk, literal) if position else \
+            tokenizer.encode_with_offsets(chunk, ordinary=literal)
         ids += chunk_ids
         mask += [int(assistant(position + start, position + end)) for start, end in offsets]
     return ids, mask
@@ -288,7 +290,8 @@ def encode_piece(text: str, tokenizer: Tokenizer) -> list[int]:
     """A rendered piece's ids: the template's text with its special tokens as their ids, the texts
     mark_special_texts wrapped (a message's) as ordinary text."""
     ids: list[int] = []
-    for _, chunk, literal in _chunks(text):
+    for position, chunk, literal in _chunks(text):
         if chunk:
-            ids += tokenizer.encode_ordinary(chunk) if literal else tokenizer.encode(chunk)
+            ids += encode_continuing(tokenizer, chunk, literal) if position else \
+                (tokenizer.encode_ordinary(chunk) if literal else tokenizer.encode(chunk))
     return ids

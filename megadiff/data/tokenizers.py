@@ -207,12 +207,28 @@ def document_start(tokenizer: Tokenizer) -> list[int]:
     return [] if tokenizer.text_start == (tokenizer.eod,) else list(tokenizer.text_start)
 
 
-def encode_continuing(tokenizer: Tokenizer, text: str) -> list[int]:
+# what a continued text is encoded after, then left out: a word no space, newline or punctuation joins
+CONTINUED = "a"
+
+
+def encode_continuing(tokenizer: Tokenizer, text: str, ordinary: bool = False) -> list[int]:
     """The ids of `text` (opening with a space, a newline or punctuation) where it goes on from a word: a
-    SentencePiece tokenizer (Llama 2's) begins every text it encodes with a space, which there is none of."""
-    word = tokenizer.encode("a")
-    ids = tokenizer.encode("a" + text)
-    return ids[len(word):] if ids[:len(word)] == word else tokenizer.encode(text)
+    SentencePiece tokenizer (Llama 2's) begins every text it encodes with a space, which there is none of.
+    `ordinary`: special tokens' texts stay text (encode_ordinary)."""
+    encode = tokenizer.encode_ordinary if ordinary else tokenizer.encode
+    word, ids = encode(CONTINUED), encode(CONTINUED + text)
+    return ids[len(word):] if ids[:len(word)] == word else encode(text)
+
+
+def encode_continuing_with_offsets(tokenizer: Tokenizer, text: str,
+                                   ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """encode_continuing's ids, with encode_with_offsets' character spans in `text`."""
+    word = tokenizer.encode_ordinary(CONTINUED)
+    ids, offsets = tokenizer.encode_with_offsets(CONTINUED + text, ordinary=ordinary)
+    if ids[:len(word)] != word:
+        return tokenizer.encode_with_offsets(text, ordinary=ordinary)
+    shift = len(CONTINUED)
+    return ids[len(word):], [(max(start - shift, 0), max(end - shift, 0)) for start, end in offsets[len(word):]]
 
 
 def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
