@@ -183,10 +183,6 @@ def test_ranks_share_one_index_cache_and_see_the_same_samples(corpus, tmp_path):
 
 # ---- bad data, caught before any compute -------------------------------------------------------
 
-def test_good_data_passes_the_checks(corpus, tmp_path):
-    check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=80,10,10"), TOKENIZER)
-
-
 def test_build_datasets_refuses_a_split_without_tokens_instead_of_hanging(corpus, tmp_path):
     # 200 documents, split 949,50,1: the test split gets round(0.999 * 200) .. 200, no document
     with pytest.raises(DataError, match="the test split .* holds 0 tokens"):
@@ -222,6 +218,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(corpus, tmp_path):
     with pytest.raises(DataError, match=r"model.vocab_size: 512 is smaller than the vocabulary of data.tokenizer "
                                         r"'cl100k_base' \(1001 ids\)"):
         check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "model.vocab_size=512"), TOKENIZER)
+    check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=80,10,10"), TOKENIZER)  # 1024 rows
 
 
 def test_data_prepared_with_another_tokenizer(corpus, tmp_path):
