@@ -4,6 +4,7 @@ architecture without needing that GPU (Triton's compiler and ptxas run anywhere)
     python bench/kernel_resources.py                  # sm_90 (H100/H200), the 3B head shape d=128, dv=256
     python bench/kernel_resources.py --d 64 --dv 128 --arch 80
     python bench/kernel_resources.py --documents      # the kernels' document-masking mode
+    python bench/kernel_resources.py --dtype fp32     # fp32 inputs (true fp32 dots: more shared memory)
 
 A candidate that spills many bytes per thread ("stack") or needs more shared memory than the GPU
 has is a poor tile choice; the autotuner measures the rest. Compiling takes seconds per candidate.
@@ -17,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -33,6 +35,7 @@ KERNELS = {"fwd": (triton_fwd._fwd_kernel, {"COMBINE": True, "DOCUMENTS": False}
 FP32_POINTERS = {"LSE1", "LSE2", "DELTA1", "DELTA2", "LAM"}
 INT32_POINTERS = {"DOC_START", "DOC_END"}
 SCALARS = {"qk_scale": "fp32", "scale": "fp32"}  # every other lower-case argument is an int32 size or stride
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # Triton's names -> torch's
 
 
 def signature(kernel, constexprs: dict, dtype: str) -> dict[str, str]:
@@ -51,7 +54,8 @@ def compile_candidate(kind: str, block_m: int, block_n: int, num_warps: int, num
     """flags override the kernel's mode constexprs (TIED, COMBINE, DOCUMENTS)."""
     kernel, modes = KERNELS[kind]
     constexprs = dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=triton_fwd.padded_dim(d), BLOCK_DV=triton_fwd.padded_dim(dv),
-                      CAUSAL=causal, DOT_PREC="tf32", BLOCK_M=block_m, BLOCK_N=block_n, **{**modes, **flags})
+                      CAUSAL=causal, DOT_PREC=triton_fwd.dot_precision(DTYPES[dtype]), BLOCK_M=block_m,
+                      BLOCK_N=block_n, **{**modes, **flags})
     source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, **triton_fwd.COMPILE_OPTIONS))
@@ -76,16 +80,18 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--all", action="store_true", help="also the candidates the autotuner prunes")
     parser.add_argument("--documents", action="store_true", help="the document-masking mode (data.document_masking)")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="the inputs' dtype")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"sm_{args.arch}, d={args.d}, dv={args.dv}, bf16, causal{', documents' if args.documents else ''}")
+        print(f"sm_{args.arch}, d={args.d}, dv={args.dv}, {args.dtype}, "
+              f"causal{', documents' if args.documents else ''}")
         print(f"{'kernel':<6} {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'regs':>5} "
               f"{'stack B':>8} {'smem KiB':>8}  autotuned")
         for kind in args.kernels:
             fits = triton_fwd.fitting_candidates(kind, args.d, args.dv)
             for candidate in triton_fwd.CANDIDATES[kind] if args.all else fits:
                 usage = resource_usage(compile_candidate(kind, *candidate, d=args.d, dv=args.dv, arch=args.arch,
-                                                         DOCUMENTS=args.documents), Path(tmp))
+                                                         dtype=args.dtype, DOCUMENTS=args.documents), Path(tmp))
                 print(f"{kind:<6} {candidate[0]:>7} {candidate[1]:>7} {candidate[2]:>5} {candidate[3]:>6} "
                       f"{usage['registers']:>5} {usage['stack_bytes']:>8} {usage['shared_bytes'] / 1024:>8.0f}  "
                       f"{'yes' if candidate in fits else 'pruned'}", flush=True)

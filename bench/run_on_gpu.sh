@@ -28,18 +28,25 @@ log="$out/run_on_gpu.log"
 : > "$log"
 status=0
 { echo "python $(python3 -V 2>&1 | cut -d' ' -f2)"; nvidia-smi -L 2>&1 | head -1; } | tee -a "$log"
-if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  echo "== no CUDA device visible to torch: nothing to measure" | tee -a "$log"; exit 1
-fi
 if [ -f "$wheels/requirements.txt" ]; then
-  # one package at a time, pip choosing each wheel whose tags fit this Python: a package that does not
-  # install costs the stages that need it (they fail naming the import), not the others
+  # before the CUDA check, so that a CPU machine can rehearse it (bench/README.md). One package at a time,
+  # pip choosing each wheel whose tags fit this Python: a package that does not install costs the stages
+  # that need it (they fail naming the import), not the others; </dev/null keeps pip off the loop's input
   while read -r requirement; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      --find-links "$wheels" "$requirement" 2>&1 | tee -a "$log"
+      --find-links "$wheels" "$requirement" </dev/null 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "== $requirement did not install (above)" | tee -a "$log"; status=1; }
   done < "$wheels/requirements.txt"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# what the stages will import (the carried wheels first; megatron where installed), its warnings aside
+python3 -W ignore -c 'import importlib.util, torch, triton
+print("torch", torch.__version__, "triton", triton.__version__)
+if importlib.util.find_spec("megatron"):
+    import megatron.core
+    print("megatron-core", megatron.core.__version__)' 2>&1 | tee -a "$log"
+if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+  echo "== no CUDA device visible to torch: nothing to measure" | tee -a "$log"; exit 1
 fi
 run() {  # run <seconds> <command...>: one stage, its output appended to the log
   echo "== $*" | tee -a "$log"

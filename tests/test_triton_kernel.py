@@ -339,7 +339,7 @@ def test_candidates_limit_bounds_what_the_autotuner_compiles(monkeypatch):
 
     def kept(**meta):
         return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-                for c in prune(configs, {}, **meta)]
+                for c in prune(configs, {"Q1": torch.empty(0)}, **meta)]  # on CPU: no shared-memory limit
     fitting = triton_fwd.fitting_candidates("dkdv", 128, 256)
     monkeypatch.delenv(TRITON_CANDIDATES_ENV, raising=False)
     assert kept(BLOCK_D=128, BLOCK_DV=256) == fitting and len(fitting) > 2
@@ -363,6 +363,16 @@ def test_long_sequence_views_get_int32_safe_layouts():
     assert triton_fwd.shared_layout(small)[0] is small
 
 
+def _needs_the_cuda_compiler() -> None:
+    """Compiling for sm_90 needs no GPU, but Triton's CUDA backend, and TRITON_INTERPRET unset."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 replaces the compiler")
+    from triton.backends import backends
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no CUDA backend")
+
+
 @pytest.mark.parametrize("kind,causal,flags", [("fwd", True, {}), ("dkdv", True, {"TIED": False}),
                                                ("dq", False, {}), ("fwd", True, {"DOCUMENTS": True}),
                                                ("dkdv", True, {"DOCUMENTS": True}),
@@ -370,9 +380,7 @@ def test_long_sequence_views_get_int32_safe_layouts():
 def test_compiles_for_hopper(kind, causal, flags):
     """The interpreter forgives what the compiler refuses (types, tile shapes): compile for sm_90 (no GPU
     needed) at a small head shape, in modes the interpreter cases above exercise."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 replaces the compiler")
+    _needs_the_cuda_compiler()
     from bench.kernel_resources import compile_candidate
 
     compiled = compile_candidate(kind, 32, 32, 4, 2, d=32, dv=64, arch=90, causal=causal, **flags)
@@ -381,9 +389,7 @@ def test_compiles_for_hopper(kind, causal, flags):
 
 def test_row_dots_compile_for_hopper_without_spilling(tmp_path):
     """The backward's preprocessing kernel at the 3B head shape (rows of 2d = 256), for sm_90."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 replaces the compiler")
+    _needs_the_cuda_compiler()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -396,6 +402,82 @@ def test_row_dots_compile_for_hopper_without_spilling(tmp_path):
                        constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert resource_usage(compiled, tmp_path)["stack_bytes"] == 0
+
+
+H100_SHARED_MEMORY = 232_448  # 227 KiB: the most a program may opt in to on sm_90
+
+
+def _tiles_kept_on_hopper(monkeypatch, kind: str, dtype: str, d: int, dv: int, limit: int = H100_SHARED_MEMORY
+                          ) -> list[tuple]:
+    """The candidates the autotuner's pruning keeps, in their order, on a GPU with `limit` bytes of shared memory
+    (an H100's)."""
+    import triton
+
+    from bench.kernel_resources import DTYPES
+    from megadiff.ops import triton_fwd
+
+    monkeypatch.setattr(triton_fwd, "shared_memory_limit", lambda device: limit)
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in triton_fwd.CANDIDATES[kind]]
+    kept = triton_fwd._prune(kind)(configs, {"Q1": torch.empty(0, dtype=DTYPES[dtype])},
+                                   BLOCK_D=triton_fwd.padded_dim(d), BLOCK_DV=triton_fwd.padded_dim(dv))
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+
+
+@pytest.mark.parametrize("kind,tied", [("fwd", True), ("dkdv", True), ("dkdv", False), ("dq", True), ("dq", False)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_shared_memory_estimate_bounds_the_compiled_kernel(kind, tied, dtype):
+    """What the pruning goes by, against what Triton allocates for sm_90 (small tiles: seconds to compile), with
+    the loop's three buffers; an estimate is no bound if it is far above."""
+    _needs_the_cuda_compiler()
+    from bench.kernel_resources import DTYPES, compile_candidate
+    from megadiff.ops.triton_fwd import shared_memory_estimate
+
+    flags = {} if kind == "fwd" else {"TIED": tied}  # the forward reads no dO
+    compiled = compile_candidate(kind, 32, 32, 4, 3, d=32, dv=64, arch=90, dtype=dtype, **flags).metadata.shared
+    estimate = shared_memory_estimate(kind, 32, 32, 3, 32, 64, DTYPES[dtype].itemsize, tied)
+    assert compiled <= estimate <= 2 * compiled
+
+
+def test_tiles_over_the_gpus_shared_memory_are_pruned_before_the_candidates_limit(monkeypatch):
+    """fp32 dQ at the 3B head shape on an H100: the first listed tile, (64, 64, 4, 2), needs 288 KiB and failed
+    at launch when MEGADIFF_TRITON_CANDIDATES=1 left it the one candidate. The pruning keeps, in order, the
+    tiles the estimate fits; none fitting, the least needing (its launch error says how much)."""
+    from megadiff.ops import triton_fwd
+
+    def estimate(tile, dtype):
+        return triton_fwd.shared_memory_estimate("dq", tile[0], tile[1], tile[3], 128, 256, DTYPE_SIZES[dtype])
+
+    monkeypatch.delenv(TRITON_CANDIDATES_ENV, raising=False)
+    fp32 = _tiles_kept_on_hopper(monkeypatch, "dq", "fp32", 128, 256)
+    fitting = [tile for tile in triton_fwd.fitting_candidates("dq", 128, 256)
+               if estimate(tile, "fp32") <= H100_SHARED_MEMORY]
+    assert triton_fwd.CANDIDATES["dq"][0] not in fp32 and fp32 == fitting[:len(fp32)] and fp32
+    assert _tiles_kept_on_hopper(monkeypatch, "dq", "bf16", 128, 256)[0] == triton_fwd.CANDIDATES["dq"][0]
+    monkeypatch.setenv(TRITON_CANDIDATES_ENV, "1")
+    assert _tiles_kept_on_hopper(monkeypatch, "dq", "fp32", 128, 256, limit=1) == \
+        [min(triton_fwd.CANDIDATES["dq"], key=lambda tile: estimate(tile, "fp32"))]
+
+
+DTYPE_SIZES = {"bf16": 2, "fp32": 4}
+
+
+@pytest.mark.skipif(os.environ.get("MEGADIFF_COMPILE_3B_TILES") != "1",
+                    reason="compiling fp32 tiles at the 3B head shape takes minutes on a CPU: set "
+                           "MEGADIFF_COMPILE_3B_TILES=1 after changing a kernel or its candidates")
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+def test_the_first_kept_3b_tile_fits_hopper_shared_memory(monkeypatch, kind):
+    """With MEGADIFF_TRITON_CANDIDATES=1 the autotuner launches its first candidate untried: compiled for sm_90
+    in fp32 (the most shared memory), it fits an H100's and needs no more than the estimate."""
+    _needs_the_cuda_compiler()
+    from bench.kernel_resources import compile_candidate
+    from megadiff.ops.triton_fwd import shared_memory_estimate
+
+    block_m, block_n, num_warps, num_stages = _tiles_kept_on_hopper(monkeypatch, kind, "fp32", 128, 256)[0]
+    compiled = compile_candidate(kind, block_m, block_n, num_warps, num_stages, d=128, dv=256, arch=90,
+                                 dtype="fp32").metadata.shared
+    assert compiled <= min(shared_memory_estimate(kind, block_m, block_n, num_stages, 128, 256, 4),
+                           H100_SHARED_MEMORY)
 
 
 def test_a_decoding_step_runs_the_prefills_compiled_forward(monkeypatch):

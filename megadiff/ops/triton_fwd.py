@@ -65,6 +65,24 @@ _ACCUMULATORS = {
     "dq": lambda m, n, d, dv: 2 * m * d,
 }
 _MAX_ACC_PER_THREAD = 128
+# Shared memory (bytes) a program needs, per kernel (block_m, block_n, num_stages, padded d, padded dv, bytes
+# per input element, dO columns it reads: dv when tied, else 2 dv): the dots' operand tiles, those a program
+# keeps once and those its loop streams in num_stages - 1 buffers, plus fp32 scratch for score tiles changing
+# layout (fp32 inputs' dots, which run without tensor cores; and the dK/dV kernel's at block_n = 32, too few
+# rows for wgmma). Fitted to what Triton 3.9 allocates for sm_90 (metadata.shared, as python
+# bench/kernel_resources.py --all prints it): never below it, equal for the forward's and dQ's fp32 tiles.
+# A launch needing more than the GPU has fails, and an autotuner left with one candidate launches it untried.
+_SHARED_MEMORY = {
+    # Q1, Q2 kept; K1, K2, V streamed; fp32: P and the row maxima
+    "fwd": lambda m, n, stages, d, dv, elem, do_cols: ((2 * m * d + (stages - 1) * n * (2 * d + dv)) * elem
+                                                       + (elem == 4) * 4 * m * (n + 1)),
+    # K1, K2, V kept; Q1, Q2, dO streamed; P1, P2, dS1, dS2 in fp32; the rows' lse, delta and document starts
+    "dkdv": lambda m, n, stages, d, dv, elem, do_cols: ((n * (2 * d + dv) + (stages - 1) * m * (2 * d + do_cols))
+                                                        * elem + 16 * m * n + 20 * m),
+    # Q1, Q2, dO kept; K1, K2, V streamed; fp32: dS1, dS2
+    "dq": lambda m, n, stages, d, dv, elem, do_cols: ((m * (2 * d + do_cols) + (stages - 1) * n * (2 * d + dv))
+                                                      * elem + (elem == 4) * 8 * m * n),
+}
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32)
 # Fused multiply-adds on: Triton's default until 3.10 turns it off. The kernels' speed and their
 # tested accuracy assume FMAs, so a Triton upgrade must not change them silently.
@@ -263,6 +281,21 @@ def shared_layout(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+def shared_memory_estimate(kind: str, block_m: int, block_n: int, num_stages: int, block_d: int, block_dv: int,
+                           element_size: int, tied: bool = True) -> int:
+    """Bytes of shared memory a program of the kind's kernel needs, by _SHARED_MEMORY."""
+    return _SHARED_MEMORY[kind](block_m, block_n, num_stages, block_d, block_dv, element_size,
+                                block_dv if tied else 2 * block_dv)
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The shared memory a program may use on a CUDA device (227 KiB on an H100), None elsewhere: the
+    interpreter has no such limit."""
+    if device.type != "cuda":
+        return None
+    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+
+
 def _fitting(kind: str, candidates: list, block_d: int, block_dv: int, tiles) -> list:
     """The candidates whose fp32 accumulators fit the per-thread budget, else the one needing fewest.
 
@@ -276,12 +309,21 @@ def _fitting(kind: str, candidates: list, block_d: int, block_dv: int, tiles) ->
 
 
 def fitting_candidates(kind: str, d: int, dv: int) -> list[tuple]:
-    """Which of CANDIDATES[kind] the autotuner measures for head dims d and dv."""
+    """Which of CANDIDATES[kind] the autotuner measures for head dims d and dv, shared memory aside."""
     return _fitting(kind, CANDIDATES[kind], padded_dim(d), padded_dim(dv), lambda c: (c[0], c[1], c[2]))
 
 
 def _prune(kind: str):
     def prune(configs, named_args, **meta):
+        inputs = named_args["Q1"]  # every kernel's first argument
+        limit = shared_memory_limit(inputs.device)
+        if limit is not None:  # before the cut to N below: the first N must be tiles the GPU can launch
+            def shared(config):
+                return shared_memory_estimate(kind, config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"],
+                                              config.num_stages, meta["BLOCK_D"], meta["BLOCK_DV"],
+                                              inputs.element_size(), meta.get("TIED", True))
+            # none fitting: the least needing, whose launch then says how much it needs
+            configs = [c for c in configs if shared(c) <= limit] or [min(configs, key=shared)]
         fitting = _fitting(kind, configs, meta["BLOCK_D"], meta["BLOCK_DV"],
                            lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps))
         return fitting[:triton_candidates_limit()]
