@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,31 +20,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from megadiff.helper_processes import PREEMPTION_SIGNALS
+
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 REQUEUE_MARKER_ENV = "MEGADIFF_REQUEUE_MARKER"  # set by slurm/job.sh
-
-
-def ignore_preemption_signals(*_) -> None:
-    """For a helper process (a data loader's worker, a checkpoint writer's manager): Slurm's `scancel --signal`
-    and time-limit SIGTERM reach every process of the job step, and the default action would kill the helper
-    before the training process checkpoints with it and exits for requeue."""
-    for signum in PREEMPTION_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def follow_the_trainer(trainer: int) -> None:
-    """Initializer of a helper process the training process (pid `trainer`) spawns: it ignores the preemption
-    signals, and exits once the trainer is gone (killed outright, a spawned helper would outlive it, and now
-    a plain kill too)."""
-    ignore_preemption_signals()
-
-    def exit_without_the_trainer() -> None:
-        while os.getppid() == trainer:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_without_the_trainer, daemon=True).start()
 
 
 def leave_requeue_marker(rank: int) -> None:

@@ -37,7 +37,7 @@ from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_
 from megadiff.checkpoint.weights import damage_reported, first_failure, load_into_chunks, load_sharded
 from megadiff.config import Config, dump_config
 from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
-from megadiff.preemption import follow_the_trainer
+from megadiff.helper_processes import follow_the_trainer
 
 TRAIN_STATE_KEY = "train_state"
 RNG_KEY = "rng_state"

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from megadiff.models.documents import document_cu_seqlens
-from megadiff.preemption import ignore_preemption_signals
+from megadiff.helper_processes import ignore_preemption_signals
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
