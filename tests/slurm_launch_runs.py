@@ -2,7 +2,7 @@
 
 Every run here has world size 2 (two processes on one node, two nodes of one process, two Slurm
 nodes) and the same config, so each loss curve must equal the single-node run's, which is
-computed once per session and shared by test_launch.py and test_slurm.py.
+computed once per session and shared by test_launch.py and test_slurm.py (and their xdist workers).
 """
 from __future__ import annotations
 
@@ -59,13 +59,19 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def single_node_run(tmp_path_factory, tokenizer_dir: Path) -> tuple[Path, str]:
-    """launch/pretrain_single_node.sh with 2 processes, uninterrupted: (output_dir, console output)."""
-    if "single_node_run" not in _SESSION:
-        output_dir = tmp_path_factory.mktemp("single-node") / "run"
-        args = [str(DEMO_CONFIG), *run_overrides(tokenizer_dir, data_cache(tmp_path_factory), output_dir)]
-        output = finish(launch("pretrain_single_node.sh", args, launch_environment(GPUS_PER_NODE="2")))
-        _SESSION["single_node_run"] = output_dir, output
-    return _SESSION["single_node_run"]
+    """launch/pretrain_single_node.sh with 2 processes, uninterrupted: (output_dir, console output). Run once
+    per session, by the first xdist worker to ask (test_launch.py and test_slurm.py may run on two)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "single-node"
+    console = shared / "console.txt"
+    with FileLock(f"{shared}.lock"):
+        if not console.is_file():
+            shared.mkdir(exist_ok=True)
+            args = [str(DEMO_CONFIG), *run_overrides(tokenizer_dir, shared / "data", shared / "run")]
+            console.write_text(finish(launch("pretrain_single_node.sh", args, launch_environment(GPUS_PER_NODE="2"))))
+    return shared / "run", console.read_text()
 
 
 def reference_losses(tmp_path_factory, tokenizer_dir: Path) -> list[float]:
