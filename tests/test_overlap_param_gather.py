@@ -11,7 +11,7 @@ import torch
 from megadiff.inference import load_checkpoint
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import run_ranks
-from tests.pretrain_runs import run_pretrain, tiny_overrides
+from tests.pretrain_runs import run_pretrain_in_ranks, tiny_overrides
 
 DP2 = ["parallel.distributed_optimizer=true", "train.iters=3", "logging.log_interval=1"]
 OVERLAP = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
@@ -21,8 +21,8 @@ OVERLAP = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=t
 def runs(small_tokenizer_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("overlap")
     base = tiny_overrides(small_tokenizer_dir, root / "cache") + DP2
-    run_pretrain(2, base + [f"output_dir={root / 'plain'}"])
-    run_pretrain(2, base + OVERLAP + [f"output_dir={root / 'overlap'}"])
+    run_pretrain_in_ranks(2, base + [f"output_dir={root / 'plain'}"])
+    run_pretrain_in_ranks(2, base + OVERLAP + [f"output_dir={root / 'overlap'}"])
     return {name: root / name for name in ("plain", "overlap")}
 
 

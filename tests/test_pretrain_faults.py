@@ -17,7 +17,7 @@ from tests.distributed import run_ranks
 from tests.pretrain_faults import (
     disk_full_while_saving, killed_while_saving, poisoned_run, signalled_while_starting,
 )
-from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain, tiny_overrides
+from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides
 from tests.wandb_log import exit_codes
 
 LONG = 10_000  # iterations: far more than a test runs before its signal arrives
@@ -76,13 +76,13 @@ def test_preemption_under_torchrun_checkpoints_and_resumes_exactly(base, tmp_pat
     stopped_again = _stopped_at(second, out)
     assert stopped_again > stopped
     # a time budget spent before the first iteration ends: a checkpoint after it, exit code 0
-    budget = run_pretrain(2, run + [f"output_dir={out}", "train.exit_duration_minutes=1e-6"])
+    budget = run_pretrain_in_ranks(2, run + [f"output_dir={out}", "train.exit_duration_minutes=1e-6"])
     assert f"spent: checkpointing at iteration {stopped_again + 1}," in budget.stdout + budget.stderr
     assert read_latest_iteration(out / CHECKPOINTS_DIR) == stopped_again + 1
     end = stopped_again + 3
-    run_pretrain(2, run + [f"output_dir={out}", f"train.exit_interval={end}"])
+    run_pretrain_in_ranks(2, run + [f"output_dir={out}", f"train.exit_interval={end}"])
     reference = tmp_path / "uninterrupted"
-    run_pretrain(2, run + [f"output_dir={reference}", f"train.exit_interval={end}"])
+    run_pretrain_in_ranks(2, run + [f"output_dir={reference}", f"train.exit_interval={end}"])
     assert losses(out) == losses(reference)
     assert len(losses(out)) == end
 
@@ -169,7 +169,7 @@ def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path
     halves the scale until the gradients fit. Those are no NaN steps: the run neither stops at
     train.max_skipped_nan_iters (10) nor stays at its first weights."""
     output = tmp_path / "fp16"
-    run_pretrain(1, base + ["train.precision=fp16", "train.iters=30", f"output_dir={output}"])
+    run_pretrain_in_ranks(1, base + ["train.precision=fp16", "train.iters=30", f"output_dir={output}"])
     records = read_metrics(output)
     assert records[0]["loss_scale"] == 2.0 ** 32 and records[0]["loss_scale_overflows"] == 1
     assert 10 < records[-1]["loss_scale_overflows"] < 30 and all(r["skipped_iterations"] == 0 for r in records)
@@ -264,9 +264,9 @@ def test_kill_during_save_leaves_the_previous_checkpoint_usable(base, tmp_path):
     assert read_latest_iteration(checkpoints) == 2
     assert (checkpoints / "iter_0000004.partial" / "half_written.distcp").exists()
     assert not (checkpoints / "iter_0000004").exists()
-    rerun = run_pretrain(1, run + [f"output_dir={out}"])
+    rerun = run_pretrain_in_ranks(1, run + [f"output_dir={out}"])
     assert f"resumed from {checkpoints / 'iter_0000002'}" in rerun.stdout
     assert not list(checkpoints.glob("*.partial"))
     reference = tmp_path / "reference"
-    run_pretrain(1, run + [f"output_dir={reference}"])
+    run_pretrain_in_ranks(1, run + [f"output_dir={reference}"])
     assert losses(out) == losses(reference)

@@ -1,6 +1,7 @@
 """Exact resume: a run stopped and rerun reproduces the uninterrupted run's whole loss curve.
 
-Real `megadiff pretrain` processes (torchrun for several ranks) on the bundled KJV corpus.
+`megadiff pretrain` in real gloo ranks (run_pretrain_in_ranks) on the bundled KJV corpus; test_launch.py and
+test_slurm.py resume runs started as users start them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megadiff.checkpoint.training_checkpoint import read_train_state
 from megadiff.data.manifest import tokenizer_identity
 from megadiff.observability.metrics import read_metrics
 from megadiff.observability.wandb_sink import RUN_ID_FILE
-from tests.pretrain_runs import losses, run_pretrain, tiny_overrides
+from tests.pretrain_runs import losses, run_pretrain_in_ranks, tiny_overrides
 from tests.wandb_log import logged_history_and_config
 
 ITERS = 6
@@ -42,8 +43,8 @@ def runs(base, tmp_path_factory) -> dict:
     distributed-optimizer checkpoint bugs."""
     root = tmp_path_factory.mktemp("resume")
     full, part = root / "uninterrupted", root / "interrupted"
-    run_pretrain(4, base + LAYOUT + [f"output_dir={full}"])
-    run_pretrain(4, base + LAYOUT + WANDB + [f"output_dir={part}", f"train.exit_interval={STOP}"])
+    run_pretrain_in_ranks(4, base + LAYOUT + [f"output_dir={full}"])
+    run_pretrain_in_ranks(4, base + LAYOUT + WANDB + [f"output_dir={part}", f"train.exit_interval={STOP}"])
     assert read_latest_iteration(part / CHECKPOINTS_DIR) == STOP
     assert len(losses(part)) == STOP
     return {"full": full, "part": part}
@@ -53,7 +54,7 @@ def runs(base, tmp_path_factory) -> dict:
 def test_rerun_continues_bit_for_bit(base, runs, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(runs["part"], resumed)
-    rerun = run_pretrain(4, base + LAYOUT + WANDB + [f"output_dir={resumed}"])
+    rerun = run_pretrain_in_ranks(4, base + LAYOUT + WANDB + [f"output_dir={resumed}"])
     assert f"resumed from {resumed / CHECKPOINTS_DIR}" in rerun.stdout
     assert losses(resumed) == losses(runs["full"])  # every iteration, bit for bit
     assert _grad_norms(resumed) == _grad_norms(runs["full"])
@@ -77,7 +78,7 @@ def test_resume_into_another_layout_continues_the_curve(base, runs, tmp_path):
     """The TP=2 x DP=2 checkpoint resumed by one process: resharded model and optimizer state."""
     resumed = tmp_path / "resharded"
     shutil.copytree(runs["part"], resumed)
-    rerun = run_pretrain(1, base + ["parallel.distributed_optimizer=true", f"output_dir={resumed}"])
+    rerun = run_pretrain_in_ranks(1, base + ["parallel.distributed_optimizer=true", f"output_dir={resumed}"])
     assert "resharded from" in rerun.stdout
     assert losses(resumed) == pytest.approx(losses(runs["full"]), abs=1e-5)
     assert len(losses(resumed)) == ITERS
@@ -88,23 +89,22 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     to the end (a sampler sized for 6 x 4 samples ran dry before); of 16: refused, 24 samples are no whole
     number of its batches; with another optimizer: refused by name, before any data or model is built."""
     output = tmp_path / "run"
-    run_pretrain(1, base + [f"output_dir={output}", f"train.exit_interval={STOP}"])
+    run_pretrain_in_ranks(1, base + [f"output_dir={output}", f"train.exit_interval={STOP}"])
     for change, message in ((["train.global_batch_size=16"], "train.global_batch_size: .* has consumed 24 samples"),
                             (["parallel.distributed_optimizer=true"], "parallel.distributed_optimizer: the optimizer "
                                                                       "state of .* was saved with False")):
-        refused = run_pretrain(1, base + [f"output_dir={output}"] + change, expect=2)
+        refused = run_pretrain_in_ranks(1, base + [f"output_dir={output}"] + change, expect=2)
         assert re.search(message, refused.stderr), refused.stderr[-2000:]
-    # two ranks of tensor parallelism padding the vocabulary to 768 rows, not the checkpoint's 512 (under
-    # torchrun, whose exit code is 1 when its workers' is not 0)
-    refused = run_pretrain(2, base + [f"output_dir={output}", "parallel.tensor=2",
-                                      "model.make_vocab_size_divisible_by=192"], expect=1)
+    # two ranks of tensor parallelism padding the vocabulary to 768 rows, not the checkpoint's 512
+    refused = run_pretrain_in_ranks(2, base + [f"output_dir={output}", "parallel.tensor=2",
+                                               "model.make_vocab_size_divisible_by=192"], expect=2)
     assert "set model.make_vocab_size_divisible_by=256" in refused.stderr, refused.stderr[-2000:]
     # a new output_dir continuing the run's count: the iterations to run come on top of its 3
-    refused = run_pretrain(1, base + [f"output_dir={tmp_path / 'branch'}", f"checkpoint.load={output}",
-                                      f"train.iters={STOP}"], expect=2)
+    refused = run_pretrain_in_ranks(1, base + [f"output_dir={tmp_path / 'branch'}", f"checkpoint.load={output}",
+                                               f"train.iters={STOP}"], expect=2)
     assert f"is at iteration {STOP}, and this run continues its count" in refused.stderr, refused.stderr[-2000:]
-    rerun = run_pretrain(1, base + [f"output_dir={output}", "train.global_batch_size=4",
-                                    f"checkpoint.load={tmp_path / 'elsewhere'}"])
+    rerun = run_pretrain_in_ranks(1, base + [f"output_dir={output}", "train.global_batch_size=4",
+                                             f"checkpoint.load={tmp_path / 'elsewhere'}"])
     assert "(not checkpoint.load=" in rerun.stdout  # its own checkpoint, said so
     records = read_metrics(output)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))

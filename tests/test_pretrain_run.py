@@ -24,7 +24,7 @@ from megadiff.models.param_count import count_parameters
 from megadiff.observability.metrics import read_metrics
 from megadiff.training.pretrain import build_scheduler
 from megadiff.training.throughput import peak_tflops_of
-from tests.pretrain_runs import DEMO_CONFIG, ROOT, environment, losses, run_pretrain, tiny_overrides
+from tests.pretrain_runs import DEMO_CONFIG, ROOT, environment, losses, run_pretrain_in_ranks, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base,
     phase goes on and the decay moves to the new end."""
     out = tmp_path / "wsd"
     wsd = base + [f"output_dir={out}", "train.lr_decay_style=wsd", "train.lr_wsd_decay_iters=2", "train.min_lr=1e-4"]
-    run_pretrain(1, wsd + ["train.iters=6", "train.exit_interval=3"])
-    proc = run_pretrain(1, wsd + ["train.iters=8"])
+    run_pretrain_in_ranks(1, wsd + ["train.iters=6", "train.exit_interval=3"])
+    proc = run_pretrain_in_ranks(1, wsd + ["train.iters=8"])
     assert "resumed from" in proc.stdout
     # the order of a source read more than once depends on the samples it was drawn for: said where it changes
     assert "this run draws its data order for 64 samples (what train.iters reads, or train.planned_samples), not " \
@@ -88,11 +88,11 @@ def test_a_record_every_few_steps_reports_their_means(base, tmp_path):
     same steps a run logging every one records, the run's last step (5) recorded alone. Stopped at 3,
     between two records, and resumed, the run records the same means."""
     every, pairs = tmp_path / "every", tmp_path / "pairs"
-    run_pretrain(1, base + ["train.iters=5", f"output_dir={every}"])
+    run_pretrain_in_ranks(1, base + ["train.iters=5", f"output_dir={every}"])
     pairs_run = base + ["train.iters=5", "logging.log_interval=2", f"output_dir={pairs}"]
-    run_pretrain(1, pairs_run + ["train.exit_interval=3"])
+    run_pretrain_in_ranks(1, pairs_run + ["train.exit_interval=3"])
     assert [r["iteration"] for r in read_metrics(pairs)] == [2]
-    run_pretrain(1, pairs_run)
+    run_pretrain_in_ranks(1, pairs_run)
     each = losses(every)
     assert [r["iteration"] for r in read_metrics(pairs)] == [2, 4, 5]
     assert losses(pairs) == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2, each[4]], rel=1e-6)
@@ -101,9 +101,10 @@ def test_a_record_every_few_steps_reports_their_means(base, tmp_path):
 @pytest.fixture(scope="module")
 def logged_run(base, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "logged"
-    proc = run_pretrain(1, base + [f"output_dir={out}", "train.iters=6", "train.min_lr=1e-4", "train.eval_interval=4",
-                                   "train.eval_iters=2", "checkpoint.save_interval=2", "checkpoint.keep_last=2", "checkpoint.async_save=true",
-                                   "logging.tensorboard=true"])
+    proc = run_pretrain_in_ranks(1, base + [f"output_dir={out}", "train.iters=6", "train.min_lr=1e-4",
+                                            "train.eval_interval=4", "train.eval_iters=2", "checkpoint.save_interval=2",
+                                            "checkpoint.keep_last=2", "checkpoint.async_save=true",
+                                            "logging.tensorboard=true"])
     return out, proc
 
 
@@ -166,8 +167,9 @@ def test_each_blended_source_is_validated_as_evaluate_scores_it(base, tmp_path):
     prepare(build_config(cfg.model_dump(mode="json"), [f"data.sources=[{later}]", f"data.prefix={tmp_path / 'later'}",
                                                        "data.bundled_corpus=null"]).data)
     out = tmp_path / "run"
-    run_pretrain(1, base + [f"output_dir={out}", f"data.blend=[1,{kjv},3,{tmp_path / 'later'}]", "train.iters=2",
-                            "train.eval_interval=2", "train.eval_iters=2", "train.eval_each_source=true"])
+    run_pretrain_in_ranks(1, base + [f"output_dir={out}", f"data.blend=[1,{kjv},3,{tmp_path / 'later'}]",
+                                     "train.iters=2", "train.eval_interval=2", "train.eval_iters=2",
+                                     "train.eval_each_source=true"])
     (valid,) = [r for r in read_metrics(out) if "valid_loss" in r]
     names = (f"valid_loss/{Path(kjv).name}", "valid_loss/later")
     assert set(valid) == {"iteration", "consumed_samples", "valid_loss", *names}
@@ -183,8 +185,8 @@ def test_each_blended_source_is_validated_as_evaluate_scores_it(base, tmp_path):
 @pytest.mark.slow
 def test_profile_window_traces_each_profiling_rank(base, tmp_path):
     out = tmp_path / "profiled"
-    proc = run_pretrain(2, base + [f"output_dir={out}", "train.iters=4", "logging.profile_iterations=[2,3]",
-                                   "logging.profile_ranks=[0,1]"])
+    proc = run_pretrain_in_ranks(2, base + [f"output_dir={out}", "train.iters=4", "logging.profile_iterations=[2,3]",
+                                            "logging.profile_ranks=[0,1]"])
     for rank in (0, 1):
         trace = json.loads((out / "profile" / f"trace-rank{rank}-iters2-3.json").read_text())
         names = {event.get("name", "") for event in trace["traceEvents"]}
@@ -213,9 +215,10 @@ def test_64k_style_extension_from_a_shorter_run(base, logged_run, tmp_path):
     RoPE theta 640,000, length up-sampled data and context parallelism, with a fresh schedule."""
     short, _ = logged_run
     out = tmp_path / "extended"
-    proc = run_pretrain(2, base + [f"output_dir={out}", f"checkpoint.load={short}", "checkpoint.reset_iteration=true",
-                                   "model.seq_length=64", "model.rope_theta=640000", "data.length_upsampling=true",
-                                   "parallel.context=2", "train.iters=2", "train.lr=8e-4"])
+    proc = run_pretrain_in_ranks(2, base + [f"output_dir={out}", f"checkpoint.load={short}",
+                                            "checkpoint.reset_iteration=true", "model.seq_length=64",
+                                            "model.rope_theta=640000", "data.length_upsampling=true",
+                                            "parallel.context=2", "train.iters=2", "train.lr=8e-4"])
     assert f"initialised from {short / CHECKPOINTS_DIR / 'iter_0000006'}" in proc.stdout
     assert "the model's positions differ from the checkpoint's (model.seq_length: 32 -> 64; model.rope_theta: " \
         in proc.stdout
