@@ -5,9 +5,10 @@ Every tokenizer has `name`, `vocab_size` (ids in use, before the model pads its 
 `undecodable_ids` (those below vocab_size that no token has, never to be generated), `eod` (the
 end-of-document id megatron's datasets append), `text_start` (the ids the tokenizer puts before a
 text of its own accord: Llama's BOS, nothing for GPT-2's or tiktoken's; documents and plain-text
-prompts begin with them, chat templates write their own or are given them), `chat_template` (its Jinja chat template, if it
-has one), `special_tokens` (the names a chat template reads, e.g. eos_token), `special_texts`
-(the texts `encode` reads as special tokens), `encode` (prompts, rendered chat templates),
+prompts begin with them, chat templates write their own or are given them), `chat_template` (its
+Jinja chat template, if it has one), `special_tokens` (the names a chat template reads, e.g.
+eos_token), `special_texts` (the texts `encode` reads as special tokens), `encode` (prompts,
+rendered chat templates),
 `encode_ordinary` (documents: a special token's text stays text), `decode` and `save_hf(dir)`,
 which writes Hugging Face tokenizer files so an exported model directory is complete.
 `load_tokenizer(spec)` takes the `data.tokenizer` config value.
