@@ -8,9 +8,8 @@ text of its own accord: Llama's BOS, nothing for GPT-2's or tiktoken's; document
 prompts begin with them, chat templates write their own or are given them), `chat_template` (its
 Jinja chat template, if it has one), `special_tokens` (the names a chat template reads, e.g.
 eos_token), `special_texts` (the texts `encode` reads as special tokens), `encode` (prompts,
-rendered chat templates),
-`encode_ordinary` (documents: a special token's text stays text), `decode` and `save_hf(dir)`,
-which writes Hugging Face tokenizer files so an exported model directory is complete.
+rendered chat templates), `encode_ordinary` (documents: a special token's text stays text), `decode`
+and `save_hf(dir)`, which writes Hugging Face tokenizer files so an exported model directory is complete.
 `load_tokenizer(spec)` takes the `data.tokenizer` config value.
 """
 from __future__ import annotations
