@@ -8,9 +8,11 @@ the test's stderr then receives.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -79,3 +81,33 @@ def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0, 
     failed = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode != 0}
     if failed:
         raise RuntimeError(f"ranks failed with exit codes {failed} (see captured stderr)")
+
+
+def _reporting_rank(rank: int, world_size: int, outputs: str, command: Callable[..., int], args: tuple) -> None:
+    """command(*args) in a test rank: what it prints and the exit code it returns, into files under `outputs`."""
+    with open(f"{outputs}/{rank}.out", "w") as out, open(f"{outputs}/{rank}.err", "w") as err, \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = command(*args)
+    Path(f"{outputs}/{rank}.code").write_text(str(code))
+
+
+def run_reporting_ranks(nproc: int, command: Callable[..., int], *args, timeout: float = 300, expect: int = 0
+                        ) -> subprocess.CompletedProcess:
+    """command(*args) (a module's function: the ranks import it) in `nproc` ranks, as torchrun would run a
+    command line, but started in a second where a torchrun process takes ten: the ranks' output, one after
+    another as torchrun gathers it as it comes, and the exit code every rank returned (`expect`)."""
+    with tempfile.TemporaryDirectory(prefix="command-") as outputs:
+        run_ranks(nproc, _reporting_rank, outputs, command, args, timeout=timeout)
+        codes = {int(Path(outputs, f"{rank}.code").read_text()) for rank in range(nproc)}
+        stdout, stderr = ("".join(Path(outputs, f"{rank}.{stream}").read_text() for rank in range(nproc))
+                          for stream in ("out", "err"))
+    assert codes == {expect}, f"exit codes {codes}, expected {expect}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return subprocess.CompletedProcess([getattr(command, "__name__", "command"), *map(str, args)], expect, stdout,
+                                       stderr)
+
+
+def megadiff_main(argv: list[str]) -> int:
+    """`megadiff ARGV`'s exit code (for run_reporting_ranks)."""
+    from megadiff.cli import main
+
+    return main(argv)

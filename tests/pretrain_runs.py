@@ -1,12 +1,10 @@
 """Helpers for the pre-training tests: tiny runs of `megadiff pretrain`, as a user launches them."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from megadiff.observability.metrics import read_metrics
@@ -71,31 +69,14 @@ def run_pretrain(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG, t
     return proc
 
 
-def _pretrain_rank(rank: int, world_size: int, overrides: list[str], config: str, outputs: str) -> None:
-    """`megadiff pretrain` in a test rank: what it prints and its exit code, into files under `outputs`."""
-    from megadiff.cli import main
-
-    with open(f"{outputs}/{rank}.out", "w") as out, open(f"{outputs}/{rank}.err", "w") as err, \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["pretrain", config, *overrides])
-    Path(f"{outputs}/{rank}.code").write_text(str(code))
-
-
 def run_pretrain_in_ranks(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG, timeout: float = 300,
                           expect: int = 0) -> subprocess.CompletedProcess:
-    """run_pretrain's run in the gloo ranks of tests/distributed.py, which start with torch and megatron imported
-    (a second, where a torchrun process took ten): the ranks' output, one after another as torchrun gathers it
-    as it comes, and the exit code every rank gave. For tests of what a run does, not of how torchrun starts it
-    (test_launch.py, test_slurm.py)."""
-    from tests.distributed import run_ranks
+    """run_pretrain's run in the gloo ranks of tests/distributed.py (run_reporting_ranks). For tests of what a run
+    does, not of how torchrun starts it (test_launch.py, test_slurm.py)."""
+    from tests.distributed import megadiff_main, run_reporting_ranks
 
-    with tempfile.TemporaryDirectory(prefix="pretrain-") as outputs:
-        run_ranks(nproc, _pretrain_rank, overrides, str(config), outputs, timeout=timeout)
-        codes = {int(Path(outputs, f"{rank}.code").read_text()) for rank in range(nproc)}
-        stdout, stderr = ("".join(Path(outputs, f"{rank}.{stream}").read_text() for rank in range(nproc))
-                          for stream in ("out", "err"))
-    assert codes == {expect}, f"exit codes {codes}, expected {expect}\n{stdout[-3000:]}\n{stderr[-5000:]}"
-    return subprocess.CompletedProcess(["pretrain", *overrides], expect, stdout, stderr)
+    return run_reporting_ranks(nproc, megadiff_main, ["pretrain", str(config), *overrides], timeout=timeout,
+                               expect=expect)
 
 
 def losses(output_dir: Path) -> list[float]:

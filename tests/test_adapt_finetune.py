@@ -11,6 +11,7 @@ import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import read_metrics
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, run_reporting_ranks
 from tests.test_chat_data import CHATML
 from tests.wandb_log import logged_history_and_config
 
@@ -89,6 +90,20 @@ def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> s
                             capture_output=True, text=True, timeout=400, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
+
+
+def adapt_in_ranks(workspace: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """run_adapt's run in the gloo ranks of tests/distributed.py (a second to start, not a launcher's ten): for
+    tests of what an adaptation does, not of how a launcher starts it (stage_runs' and the signal tests')."""
+    with mock.patch.dict(os.environ, _env(workspace)):
+        return run_reporting_ranks(2, finetuned, str(workspace / "adapt.yaml"), list(overrides), timeout=400)
+
+
+def finetuned(config: str, overrides: list[str]) -> int:
+    """`megadiff adapt`'s run without its CLI entry's os._exit, which would end a test's rank."""
+    from megadiff.adapt.finetune import finetune
+
+    return finetune(load_finetune_config(config, overrides))
 
 
 STAGES = {1: ("configs/deepspeed/zero1.json", "deepspeed"), 2: ("configs/deepspeed/zero2.json", "torchrun"),
@@ -160,8 +175,8 @@ def test_document_masking_reaches_training(workspace):
     first_losses = {}
     for masking in ("true", "false"):
         output = workspace / f"documents-{masking}"
-        run_adapt(workspace, f"output_dir={output}", f"data.document_masking={masking}", "data.seq_length=128",
-                  "train.iters=1")
+        adapt_in_ranks(workspace, f"output_dir={output}", f"data.document_masking={masking}", "data.seq_length=128",
+                       "train.iters=1")
         first_losses[masking] = read_metrics(output)[0]["lm_loss"]
     assert math.isfinite(first_losses["true"]) and abs(first_losses["true"] - first_losses["false"]) > 1e-4
 
@@ -189,9 +204,9 @@ def test_resume_is_exact(stage_runs, workspace):
     output = workspace / "resumed"
     command = (f"deepspeed={workspace / 'zero3_all.json'}", f"output_dir={output}", "checkpoint.exit_interval=2",
                "logging.log_interval=3")
-    run_adapt(workspace, *command)
+    adapt_in_ranks(workspace, *command)
     assert read_metrics(output) == [] and not (output / "hf").exists()
-    second = run_adapt(workspace, *command)
+    second = adapt_in_ranks(workspace, *command)
     assert "resuming after iteration 2" in second.stdout
     resumed, uninterrupted = read_metrics(output), read_metrics(stage_runs(3))
     keys = ("iteration", "lr", "grad_norm", "lambda")
@@ -206,12 +221,12 @@ def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, 
     on, the lr is the rerun's schedule's (the loaded state held the first run's peak and last lr). The
     rerun of a plan that recorded no base model records it."""
     output, rerun = tmp_path / "longer", ["train.iters=6", "train.lr=1e-3"]
-    run_adapt(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
+    adapt_in_ranks(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
     plan_file = output / "adaptation.json"
     plan = json.loads(plan_file.read_text())
     fingerprint = plan.pop("base_model")  # as a plan from before plans recorded the base model
     plan_file.write_text(json.dumps(plan))
-    run_adapt(workspace, f"output_dir={output}", *rerun)
+    adapt_in_ranks(workspace, f"output_dir={output}", *rerun)
     assert json.loads(plan_file.read_text())["base_model"] == fingerprint  # recorded by the rerun
     train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
     warmup = round(train.warmup_ratio * train.iters)
@@ -225,12 +240,12 @@ def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     another code path than fp32's), stopped by its time budget after iteration 1 and rerun, against
     an uninterrupted run."""
     bf16 = (f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}", "train.precision=bf16")
-    run_adapt(workspace, *bf16, f"output_dir={workspace / 'bf16'}")
+    adapt_in_ranks(workspace, *bf16, f"output_dir={workspace / 'bf16'}")
     resumed = workspace / "bf16-resumed"
     # a budget spent before the first iteration ends: stop after it, exit code 0
-    stopped = run_adapt(workspace, *bf16, f"output_dir={resumed}", "checkpoint.exit_duration_minutes=1e-6")
+    stopped = adapt_in_ranks(workspace, *bf16, f"output_dir={resumed}", "checkpoint.exit_duration_minutes=1e-6")
     assert "stopped after iteration 1 (checkpoint.exit_duration_minutes)" in stopped.stdout + stopped.stderr
-    run_adapt(workspace, *bf16, f"output_dir={resumed}")
+    adapt_in_ranks(workspace, *bf16, f"output_dir={resumed}")
     # checkpoints hold the trained parameters only: the frozen ones are the base model's
     saved = torch.load(next((resumed / "checkpoints").glob("iter_*/mp_rank_00_model_states.pt")),
                        weights_only=False)["module"]
@@ -500,7 +515,7 @@ def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp
     from megadiff.adapt.data import BatchReader, build_packed_dataset
 
     output = workspace / "chat"
-    run_adapt(workspace, *_chat_overrides(workspace), f"output_dir={output}", "train.iters=1")
+    adapt_in_ranks(workspace, *_chat_overrides(workspace), f"output_dir={output}", "train.iters=1")
     cfg = load_finetune_config(str(workspace / "adapt.yaml"), _chat_overrides(workspace) + [
         f"data.cache_dir={tmp_path}"])
     dataset = build_packed_dataset(cfg.data, AutoTokenizer.from_pretrained(workspace / "model"))
@@ -524,8 +539,8 @@ def test_instruction_tuning_on_conversations_exports_the_template(workspace, tmp
     assert first["lm_loss"] == pytest.approx(expected, rel=2e-5)
     # the same global batch in four micro-steps of one row: the same objective, so the same gradient
     resplit = workspace / "chat_resplit"
-    run_adapt(workspace, *_chat_overrides(workspace), f"output_dir={resplit}", "train.iters=1",
-              "train.micro_batch_size=1", "train.grad_accum=4")
+    adapt_in_ranks(workspace, *_chat_overrides(workspace), f"output_dir={resplit}", "train.iters=1",
+                   "train.micro_batch_size=1", "train.grad_accum=4")
     again = read_metrics(resplit)[0]
     assert (again["lm_loss"], again["grad_norm"]) == pytest.approx((first["lm_loss"], first["grad_norm"]), rel=1e-5)
     exported = AutoTokenizer.from_pretrained(output / "hf")
