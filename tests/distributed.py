@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -87,7 +88,11 @@ def _reporting_rank(rank: int, world_size: int, outputs: str, command: Callable[
     """command(*args) in a test rank: what it prints and the exit code it returns, into files under `outputs`."""
     with open(f"{outputs}/{rank}.out", "w") as out, open(f"{outputs}/{rank}.err", "w") as err, \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = command(*args)
+        try:
+            code = command(*args)
+        except Exception:  # noqa: BLE001 -- a crash, as torchrun reports a worker's: code 1, the traceback kept
+            traceback.print_exc()
+            code = 1
     Path(f"{outputs}/{rank}.code").write_text(str(code))
 
 

@@ -7,6 +7,7 @@ computed once per session and shared by test_launch.py and test_slurm.py (and th
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,8 @@ def single_node_run(tmp_path_factory, tokenizer_dir: Path) -> tuple[Path, str]:
     console = shared / "console.txt"
     with FileLock(f"{shared}.lock"):
         if not console.is_file():
-            shared.mkdir(exist_ok=True)
+            shutil.rmtree(shared, ignore_errors=True)  # a failed first try's checkpoints would be resumed
+            shared.mkdir()
             args = [str(DEMO_CONFIG), *run_overrides(tokenizer_dir, shared / "data", shared / "run")]
             console.write_text(finish(launch("pretrain_single_node.sh", args, launch_environment(GPUS_PER_NODE="2"))))
     return shared / "run", console.read_text()

@@ -17,7 +17,8 @@ CONFIGS = ROOT / "configs"
 # the layers plus one vocabulary matrix.
 SCALING = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
 THREE_B = ["diff-3b.yaml", "diff-3b-350b.yaml", "softmax-3b.yaml", "dint-3b.yaml", "dint-3b-350b.yaml",
-           "shared-diff-3b.yaml", "shared-diff-3b-350b.yaml", "diff-3b-64k.yaml", "softmax-3b-64k.yaml", "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml", "diff-3b-64k-math-sft.yaml",
+           "shared-diff-3b.yaml", "shared-diff-3b-350b.yaml", "diff-3b-64k.yaml", "softmax-3b-64k.yaml",
+           "diff-3b-64k-math.yaml", "softmax-3b-64k-math.yaml", "diff-3b-64k-math-sft.yaml",
            "softmax-3b-64k-math-sft.yaml", "shared-diff-3b-64k.yaml", "dint-3b-64k.yaml", "diff-3b-chat-sft.yaml"]
 
 

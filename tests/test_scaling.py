@@ -176,6 +176,12 @@ def test_mistakes_are_named(size_runs, tmp_path, capsys):
     assert "stopped at iteration 2 of its 40000 (train.iters): by size a run counts once trained" in \
         capsys.readouterr().err
     assert main(["scaling", "--by", "tokens", str(unfinished), *diff_runs, "--baseline", "diff"]) == 0
+    # finished before runs evaluated after their last iteration: its last evaluation is said to be earlier
+    early = write_run(tmp_path / "early", ROOT / "configs" / "scaling" / "diff-830m.yaml", ["train.iters=4"], {2: 3.0})
+    with (early / "metrics.jsonl").open("a") as metrics:
+        metrics.write("".join(json.dumps({"iteration": i, "lm_loss": 9.0}) + "\n" for i in (3, 4)))
+    with pytest.warns(UserWarning, match="its last valid_loss is at iteration 2 of 4"):
+        assert [p.loss for p in run_points(early, "params")] == [3.0]
 
 
 def least_squares_line(xs: list[float], ys: list[float]) -> tuple[float, float]:

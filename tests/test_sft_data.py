@@ -159,7 +159,8 @@ def test_a_response_reads_as_it_continues_its_prompt_with_a_sentencepiece_tokeni
     """A Llama 2-like tokenizer begins every text it encodes with a space ("▁"): a response encoded alone gained
     one ("French:  chat")."""
     spec = str(build_tokenizer(tmp_path / "tokenizer", bos="<s>", adds_bos=True, sentencepiece_like=True))
-    records = [{"question": "Translate: chat\nFrench: ", "answer": "chat"}, {"question": "Q: 2+2?\nA:\n", "answer": "4"},
+    records = [{"question": "Translate: chat\nFrench: ", "answer": "chat"},
+               {"question": "Q: 2+2?\nA:\n", "answer": "4"},
                {"question": "And God said,", "answer": " Let there be light"}]
     write_records(tmp_path / "src" / "a.jsonl", records)
     prepare(build_config({}, sft_overrides(tmp_path / "src", tmp_path / "sft", spec)).data)

@@ -239,10 +239,11 @@ def test_a_messages_special_token_text_reads_as_written_with_a_sentencepiece_tok
 
     tokenizer = load_tokenizer(str(build_tokenizer(tmp_path, bos=BOS, adds_bos=True, sentencepiece_like=True)))
     template = chat_template_of(SimpleNamespace(chat_template=Path(CHATML).read_text()), tokenizer)
-    messages = [{"role": "user", "content": "Is <s> a tag?"}, {"role": "assistant", "content": "Yes, <s> is."}]
+    # "<s>nd": the text after it opens with letters the encoding's lead-in "a" joins ("and")
+    messages = [{"role": "user", "content": "Is <s> a tag?"}, {"role": "assistant", "content": "Yes, <s>nd is."}]
     ids, mask = encode_conversation(messages, template, tokenizer)
     assert tokenizer.decode(ids[:-1]) == render_conversation(messages, template, tokenizer.special_tokens)
     assert ids.count(1) == 1  # the opening BOS; the messages' "<s>" are text
-    assert tokenizer.decode([i for i, learned in zip(ids, mask) if learned][:-1]) == "Yes, <s> is.<|im_end|>\n"
+    assert tokenizer.decode([i for i, learned in zip(ids, mask) if learned][:-1]) == "Yes, <s>nd is.<|im_end|>\n"
     prompt = encode_prompt(tokenizer, render_chat(messages[:1], template, tokenizer), chat=True)
     assert prompt == ids[:len(prompt)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -108,6 +109,9 @@ def run_points(path: str | Path, by: str, metric: str = "valid_loss") -> list[Po
                               "size a run counts once trained; resume it to its end, or compare it --by tokens")
         count = count_parameters(cfg.model)
         iteration, loss = logged[-1]
+        if iteration < trained:  # a run from before runs evaluated after their last iteration
+            warnings.warn(f"{path}: its last {metric} is at iteration {iteration} of {trained}, and enters the fit "
+                          "for the trained model", stacklevel=2)
         return [Point(str(path), cfg.model.variant, float(count.non_embedding + count.embedding), iteration, loss)]
     # the samples the run had read by then: a resumed run may have changed its global batch size
     consumed = {r["iteration"]: r["consumed_samples"] for r in records if "consumed_samples" in r}

@@ -207,28 +207,35 @@ def document_start(tokenizer: Tokenizer) -> list[int]:
     return [] if tokenizer.text_start == (tokenizer.eod,) else list(tokenizer.text_start)
 
 
-# what a continued text is encoded after, then left out: a word no space, newline or punctuation joins
-CONTINUED = "a"
+# what a continued text is encoded after, then left out: a word, which no space, newline or punctuation joins;
+# a newline, which no letter joins (a text opening with a letter may merge with the word: "a" + "now")
+CONTINUED = ("a", "\n")
 
 
 def encode_continuing(tokenizer: Tokenizer, text: str, ordinary: bool = False) -> list[int]:
-    """The ids of `text` (opening with a space, a newline or punctuation) where it goes on from a word: a
-    SentencePiece tokenizer (Llama 2's) begins every text it encodes with a space, which there is none of.
-    `ordinary`: special tokens' texts stay text (encode_ordinary)."""
+    """The ids of `text` where it goes on from other text: a SentencePiece tokenizer (Llama 2's) begins every
+    text it encodes with a space, which there is none of. `ordinary`: special tokens' texts stay text
+    (encode_ordinary)."""
     encode = tokenizer.encode_ordinary if ordinary else tokenizer.encode
-    word, ids = encode(CONTINUED), encode(CONTINUED + text)
-    return ids[len(word):] if ids[:len(word)] == word else encode(text)
+    for before in CONTINUED:
+        lead, ids = encode(before), encode(before + text)
+        if ids[:len(lead)] == lead:
+            return ids[len(lead):]
+    return encode(text)
 
 
 def encode_continuing_with_offsets(tokenizer: Tokenizer, text: str,
                                    ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
     """encode_continuing's ids, with encode_with_offsets' character spans in `text`."""
-    word = tokenizer.encode_ordinary(CONTINUED)
-    ids, offsets = tokenizer.encode_with_offsets(CONTINUED + text, ordinary=ordinary)
-    if ids[:len(word)] != word:
-        return tokenizer.encode_with_offsets(text, ordinary=ordinary)
-    shift = len(CONTINUED)
-    return ids[len(word):], [(max(start - shift, 0), max(end - shift, 0)) for start, end in offsets[len(word):]]
+    encode = tokenizer.encode_ordinary if ordinary else tokenizer.encode
+    for before in CONTINUED:
+        lead = encode(before)
+        ids, offsets = tokenizer.encode_with_offsets(before + text, ordinary=ordinary)
+        if ids[:len(lead)] == lead:
+            shift = len(before)
+            return ids[len(lead):], [(max(start - shift, 0), max(end - shift, 0))
+                                     for start, end in offsets[len(lead):]]
+    return tokenizer.encode_with_offsets(text, ordinary=ordinary)
 
 
 def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
