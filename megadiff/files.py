@@ -47,13 +47,18 @@ def remove_staging_leftovers(directory: str | Path) -> None:
         shutil.rmtree(leftover)
 
 
-def commit_staged(final: Path, marker: Path, marker_text: str) -> None:
-    """Give the staged directory (every rank's files written) its name, then move the marker to it. A crash at
-    any point leaves the previous checkpoint and marker as they were, and never a checkpoint's name on a
-    directory that is not whole (keep_last would count it, and remove a whole one in its place)."""
-    if final.exists():  # the same iteration saved again (e.g. a signal right after a periodic save)
+def publish_staged(final: Path) -> None:
+    """Give the staged directory (every file written) its name, in place of a directory of that name: a crash
+    never leaves the name on a directory that is not whole."""
+    if final.exists():  # written again (a checkpoint: e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.replace(staging_dir(final), final)
+
+
+def commit_staged(final: Path, marker: Path, marker_text: str) -> None:
+    """publish_staged, then move the marker to it. A crash at any point leaves the previous checkpoint and
+    marker as they were (keep_last would count a checkpoint not whole, and remove a whole one in its place)."""
+    publish_staged(final)
     write_atomically(marker, marker_text.encode())
 
 

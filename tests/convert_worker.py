@@ -11,9 +11,9 @@ from pathlib import Path
 
 from megatron.core import parallel_state
 
+from megadiff.checkpoint.single_process import CausalLM, build_single_process_model, single_process_config
 from megadiff.checkpoint.weights import save_model_weights
 from megadiff.config import build_config
-from megadiff.checkpoint.single_process import CausalLM, build_single_process_model, single_process_config
 from megadiff.models import build_model
 from megadiff.parallel import initialize, shutdown
 from tests.parity_worker import layout_independent_weights

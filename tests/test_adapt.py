@@ -425,6 +425,29 @@ def test_generate_with_kv_cache_equals_without(arch, variant):
         torch.testing.assert_close(cached, uncached, rtol=1e-4, atol=1e-5)
 
 
+def test_an_export_killed_while_written_leaves_no_directory_by_its_name(tmp_path, monkeypatch):
+    """Written in place, an export cut short after the weights loaded as the base Llama (its config.json), the
+    adapters' weights ignored: it is written aside, and a previous export stays whole until the new one is."""
+    from megadiff.adapt import export
+
+    apply, config = VARIANTS["daa"]
+    model = apply(tiny_model("llama", init=0.2), config, calibration=[tokens(seed=5)])
+    save_adapted(model, tmp_path / "hf")
+    previous = sorted(path.name for path in (tmp_path / "hf").iterdir())
+
+    def killed(*args):
+        raise KeyboardInterrupt  # as a kill between the adapted config and the model code would leave it
+    monkeypatch.setattr(export.shutil, "copyfile", killed)
+    for directory in (tmp_path / "new", tmp_path / "hf"):
+        with pytest.raises(KeyboardInterrupt):
+            save_adapted(model, directory)
+    assert not (tmp_path / "new").exists()
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == previous
+    monkeypatch.undo()
+    save_adapted(model, tmp_path / "new")  # a rerun writes it whole, over the killed one's leftovers
+    assert sorted(path.name for path in (tmp_path / "new").iterdir()) == previous
+
+
 @pytest.mark.parametrize("arch,variant", [("llama", "dex-entropy"), ("qwen2", "diff_k"), ("mistral", "daa")])
 def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))

@@ -353,6 +353,24 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
     torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
 
 
+def test_a_report_cut_short_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """--output written in place: a kill (here a full disk at the sync) left a truncated JSON, and the
+    last good report lost with it."""
+    from megadiff.console import plain_console
+    from megadiff.inference.reporting import write_report
+
+    report = tmp_path / "reports" / "eval.json"
+    write_report(plain_console(), {"loss": 1.5}, str(report))
+
+    def full_disk(_):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("os.fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_report(plain_console(), {"loss": 2.5, "by_position": list(range(1000))}, str(report))
+    assert json.loads(report.read_text()) == {"loss": 1.5}
+    assert [path.name for path in report.parent.iterdir()] == [report.name]  # no temporary file left
+
+
 def test_hf_losses_keep_fp32_precision_over_a_large_vocabulary(tmp_path):
     """cl100k's 100K ids: each loss within 5e-6 of the float64 one (summed over a [B, V, n] layout, torch's
     fp32 was 2e-5 off)."""

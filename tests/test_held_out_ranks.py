@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megadiff.cli import main
 from megadiff.checkpoint.single_process import CausalLM
+from megadiff.cli import main
 from tests.distributed import run_ranks
 from tests.held_out_runs import held_out_run
 

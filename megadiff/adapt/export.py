@@ -15,6 +15,7 @@ from torch import nn
 from megadiff.adapt import modeling_adapted
 from megadiff.adapt.config import AdaptationError
 from megadiff.adapt.modeling_adapted import EXPORT_CLASSES, describe_adapters
+from megadiff.files import publish_staged, staging_dir
 
 MODEL_CODE_MODULE = "modeling_megadiff_adapted"
 
@@ -42,12 +43,17 @@ def adapted_config(model: nn.Module):
 
 
 def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[dict] = None, tokenizer=None) -> Path:
-    """Write the HF directory. `state_dict`: the full weights when the model's own are partitioned (ZeRO-3)."""
+    """Write the HF directory. `state_dict`: the full weights when the model's own are partitioned (ZeRO-3).
+    It is written aside and named when whole: killed between the weights and the adapted config, it loaded
+    as the base architecture, the adapters' weights ignored."""
     directory = Path(directory)
     config = adapted_config(model)
-    model.save_pretrained(directory, state_dict=state_dict)
-    config.save_pretrained(directory)  # replaces the base model's config.json
-    shutil.copyfile(modeling_adapted.__file__, directory / f"{MODEL_CODE_MODULE}.py")
+    staged = staging_dir(directory)
+    shutil.rmtree(staged, ignore_errors=True)  # a killed export's
+    model.save_pretrained(staged, state_dict=state_dict)
+    config.save_pretrained(staged)  # replaces the base model's config.json
+    shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
     if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+        tokenizer.save_pretrained(staged)
+    publish_staged(directory)
     return directory

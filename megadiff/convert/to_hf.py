@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.single_process import checkpoint_tokenizer, load_checkpoint, single_process_config
 from megadiff.config import padded_vocab_size
 from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
@@ -18,7 +19,6 @@ from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
 from megadiff.convert.hf_layout import Dims, megatron_to_hf
 from megadiff.convert.steps import step
-from megadiff.checkpoint.single_process import checkpoint_tokenizer, load_checkpoint, single_process_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # lambda's vectors are exported in fp32 whatever --dtype (exp of their dot products is sensitive)

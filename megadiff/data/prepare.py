@@ -17,6 +17,7 @@ the same sources and tokenizer as the manifest's does nothing, so preparing agai
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
@@ -173,8 +174,11 @@ def _remove_outputs(plan: _Plan) -> None:
     killed run would leave it there to be trained on, with the manifest that told it apart gone."""
     remove_manifest(plan.prefix)
     for prefix in plan.output_prefixes():
-        bin_path(prefix).unlink(missing_ok=True)
-        idx_path(prefix).unlink(missing_ok=True)
+        for path in (bin_path(prefix), idx_path(prefix)):
+            path.unlink(missing_ok=True)
+            # a merge killed before its rename: a corpus-sized file at each preemption, never read
+            for leftover in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
+                leftover.unlink()
 
 
 def prepare_share(data: DataConfig, index: int, count: int, console: Console | None = None) -> None:

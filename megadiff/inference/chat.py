@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
+from megadiff.checkpoint.single_process import load_checkpoint
 from megadiff.inference.chat_prompts import chat_renderer, system_turns
 from megadiff.inference.generate import HeldContext, check_generation, print_continuation
-from megadiff.checkpoint.single_process import load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 

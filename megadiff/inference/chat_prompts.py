@@ -11,8 +11,8 @@ from megadiff.config import ConfigError
 from megadiff.data.conversations import (
     chat_template_of, encode_piece, mark_special_texts, render_conversation, turn_end,
 )
-from megadiff.data.tokenizers import Tokenizer, with_text_start
 from megadiff.checkpoint.single_process import CausalLM
+from megadiff.data.tokenizers import Tokenizer, with_text_start
 
 
 def checkpoint_chat_template(model: CausalLM, option: str) -> str:

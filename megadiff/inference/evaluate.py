@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from megadiff.checkpoint.single_process import CausalLM
 from megadiff.config import ConfigError
 from megadiff.config.loader import saved_config
 from megadiff.config.validate import validate_data
@@ -33,7 +34,6 @@ from megadiff.data.indexed import read_index
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.hf_model import HFCausalLM, load_model
-from megadiff.checkpoint.single_process import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
 from megadiff.inference.recall import (

@@ -20,10 +20,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.chat_prompts import chat_prompt, encode_prompt, system_turns
-from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 # what a byte-level tokenizer decodes a character's leading bytes to, until its last byte comes

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
+from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.config import ConfigError
 from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
+from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
 from megadiff.inference.generate import check_generation, decodable_ids, generate_batch, stop_texts_check
-from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
 from megadiff.inference.records import RankRecords, lines_of, model_settings
@@ -147,10 +148,9 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
                 task.advance(1, len(encoded[key]) + len(new_ids))
     wait_for_ranks()  # every rank's last batch is in its file
     every = completions.done(digests)
-    if reports():
-        with Path(output).open("w", encoding="utf-8") as out:
-            for key, _ in prompts:
-                out.write(json.dumps({field: every[key][field] for field in OUTPUT_FIELDS}) + "\n")
+    if reports():  # whole or not at all: cut short, its lines would look like every completion
+        write_atomically(output, "".join(json.dumps({field: every[key][field] for field in OUTPUT_FIELDS}) + "\n"
+                                         for key, _ in prompts).encode("utf-8"))
         new_tokens = sum(every[key]["new_tokens"] for key in todo)
         console.print(f"generate: wrote {len(prompts)} completions to {output} ({len(todo)} generated now, "
                       f"{new_tokens:,} new tokens in {time.perf_counter() - started:.1f} s)")

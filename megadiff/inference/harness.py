@@ -415,7 +415,6 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
         kept.update(checkpoint=str(model.checkpoint_dir), attention_logit_bits=attention_logit_bits,
                     gen_kwargs=gen_kwargs, chat_template=chat_template, system_instruction=system_instruction,
                     fewshot_as_multiturn=fewshot_as_multiturn)
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(kept, indent=1, default=handle_non_serializable))
+        write_atomically(output, json.dumps(kept, indent=1, default=handle_non_serializable).encode())
         console.print(f"wrote {output}")
     return 0

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.config import Config, ConfigError, build_config
 from megadiff.config.loader import read_saved_config
 from megadiff.convert.hf_io import SIDECAR_CONFIG
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
-from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.models.transformer_config import PRECISION_DTYPES
 from megadiff.parallel import compute_device, init_process_group
 

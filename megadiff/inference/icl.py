@@ -21,10 +21,10 @@ import datasets
 import torch
 from rich.table import Table
 
+from megadiff.checkpoint.single_process import CausalLM
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer, with_text_start
 from megadiff.inference.hf_model import HFCausalLM, load_model
-from megadiff.checkpoint.single_process import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
 from megadiff.inference.records import RankRecords, model_settings

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from rich.table import Table
 
+from megadiff.checkpoint.single_process import CausalLM
 from megadiff.config import ConfigError
 from megadiff.data.checks import split_tokens
 from megadiff.data.locations import training_blend
@@ -32,7 +33,6 @@ from megadiff.data.tokenizers import Tokenizer, encode_continuing
 from megadiff.inference.evaluate import check_request, evaluation_config
 from megadiff.inference.hf_attention import hf_attention_rows
 from megadiff.inference.hf_model import HFCausalLM, load_model
-from megadiff.checkpoint.single_process import CausalLM
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks

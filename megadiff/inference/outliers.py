@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from rich.table import Table
 
+from megadiff.checkpoint.single_process import CausalLM
 from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
@@ -29,7 +30,6 @@ from megadiff.inference.evaluate import check_request, evaluation_config, held_o
 from megadiff.inference.generate import document_eod
 from megadiff.inference.hf_attention import attention_calls, require_every_layer
 from megadiff.inference.hf_model import HFCausalLM, load_model
-from megadiff.checkpoint.single_process import CausalLM
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, share, share_size, sum_across_ranks
 from megadiff.inference.reporting import command_console, write_report

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from rich.console import Console
 
 from megadiff.console import plain_console
+from megadiff.files import write_atomically
 from megadiff.inference.ranks import reports
 
 
@@ -17,7 +17,6 @@ def command_console() -> Console:
 
 def write_report(console: Console, report: dict, output: str | None) -> None:
     """The report as JSON at `output`, when asked for (by rank 0)."""
-    if output and reports():
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1))
+    if output and reports():  # whole or not at all: a kill while writing kept neither the last report nor this
+        write_atomically(output, json.dumps(report, indent=1).encode())
         console.print(f"wrote {output}")

@@ -15,8 +15,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megadiff.models.documents import document_cu_seqlens
 from megadiff.helper_processes import ignore_preemption_signals
+from megadiff.models.documents import document_cu_seqlens
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 

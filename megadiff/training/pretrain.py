@@ -27,10 +27,10 @@ from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
 from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
-from megadiff.ops.common import triton_candidates_limit
-from megadiff.ops.dispatch import triton_unavailable
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
+from megadiff.ops.common import triton_candidates_limit
+from megadiff.ops.dispatch import triton_unavailable
 from megadiff.parallel import compute_device, initialize, shutdown, tensor_parallel_across_nodes
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
