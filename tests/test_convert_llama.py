@@ -59,6 +59,25 @@ def test_stock_llama_becomes_a_megadiff_softmax_checkpoint(tmp_path, tied):
         assert torch.equal(back[name], tensor), name
 
 
+def test_a_conversion_killed_while_written_leaves_no_checkpoint_and_a_rerun_converts(tmp_path, monkeypatch):
+    """Written in place, from-hf killed before its tokenizer left a checkpoint that loaded, naming a tokenizer
+    it lacked, and a rerun refused its non-empty directory."""
+    from transformers import PreTrainedTokenizerBase
+
+    stock_llama(tmp_path / "llama", tied=False)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+    assert not (tmp_path / "megadiff").exists()
+    monkeypatch.undo()
+    checkpoint = convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+    assert load_tokenizer(checkpoint_config(checkpoint).data.tokenizer).vocab_size == 300
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_a_vocabulary_padded_before_conversion_trains_tensor_parallel(tmp_path):
     """docs/conversion.md's way to train an odd vocabulary (a Llama's 32,001) at parallel.tensor > 1: the
     conversion keeps a vocabulary as it is, so it is padded in transformers first."""

@@ -20,7 +20,7 @@ ALLOWED = {
     "models": {"config", "ops", "errors"},
     # a checkpoint's single-process model is built here, below both convert and inference, which use it
     "checkpoint": {"config", "data", "errors", "files", "helper_processes", "models", "parallel"},
-    "convert": {"checkpoint", "config", "console", "data", "errors", "models"},
+    "convert": {"checkpoint", "config", "console", "data", "errors", "files", "models"},
     "cli": {"config", "errors"},
 }
 

@@ -10,12 +10,16 @@ uses a packaged tiktoken encoding, its tokenizer under tokenizer/ (where
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
+from megadiff.checkpoint.single_process import (
+    PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
+)
 from megadiff.checkpoint.weights import save_model_weights
 from megadiff.config import Config, ModelConfig, padded_vocab_size, validate_config
 from megadiff.console import plain_console
@@ -25,9 +29,7 @@ from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
-from megadiff.checkpoint.single_process import (
-    PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
-)
+from megadiff.files import publish_staged, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -133,10 +135,14 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
             theirs = hf_logits(load_hf_model(hf_dir.path, family), vocab_in_use)
             result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, hf_dtype))
         console.print(f"megadiff convert: check passed: {result.summary()}")
+    # written aside and named when whole: killed before its tokenizer, it loaded, naming a tokenizer it lacked
+    staged = staging_dir(out)
+    shutil.rmtree(staged, ignore_errors=True)  # a killed conversion's
     with step(console, f"writing {parameters:,} parameters to {out}"):
-        save_model_weights([model], cfg, out)
+        save_model_weights([model], cfg, staged)
     if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+        hf_tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
+    publish_staged(out)
     console.print(f"megadiff convert: {hf_dir.path} ({family}) -> {out} (megadiff {cfg.model.variant}, "
                   f"{cfg.train.precision})")
     return out
