@@ -8,7 +8,7 @@ import sys
 import time
 
 import psutil
-
+import pytest
 import torch.distributed as dist
 
 from megadiff.preemption import REQUEUE_MARKER_ENV, PreemptionHandler, leave_requeue_marker
@@ -88,22 +88,34 @@ def test_a_marker_that_cannot_be_written_is_reported_not_raised(tmp_path, monkey
 
 TRAINER = """
 import time
-from megadiff.checkpoint.training_checkpoint import _start_write_results_queue
-_start_write_results_queue()
+from megadiff.checkpoint.weights import start_write_results_queue
+start_write_results_queue()
+print("started", flush=True)
+time.sleep(600)
+"""
+# a conversion's model-only save (from-hf's): megatron started its own manager, which a kill left orphaned
+CONVERTER = """
+import sys, time
+from pathlib import Path
+from tests.convert_worker import build_tokenizer, save_in_process, variant_config
+tokenizer = build_tokenizer(Path(sys.argv[1]) / "tokenizer")
+save_in_process(variant_config("softmax", "single", str(tokenizer)), Path(sys.argv[1]) / "checkpoint")
 print("started", flush=True)
 time.sleep(600)
 """
 
 
-def test_the_checkpoint_writers_manager_ignores_preemption_and_exits_with_its_trainer():
+@pytest.mark.parametrize("program", [TRAINER, CONVERTER], ids=["trainer", "conversion"])
+def test_the_checkpoint_writers_manager_ignores_preemption_and_exits_with_its_trainer(program, tmp_path):
     """Slurm signals every process of the step: the manager megatron's writes report through lives on
-    through them, and leaves when its trainer is killed outright (it would otherwise be orphaned)."""
+    through them, and leaves when its trainer (or a conversion) is killed outright (it would otherwise be
+    orphaned, holding the output pipe of the job that ran it)."""
     from tests.pretrain_runs import ROOT, environment
 
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER], env=environment(), cwd=ROOT, stdout=subprocess.PIPE,
-                               text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", program, str(tmp_path)], env=environment(), cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True)
     try:
-        assert trainer.stdout.readline().strip() == "started"
+        assert "started\n" in iter(trainer.stdout.readline, "")  # after what the program printed on the way
         manager = next(child for child in psutil.Process(trainer.pid).children()
                        if "spawn_main" in " ".join(child.cmdline()))
         for preemption in (signal.SIGUSR1, signal.SIGTERM):

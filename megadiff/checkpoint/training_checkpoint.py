@@ -13,11 +13,8 @@ the layout (world size, TP, PP, CP) is unchanged; any layout can load the rest (
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import os
 import random
 import shutil
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +22,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -34,10 +30,11 @@ from megadiff.checkpoint.format import (
     read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
-from megadiff.checkpoint.weights import damage_reported, first_failure, load_into_chunks, load_sharded
+from megadiff.checkpoint.weights import (
+    damage_reported, first_failure, load_into_chunks, load_sharded, start_write_results_queue,
+)
 from megadiff.config import Config, dump_config
 from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
-from megadiff.helper_processes import follow_the_trainer
 
 TRAIN_STATE_KEY = "train_state"
 RNG_KEY = "rng_state"
@@ -86,17 +83,6 @@ def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> Non
         remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last)
 
 
-def _start_write_results_queue() -> None:
-    """megatron's checkpoint writers report through a manager process it spawns at the first save. A spawned
-    process takes the default action of Slurm's preemption signals (they reach every process of the job step),
-    so it died as the preemption checkpoint was being written, and the save with it. Started here, it ignores
-    them (and exits with the training process)."""
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=follow_the_trainer, initargs=(os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager running
-
-
 class CheckpointWriter:
     """Saves training checkpoints of one run; `async_save` overlaps the file writes with training."""
 
@@ -105,7 +91,7 @@ class CheckpointWriter:
         self.dir = Path(checkpoints_dir)
         self.cfg = cfg
         self.keep_last = keep_last
-        _start_write_results_queue()
+        start_write_results_queue()
         self.queue = AsyncCallsQueue() if async_save else None
         self.in_flight: int | None = None  # the iteration of the background save not yet committed
 

@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import pickle
 from contextlib import contextmanager
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import CONFIG_FILE, CheckpointError, model_keys, model_sharded_state
 from megadiff.config import Config, dump_config
+from megadiff.helper_processes import follow_the_trainer
 
 # TransformerEngine layers keep their FP8 scaling history as `_extra_state`. Checkpoints of
 # megatron's local layers, which every conversion writes, have none: a TE model loaded from one
@@ -74,10 +79,23 @@ def load_model_weights(chunks: list, checkpoint_dir: str | Path) -> None:
     load_into_chunks(chunks, load_sharded(model_sharded_state(chunks), checkpoint_dir))
 
 
+def start_write_results_queue() -> None:
+    """megatron's checkpoint writers report through a manager process it spawns at the first save. A spawned
+    process takes the default action of Slurm's preemption signals (they reach every process of the job step),
+    so it died as the preemption checkpoint was being written, and the save with it; and it outlived a process
+    killed outright (a conversion's: minutes, holding its output pipe). Started here, it ignores the signals and
+    exits with the process that started it."""
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=follow_the_trainer, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager running
+
+
 def save_model_weights(chunks: list, cfg: Config, checkpoint_dir: str | Path) -> None:
     """Write a model-only checkpoint (no optimizer), e.g. after converting from Hugging Face."""
     checkpoint_dir = Path(checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    start_write_results_queue()
     dist_checkpointing.save(model_sharded_state(chunks), str(checkpoint_dir))
     if not dist.is_initialized() or dist.get_rank() == 0:
         dump_config(cfg, checkpoint_dir / CONFIG_FILE)
