@@ -10,6 +10,12 @@ class MegadiffError(Exception):
     """A config, data, checkpoint or conversion that cannot work, explained in the message."""
 
 
+def first_line(err: Exception) -> str:
+    """A library's error message, whose later lines often point at places not read here (the hub), in one
+    line: its first, or its type where it has no text."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def refused_together(check: Callable[[], Result]) -> Result:
     """`check()` on every rank (collective): where it raised on some ranks, every rank raises, each failing
     rank its own error and the others the first one's, as the same kind of refusal (the same exit code; any

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from megadiff.config.schema import Config
 from megadiff.config.validate import ConfigError, validate_config
+from megadiff.errors import first_line
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FLOAT_TAG = "tag:yaml.org,2002:float"
@@ -82,7 +83,7 @@ def describe_error(err: Exception) -> str:
     """A PyYAML or OmegaConf error in one line (theirs span several, naming "<unicode string>" or object types)."""
     if isinstance(err, yaml.MarkedYAMLError):
         return err.problem + (f" ({err.context})" if err.context else "")
-    return str(err).splitlines()[0]
+    return first_line(err)
 
 
 def read_yaml_file(path: Path) -> dict:

