@@ -470,6 +470,39 @@ def test_a_special_tokens_text_in_a_document_is_text(small_tokenizer_dir, tmp_pa
     assert tokenizer.decode(ids[:-1]) == text
 
 
+def _save_unigram(directory: Path, texts: list[str]) -> None:
+    """A SentencePiece-style Unigram (T5's: <pad> 0, EOS </s> 1, <unk> 2) trained on `texts`, saved as Hugging
+    Face files: the special tokens are pieces of its model, as a converted SentencePiece model's are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.Unigram())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+                                      show_progress=False)
+    backend.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(str(directory))
+
+
+def test_a_unigram_tokenizer_reads_its_special_tokens_texts_in_a_document_as_text(tmp_path):
+    """T5's "</s>" is also the HTML closing tag of struck-out text: in a web page it must not end the document
+    (nor "<unk>" become the unknown token)."""
+    _save_unigram(tmp_path / "tok", kjv_verses()[:2000] + ["<s>old</s> <unk>"])
+    text = "The price was <s>twenty</s> fifteen, the <unk> field empty."
+    source = tmp_path / "web.jsonl"
+    source.write_text(json.dumps({"text": text}) + "\n")
+    prefix = tmp_path / "web"
+    prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={prefix}",
+                        f"data.tokenizer={tmp_path / 'tok'}"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    (ids,) = read_back(prefix)
+    assert not set(ids[:-1]) & {tokenizer.hf.convert_tokens_to_ids(token) for token in ("</s>", "<unk>")}
+    assert tokenizer.decode(ids[:-1]).strip() == text
+    assert tokenizer.encode("a</s>")[-1] == tokenizer.eod  # a template's EOS text is still the EOS
+
+
 def _save_bpe(directory: Path, texts: list[str]) -> None:
     """A byte-level BPE (300 ids, EOS <|endoftext|>) trained on `texts`, saved as Hugging Face files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -14,6 +14,7 @@ and `save_hf(dir)`, which writes Hugging Face tokenizer files so an exported mod
 """
 from __future__ import annotations
 
+import copy
 import gzip
 import importlib.util
 import re
@@ -153,6 +154,7 @@ class HFTokenizer:
                                if isinstance(token, str)}
         # the texts `encode` reads as special tokens' ids (chat markup such as <|im_start|>, the EOS)
         self.special_texts = tuple(token.content for token in self.hf.added_tokens_decoder.values() if token.special)
+        self.literal_hf = _reading_special_texts_as_text(self.hf, self.special_texts)
 
     def encode(self, text: str) -> list[int]:
         """Special tokens' texts in `text` become their ids: for prompts and chat templates' renderings."""
@@ -161,14 +163,15 @@ class HFTokenizer:
     def encode_ordinary(self, text: str) -> list[int]:
         """Special tokens' texts in `text` stay text, as tiktoken's encode reads them: for documents,
         where a literal "<|endoftext|>" must not end the document."""
-        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return self.literal_hf.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def encode_with_offsets(self, text: str, ordinary: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """encode's (or with `ordinary`, encode_ordinary's) ids, each with the (start, end) of its characters in
         `text`; NotImplementedError for a tokenizer without offsets (a slow, Python one)."""
         if not self.hf.is_fast:
             raise NotImplementedError(f"{self.name} gives no character offsets")
-        encoded = self.hf(text, add_special_tokens=False, split_special_tokens=ordinary, return_offsets_mapping=True)
+        encoded = (self.literal_hf if ordinary else self.hf)(text, add_special_tokens=False,
+                                                             split_special_tokens=ordinary, return_offsets_mapping=True)
         return encoded["input_ids"], [tuple(span) for span in encoded["offset_mapping"]]
 
     def decode(self, ids: list[int]) -> str:
@@ -176,6 +179,32 @@ class HFTokenizer:
 
     def save_hf(self, directory: str | Path) -> None:
         self.hf.save_pretrained(str(directory))
+
+
+def _reading_special_texts_as_text(hf, special_texts: tuple[str, ...]):
+    """`hf`, or a copy of it whose model never picks a special token's piece out of text. split_special_tokens
+    keeps a special token's text away from the added-token matcher only: a converted SentencePiece Unigram
+    model (T5's) lists "</s>" and "<unk>" among its pieces, scored as likely as any, and would read a web page's
+    "<s>struck</s>" as an end of document. SentencePiece itself never matches those control pieces in text."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+
+    if not getattr(hf, "is_fast", False) or type(hf.backend_tokenizer.model).__name__ != "Unigram":
+        return hf
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    pieces = [piece for piece in spec["model"]["vocab"] if piece[0] in special_texts]
+    if not pieces:
+        return hf
+    for piece in pieces:
+        piece[1] = UNREACHABLE_SCORE
+    literal = copy.copy(hf)
+    literal._tokenizer = Backend.from_str(json.dumps(spec))  # transformers' fast tokenizers encode with it
+    return literal
+
+
+# a Unigram piece's log probability that no split of a text into other pieces (even <unk>'s) falls below
+UNREACHABLE_SCORE = -1e9
 
 
 def _sentencepiece_hint(path: str) -> str:
