@@ -62,6 +62,22 @@ def commit_staged(final: Path, marker: Path, marker_text: str) -> None:
     write_atomically(marker, marker_text.encode())
 
 
+ITERATION_PREFIX = "iter_"  # checkpoints/iter_0000500: megatron's naming, and DeepSpeed's tag of each save
+
+
+def iteration_dir(checkpoints_dir: str | Path, iteration: int) -> Path:
+    return Path(checkpoints_dir) / f"{ITERATION_PREFIX}{iteration:07d}"
+
+
+def commit_iteration(checkpoints_dir: Path, iteration: int, marker: str, marker_text: str,
+                     keep_last: int | None) -> None:
+    """One process, once every rank's files of the staged iteration_dir are complete: commit_staged with the
+    `marker` file of `checkpoints_dir`, then the checkpoints beyond `keep_last` removed."""
+    commit_staged(iteration_dir(checkpoints_dir, iteration), checkpoints_dir / marker, marker_text)
+    if keep_last:
+        remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last)
+
+
 def numbered_dirs(directory: str | Path, prefix: str) -> list[tuple[int, Path]]:
     """The directories `<prefix><number>` in `directory` (checkpoints), by number."""
     return sorted((int(path.name.removeprefix(prefix)), path) for path in Path(directory).glob(f"{prefix}*")

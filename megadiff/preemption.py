@@ -66,6 +66,14 @@ class PreemptionHandler:
         self.signalled, self.out_of_time = (bool(flag) for flag in flags.tolist())
         return self.signalled or self.out_of_time
 
+    def exit_after_checkpoint(self, rank: int) -> int:
+        """Once the stopping checkpoint is committed (a requeue resumes from it): after a signal, the requeue
+        marker and REQUEUE_EXIT_CODE, on which the Slurm scripts requeue; otherwise 0."""
+        if not self.signalled:
+            return 0
+        leave_requeue_marker(rank)
+        return REQUEUE_EXIT_CODE
+
     def restore(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)

@@ -7,7 +7,8 @@ import pytest
 from megadiff.checkpoint.format import (
     LATEST_FILE, CheckpointError, iteration_dir, latest_checkpoint, read_latest_iteration, resolve_checkpoint_dir,
 )
-from megadiff.checkpoint.training_checkpoint import _commit, _staging_dir
+from megadiff.checkpoint.training_checkpoint import _staging_dir
+from megadiff.files import commit_iteration
 
 
 def _saved(directory) -> list[str]:
@@ -16,7 +17,7 @@ def _saved(directory) -> list[str]:
 
 def _commit_staged(directory, iteration: int, keep_last: int) -> None:
     _staging_dir(directory, iteration).mkdir()
-    _commit(directory, iteration, keep_last)
+    commit_iteration(directory, iteration, LATEST_FILE, f"{iteration}\n", keep_last)
 
 
 def test_keep_last_removes_the_oldest(tmp_path):

@@ -36,11 +36,10 @@ from megadiff.config.loader import config_yaml
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
 from megadiff.errors import refused_together
-from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
+from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
-from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
+from megadiff.preemption import PreemptionHandler, signal_name
 
-ITERATION_PREFIX = "iter_"  # checkpoints/iter_0000500: DeepSpeed's tag of each save
 CHECKPOINT_DIR = "checkpoints"
 
 
@@ -214,10 +213,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
                   {"iteration": iteration, "unrecorded": unrecorded.state()})
         if exit_now and iteration < cfg.train.iters:
-            exit_code = 0
-            if stop.signalled:  # after `_save` committed the checkpoint a requeue resumes from
-                exit_code = REQUEUE_EXIT_CODE
-                leave_requeue_marker(rank)
+            exit_code = stop.exit_after_checkpoint(rank)
             if writer is not None:
                 reason = (signal_name(stop.received) if stop.signalled else
                           "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")
@@ -258,7 +254,7 @@ def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: in
     checkpoint's name on a directory that keep_last counted."""
     import torch.distributed as dist
 
-    final = checkpoint_dir / f"{ITERATION_PREFIX}{iteration:07d}"
+    final = iteration_dir(checkpoint_dir, iteration)
     if rank == 0:
         remove_staging_leftovers(checkpoint_dir)
     dist.barrier()
@@ -266,9 +262,7 @@ def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: in
     engine.save_checkpoint(str(checkpoint_dir), tag=staging_dir(final).name, client_state=client_state,
                            save_latest=False, exclude_frozen_parameters=True)
     if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
-        commit_staged(final, checkpoint_dir / "latest", final.name)
-        if keep_last:
-            remove_older_numbered(checkpoint_dir, ITERATION_PREFIX, iteration, keep_last)
+        commit_iteration(checkpoint_dir, iteration, "latest", final.name, keep_last)
 
 
 def finetune_from_config(config_path: str, overrides: list[str]) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from megadiff.config import Config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.errors import MegadiffError
-from megadiff.files import numbered_dirs
+from megadiff.files import ITERATION_PREFIX, iteration_dir, numbered_dirs
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -27,13 +27,6 @@ CONFIG_FILE = "config.yaml"
 
 class CheckpointError(MegadiffError, RuntimeError):
     """A checkpoint path that cannot be used."""
-
-
-ITERATION_PREFIX = "iter_"
-
-
-def iteration_dir(checkpoints_dir: str | Path, iteration: int) -> Path:
-    return Path(checkpoints_dir) / f"{ITERATION_PREFIX}{iteration:07d}"
 
 
 def read_latest_iteration(checkpoints_dir: str | Path) -> int | None:

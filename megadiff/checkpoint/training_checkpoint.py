@@ -19,14 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, ITERATION_PREFIX, LATEST_FILE, CheckpointError, iteration_dir, model_sharded_state,
+    CONFIG_FILE, LATEST_FILE, CheckpointError, iteration_dir, model_sharded_state,
     read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
@@ -34,19 +33,11 @@ from megadiff.checkpoint.weights import (
     damage_reported, first_failure, load_into_chunks, load_sharded, start_write_results_queue,
 )
 from megadiff.config import Config, dump_config
-from megadiff.files import commit_staged, remove_older_numbered, remove_staging_leftovers, staging_dir
+from megadiff.files import commit_iteration, remove_staging_leftovers, staging_dir
+from megadiff.parallel import rank_and_world, wait_for_ranks
 
 TRAIN_STATE_KEY = "train_state"
 RNG_KEY = "rng_state"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rng_states() -> dict:
@@ -67,20 +58,13 @@ def _restore_rng_states(states: dict) -> None:
 
 
 def _rng_sharded_object(states: dict | None) -> ShardedObject:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return ShardedObject(RNG_KEY, states, (world,), (_rank(),), replica_id=0)
+    rank, world = rank_and_world()
+    return ShardedObject(RNG_KEY, states, (world,), (rank,), replica_id=0)
 
 
 def _staging_dir(checkpoints_dir: Path, iteration: int) -> Path:
     """Where a save writes before its commit renames it to iteration_dir(...)."""
     return staging_dir(iteration_dir(checkpoints_dir, iteration))
-
-
-def _commit(checkpoints_dir: Path, iteration: int, keep_last: int | None) -> None:
-    """Rank 0, after every rank's files are complete: rename into place, then move the marker."""
-    commit_staged(iteration_dir(checkpoints_dir, iteration), checkpoints_dir / LATEST_FILE, f"{iteration}\n")
-    if keep_last:
-        remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last)
 
 
 class CheckpointWriter:
@@ -99,10 +83,10 @@ class CheckpointWriter:
         self.wait()  # one save in flight at a time: its commit must precede the next one's
         staging = _staging_dir(self.dir, iteration)
         with self._failure_reported(iteration):
-            if _rank() == 0:
+            if rank_and_world()[0] == 0:
                 remove_staging_leftovers(self.dir)
                 staging.mkdir(parents=True)
-            _barrier()
+            wait_for_ranks()
             state = model_sharded_state(chunks)
             state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
             state[TRAIN_STATE_KEY] = train_state
@@ -110,9 +94,9 @@ class CheckpointWriter:
             commit = self._commit_fn(iteration)
             if self.queue is None:
                 dist_checkpointing.save(state, str(staging))
-                _barrier()
+                wait_for_ranks()
                 commit()
-                _barrier()
+                wait_for_ranks()
             else:
                 request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
                 request.add_finalize_fn(commit)
@@ -127,7 +111,7 @@ class CheckpointWriter:
         try:
             yield
         except (CheckpointException, OSError) as error:
-            if _rank() == 0:
+            if rank_and_world()[0] == 0:
                 shutil.rmtree(_staging_dir(self.dir, iteration), ignore_errors=True)
             kept = read_latest_iteration(self.dir)
             kept = (f"the run's last checkpoint, {iteration_dir(self.dir, kept)}, is kept and a rerun resumes from it"
@@ -137,9 +121,9 @@ class CheckpointWriter:
 
     def _commit_fn(self, iteration: int):
         def commit() -> None:
-            if _rank() == 0:
+            if rank_and_world()[0] == 0:
                 dump_config(self.cfg, _staging_dir(self.dir, iteration) / CONFIG_FILE)
-                _commit(self.dir, iteration, self.keep_last)
+                commit_iteration(self.dir, iteration, LATEST_FILE, f"{iteration}\n", self.keep_last)
         return commit
 
     def poll(self) -> None:
@@ -149,7 +133,7 @@ class CheckpointWriter:
     def wait(self) -> None:
         self._finalize(blocking=True)
         if self.queue is not None:
-            _barrier()
+            wait_for_ranks()
 
     def _finalize(self, blocking: bool) -> None:
         if self.queue is not None and self.in_flight is not None:

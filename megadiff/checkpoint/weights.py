@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -18,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megadiff.checkpoint.format import CONFIG_FILE, CheckpointError, model_keys, model_sharded_state
 from megadiff.config import Config, dump_config
 from megadiff.helper_processes import follow_the_trainer
+from megadiff.parallel import rank_and_world
 
 # TransformerEngine layers keep their FP8 scaling history as `_extra_state`. Checkpoints of
 # megatron's local layers, which every conversion writes, have none: a TE model loaded from one
@@ -97,5 +97,5 @@ def save_model_weights(chunks: list, cfg: Config, checkpoint_dir: str | Path) ->
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     start_write_results_queue()
     dist_checkpointing.save(model_sharded_state(chunks), str(checkpoint_dir))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank_and_world()[0] == 0:
         dump_config(cfg, checkpoint_dir / CONFIG_FILE)

@@ -19,8 +19,8 @@ from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
 from megadiff.convert.hf_layout import Dims, megatron_to_hf
 from megadiff.convert.steps import step
+from megadiff.models.transformer_config import PRECISION_DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # lambda's vectors are exported in fp32 whatever --dtype (exp of their dot products is sensitive)
 FP32_SUFFIXES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -37,8 +37,8 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read
     tokenizer = checkpoint_tokenizer(checkpoint_dir, cfg)
     vocab_size = padded_vocab_size(cfg.model, cfg.parallel.tensor)
-    source_dtype = DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds
-    target_dtype = DTYPES[dtype] if dtype else source_dtype
+    source_dtype = PRECISION_DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds
+    target_dtype = PRECISION_DTYPES[dtype] if dtype else source_dtype
     hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.bos, tokenizer.eod, target_dtype)
     with step(console, f"reading {checkpoint_dir}"):
         source = load_checkpoint(checkpoint_dir)

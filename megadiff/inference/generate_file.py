@@ -27,10 +27,11 @@ from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
 from megadiff.inference.generate import check_generation, decodable_ids, generate_batch, stop_texts_check
 from megadiff.inference.progress import ProgressTask, command_progress
-from megadiff.inference.ranks import rank_and_world, reports, share, wait_for_ranks
+from megadiff.inference.ranks import reports, share
 from megadiff.inference.records import RankRecords, lines_of, model_settings
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
+from megadiff.parallel import rank_and_world, wait_for_ranks
 
 OUTPUT_FIELDS = ("id", "completion", "new_tokens", "finish")
 # what completions kept before the request recorded top_p were sampled with

@@ -43,9 +43,10 @@ from megadiff.inference.generate import (
 )
 from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
-from megadiff.inference.ranks import gather_across_ranks, rank_and_world, reports, wait_for_ranks
+from megadiff.inference.ranks import gather_across_ranks, reports
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
+from megadiff.parallel import rank_and_world, wait_for_ranks
 
 try:
     from lm_eval import simple_evaluate

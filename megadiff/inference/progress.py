@@ -7,7 +7,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from megadiff.inference.ranks import rank_and_world, reports
+from megadiff.inference.ranks import reports
+from megadiff.parallel import rank_and_world
 
 
 def command_progress(command: str) -> Progress:

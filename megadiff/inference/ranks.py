@@ -13,15 +13,9 @@ from typing import Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from megadiff.parallel import compute_device
+from megadiff.parallel import compute_device, rank_and_world
 
 Item = TypeVar("Item")
-
-
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def reports() -> bool:
@@ -63,7 +57,3 @@ def gather_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(tensor.device)
 
 
-def wait_for_ranks() -> None:
-    """Every rank reaches this point before any goes on (nothing to wait for in one process)."""
-    if rank_and_world()[1] > 1:
-        dist.barrier()

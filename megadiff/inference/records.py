@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from megadiff.config import ConfigError
-from megadiff.inference.ranks import rank_and_world, wait_for_ranks
+from megadiff.parallel import rank_and_world, wait_for_ranks
 
 
 def lines_of(path: Path) -> list[str]:

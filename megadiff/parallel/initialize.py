@@ -59,6 +59,19 @@ def tensor_parallel_across_nodes(parallel: ParallelConfig) -> str | None:
             "keeps each group on one node)")
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world's size; 0 of 1 without a process group."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def wait_for_ranks() -> None:
+    """Every rank reaches this point before any goes on (nothing to wait for in one process)."""
+    if rank_and_world()[1] > 1:
+        dist.barrier()
+
+
 def compute_device() -> torch.device:
     """Where megatron computes and where NCCL collectives need their tensors: this process's CUDA
     device when there is one (megatron's own layers and RoPE go there whatever else asks), else

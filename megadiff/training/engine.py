@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from megadiff.config import Config
 from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
@@ -35,11 +36,7 @@ class Engine:
 
     def unwrapped(self) -> list:
         """The GPTModel chunks inside DDP / Float16Module."""
-        chunks = []
-        for chunk in self.model:
-            inner = chunk.module
-            chunks.append(inner.module if isinstance(inner, Float16Module) else inner)
-        return chunks
+        return unwrap_model(self.model)
 
 
 def _finalize_model_grads(model: list, *args, **kwargs) -> None:

@@ -32,7 +32,7 @@ from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
 from megadiff.parallel import compute_device, initialize, shutdown, tensor_parallel_across_nodes
-from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, leave_requeue_marker, signal_name
+from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
@@ -176,7 +176,7 @@ class Pretraining:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         batches = self._loader(self.datasets[0], state.consumed_samples, self.train_samples)
         preemption = self.preemption
-        exit_code, saved_at = 0, state.iteration  # a run resumed at its end has nothing new to save
+        saved_at = state.iteration  # a run resumed at its end has nothing new to save
         unrecorded = self.unrecorded
         failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
         try:
@@ -236,9 +236,8 @@ class Pretraining:
                 stop_early = preemption.agreed(compute_device())
                 if stop_early or (t.exit_interval and state.iteration % t.exit_interval == 0):
                     if preemption.signalled:
-                        exit_code = REQUEUE_EXIT_CODE
                         self._say(f"{signal_name(preemption.received)} received: checkpointing at iteration "
-                                  f"{state.iteration}, then exiting with code {exit_code} (on which the Slurm "
+                                  f"{state.iteration}, then exiting with code {REQUEUE_EXIT_CODE} (on which the Slurm "
                                   "scripts requeue a preempted job)")
                     elif preemption.out_of_time:
                         self._say(f"train.exit_duration_minutes={t.exit_duration_minutes} spent: checkpointing at "
@@ -248,8 +247,7 @@ class Pretraining:
             if saved_at != state.iteration:
                 self._save()
             self.checkpoints.close()
-            if exit_code == REQUEUE_EXIT_CODE:  # only once its checkpoint is committed: a requeue resumes from it
-                leave_requeue_marker(self.rank)
+            exit_code = preemption.exit_after_checkpoint(self.rank)
             failed = False
         except TrainingError:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
