@@ -26,6 +26,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.diffllama.modeling_diffllama import lambda_init_fn
 from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
@@ -40,7 +41,7 @@ LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
 
 def layer_lambda_init(config: MegadiffConfig, layer_idx: int) -> float:
     if config.lambda_init == "depth":
-        return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+        return lambda_init_fn(layer_idx)  # DiffLlama's, whose layout the weights follow
     return float(config.lambda_init)
 
 
