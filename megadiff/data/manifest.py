@@ -74,8 +74,10 @@ def tokenizer_fingerprint(spec: str, tokenizer: Tokenizer, documents: bool = Tru
         return {"spec": spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
                 **({} if documents else {"template_special_tokens": "ids"})}
     start = document_start(tokenizer) if documents else []
+    # a Unigram model's special pieces read as text (before: "</s>" in a document ended it there)
+    literal = {"special_texts": "text"} if tokenizer.literal_hf is not tokenizer.hf else {}
     return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-            "splits": tokenizer_digest(spec), **({"text_start": start} if start else {})}
+            "splits": tokenizer_digest(spec), **({"text_start": start} if start else {}), **literal}
 
 
 def _output_sizes(outputs: Sequence[str | Path]) -> Optional[list[int]]:
