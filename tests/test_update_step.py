@@ -163,3 +163,20 @@ def test_fp16_loss_scale_moves_once_per_step_under_the_spike_guard(tmp_path):
     overflows = [overflow for _, overflow, _ in scales[False]]
     # from 2^32 down, then updates the guard judges (its window holds two)
     assert overflows[:2] == [True, True] and overflows.count(False) >= 4
+
+
+def _weight_decays_worker(rank: int, world_size: int, path: str) -> None:
+    from megadiff.training.pretrain import build_scheduler
+
+    engine = _engine(["train.weight_decay=0.1"], world_size)
+    built = [group["weight_decay"] for group in engine.optimizer.param_groups]
+    build_scheduler(engine.cfg, engine.optimizer)  # megatron's scheduler sets each group's decay as it starts
+    torch.save((built, [group["weight_decay"] for group in engine.optimizer.param_groups]), path)
+
+
+def test_the_optimizer_starts_with_the_weight_decays_its_scheduler_gives(tmp_path):
+    """Norms and lambda (wd_mult 0) decay by nothing from the first step, with or without a scheduler: the
+    parity tests and bench step an engine without one."""
+    run_ranks(1, _weight_decays_worker, str(tmp_path / "decays.pt"))
+    built, scheduled = torch.load(tmp_path / "decays.pt")
+    assert built == scheduled and set(built) == {0.0, 0.1}

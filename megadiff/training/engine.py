@@ -95,6 +95,10 @@ def build_optimizer(cfg: Config, config: MegadiffTransformerConfig, model: list)
         overlap_param_gather=cfg.parallel.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model)
+    # megatron builds every group with train.weight_decay and leaves the norms' and lambda's wd_mult of 0 to
+    # its scheduler's first step: an engine stepped without one (the parity tests, bench) decayed them
+    for group in optimizer.param_groups:
+        group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
     if config.bf16 or config.fp16:
         config.grad_scale_func = optimizer.scale_loss
     return optimizer
