@@ -116,15 +116,39 @@ def _copy_of_the_checkpoint(run, tmp_path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("damage", [
-    lambda checkpoint: _cut_short(next(checkpoint.glob("*.distcp"))),
-    lambda checkpoint: (checkpoint / "metadata.json").write_text("{not json"),
-], ids=["shard cut short", "metadata overwritten"])
-def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, damage):
+@pytest.mark.parametrize("damage,message", [
+    (lambda checkpoint: _cut_short(next(checkpoint.glob("*.distcp"))), "is damaged: a file of it cannot be read"),
+    (lambda checkpoint: (checkpoint / "metadata.json").write_text("{not json"), "is damaged: a file of it cannot"),
+    (lambda checkpoint: _cut_short(checkpoint / "common.pt"), "is damaged: .*RuntimeError"),
+    (lambda checkpoint: (checkpoint / ".metadata").unlink(), "cannot be read whole .*No such file"),
+], ids=["shard cut short", "metadata overwritten", "common.pt cut short", ".metadata removed"])
+def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, damage, message):
     damaged = _copy_of_the_checkpoint(run, tmp_path)
     damage(damaged)
-    with pytest.raises(CheckpointError, match=f"{damaged} is damaged: a file of it cannot be read"):
+    with pytest.raises(CheckpointError, match=f"{damaged} {message}"):
         load_checkpoint(damaged)
+
+
+def test_a_damaged_checkpoint_names_the_runs_other_checkpoints(run, tmp_path, capsys):
+    checkpoints = tmp_path / CHECKPOINTS_DIR
+    for iteration in (3, 7):
+        shutil.copytree(iteration_dir(run[0] / CHECKPOINTS_DIR, 7), iteration_dir(checkpoints, iteration))
+    _cut_short(iteration_dir(checkpoints, 7) / "common.pt")
+    assert main(["generate", "--load", str(tmp_path), "--prompt", PROMPT]) == 3
+    assert f"The run's other checkpoints: {iteration_dir(checkpoints, 3)}" in capsys.readouterr().err
+
+
+def test_a_checkpoints_directory_without_its_marker_loads_its_newest_checkpoint(run, tmp_path):
+    """As a rerun of the training resumes from it (a crash between a commit's rename and its marker)."""
+    shutil.copytree(run[0] / CHECKPOINTS_DIR, tmp_path / CHECKPOINTS_DIR, ignore=shutil.ignore_patterns(LATEST_FILE))
+    assert load_checkpoint(tmp_path / CHECKPOINTS_DIR).checkpoint_dir == iteration_dir(tmp_path / CHECKPOINTS_DIR, 7)
+
+
+def test_a_checkpoint_whose_config_is_not_yaml_is_refused_by_name(run, tmp_path, capsys):
+    damaged = _copy_of_the_checkpoint(run, tmp_path)
+    (damaged / "config.yaml").write_text("model: [\n")
+    assert main(["generate", "--load", str(damaged), "--prompt", PROMPT]) == 2
+    assert f"{damaged / 'config.yaml'}, line 2" in capsys.readouterr().err
 
 
 def test_a_checkpoint_whose_training_state_cannot_be_read_is_refused_by_name(run, tmp_path):

@@ -69,8 +69,8 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint path does not exist: {path}")
     if (path / CHECKPOINTS_DIR).is_dir():
         path = path / CHECKPOINTS_DIR
-    if (path / LATEST_FILE).is_file():
-        path = latest_checkpoint(path)
+    if not (path / "metadata.json").is_file():  # a checkpoints/ directory: its marker's, or its newest whole one
+        path = latest_checkpoint(path) or path
     if not (path / "metadata.json").is_file() or not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path} is not a megadiff checkpoint (no metadata.json / {CONFIG_FILE}); pass a run's "
                               "output_dir, its checkpoints/ directory or an iter_* directory")

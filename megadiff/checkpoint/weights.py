@@ -14,7 +14,11 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megadiff.checkpoint.format import CONFIG_FILE, CheckpointError, model_keys, model_sharded_state
+from megadiff.checkpoint.format import (
+    CONFIG_FILE, CheckpointError, model_keys, model_sharded_state, saved_iterations,
+)
+from megadiff.errors import first_line
+from megadiff.files import iteration_dir
 from megadiff.config import Config, dump_config
 from megadiff.helper_processes import follow_the_trainer
 from megadiff.parallel import rank_and_world
@@ -45,17 +49,32 @@ def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...
         failure = first_failure(error)
         if isinstance(failure, OSError):
             raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({failure}): a checkpoint copied or "
-                                  "written in part? Its metadata names files it lacks") from None
-        raise CheckpointError(f"{checkpoint_dir} is damaged: a file of it cannot be read "
-                              f"({type(failure).__name__}: {failure})") from error
+                                  f"written in part? Its metadata names files it lacks{_others(checkpoint_dir)}"
+                                  ) from None
+        raise _damaged(checkpoint_dir, failure) from error
+    except OSError as error:  # its metadata itself (.metadata) missing or unreadable
+        raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({error}): a checkpoint copied or written "
+                              f"in part?{_others(checkpoint_dir)}") from None
     except (json.JSONDecodeError, pickle.UnpicklingError, EOFError, *also) as error:
-        raise CheckpointError(f"{checkpoint_dir} is damaged: a file of it cannot be read "
-                              f"({type(error).__name__}: {error})") from error
+        raise _damaged(checkpoint_dir, error) from error
+
+
+def _damaged(checkpoint_dir: str | Path, error: BaseException) -> CheckpointError:
+    return CheckpointError(f"{checkpoint_dir} is damaged: a file of it cannot be read "
+                           f"({type(error).__name__}: {first_line(error)}){_others(checkpoint_dir)}")
+
+
+def _others(checkpoint_dir: str | Path) -> str:
+    """The run's other whole checkpoints, which a run or command can use instead."""
+    others = [iteration_dir(Path(checkpoint_dir).parent, iteration)
+              for iteration in saved_iterations(Path(checkpoint_dir).parent)]
+    others = [str(path) for path in others if path.resolve() != Path(checkpoint_dir).resolve()]
+    return f". The run's other checkpoints: {', '.join(others)}" if others else ""
 
 
 def load_sharded(request: dict, checkpoint_dir: str | Path) -> dict:
     """dist_checkpointing.load of `request`; only TE's `_extra_state` may be absent from the checkpoint."""
-    with damage_reported(checkpoint_dir):
+    with damage_reported(checkpoint_dir, also=(RuntimeError,)):  # torch.load of a common.pt cut short
         loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
                                                     strict=StrictHandling.RETURN_UNEXPECTED)
     required = sorted(key for key in absent if not key.endswith(EXTRA_STATE))

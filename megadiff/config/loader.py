@@ -86,10 +86,10 @@ def describe_error(err: Exception) -> str:
     return first_line(err)
 
 
-def read_yaml_file(path: Path) -> dict:
+def read_yaml_file(path: Path, loader: type = ConfigFileLoader) -> dict:
     """One config file's top-level mapping; bad YAML is a ConfigError naming the file and line."""
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigFileLoader) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=loader) or {}
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
@@ -239,6 +239,4 @@ def read_saved_config(path: str | Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: {err.strerror}") from None
-    if text.startswith(SAVED_HEADER):
-        return read_yaml_file(path)
-    return yaml.safe_load(text) or {}
+    return read_yaml_file(path, ConfigFileLoader if text.startswith(SAVED_HEADER) else yaml.SafeLoader)
