@@ -144,6 +144,19 @@ def test_a_checkpoints_directory_without_its_marker_loads_its_newest_checkpoint(
     assert load_checkpoint(tmp_path / CHECKPOINTS_DIR).checkpoint_dir == iteration_dir(tmp_path / CHECKPOINTS_DIR, 7)
 
 
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused_before_the_weights(run, tmp_path, capsys):
+    """Another tokenizer at the checkpoint's path (retrained in place): generate crashed on its first id beyond
+    the embedding, after the weights were read and the prompt printed."""
+    from megadiff.checkpoint.single_process import TOKENIZER_DIR
+    from megadiff.data.tokenizers import load_tokenizer
+
+    replaced = _copy_of_the_checkpoint(run, tmp_path)
+    load_tokenizer("cl100k_base").save_hf(replaced / TOKENIZER_DIR)
+    assert main(["generate", "--load", str(replaced), "--prompt", "Zerubbabel Jehoshaphat"]) == 3
+    out, err = capsys.readouterr()
+    assert "has 100277 ids, but the model was trained with model.vocab_size=300" in err and "Zerubbabel" not in out
+
+
 def test_a_checkpoint_whose_config_is_not_yaml_is_refused_by_name(run, tmp_path, capsys):
     damaged = _copy_of_the_checkpoint(run, tmp_path)
     (damaged / "config.yaml").write_text("model: [\n")

@@ -97,8 +97,17 @@ def check_checkpoint_tensors(model, checkpoint_dir: Path) -> None:
 
 
 def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
+    """Its own copy of its tokenizer (tokenizer/), else its data.tokenizer. One with more ids than the model
+    has rows is another tokenizer than it was trained with (retrained or replaced at that path), whose ids
+    beyond the embedding would fail at the first prompt that uses them."""
     local = Path(checkpoint_dir) / TOKENIZER_DIR
-    return load_tokenizer(str(local) if local.is_dir() else cfg.data.tokenizer)
+    spec = str(local) if local.is_dir() else cfg.data.tokenizer
+    tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise CheckpointError(f"{checkpoint_dir}: its tokenizer {spec} has {tokenizer.vocab_size} ids, but the model "
+                              f"was trained with model.vocab_size={cfg.model.vocab_size}: it is not the tokenizer the "
+                              "model was trained with (retrained or replaced at that path?)")
+    return tokenizer
 
 
 class CausalLM(torch.nn.Module):
@@ -206,6 +215,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Causa
     saved_cfg = checkpoint_config(checkpoint_dir)
     if dtype is not None and dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype}")
+    checkpoint_tokenizer(checkpoint_dir, saved_cfg)  # its refusals before the minutes of reading the weights
     model = build_single_process_model(single_process_config(saved_cfg, PRECISIONS.get(dtype)))
     check_checkpoint_tensors(model, checkpoint_dir)
     load_model_weights([model], checkpoint_dir)
