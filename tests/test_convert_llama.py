@@ -134,6 +134,21 @@ def test_weights_that_are_not_the_configs_causal_lm_are_refused_by_name(tmp_path
         convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda directory: _cut_short(directory / "model.safetensors"), r"model.safetensors cannot be read \(.*cut short"),
+    (lambda directory: (directory / "config.json").write_text("{"), r"config.json is not JSON"),
+], ids=["weights cut short", "config not JSON"])
+def test_a_damaged_model_directory_is_refused_by_name(tmp_path, damage, message):
+    stock_llama(tmp_path / "llama", tied=True)
+    damage(tmp_path / "llama")
+    with pytest.raises(ConversionError, match=message):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+
+
+def _cut_short(path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
 def test_rotary_buffers_of_older_exports_are_left_behind(tmp_path):
     """transformers before 4.31 saved each layer's rotary_emb.inv_freq; it ignores them on load, so does from-hf."""
     from safetensors.torch import save_file

@@ -25,6 +25,7 @@ from megadiff.config import Config, dump_config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import chat_template_of, save_chat_template, turn_end_id
+from megadiff.errors import first_line
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
 SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
@@ -98,14 +99,16 @@ class HFWeights(Mapping[str, torch.Tensor]):
     one layer's at a time rather than the whole model's (26 GB for 13B in bf16) beside its own."""
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self._sources: dict[str, object] = {}
         for file in files:
-            if file.suffix == ".safetensors":
-                source = safe_open(str(file), framework="pt")
-            else:
-                source = _load_pytorch_file(file)
+            try:
+                source = safe_open(str(file), framework="pt") if file.suffix == ".safetensors" else \
+                    _load_pytorch_file(file)
+            except (OSError, RuntimeError, SafetensorError) as err:
+                raise ConversionError(f"{file} cannot be read ({first_line(err)}): missing, or cut short by a "
+                                      "download or copy?") from None
             self._sources.update(dict.fromkeys(source.keys(), source))
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -150,11 +153,18 @@ class HFDirectory:
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
-        return sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+        return sorted({directory / name for name in _read_json(index)["weight_map"].values()})
     for pattern in ("model.safetensors", "pytorch_model.bin"):
         if (directory / pattern).is_file():
             return [directory / pattern]
     raise ConversionError(f"{directory}: no weights (model.safetensors, {SAFETENSORS_INDEX} or pytorch_model.bin)")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversionError(f"{path} is not JSON ({first_line(err)})") from None
 
 
 def read_hf_dir(path: str | Path) -> HFDirectory:
@@ -165,7 +175,7 @@ def read_hf_dir(path: str | Path) -> HFDirectory:
     config_file = directory / SIDECAR_CONFIG
     return HFDirectory(
         path=directory,
-        config_dict=json.loads((directory / "config.json").read_text()),
+        config_dict=_read_json(directory / "config.json"),
         state=HFWeights(_weight_files(directory)),
         extras=HFWeights([extras_file]) if extras_file.is_file() else {},
         source_cfg=saved_config(read_saved_config(config_file)) if config_file.is_file() else None,
