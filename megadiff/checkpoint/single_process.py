@@ -18,7 +18,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.gather import model_sharded_tensors
 from megadiff.checkpoint.weights import damage_reported, load_model_weights
-from megadiff.config import Config, ParallelConfig
+from megadiff.config import Config, ParallelConfig, padded_vocab_size
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.models import build_model, to_transformer_config
 from megadiff.models.documents import document_cu_seqlens, document_packing
@@ -103,10 +103,11 @@ def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
     local = Path(checkpoint_dir) / TOKENIZER_DIR
     spec = str(local) if local.is_dir() else cfg.data.tokenizer
     tokenizer = load_tokenizer(spec)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    rows = padded_vocab_size(cfg.model, cfg.parallel.tensor)
+    if tokenizer.vocab_size > rows:
         raise CheckpointError(f"{checkpoint_dir}: its tokenizer {spec} has {tokenizer.vocab_size} ids, but the model "
-                              f"was trained with model.vocab_size={cfg.model.vocab_size}: it is not the tokenizer the "
-                              "model was trained with (retrained or replaced at that path?)")
+                              f"embeds {rows} (model.vocab_size={cfg.model.vocab_size}, padded): it is not the "
+                              "tokenizer the model was trained with (retrained or replaced at that path?)")
     return tokenizer
 
 
