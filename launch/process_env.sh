@@ -8,7 +8,8 @@ if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
 fi
 
 PYTHON=${PYTHON:-python3}   # the interpreter of the environment megadiff is installed in
-if ! _megadiff_import_error=$("$PYTHON" -c 'import megadiff' 2>&1); then
+# torch too: run from the repository root, `import megadiff` alone finds the source tree in any interpreter
+if ! _megadiff_import_error=$("$PYTHON" -c 'import megadiff, torch' 2>&1); then
     echo "$(basename "$0"): $PYTHON cannot import megadiff ($(tail -n 1 <<< "$_megadiff_import_error")):" \
          "activate the environment it is installed in (source .venv/bin/activate) or set" \
          "PYTHON=/path/to/that/bin/python" >&2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -89,6 +90,13 @@ def test_launchers_explain_missing_arguments(tmp_path):
                           env=launch_environment(PYTHON=str(bare_python)), capture_output=True, text=True)
     assert bare.returncode == 2 and "PYTHON=" in bare.stderr
     assert "cannot import megadiff (ModuleNotFoundError: No module named 'megadiff')" in bare.stderr
+    # from the repository root, where the docs run the launchers, any interpreter finds megadiff's source tree
+    outside = tmp_path / "outside-python"
+    outside.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: no torch
+    outside.chmod(0o755)
+    at_root = subprocess.run([str(LAUNCH / "pretrain_single_node.sh"), str(DEMO_CONFIG)], cwd=LAUNCH.parent,
+                             env=launch_environment(PYTHON=str(outside)), capture_output=True, text=True)
+    assert at_root.returncode == 2 and "No module named 'torch'" in at_root.stderr and "PYTHON=" in at_root.stderr
 
 
 def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):
