@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    RESULTS_DIR, cuda_missing, environment, markdown_table, tiles_tuned_here, timed_ms, write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, tiles_tuned_here, timed_ms, write,
 )
 from megadiff.ops import differential_attention  # noqa: E402
 
@@ -279,8 +279,9 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     args = parser.parse_args(argv)
+    args.out_dir = args.out_dir or default_out_dir(args.small)
     shapes = SMALL_SHAPES if args.small else FULL_SHAPES
     if args.documents and (not args.causal or any(shape.seq % args.documents for shape in shapes)):
         parser.error(f"--documents needs causal attention and a length dividing every N "

@@ -28,7 +28,8 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    RESULTS_DIR, cuda_missing, environment, markdown_table, synchronize, tiles_tuned_here, timed_ms, write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, synchronize, tiles_tuned_here,
+    timed_ms, write,
 )
 from megadiff.config import Config, load_config, resolved_head_dim  # noqa: E402
 from megadiff.models.param_count import count_parameters, training_flops_per_token  # noqa: E402
@@ -247,8 +248,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense BF16 peak for MFU (default: known GPUs, e.g. H100 SXM 989)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     args = parser.parse_args(argv)
+    args.out_dir = args.out_dir or default_out_dir(args.small)
     if args.small:
         args.config = None  # the tiny built-in model
     small = args.small or args.device == "cpu"

@@ -18,6 +18,11 @@ import torch
 from megadiff.ops.common import TRITON_CANDIDATES_ENV
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+OUT_DIR_HELP = "default: bench/results, or runs/bench for --small (a check of the script, not a measurement)"
+
+
+def default_out_dir(small: bool) -> Path:
+    return RESULTS_DIR.parents[1] / "runs" / "bench" if small else RESULTS_DIR
 
 
 def environment(device: torch.device) -> dict:
