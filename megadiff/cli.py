@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import math
@@ -344,7 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     except MegadiffError as err:  # a checkpoint, conversion or run that cannot go on, explained
         print(f"megadiff {args.command}: {err}", file=sys.stderr)
         return 3
+    except OSError as err:
+        if err.errno not in STORAGE_ERRORS:  # anything else is a bug, whose traceback says where
+            raise
+        print(f"megadiff {args.command}: {err.strerror}: {err.filename}", file=sys.stderr)
+        return 3
     return result if isinstance(result, int) else 0
+
+
+# what the machine refused, not megadiff: a full disk, a quota, a read-only mount, permissions
+STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def entry_point(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 """The command line's own surface: `megadiff --version` is the installed package's version."""
 from __future__ import annotations
 
+import errno
+import os
 from importlib.metadata import version
 
 import pytest
@@ -70,3 +72,27 @@ def test_each_command_calls_its_function_with_its_options(monkeypatch, argv, tar
     args = cli.parse_arguments(argv)
     args.run(args)
     assert calls == [(target, call)]
+
+
+@pytest.mark.parametrize("code, said", [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only")])
+def test_a_storage_refusal_is_said_in_a_line(monkeypatch, capsys, code, said):
+    """A full disk or read-only mount under prepare-data or to-hf: what the machine refused and where, not a
+    traceback from inside the writer."""
+    from megadiff import cli
+
+    def refused(*args, **kwargs):
+        raise OSError(code, os.strerror(code), "/data/prepared/corpus.bin")
+    monkeypatch.setattr(cli, "_target", lambda path: refused)
+    assert main(["prepare-data", "c.yaml"]) == 3
+    assert capsys.readouterr().err == f"megadiff prepare-data: {os.strerror(code)}: /data/prepared/corpus.bin\n"
+    assert said in os.strerror(code)
+
+
+def test_an_error_of_megadiff_itself_keeps_its_traceback(monkeypatch):
+    from megadiff import cli
+
+    def bug(*args, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "a file megadiff wrote itself")
+    monkeypatch.setattr(cli, "_target", lambda path: bug)
+    with pytest.raises(FileNotFoundError):
+        main(["prepare-data", "c.yaml"])

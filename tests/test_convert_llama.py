@@ -78,6 +78,25 @@ def test_a_conversion_killed_while_written_leaves_no_checkpoint_and_a_rerun_conv
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_a_conversion_that_cannot_write_is_refused_and_gives_back_its_space(tmp_path, monkeypatch):
+    """A full disk under from-hf: megatron's writers said "Worker failure: ... unexpected pos", and the part
+    written stayed beside the output, filling the disk for the next command."""
+    import errno
+
+    from megadiff.convert import from_hf
+
+    stock_llama(tmp_path / "llama", tied=False)
+    save_model_weights = from_hf.save_model_weights
+
+    def disk_full(chunks, cfg, directory):
+        save_model_weights(chunks, cfg, directory)
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "common.pt"))
+    monkeypatch.setattr(from_hf, "save_model_weights", disk_full)
+    with pytest.raises(ConversionError, match=r"megadiff could not be written \(.*No space left on device"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["llama"]
+
+
 def test_a_vocabulary_padded_before_conversion_trains_tensor_parallel(tmp_path):
     """docs/conversion.md's way to train an odd vocabulary (a Llama's 32,001) at parallel.tensor > 1: the
     conversion keeps a vocabulary as it is, so it is padded in transformers first."""

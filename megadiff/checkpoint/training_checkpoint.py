@@ -30,7 +30,7 @@ from megadiff.checkpoint.format import (
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from megadiff.checkpoint.weights import (
-    damage_reported, first_failure, load_into_chunks, load_sharded, start_write_results_queue,
+    damage_reported, load_into_chunks, load_sharded, start_write_results_queue, write_failure,
 )
 from megadiff.config import Config, dump_config
 from megadiff.files import commit_iteration, remove_staging_leftovers, staging_dir
@@ -117,7 +117,7 @@ class CheckpointWriter:
             kept = (f"the run's last checkpoint, {iteration_dir(self.dir, kept)}, is kept and a rerun resumes from it"
                     if kept is not None else "the run has no checkpoint yet")
             raise CheckpointError(f"the checkpoint of iteration {iteration} could not be written into {self.dir} "
-                                  f"({_write_failure(error)}); {kept}") from error
+                                  f"({write_failure(error)}); {kept}") from error
 
     def _commit_fn(self, iteration: int):
         def commit() -> None:
@@ -145,16 +145,6 @@ class CheckpointWriter:
         self.wait()
         if self.queue is not None:
             self.queue.close()
-
-
-def _write_failure(error: Exception) -> str:
-    """What a failed write came down to, where this rank holds it: megatron gives the failures to its coordinator
-    rank only, as its writers' "Worker failure: <the OSError>" (the OSError itself is lost on the way)."""
-    if not isinstance(error, CheckpointException):
-        return str(error)
-    if not error.failures:
-        return "a write failed on another rank; rank 0's message names it"
-    return str(first_failure(error)).removeprefix("Worker failure: ")
 
 
 def read_train_state(checkpoint_dir: str | Path) -> dict | None:

@@ -38,6 +38,16 @@ def first_failure(error: CheckpointException) -> BaseException:
     return next(iter(error.failures.values()))[0]
 
 
+def write_failure(error: Exception) -> str:
+    """What a failed write came down to, where this rank holds it: megatron gives the failures to its coordinator
+    rank only, as its writers' "Worker failure: <the OSError>" (the OSError itself is lost on the way)."""
+    if not isinstance(error, CheckpointException):
+        return str(error)
+    if not error.failures:
+        return "a write failed on another rank; rank 0's message names it"
+    return str(first_failure(error)).removeprefix("Worker failure: ")
+
+
 @contextmanager
 def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...] = ()):
     """A checkpoint's files that cannot be read (missing, cut short, overwritten) as a CheckpointError naming

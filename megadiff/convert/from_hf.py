@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.single_process import (
     PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
 )
-from megadiff.checkpoint.weights import save_model_weights
+from megadiff.checkpoint.weights import save_model_weights, write_failure
 from megadiff.config import Config, ModelConfig, padded_vocab_size, validate_config
 from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
@@ -138,10 +139,14 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     # written aside and named when whole: killed before its tokenizer, it loaded, naming a tokenizer it lacked
     staged = staging_dir(out)
     shutil.rmtree(staged, ignore_errors=True)  # a killed conversion's
-    with step(console, f"writing {parameters:,} parameters to {out}"):
-        save_model_weights([model], cfg, staged)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
+    try:
+        with step(console, f"writing {parameters:,} parameters to {out}"):
+            save_model_weights([model], cfg, staged)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
+    except (CheckpointException, OSError) as error:  # a full disk, a quota: its space given back
+        shutil.rmtree(staged, ignore_errors=True)
+        raise ConversionError(f"{out} could not be written ({write_failure(error)})") from error
     publish_staged(out)
     console.print(f"megadiff convert: {hf_dir.path} ({family}) -> {out} (megadiff {cfg.model.variant}, "
                   f"{cfg.train.precision})")
