@@ -166,3 +166,14 @@ def test_the_triton_backend_without_a_gpu_is_refused_before_the_run_starts(monke
     monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
     assert main(["pretrain", str(DEMO_CONFIG), "model.attention_backend=triton"]) == 2
     assert "model.attention_backend: 'triton' cannot run here: the kernel needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_run_starts(monkeypatch, capsys, tmp_path):
+    import megadiff.training.pretrain as pretrain
+    from megadiff.cli import main
+    from tests.pretrain_runs import DEMO_CONFIG
+
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
+    (tmp_path / "run").write_text("a file where the run would go")
+    assert main(["pretrain", str(DEMO_CONFIG), f"output_dir={tmp_path / 'run'}"]) == 2
+    assert f"output_dir: {tmp_path / 'run'} is a file" in capsys.readouterr().err

@@ -327,4 +327,7 @@ def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     if unavailable:
         raise ConfigError(f"model.attention_backend: 'triton' cannot run here: {unavailable}; use auto (the kernel "
                           "where it runs, else SDPA) or sdpa")
+    output = Path(cfg.output_dir)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"output_dir: {output} is a file; a run writes a directory (its metrics and checkpoints)")
     return pretrain(cfg)
