@@ -111,28 +111,34 @@ class Pretraining:
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
                                          wandb=self._wandb)
-            memory = f"model states {self.model_states.total / GIB:.2f} GiB"
-            if not isinstance(activations, str):
-                memory += f" + activations {activations.total / GIB:.2f} GiB"
-            self.metrics.print(f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
-                               f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
-                               f"DP {self.dp}); {memory} on the most loaded rank; {how}; metrics and checkpoints "
-                               f"in {self.output}")
-            for warning in (memory_warning, short_warmup_warning(t), tensor_parallel_across_nodes(cfg.parallel)):
-                if warning:
-                    self.metrics.print(warning)
-            if start.position_changes:
-                self.metrics.print(f"the model's positions differ from the checkpoint's "
-                                   f"({'; '.join(start.position_changes)}): its weights are trained on with them")
-            if start.data_changes:
-                self.metrics.print(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
-                                   f"this run reads on from sample {start.position()[1]:,} of its own order")
-            if 0 < drawn_for < self.train_samples:
-                self.metrics.print(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
-                                   f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "
-                                   "checkpoint's was drawn for: sources read more than once follow another order "
-                                   "from here (some samples again, some never). To lengthen a run in one order, give "
-                                   "train.planned_samples when it starts")
+            for line in self._start_report(activations, memory_warning, how, start, drawn_for):
+                self.metrics.print(line)
+
+    def _start_report(self, activations, memory_warning: str | None, how: str, start, drawn_for: int) -> list[str]:
+        """What rank 0 says as the run starts: its layout, memory and start, then what differs from the run it
+        continues."""
+        cfg, t = self.cfg, self.cfg.train
+        memory = f"model states {self.model_states.total / GIB:.2f} GiB"
+        if not isinstance(activations, str):
+            memory += f" + activations {activations.total / GIB:.2f} GiB"
+        lines = [f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
+                 f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
+                 f"DP {self.dp}); {memory} on the most loaded rank; {how}; metrics and checkpoints in {self.output}"]
+        lines += [warning for warning in (memory_warning, short_warmup_warning(t),
+                                          tensor_parallel_across_nodes(cfg.parallel)) if warning]
+        if start.position_changes:
+            lines.append(f"the model's positions differ from the checkpoint's ({'; '.join(start.position_changes)}): "
+                         "its weights are trained on with them")
+        if start.data_changes:
+            lines.append(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
+                         f"this run reads on from sample {start.position()[1]:,} of its own order")
+        if 0 < drawn_for < self.train_samples:
+            lines.append(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
+                         f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "
+                         "checkpoint's was drawn for: sources read more than once follow another order "
+                         "from here (some samples again, some never). To lengthen a run in one order, give "
+                         "train.planned_samples when it starts")
+        return lines
 
     def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
         t = self.cfg.train
