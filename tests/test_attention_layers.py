@@ -111,3 +111,90 @@ def test_layer_matches_paper_formula(layer_results, variant):
 
 def test_shapes(layer_results):
     assert layer_results["diff"]["out"].shape == (SEQ, BATCH, D_MODEL)
+
+
+def _build_attention(overrides: list[str]):
+    """megadiff's attention layer for layer_worker's small model plus `overrides`, as training builds it."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megadiff.config import build_config
+    from megadiff.models.specs import layer_spec
+    from megadiff.models.transformer_config import to_transformer_config
+    from megadiff.parallel import initialize
+    from tests.layer_worker import MODEL
+
+    cfg = build_config({}, MODEL + overrides, 1)
+    initialize(cfg.parallel, seed=7)
+    config = to_transformer_config(cfg)
+    return cfg, build_module(layer_spec(config).submodules.self_attention, config=config, layer_number=LAYER_NUMBER)
+
+
+def _zero_init_worker(rank: int, world_size: int, out_path: str) -> None:
+    from megadiff.parallel import shutdown
+
+    cfg, attention = _build_attention(["model.variant=shared_diff", "model.lowrank_rank=3"])
+    x = torch.randn(SEQ, BATCH, D_MODEL)
+    with torch.no_grad():
+        qkv, _ = attention.linear_qkv(x)
+    torch.save(dict(zero_init=cfg.model.lowrank_zero_init, x=x, qkv=qkv,
+                    params={k: p.detach().clone() for k, p in attention.linear_qkv.named_parameters()}), out_path)
+    shutdown()
+
+
+def test_shared_diff_starts_as_attention_with_shared_projections(tmp_path):
+    """SPEC section 2: by default one factor of each low-rank update starts at zero, so at initialisation the two
+    maps of every head share their projections, Q1 = Q2 = X W_Q and K1 = K2 = X W_K, exactly (every other test
+    turns lowrank_zero_init off so that each factor gets a gradient). The other factor is random, LoRA style: the
+    zero one's gradient flows through it."""
+    run_ranks(1, _zero_init_worker, str(tmp_path / "qkv.pt"))
+    res = torch.load(tmp_path / "qkv.pt")
+    assert res["zero_init"]  # the default config
+    params = res["params"]
+    assert params["lowrank_down"].abs().min() > 0
+    # the layer's QKV output in megatron's DIFF layout (as projections_diff reads the fused weight's rows)
+    per_group = HEADS // KV_HEADS
+    rows = res["qkv"].view(SEQ, BATCH, 2 * KV_HEADS, per_group + 2, HEAD_DIM)
+    q_heads = rows[..., :per_group, :].reshape(SEQ, BATCH, 2 * HEADS, HEAD_DIM)
+    q1, q2 = q_heads[..., 0::2, :], q_heads[..., 1::2, :]
+    k1, k2 = rows[..., 0::2, per_group, :], rows[..., 1::2, per_group, :]
+    v = rows[..., per_group + 1, :].reshape(SEQ, BATCH, KV_HEADS, 2 * HEAD_DIM)
+    assert torch.equal(q1, q2), "Q1 != Q2 at initialisation"
+    assert torch.equal(k1, k2), "K1 != K2 at initialisation"
+    # the plain shared projection X W, in float64, split as projections_shared splits W
+    plain = (res["x"].double() @ params["shared.weight"].double().T).view(SEQ, BATCH, KV_HEADS, -1)
+    w_q, w_k, w_v = plain.split([per_group * HEAD_DIM, HEAD_DIM, 2 * HEAD_DIM], dim=-1)
+    torch.testing.assert_close(q1.double(), w_q.reshape(SEQ, BATCH, HEADS, HEAD_DIM), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k1.double(), w_k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v.double(), w_v, rtol=1e-5, atol=1e-6)
+
+
+LAMBDA_HEAD_DIM = 128  # the lambda vectors' length: samples enough for their std
+
+
+def _lambda_init_worker(rank: int, world_size: int, out_path: str) -> None:
+    from megadiff.parallel import shutdown
+
+    vectors = {}
+    for overrides in ([], ["model.lambda_std=0.3"]):
+        cfg, attention = _build_attention(["model.variant=diff", f"model.head_dim={LAMBDA_HEAD_DIM}", *overrides])
+        core = attention.core_attention
+        vectors[cfg.model.lambda_std] = [getattr(core, f"lambda_{name}").detach().clone()
+                                         for name in ("q1", "k1", "q2", "k2")]
+    torch.save(vectors, out_path)
+    shutdown()
+
+
+def test_lambda_vectors_start_normal_with_the_configured_std(tmp_path):
+    """DIFF eq. 2's lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init starts near lambda_init only because the
+    vectors start small: each of the four is drawn from N(0, model.lambda_std^2) (the default and another value),
+    independently. Bounds: 5 standard errors of a normal sample's std (sigma / sqrt(2 (n - 1))) and mean."""
+    run_ranks(1, _lambda_init_worker, str(tmp_path / "lambda.pt"))
+    vectors = torch.load(tmp_path / "lambda.pt")
+    assert len(vectors) == 2
+    n = LAMBDA_HEAD_DIM
+    for std, drawn in vectors.items():
+        for index, vector in enumerate(drawn):
+            assert vector.shape == (n,) and vector.dtype == torch.float32
+            assert abs(vector.std().item() - std) < 5 * std / math.sqrt(2 * (n - 1)), (std, index, vector.std())
+            assert abs(vector.mean().item()) < 5 * std / math.sqrt(n), (std, index, vector.mean())
+            assert not any(torch.equal(vector, other) for other in drawn[index + 1:])
