@@ -286,6 +286,42 @@ def test_maps_and_log_sum_exps(interpreted):
         torch.testing.assert_close(got[f"o{j}"].double(), o, atol=1e-5, rtol=1e-5)
 
 
+# DINT's KV-cache decoding through megatron's paired layout: a prompt of 5 positions, then one, one and 3
+CARRY_CASE = Case(paired=True, sequence_major=True, integral=True, per_head_lam=True, n_q=10, n_k=10, blocks=None)
+CARRY_STEPS = ((0, 5), (5, 6), (6, 7), (7, 10))
+
+
+def carried_paired_rows(name: str, case: Case) -> dict:
+    """Each step's queries with every key so far through `paired_differential_attention(backend='triton')`,
+    the DINT integral carried by one IntegralCarry: the rows concatenated, and the carry's count."""
+    from megadiff.ops import IntegralCarry, paired_differential_attention
+
+    (q, k, v, lam), _ = make_inputs(name, case)
+    q, k, v, lam = (t.detach() for t in (q, k, v, lam))
+    carry, rows = IntegralCarry(), []
+    for start, stop in CARRY_STEPS:
+        rows.append(paired_differential_attention(q[:, start:stop], k[:, :stop], v[:, :stop], lam, causal=True,
+                                                  integral=True, backend="triton", integral_carry=carry))
+    return {"out": torch.cat(rows, dim=1), "count": carry.count}
+
+
+def test_paired_dint_decoding_carries_the_integral(interpreted):
+    """With an integral_carry the paired Triton path must hand over to the per-map path, which adds the
+    carried running mean: the paired kernel knows no carry (it would average within each call, and refuses
+    a decode step's fewer queries than keys), and no whole-sequence case notices if the dispatcher takes it
+    anyway. The steps' rows must be the whole sequence's (reference.py's formula, fp64), the count 10."""
+    from megadiff.ops import differential_attention_reference
+
+    got = interpreted["paired-dint-kv-cache-carry"]
+    if isinstance(got, str):
+        pytest.fail(f"kernel raised:\n{got}")
+    (q, k, v, lam), _ = make_inputs("paired-dint-kv-cache-carry", CARRY_CASE)
+    q, k, v, lam = (t.detach().double() for t in (q, k, v, lam))
+    want = _unpaired(differential_attention_reference)(q, k, v, lam, causal=True, integral=True)
+    assert_matches({"out": got["out"]}, {"out": want}, CARRY_CASE.dtype, "paired-dint-kv-cache-carry")
+    assert got["count"] == CARRY_STEPS[-1][1], f"the carry counted {got['count']} positions, not 10"
+
+
 def test_refusals():
     triton_kernel = pytest.importorskip("megadiff.ops.triton_kernel")
     (q1, k1, q2, k2, v, lam), _ = make_inputs("refusals", Case())
@@ -598,6 +634,10 @@ def _interpreter_main(path: str) -> None:
         results["maps"] = dict(zip(("o1", "o2", "lse1", "lse2"), maps))
     except Exception:  # noqa: BLE001
         results["maps"] = traceback.format_exc()
+    try:
+        results["paired-dint-kv-cache-carry"] = carried_paired_rows("paired-dint-kv-cache-carry", CARRY_CASE)
+    except Exception:  # noqa: BLE001
+        results["paired-dint-kv-cache-carry"] = traceback.format_exc()
     torch.save(results, path)
 
 
