@@ -456,16 +456,20 @@ def test_a_prefix_inside_its_source_directory_does_not_read_its_own_files(tmp_pa
     assert "up to date" in capsys.readouterr().out
 
 
-def test_a_special_tokens_text_in_a_document_is_text(small_tokenizer_dir, tmp_path):
-    """A web page quoting "<|endoftext|>" keeps it as text: only the EOD appended ends the document."""
-    text = "A model once wrote <|endoftext|> in the middle of this page."
+def _prepared_page(tmp_path: Path, text: str, tokenizer_dir: Path):
+    """`text` as one web page prepared with `tokenizer_dir`: the tokenizer and the page's ids."""
     source = tmp_path / "web.jsonl"
     source.write_text(json.dumps({"text": text}) + "\n")
     prefix = tmp_path / "web"
-    prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={prefix}",
-                        f"data.tokenizer={small_tokenizer_dir}"))
-    tokenizer = load_tokenizer(str(small_tokenizer_dir))
+    prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={prefix}", f"data.tokenizer={tokenizer_dir}"))
     (ids,) = read_back(prefix)
+    return load_tokenizer(str(tokenizer_dir)), ids
+
+
+def test_a_special_tokens_text_in_a_document_is_text(small_tokenizer_dir, tmp_path):
+    """A web page quoting "<|endoftext|>" keeps it as text: only the EOD appended ends the document."""
+    text = "A model once wrote <|endoftext|> in the middle of this page."
+    tokenizer, ids = _prepared_page(tmp_path, text, small_tokenizer_dir)
     assert [i for i, token in enumerate(ids) if token == tokenizer.eod] == [len(ids) - 1]
     assert tokenizer.decode(ids[:-1]) == text
 
@@ -491,13 +495,7 @@ def test_a_unigram_tokenizer_reads_its_special_tokens_texts_in_a_document_as_tex
     (nor "<unk>" become the unknown token)."""
     _save_unigram(tmp_path / "tok", kjv_verses()[:2000] + ["<s>old</s> <unk>"])
     text = "The price was <s>twenty</s> fifteen, the <unk> field empty."
-    source = tmp_path / "web.jsonl"
-    source.write_text(json.dumps({"text": text}) + "\n")
-    prefix = tmp_path / "web"
-    prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={prefix}",
-                        f"data.tokenizer={tmp_path / 'tok'}"))
-    tokenizer = load_tokenizer(str(tmp_path / "tok"))
-    (ids,) = read_back(prefix)
+    tokenizer, ids = _prepared_page(tmp_path, text, tmp_path / "tok")
     assert not set(ids[:-1]) & {tokenizer.hf.convert_tokens_to_ids(token) for token in ("</s>", "<unk>")}
     assert tokenizer.decode(ids[:-1]).strip() == text
     assert tokenizer.encode("a</s>")[-1] == tokenizer.eod  # a template's EOS text is still the EOS
