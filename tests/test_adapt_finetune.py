@@ -392,6 +392,29 @@ def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
     assert not (output / "hf").exists()
 
 
+def test_directories_of_the_users_are_refused_as_output_or_export(workspace, tmp_path):
+    """An export replaces its directory whole: at output_dir it deleted the run, at model.path the base model.
+    And a run took over an output_dir holding another (a pre-training run's metrics and config overwritten)."""
+    yaml_file, model = str(workspace / "adapt.yaml"), workspace / "model"
+    run = tmp_path / "run"
+    for export, said in ((run, "output_dir"), (tmp_path, "output_dir"), (model, "model.path")):
+        with pytest.raises(ConfigError, match=f"export_dir: .* is or holds {said}"):
+            load_finetune_config(yaml_file, [f"output_dir={run}", f"export_dir={export}"])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="export_dir: .*notes holds files that are not an earlier export"):
+        load_finetune_config(yaml_file, [f"output_dir={run}", f"export_dir={tmp_path / 'notes'}"])
+    pretraining = tmp_path / "pretraining"
+    (pretraining / "checkpoints").mkdir(parents=True)
+    (pretraining / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="output_dir: .*pretraining holds another run"):
+        load_finetune_config(yaml_file, [f"output_dir={pretraining}"])
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="output_dir: .*a-file is a file"):
+        load_finetune_config(yaml_file, [f"output_dir={tmp_path / 'a-file'}"])
+    assert load_finetune_config(yaml_file, [f"output_dir={run}"]).resolved_export_dir == run / "hf"
+
+
 def test_config_errors_name_their_key(workspace, tmp_path):
     yaml_file = str(workspace / "adapt.yaml")
     with pytest.raises(ConfigError, match="model.attn_implementation: .*unknown attention implementation 'garbage'"):
@@ -571,6 +594,20 @@ def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
     check_planned_settings(earlier, load_finetune_config(config, ["adaptation.heads_fraction=0.25"]))
     with pytest.raises(ConfigError, match="adaptation.anneal_steps"):
         check_planned_settings(earlier, load_finetune_config(config, ["adaptation.anneal_steps=99"]))
+
+
+def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_config(workspace, tmp_path, capsys):
+    """Refused after tokenizing and loading the weights, the rerun had already written its config.yaml: the
+    run's recorded config then described a run that never happened."""
+    from megadiff.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "adaptation.json").write_text(json.dumps({"method": "dex", "anneal_steps": 3, "lambda_learn_init": 0.0}))
+    (run / "config.yaml").write_text("the dex run's\n")
+    assert main(["adapt", str(workspace / "adapt.yaml"), f"output_dir={run}", "adaptation.method=daa"]) == 2
+    assert f"adaptation.method: 'daa', but {run} holds a 'dex' run" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == "the dex run's\n"
 
 
 def test_checkpoints_leave_out_a_tied_head_s_frozen_embedding():

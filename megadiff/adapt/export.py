@@ -15,9 +15,9 @@ from torch import nn
 from megadiff.adapt import modeling_adapted
 from megadiff.adapt.config import AdaptationError
 from megadiff.adapt.modeling_adapted import EXPORT_CLASSES, describe_adapters
+from megadiff.adapt.settings import MODEL_CODE_MODULE
 from megadiff.files import publish_staged, staging_dir
 
-MODEL_CODE_MODULE = "modeling_megadiff_adapted"
 
 
 def adapted_classes(model: nn.Module) -> tuple[type, type]:

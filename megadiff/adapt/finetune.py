@@ -29,9 +29,9 @@ from megadiff.adapt.apply import adapt_with_plan, current_lambdas, set_step
 from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
-from megadiff.adapt.plan import adaptation_plan
+from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
-from megadiff.adapt.settings import FinetuneConfig, load_finetune_config
+from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
 from megadiff.config.loader import config_yaml
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
@@ -270,6 +270,10 @@ def finetune_from_config(config_path: str, overrides: list[str]) -> int:
     process group is destroyed and the process ends with os._exit, which avoids a rare SIGABRT of
     ZeRO-3 processes at interpreter exit."""
     cfg = load_finetune_config(config_path, overrides)
+    # a rerun asking for another plan is refused before it tokenizes, loads weights, or records its config
+    saved_plan = Path(cfg.output_dir) / PLAN_FILE
+    if saved_plan.is_file():
+        checked_saved_plan(saved_plan, cfg)
     exit_code = finetune(cfg)
     import torch.distributed as dist
 

@@ -13,12 +13,11 @@ from megadiff.adapt.apply import has_tied_head, plan_adaptation
 from megadiff.adapt.config import DAA_METHODS, resolve_selection
 from megadiff.adapt.data import BatchReader
 from megadiff.adapt.selection import MEASURED_SELECTIONS
-from megadiff.adapt.settings import FinetuneConfig
+from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig
 from megadiff.config import ConfigError
 from megadiff.errors import refused_together
 from megadiff.files import write_atomically
 
-PLAN_FILE = "adaptation.json"
 # what the DAA methods trained by default before plan files recorded it (Dex's default is unchanged)
 EARLIER_TRAINABLE = {method: ["*.self_attn.*"] for method in DAA_METHODS}
 # what a plan is made from beside its anneal_steps and lambda_learn_init (which it holds itself): a
@@ -38,7 +37,7 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     dist.broadcast_object_list(saved, src=0)
     if saved[0]:
         # together: each rank checks the model.path it reads, which may be a node-local copy
-        plan = refused_together(lambda: _checked_saved_plan(plan_file, cfg))
+        plan = refused_together(lambda: checked_saved_plan(plan_file, cfg))
         if "base_model" not in plan:  # a plan from before plans recorded it: reruns from now on are checked
             plan["base_model"] = base_model_fingerprint(cfg.model.path)
             if rank == 0:
@@ -59,7 +58,7 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     return shared[0]
 
 
-def _checked_saved_plan(plan_file: Path, cfg: FinetuneConfig) -> dict:
+def checked_saved_plan(plan_file: Path, cfg: FinetuneConfig) -> dict:
     plan = json.loads(plan_file.read_text())
     if plan["method"] != cfg.adaptation.method:
         raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "

@@ -172,8 +172,35 @@ def _check_data_files(data: DataSection) -> None:
         raise ConfigError("data.chat_template: only used with data.messages_key")
 
 
+# what an adaptation run writes into its output_dir (beside config.yaml) and its export beside the weights
+PLAN_FILE = "adaptation.json"
+RUN_FILES = ("metrics.jsonl", "checkpoints")
+MODEL_CODE_MODULE = "modeling_megadiff_adapted"
+
+
+def _check_directories(cfg: FinetuneConfig) -> None:
+    """The export replaces its directory whole, and a run takes its output_dir over: neither may be a
+    directory of the user's. An export_dir at output_dir deleted the run, one at model.path the base model."""
+    output, export = Path(cfg.output_dir).resolve(), cfg.resolved_export_dir.resolve()
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"output_dir: {output} is a file; a run writes a directory")
+    if output.is_dir() and not (output / PLAN_FILE).is_file() and any((output / name).exists() for name in RUN_FILES):
+        raise ConfigError(f"output_dir: {output} holds another run (its {' or '.join(RUN_FILES)}, no {PLAN_FILE}); "
+                          "an adaptation run needs an output_dir of its own")
+    for key, path in (("output_dir", cfg.output_dir), ("model.path", cfg.model.path), ("model.tokenizer",
+                                                                                      cfg.model.tokenizer)):
+        theirs = Path(path).resolve() if path else None
+        if theirs is not None and (export == theirs or export in theirs.parents):
+            raise ConfigError(f"export_dir: {export} is or holds {key} ({theirs}), and an export replaces its "
+                              "directory whole; give the export a directory of its own")
+    if export.is_dir() and any(export.iterdir()) and not (export / f"{MODEL_CODE_MODULE}.py").is_file():
+        raise ConfigError(f"export_dir: {export} holds files that are not an earlier export of an adapted model, "
+                          "and an export replaces its directory whole; give a new or empty directory")
+
+
 def validate_finetune(cfg: FinetuneConfig) -> None:
     """Everything that can be checked without loading weights."""
+    _check_directories(cfg)
     hf_config = read_model_config(cfg.model.path)
     tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
     if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
