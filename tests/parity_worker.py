@@ -37,6 +37,9 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "cp2": (2, ["parallel.context=2"]),
+    # DP x CP: the loss and DINT's carries reduce over CP alone, the gradients over DP x CP (with DP 1 the
+    # groups coincide, and a collective on the wrong one went unseen)
+    "dp2_cp2": (4, ["parallel.context=2"]),
     # the distributed optimizer shards over DP x CP (here CP alone), overlapping its gradient reduce and
     # parameter gather with the interleaved schedule's model chunks
     "cp2_pp2_interleaved_distopt_overlap": (4, ["parallel.context=2", "parallel.pipeline=2",
@@ -52,6 +55,7 @@ LAYOUTS = {
                                  "train.recompute=full"]),
     "cp2_documents": (2, ["parallel.context=2", "data.document_masking=true"]),
     "cp4_documents": (4, ["parallel.context=4", "data.document_masking=true"]),
+    "dp2_cp2_documents": (4, ["parallel.context=2", "data.document_masking=true"]),
     # CP ranks gather each TP rank's heads of the SP-gathered sequence chunks
     "tp2_sp_cp2_documents": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2",
                                  "data.document_masking=true"]),

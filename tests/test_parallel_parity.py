@@ -55,7 +55,8 @@ def single_documents(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2_sp_pp2_documents", "cp2_documents", "cp4_documents", "tp2_sp_cp2_documents"])
+@pytest.mark.parametrize("layout", ["tp2_sp_pp2_documents", "cp2_documents", "cp4_documents", "dp2_cp2_documents",
+                                    "tp2_sp_cp2_documents"])
 def test_document_masking_layout_matches_single_process(layout, single_documents, tmp_path):
     """Layouts with document masking against one process with it (that the masking changes the
     model's output: tests/test_document_masking.py)."""
