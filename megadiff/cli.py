@@ -27,24 +27,46 @@ def _options(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, kind: type = float):
     try:
-        value = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole number' if kind is int else 'number'}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _number(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
     return value
 
 
+def _count(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return value
+
+
 def _positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a GPU's memory in GiB (a number > 0)")
     return value
+
+
+def _document_limit(text: str) -> float:
+    value = _number(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is neither a number of documents nor a fraction of them (> 0)")
+    return value
+
+
+def _output_file(text: str) -> str:
+    """Checked as the command is read: a directory given was found only when the finished report was written."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the file to write")
+    return text
 
 
 def _config_command(sub, name: str, target: str, help_text: str, options: tuple[str, ...] = ()):
@@ -77,7 +99,7 @@ def _checkpoint_command(sub, name: str, help_text: str, hf: bool = False) -> arg
     else:
         parser.add_argument("--load", required=True, help="a run's output_dir, checkpoints/ or iter_* directory")
     parser.add_argument("--split", choices=["valid", "test"], default="valid")
-    parser.add_argument("--output", default=None, help="write the report as JSON here")
+    parser.add_argument("--output", type=_output_file, default=None, help="write the report as JSON here")
     parser.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prefix=... to use other data")
     return parser
 
@@ -149,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "context")
     prompt.add_argument("--prompts", metavar="FILE", help="a JSON-lines file of prompts ({\"prompt\": ...}, or with "
                         "--chat {\"messages\": [...]}); completions go to --output, in batches, resumable")
-    gen.add_argument("--output", default=None, metavar="OUT", help="with --prompts: the completions, as JSON lines")
+    gen.add_argument("--output", type=_output_file, default=None, metavar="OUT",
+                     help="with --prompts: the completions, as JSON lines")
     gen.add_argument("--batch-size", type=int, default=8, help="with --prompts: prompts decoded side by side")
     _sampling_options(gen, max_new_tokens=32)
     gen.add_argument("--chat", action="store_true", help="the prompt is a user's message to a chat-tuned checkpoint, "
@@ -209,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--tasks", nargs="+", required=True,
                          help="lm-eval task names or patterns, e.g. arc_easy arc_challenge boolq hellaswag openbookqa "
                          "piqa winogrande")
-    harness.add_argument("--num-fewshot", type=int, default=None)
-    harness.add_argument("--limit", type=float, default=None, help="documents per task (a fraction when < 1)")
+    harness.add_argument("--num-fewshot", type=_count, default=None)
+    harness.add_argument("--limit", type=_document_limit, default=None, help="documents per task (a fraction when < 1)")
     harness.add_argument("--batch-size", type=int, default=8)
     harness.add_argument("--include-path", default=None, help="a directory of your own task YAML files")
     harness.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
@@ -228,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--system-instruction", default=None, metavar="TEXT", help="a system turn before each request")
     harness.add_argument("--fewshot-as-multiturn", action="store_true",
                          help="with --apply-chat-template: each few-shot example as a user and an assistant turn")
-    harness.add_argument("--output", default=None, help="write the results as JSON here")
+    harness.add_argument("--output", type=_output_file, default=None, help="write the results as JSON here")
     harness.add_argument("--log-samples", action="store_true", help="with --output: every request and its answer")
     harness.add_argument("--cache", default=None, metavar="PATH",
                          help="keep every answer in PATH_rankN.db as it is computed; a rerun computes only the rest "
@@ -251,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--records", default=None,
                        help="verdicts, appended as they arrive and reused by reruns (default: next to the first "
                        "samples file, .judgments.jsonl)")
-    judge.add_argument("--output", default=None, help="write the accuracy per task as JSON here")
+    judge.add_argument("--output", type=_output_file, default=None, help="write the accuracy per task as JSON here")
     judge.set_defaults(run=lambda a: _target("megadiff.inference.hallucination:hallucination_cli")(
         a.samples, a.judge_url, a.judge_model, api_key_env=a.api_key_env, workers=a.workers, records=a.records,
         output=a.output))
@@ -268,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also match this size (token count) on each variant's curve, e.g. 7.8B (repeatable)")
     scaling.add_argument("--from", dest="start", default=None, metavar="X",
                          help="fit only points at X or more (e.g. 40B tokens: leave out the first evaluations)")
-    scaling.add_argument("--output", default=None, help="write the fits and matches as JSON here")
+    scaling.add_argument("--output", type=_output_file, default=None, help="write the fits and matches as JSON here")
     scaling.set_defaults(run=lambda a: _target("megadiff.analysis.scaling:scaling_cli")(
         a.runs, by=a.by, metric=a.metric, baseline=a.baseline, at=a.at, start=a.start, output=a.output))
 
@@ -288,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     icl.add_argument("--orders", type=int, default=1, help="seeded orders of the same demonstrations (robustness)")
     icl.add_argument("--arrangement", choices=["random", "by-class"], default="random")
     icl.add_argument("--seed", type=int, default=0, help="the draw of demonstrations and test examples")
-    icl.add_argument("--output", default=None, help="write the report as JSON here")
+    icl.add_argument("--output", type=_output_file, default=None, help="write the report as JSON here")
     icl.add_argument("--cache", default=None, metavar="PATH",
                      help="keep every answer in PATH_rankN.jsonl as it comes; a rerun computes only the rest")
     icl.set_defaults(run=lambda a: _target("megadiff.inference.icl:icl_cli")(

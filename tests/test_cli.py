@@ -55,6 +55,33 @@ def test_fit_is_a_gpus_memory(capsys, given):
     assert f"argument --fit: {given} is not a GPU's memory in GiB (a number > 0)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("options, said", [
+    (["--limit", "0"], "argument --limit: 0 is neither a number of documents nor a fraction of them (> 0)"),
+    (["--limit", "-1"], "argument --limit: -1 is neither"),
+    (["--num-fewshot", "-1"], "argument --num-fewshot: -1 is not >= 0"),
+])
+def test_lm_eval_counts_are_refused_as_the_command_is_read(capsys, options, said):
+    """--limit 0 or -1 ended in lm_eval's traceback after the model loaded; --num-fewshot -1 ran as 0 shots."""
+    from megadiff.cli import parse_arguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(["lm-eval", "--load", "run", "--tasks", "arc_easy", *options])
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["lm-eval", "--load", "run", "--tasks", "arc_easy"],
+                                     ["icl", "--load", "run", "--dataset", "data"], ["evaluate", "--load", "run"],
+                                     ["generate", "--load", "run", "--prompts", "p.jsonl"]])
+def test_an_output_that_is_a_directory_is_refused_as_the_command_is_read(capsys, tmp_path, command):
+    """Found only when the finished results were written: lost, after minutes of evaluation."""
+    from megadiff.cli import parse_arguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments([*command, "--output", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"argument --output: {tmp_path} is a directory; give the file to write" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, target, call", [
     (["prepare-data", "c.yaml", "a=1", "--part", "0/2"], "megadiff.data.prepare:prepare_from_config",
      (("c.yaml", ["a=1"]), {"part": "0/2"})),
