@@ -415,6 +415,24 @@ def test_directories_of_the_users_are_refused_as_output_or_export(workspace, tmp
     assert load_finetune_config(yaml_file, [f"output_dir={run}"]).resolved_export_dir == run / "hf"
 
 
+@pytest.mark.parametrize("damage, said", [
+    (lambda model: (model / "config.json").write_text("{"), r"config.json is not JSON"),
+    (lambda model: (model / "config.json").write_text(json.dumps(
+        {key: value for key, value in json.loads((model / "config.json").read_text()).items()
+         if key != "num_hidden_layers"})), "config.json gives no num_hidden_layers"),
+    (lambda model: (model / "model.safetensors").unlink(), r"holds no weights"),
+    (lambda model: (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:4096]),
+     r"model.safetensors cannot be read \(.*cut short"),
+], ids=["config not JSON", "config without layers", "no weights", "weights cut short"])
+def test_a_damaged_model_is_refused_before_any_work(workspace, tmp_path, damage, said):
+    """Found by transformers after the data was tokenized (a traceback), or as a KeyError."""
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "model", model)
+    damage(model)
+    with pytest.raises(ConfigError, match=f"model.path: .*{said}"):
+        load_finetune_config(str(workspace / "adapt.yaml"), [f"model.path={model}", "adaptation.selected_heads=[[0]]"])
+
+
 def test_config_errors_name_their_key(workspace, tmp_path):
     yaml_file = str(workspace / "adapt.yaml")
     with pytest.raises(ConfigError, match="model.attn_implementation: .*unknown attention implementation 'garbage'"):

@@ -23,6 +23,7 @@ from megadiff.adapt.config import AdaptationConfig
 from megadiff.config import ConfigError, WandbFields, validate_wandb
 from megadiff.config.loader import apply_overrides, format_validation_error, load_yaml_tree
 from megadiff.config.schema import StrictNumbers, read_chat_template
+from megadiff.errors import first_line
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -136,12 +137,40 @@ def read_model_config(model_dir: str) -> dict:
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model.path: {model_dir} is not a Hugging Face model directory (no config.json)")
-    hf_config = json.loads(config_file.read_text())
-    model_type = hf_config.get("model_type")
+    try:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"model.path: {config_file} is not JSON ({first_line(err)})") from None
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model.path: model_type {model_type!r} is not supported; Dex/DAA adapt "
                           f"{', '.join(SUPPORTED_MODEL_TYPES.values())}")
+    missing = [key for key in MODEL_SHAPE_KEYS if not isinstance(hf_config.get(key), int)]
+    if missing:
+        raise ConfigError(f"model.path: {config_file} gives no {', '.join(missing)}")
+    _check_weight_files(Path(model_dir))
     return hf_config
+
+
+# what the adaptation reads of a config.json before transformers does
+MODEL_SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads")
+
+
+def _check_weight_files(model_dir: Path) -> None:
+    """Weights there, and each safetensors file whole (its header read, as cheap as a stat): a file cut short
+    by a download or copy was found by from_pretrained, after the data was tokenized."""
+    from safetensors import SafetensorError, safe_open
+
+    safetensors = sorted(model_dir.glob("*.safetensors"))
+    if not safetensors and not any(model_dir.glob("pytorch_model*.bin")):
+        raise ConfigError(f"model.path: {model_dir} holds no weights (*.safetensors or pytorch_model*.bin)")
+    for file in safetensors:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"model.path: {file} cannot be read ({first_line(err)}): cut short by a download or "
+                              "copy?") from None
 
 
 def read_deepspeed_json(path: str) -> dict:
