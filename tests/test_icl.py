@@ -349,6 +349,14 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, caps
         (emptied / f"{empty_split}.jsonl").write_text(text)
         assert main(["icl", "--load", missing, "--dataset", str(emptied)]) == 2
         assert f"{empty_split}.jsonl holds no examples" in capsys.readouterr().err
+    # a split that is not JSON lines (a traceback from datasets), and rows without a label (scored as "None")
+    for split, text, said in (("test", "{not json\n", "cannot read the test split of"),
+                              ("train", '{"text": "In the beginning", "label": null}\n', "1 examples lack their")):
+        damaged = tmp_path / f"damaged-{split}"
+        shutil.copytree(root, damaged)
+        (damaged / f"{split}.jsonl").write_text(text)
+        assert main(["icl", "--load", missing, "--dataset", str(damaged)]) == 2
+        assert said in capsys.readouterr().err
     assert main(["icl", "--hf", missing, "--dataset", str(root)]) == 2
     assert "no config.json" in capsys.readouterr().err
     from transformers import LlamaConfig

@@ -24,6 +24,7 @@ from rich.table import Table
 from megadiff.checkpoint.single_process import CausalLM
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer, with_text_start
+from megadiff.errors import first_line
 from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share, share_size, sum_across_ranks
@@ -67,14 +68,20 @@ def load_examples(dataset: str, config: str | None, split: str, text_key: str, l
             rows = datasets.load_dataset("json", data_files={split: str(path)})[split]
         else:
             rows = datasets.load_dataset(dataset, config, split=split)
-    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise ConfigError(f"cannot read the {split} split of {dataset}: {error}") from error
+    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError,
+            datasets.exceptions.DatasetGenerationError) as error:  # the last: a file that is not JSON lines
+        cause = error.__cause__ or error
+        raise ConfigError(f"cannot read the {split} split of {dataset}: {first_line(cause)}") from error
     if not len(rows):
         raise ConfigError(f"the {split} split of {dataset} holds no examples")
     missing = [key for key in (text_key, label_key) if key not in rows.column_names]
     if missing:
         raise ConfigError(f"{dataset} ({split}) has no column {missing}; it has {rows.column_names} "
                           "(--text-key, --label-key)")
+    unlabelled = [index for index, row in enumerate(rows) if row[text_key] is None or row[label_key] is None]
+    if unlabelled:  # scored against the label "None", they lowered the accuracy without a word
+        raise ConfigError(f"{dataset} ({split}): {len(unlabelled)} examples lack their {text_key!r} or "
+                          f"{label_key!r} (the first: row {unlabelled[0]})")
     feature = rows.features[label_key]
     name = feature.int2str if isinstance(feature, datasets.ClassLabel) else str
     return [Example(str(row[text_key]), name(row[label_key])) for row in rows]
