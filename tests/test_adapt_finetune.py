@@ -477,6 +477,10 @@ def test_config_errors_name_their_key(workspace, tmp_path):
         conflicting.write_text(json.dumps(without_zero))
         with pytest.raises(ConfigError, match="zero_optimization.stage must be 1, 2 or 3, not 0"):
             load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
+    for not_an_object in ([1, 2], {"zero_optimization": [2]}):  # an AttributeError
+        conflicting.write_text(json.dumps(not_an_object))
+        with pytest.raises(ConfigError, match="ds.json: expected an object with a zero_optimization object"):
+            load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
     from megadiff.cli import main
 
     assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2

@@ -180,7 +180,11 @@ def read_deepspeed_json(path: str) -> dict:
         ds = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"deepspeed: {path} is not valid JSON ({err})") from None
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    zero = ds.get("zero_optimization", {}) if isinstance(ds, dict) else None
+    if not isinstance(zero, dict):
+        raise ConfigError(f"deepspeed: {path}: expected an object with a zero_optimization object "
+                          "(configs/deepspeed/zero2.json is the usual choice)")
+    stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):  # without ZeRO, DeepSpeed's engine has no gradient norm to report
         raise ConfigError(f"deepspeed: {path}: zero_optimization.stage must be 1, 2 or 3, not {stage!r} "
                           "(configs/deepspeed/zero2.json is the usual choice)")
