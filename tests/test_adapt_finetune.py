@@ -632,6 +632,21 @@ def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_conf
     assert (run / "config.yaml").read_text() == "the dex run's\n"
 
 
+def test_a_rerun_reading_other_data_is_refused(workspace, tmp_path, capsys):
+    """Another seq_length packs other samples: the rerun resumed at its checkpoint's count of samples read, in an
+    order it never read, without a word."""
+    from megadiff.adapt.plan import planned_data
+    from megadiff.cli import main
+
+    run, config = tmp_path / "run", str(workspace / "adapt.yaml")
+    run.mkdir()
+    plan = {"method": "dex", "anneal_steps": 3, "lambda_learn_init": 0.0,
+            "data": planned_data(load_finetune_config(config, [f"output_dir={run}"]))}
+    (run / "adaptation.json").write_text(json.dumps(plan))
+    assert main(["adapt", config, f"output_dir={run}", "data.seq_length=64"]) == 2
+    assert f"data.seq_length: 64, but {run} was trained on 32" in capsys.readouterr().err
+
+
 def test_checkpoints_leave_out_a_tied_head_s_frozen_embedding():
     """DeepSpeed drops frozen parameters by their first names only; a tied head's second name is
     dropped too (DeepSpeed's own module_state_dict, on a tiny tied Llama whose attention trains)."""

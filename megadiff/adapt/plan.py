@@ -38,8 +38,9 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     if saved[0]:
         # together: each rank checks the model.path it reads, which may be a node-local copy
         plan = refused_together(lambda: checked_saved_plan(plan_file, cfg))
-        if "base_model" not in plan:  # a plan from before plans recorded it: reruns from now on are checked
-            plan["base_model"] = base_model_fingerprint(cfg.model.path)
+        if "base_model" not in plan or "data" not in plan:  # a plan from before plans recorded them: reruns
+            plan.setdefault("base_model", base_model_fingerprint(cfg.model.path))  # from now on are checked
+            plan.setdefault("data", planned_data(cfg))
             if rank == 0:
                 write_atomically(plan_file, json.dumps(plan, indent=1).encode())
         return _with_trainable(plan, cfg, model, saved=True)
@@ -51,6 +52,7 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
     else:  # all heads, or the given ones: nothing to measure, nothing to gather
         plan = plan_adaptation(model, cfg.adaptation)
     shared = [{"settings": _planned_settings(cfg), "base_model": base_model_fingerprint(cfg.model.path),
+               "data": planned_data(cfg),
                **_with_trainable(plan, cfg, model, saved=False)}]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:
@@ -64,8 +66,26 @@ def checked_saved_plan(plan_file: Path, cfg: FinetuneConfig) -> dict:
         raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                           f"{plan['method']!r} run; use another output_dir")
     check_planned_settings(plan, cfg)
+    check_planned_data(plan, cfg)
     check_base_model(plan, cfg)
     return plan
+
+
+def planned_data(cfg: FinetuneConfig) -> dict:
+    """What the run's sample order is made of: its checkpoints count the samples read in that order."""
+    return {"files": [str(Path(name).resolve()) for name in cfg.data.files], "seq_length": cfg.data.seq_length,
+            "seed": cfg.data.seed}
+
+
+def check_planned_data(plan: dict, cfg: FinetuneConfig) -> None:
+    """Refuses a rerun whose data would pack or order the samples otherwise: it resumed at the saved count of
+    samples read, in an order it never read (a plan from before plans recorded its data passes)."""
+    recorded, asked = plan.get("data"), planned_data(cfg)
+    for key in recorded or ():
+        if asked[key] != recorded[key]:
+            raise ConfigError(f"data.{key}: {asked[key]!r}, but {cfg.output_dir} was trained on {recorded[key]!r}: "
+                              "a rerun reads on in its data's order (its checkpoints count the samples read); "
+                              "use another output_dir")
 
 
 def _planned_settings(cfg: FinetuneConfig) -> dict:
