@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if err.errno not in STORAGE_ERRORS:  # anything else is a bug, whose traceback says where
             raise
-        print(f"megadiff {args.command}: {err.strerror}: {err.filename}", file=sys.stderr)
+        where = f": {err.filename}" if err.filename else " (writing its output)"  # a write() names no file
+        print(f"megadiff {args.command}: {err.strerror}{where}", file=sys.stderr)
         return 3
     return result if isinstance(result, int) else 0
 

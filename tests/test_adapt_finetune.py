@@ -412,7 +412,20 @@ def test_directories_of_the_users_are_refused_as_output_or_export(workspace, tmp
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="output_dir: .*a-file is a file"):
         load_finetune_config(yaml_file, [f"output_dir={tmp_path / 'a-file'}"])
+    with pytest.raises(ConfigError, match="export_dir: .*a-file is a file"):  # found by the export, at the end
+        load_finetune_config(yaml_file, [f"output_dir={run}", f"export_dir={tmp_path / 'a-file'}"])
     assert load_finetune_config(yaml_file, [f"output_dir={run}"]).resolved_export_dir == run / "hf"
+
+
+def _sharded_without_its_second_shard(model: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model / "model.safetensors"))
+    names = sorted(state)
+    save_file({name: state[name] for name in names[:1]}, str(model / "shard-1.safetensors"))
+    (model / "model.safetensors").unlink()
+    weight_map = {name: "shard-1.safetensors" if i == 0 else "shard-2.safetensors" for i, name in enumerate(names)}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 @pytest.mark.parametrize("damage, said", [
@@ -423,7 +436,8 @@ def test_directories_of_the_users_are_refused_as_output_or_export(workspace, tmp
     (lambda model: (model / "model.safetensors").unlink(), r"holds no weights"),
     (lambda model: (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:4096]),
      r"model.safetensors cannot be read \(.*cut short"),
-], ids=["config not JSON", "config without layers", "no weights", "weights cut short"])
+    (lambda model: _sharded_without_its_second_shard(model), r"model.safetensors.index.json names shard-2"),
+], ids=["config not JSON", "config without layers", "no weights", "weights cut short", "a shard missing"])
 def test_a_damaged_model_is_refused_before_any_work(workspace, tmp_path, damage, said):
     """Found by transformers after the data was tokenized (a traceback), or as a KeyError."""
     model = tmp_path / "model"
@@ -635,7 +649,7 @@ def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_conf
 def test_a_rerun_reading_other_data_is_refused(workspace, tmp_path, capsys):
     """Another seq_length packs other samples: the rerun resumed at its checkpoint's count of samples read, in an
     order it never read, without a word."""
-    from megadiff.adapt.plan import planned_data
+    from megadiff.adapt.plan import check_planned_data, planned_data
     from megadiff.cli import main
 
     run, config = tmp_path / "run", str(workspace / "adapt.yaml")
@@ -645,6 +659,20 @@ def test_a_rerun_reading_other_data_is_refused(workspace, tmp_path, capsys):
     (run / "adaptation.json").write_text(json.dumps(plan))
     assert main(["adapt", config, f"output_dir={run}", "data.seq_length=64"]) == 2
     assert f"data.seq_length: 64, but {run} was trained on 32" in capsys.readouterr().err
+    # the same data elsewhere (a node-local copy) is the same data; a file grown since is not
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    first = Path(load_finetune_config(config, []).data.files[0])
+    shutil.copyfile(first, copy / first.name)
+    copied = [f"output_dir={run}", f"data.files=[{copy / first.name}]"]
+    check_planned_data(plan, load_finetune_config(config, copied))
+    with (copy / first.name).open("a") as grown:
+        grown.write('{"text": "and more"}\n')
+    with pytest.raises(ConfigError, match="data.files: .* was trained on"):
+        check_planned_data(plan, load_finetune_config(config, copied))
+    (run / "adaptation.json").write_text('{"method": "dex", "anch')  # cut short by a kill mid-write
+    assert main(["adapt", config, f"output_dir={run}"]) == 2
+    assert "adaptation.json is not JSON" in capsys.readouterr().err
 
 
 def test_checkpoints_leave_out_a_tied_head_s_frozen_embedding():

@@ -115,6 +115,17 @@ def test_a_storage_refusal_is_said_in_a_line(monkeypatch, capsys, code, said):
     assert said in os.strerror(code)
 
 
+def test_a_full_disk_met_while_writing_is_said_without_a_file_name(monkeypatch, capsys):
+    """A write() on a full disk raises an OSError that names no file (as writing to Linux's /dev/full does)."""
+    from megadiff import cli
+
+    def writes_to_a_full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(cli, "_target", lambda path: writes_to_a_full_disk)
+    assert main(["prepare-data", "c.yaml"]) == 3
+    assert capsys.readouterr().err == "megadiff prepare-data: No space left on device (writing its output)\n"
+
+
 def test_an_error_of_megadiff_itself_keeps_its_traceback(monkeypatch):
     from megadiff import cli
 

@@ -129,6 +129,16 @@ def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, damage, message)
         load_checkpoint(damaged)
 
 
+def test_running_out_of_memory_while_loading_is_not_called_damage(tmp_path):
+    """torch's OutOfMemoryError is a RuntimeError, which a common.pt cut short raises too: the user must hear
+    of the device's memory, not be sent to another checkpoint."""
+    from megadiff.checkpoint.weights import damage_reported
+
+    with pytest.raises(torch.OutOfMemoryError):
+        with damage_reported(tmp_path, also=(RuntimeError,)):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
 def test_a_damaged_checkpoint_names_the_runs_other_checkpoints(run, tmp_path, capsys):
     checkpoints = tmp_path / CHECKPOINTS_DIR
     for iteration in (3, 7):

@@ -11,7 +11,6 @@ At step 0 the adapted model's logits equal the original's exactly.
 from __future__ import annotations
 
 import fnmatch
-import math
 import warnings
 from typing import Iterable, Optional
 
@@ -21,6 +20,7 @@ from torch import nn
 from megadiff.adapt.config import DAA_METHODS, AdaptationConfig, AdaptationError, coerce_config
 from megadiff.adapt.modeling_adapted import ADAPTED_ATTENTION, EXPORT_CLASSES, AdaptedAttention, install_adapters
 from megadiff.adapt.selection import select_heads
+from megadiff.ops.lambdas import depth_lambda_init
 
 # without real data, calibration falls back to this many random tokens per batch
 RANDOM_CALIBRATION_TOKENS = 128
@@ -41,11 +41,6 @@ def check_supported(model: nn.Module) -> None:
     if unknown:
         raise AdaptationError(f"unsupported attention module(s) {sorted(unknown)}; expected one of "
                               f"{[cls.__name__ for cls in ADAPTED_ATTENTION]}")
-
-
-def depth_lambda_init(layer_number: int) -> float:
-    """SPEC section 0: 0.8 - 0.6 exp(-0.3 (l - 1)) for the 1-based layer number l."""
-    return 0.8 - 0.6 * math.exp(-0.3 * (layer_number - 1))
 
 
 def random_calibration(model: nn.Module, count: int, seed: int = 0) -> list[torch.Tensor]:
@@ -85,7 +80,7 @@ def plan_adaptation(model: nn.Module, config: AdaptationConfig,
         "step": 0,
         "lambda_learn_init": config.lambda_learn_init,
         "daa_weight_before_rope": True,
-        "layers": [{"heads": row, "lambda_init": (depth_lambda_init(i + 1) if config.lambda_init == "depth"
+        "layers": [{"heads": row, "lambda_init": (depth_lambda_init(i) if config.lambda_init == "depth"
                                                   else float(config.lambda_init))}
                    for i, row in enumerate(heads)],
     }

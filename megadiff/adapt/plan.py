@@ -15,7 +15,7 @@ from megadiff.adapt.data import BatchReader
 from megadiff.adapt.selection import MEASURED_SELECTIONS
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig
 from megadiff.config import ConfigError
-from megadiff.errors import refused_together
+from megadiff.errors import first_line, refused_together
 from megadiff.files import write_atomically
 
 # what the DAA methods trained by default before plan files recorded it (Dex's default is unchanged)
@@ -56,12 +56,16 @@ def adaptation_plan(cfg: FinetuneConfig, model, reader: BatchReader, stage: int,
                **_with_trainable(plan, cfg, model, saved=False)}]
     dist.broadcast_object_list(shared, src=0)  # every rank measured the same; rank 0's decides
     if rank == 0:
-        plan_file.write_text(json.dumps(shared[0], indent=1))
+        write_atomically(plan_file, json.dumps(shared[0], indent=1).encode())
     return shared[0]
 
 
 def checked_saved_plan(plan_file: Path, cfg: FinetuneConfig) -> dict:
-    plan = json.loads(plan_file.read_text())
+    try:
+        plan = json.loads(plan_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{plan_file} is not JSON ({first_line(err)}): written before this version wrote it "
+                          "whole, and cut short? Remove it to measure the plan again") from None
     if plan["method"] != cfg.adaptation.method:
         raise ConfigError(f"adaptation.method: {cfg.adaptation.method!r}, but {cfg.output_dir} holds a "
                           f"{plan['method']!r} run; use another output_dir")
@@ -73,8 +77,9 @@ def checked_saved_plan(plan_file: Path, cfg: FinetuneConfig) -> dict:
 
 def planned_data(cfg: FinetuneConfig) -> dict:
     """What the run's sample order is made of: its checkpoints count the samples read in that order."""
-    return {"files": [str(Path(name).resolve()) for name in cfg.data.files], "seq_length": cfg.data.seq_length,
-            "seed": cfg.data.seed}
+    # the files by name and size, as base_model's: a resume from a copy elsewhere (node-local) is the same data
+    return {"files": [[Path(name).name, Path(name).stat().st_size] for name in cfg.data.files],
+            "seq_length": cfg.data.seq_length, "seed": cfg.data.seed}
 
 
 def check_planned_data(plan: dict, cfg: FinetuneConfig) -> None:

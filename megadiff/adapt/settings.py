@@ -164,6 +164,14 @@ def _check_weight_files(model_dir: Path) -> None:
     safetensors = sorted(model_dir.glob("*.safetensors"))
     if not safetensors and not any(model_dir.glob("pytorch_model*.bin")):
         raise ConfigError(f"model.path: {model_dir} holds no weights (*.safetensors or pytorch_model*.bin)")
+    for index in model_dir.glob("*.index.json"):  # a sharded model's: every shard it names must be there
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"model.path: {index} is not a weights index ({first_line(err)})") from None
+        missing = sorted(name for name in shards if not (model_dir / name).is_file())
+        if missing:
+            raise ConfigError(f"model.path: {index} names {', '.join(missing)}, which {model_dir} lacks")
     for file in safetensors:
         try:
             with safe_open(str(file), framework="pt"):
@@ -226,6 +234,8 @@ def _check_directories(cfg: FinetuneConfig) -> None:
         if theirs is not None and (export == theirs or export in theirs.parents):
             raise ConfigError(f"export_dir: {export} is or holds {key} ({theirs}), and an export replaces its "
                               "directory whole; give the export a directory of its own")
+    if export.exists() and not export.is_dir():
+        raise ConfigError(f"export_dir: {export} is a file; an export writes a directory")
     if export.is_dir() and any(export.iterdir()) and not (export / f"{MODEL_CODE_MODULE}.py").is_file():
         raise ConfigError(f"export_dir: {export} holds files that are not an earlier export of an adapted model, "
                           "and an export replaces its directory whole; give a new or empty directory")

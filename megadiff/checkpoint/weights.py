@@ -9,17 +9,17 @@ from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, CheckpointError, model_keys, model_sharded_state, saved_iterations,
+    CONFIG_FILE, CheckpointError, iteration_dir, model_keys, model_sharded_state, saved_iterations,
 )
-from megadiff.errors import first_line
-from megadiff.files import iteration_dir
 from megadiff.config import Config, dump_config
+from megadiff.errors import first_line
 from megadiff.helper_processes import follow_the_trainer
 from megadiff.parallel import rank_and_world
 
@@ -55,6 +55,8 @@ def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...
     the caller reads nothing else."""
     try:
         yield
+    except torch.OutOfMemoryError:  # a RuntimeError too, but the device's, not the files'
+        raise
     except CheckpointException as error:
         failure = first_failure(error)
         if isinstance(failure, OSError):
