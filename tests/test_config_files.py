@@ -6,7 +6,9 @@ import json
 import re
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError, build_config, dump_config, load_config
@@ -135,6 +137,7 @@ def _adapt_workspace(root):
     (root / "model/config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
                                                         "num_attention_heads": 2}))
     (root / "model/tokenizer.json").write_text("{}")
+    save_file({"model.embed_tokens.weight": torch.zeros(1)}, str(root / "model/model.safetensors"))  # read: its header
     (root / "d.jsonl").write_text('{"text": "a"}\n')
     (root / "elsewhere/deeper").mkdir(parents=True)
 
