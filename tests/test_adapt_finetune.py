@@ -495,6 +495,19 @@ def test_config_errors_name_their_key(workspace, tmp_path):
         conflicting.write_text(json.dumps(not_an_object))
         with pytest.raises(ConfigError, match="ds.json: expected an object with a zero_optimization object"):
             load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
+    # DeepSpeed asserted on these after the model had loaded; SGD has no betas to fill
+    for optimizer, refusal in (({"type": "SGD"}, "optimizer.type 'SGD': adaptation trains with Adam or AdamW"),
+                               ({"type": "adamw", "params": [1]}, "optimizer must be an object with a params object")):
+        conflicting.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": optimizer}))
+        with pytest.raises(ConfigError, match=refusal):
+            load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
+    conflicting.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}))
+    assert load_finetune_config(yaml_file, [f"deepspeed={conflicting}"]).deepspeed == str(conflicting)
+    # the tiny base model's context is 128 positions
+    assert load_finetune_config(yaml_file, ["data.seq_length=128"]).data.seq_length == 128
+    with pytest.raises(ConfigError, match=r"data.seq_length: 129 is past the base model's context \(128, "
+                                          "max_position_embeddings in .*config.json\)"):
+        load_finetune_config(yaml_file, ["data.seq_length=129"])
     from megadiff.cli import main
 
     assert main(["adapt", yaml_file, f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2

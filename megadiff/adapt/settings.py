@@ -196,7 +196,33 @@ def read_deepspeed_json(path: str) -> dict:
     if stage not in (1, 2, 3):  # without ZeRO, DeepSpeed's engine has no gradient norm to report
         raise ConfigError(f"deepspeed: {path}: zero_optimization.stage must be 1, 2 or 3, not {stage!r} "
                           "(configs/deepspeed/zero2.json is the usual choice)")
+    _check_optimizer(ds.get("optimizer", {}), path)
     return ds
+
+
+# the adapt config fills Adam's hyperparameters (train.adam_betas, adam_eps, weight_decay) into the JSON's
+ADAM_OPTIMIZERS = ("adam", "adamw")
+
+
+def _check_optimizer(optimizer, path: str) -> None:
+    """DeepSpeed's own assertion met a bad optimizer only once the model had loaded."""
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("params", {}), dict):
+        raise ConfigError(f"deepspeed: {path}: optimizer must be an object with a params object")
+    kind = optimizer.get("type", "AdamW")
+    if not isinstance(kind, str) or kind.lower() not in ADAM_OPTIMIZERS:
+        raise ConfigError(f"deepspeed: {path}: optimizer.type {kind!r}: adaptation trains with Adam or AdamW "
+                          "(train.adam_betas, train.adam_eps and train.weight_decay fill its params)")
+
+
+def _check_sequence_length(seq_length: int, hf_config: dict, model_dir: str) -> None:
+    """Positions past the base model's context are RoPE's untrained extrapolation: most often a seq_length
+    meant for another model, and the export would still declare the shorter context."""
+    trained = hf_config.get("max_position_embeddings")
+    if isinstance(trained, int) and seq_length > trained:
+        raise ConfigError(f"data.seq_length: {seq_length} is past the base model's context ({trained}, "
+                          f"max_position_embeddings in {Path(model_dir) / 'config.json'}); shorten it, or, to "
+                          "extend the context, raise max_position_embeddings there (with rope_scaling if the "
+                          "model needs it)")
 
 
 def _check_data_files(data: DataSection) -> None:
@@ -245,6 +271,7 @@ def validate_finetune(cfg: FinetuneConfig) -> None:
     """Everything that can be checked without loading weights."""
     _check_directories(cfg)
     hf_config = read_model_config(cfg.model.path)
+    _check_sequence_length(cfg.data.seq_length, hf_config, cfg.model.path)
     tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
     if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ConfigError(f"model.tokenizer: no tokenizer files in {tokenizer_dir}")
