@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
-from megadiff.config import ConfigError, WandbFields, validate_wandb
+from megadiff.config import ConfigError, WandbFields, refuse_a_file_for_directory, validate_wandb
 from megadiff.config.loader import apply_overrides, format_validation_error, load_yaml_tree
 from megadiff.config.schema import StrictNumbers, read_chat_template
 from megadiff.errors import first_line
@@ -249,8 +249,7 @@ def _check_directories(cfg: FinetuneConfig) -> None:
     """The export replaces its directory whole, and a run takes its output_dir over: neither may be a
     directory of the user's. An export_dir at output_dir deleted the run, one at model.path the base model."""
     output, export = Path(cfg.output_dir).resolve(), cfg.resolved_export_dir.resolve()
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"output_dir: {output} is a file; a run writes a directory")
+    refuse_a_file_for_directory("output_dir", output, "a run writes a directory")
     if output.is_dir() and not (output / PLAN_FILE).is_file() and any((output / name).exists() for name in RUN_FILES):
         raise ConfigError(f"output_dir: {output} holds another run (its {' or '.join(RUN_FILES)}, no {PLAN_FILE}); "
                           "an adaptation run needs an output_dir of its own")
@@ -260,8 +259,7 @@ def _check_directories(cfg: FinetuneConfig) -> None:
         if theirs is not None and (export == theirs or export in theirs.parents):
             raise ConfigError(f"export_dir: {export} is or holds {key} ({theirs}), and an export replaces its "
                               "directory whole; give the export a directory of its own")
-    if export.exists() and not export.is_dir():
-        raise ConfigError(f"export_dir: {export} is a file; an export writes a directory")
+    refuse_a_file_for_directory("export_dir", export, "an export writes a directory")
     if export.is_dir() and any(export.iterdir()) and not (export / f"{MODEL_CODE_MODULE}.py").is_file():
         raise ConfigError(f"export_dir: {export} holds files that are not an earlier export of an adapted model, "
                           "and an export replaces its directory whole; give a new or empty directory")

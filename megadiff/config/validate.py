@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Optional
 
 from megadiff.config.schema import (
@@ -208,6 +209,12 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
     if cfg.data.document_masking:
         _validate_document_masking(cfg.model)
+
+
+def refuse_a_file_for_directory(key: str, path: str | Path, writes: str) -> None:
+    """A directory a command writes into: a file there failed at the first write, after the start-up."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ConfigError(f"{key}: {path} is a file; {writes}")
 
 
 def validate_wandb(logging: WandbFields) -> None:

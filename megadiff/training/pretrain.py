@@ -20,7 +20,7 @@ from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
     Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
-    short_warmup_warning,
+    refuse_a_file_for_directory, short_warmup_warning,
 )
 from megadiff.errors import MegadiffError
 from megadiff.models.memory import (
@@ -333,7 +333,5 @@ def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     if unavailable:
         raise ConfigError(f"model.attention_backend: 'triton' cannot run here: {unavailable}; use auto (the kernel "
                           "where it runs, else SDPA) or sdpa")
-    output = Path(cfg.output_dir)
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"output_dir: {output} is a file; a run writes a directory (its metrics and checkpoints)")
+    refuse_a_file_for_directory("output_dir", cfg.output_dir, "a run writes a directory (its metrics and checkpoints)")
     return pretrain(cfg)
