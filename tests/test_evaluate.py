@@ -234,7 +234,7 @@ def test_more_sequences_than_the_split_holds_evaluates_each_once(run):
 
     run_dir, cfg = run
     model = load_checkpoint(run_dir)
-    long_cfg = evaluation_config(model, 256, [])
+    long_cfg = evaluation_config(model.cfg, 256, [])
     asked = 10_000
     dataset = held_out_dataset(long_cfg, model.tokenizer, "valid", asked, Console(quiet=True))
     split_tokens = int(dataset.dataset.sequence_lengths[dataset.indices].sum())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 import tracemalloc
 
@@ -155,7 +156,7 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tm
     assert np.shape(report["attention_to_answer"]) == np.shape(report["attention_noise"]) == (2, 2)
 
     model = load_checkpoint(run_dir)
-    tokens = held_out_tokens(evaluation_config(model, None, []), "valid")
+    tokens = held_out_tokens(evaluation_config(model.cfg, None, []), "valid")
     tokenizer = model.tokenizer
 
     def gives(prompt: list[int], answer: list[int]) -> bool:
@@ -177,6 +178,17 @@ def test_cli_report_and_the_one_pass_check_agree_with_greedy_generation(runs, tm
     assert main(["needles", "--load", str(run_dir), "--lengths", "160", "--needles", "2", "--queries", "3"]) == 2
 
 
+def test_lengths_the_cases_cannot_fit_are_refused_before_the_weights_are_read(runs, monkeypatch, capsys):
+    """They were refused after the checkpoint had loaded, minutes at scale."""
+    from megadiff.inference import needles
+
+    monkeypatch.setattr(needles, "load_model", lambda *args: pytest.fail("the weights were read"))
+    for lengths, refusal in ((["160", "100000000"], "100000000 tokens need .* haystack tokens; the held-out split has"),
+                             (["5"], "5 tokens are fewer than the needles, question and answer take")):
+        assert main(["needles", "--load", str(runs["diff"]), "--lengths", *lengths]) == 2
+        assert re.search(refusal, capsys.readouterr().err)
+
+
 def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     """--hf on the DIFF run's Hugging Face export (stock DiffLlama, run by transformers), the haystack
     named by data.* overrides: the answer positions' logits are the checkpoint's, so are the one-pass
@@ -187,7 +199,7 @@ def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     run_dir, export = runs["diff"], tmp_path / "hf"
     assert main(["convert", "to-hf", "--load", str(run_dir), "--save", str(export)]) == 0
     ours, theirs = load_checkpoint(run_dir, torch.float32), load_hf_model(export, "fp32")
-    tokens = held_out_tokens(evaluation_config(ours, None, []), "valid")
+    tokens = held_out_tokens(evaluation_config(ours.cfg, None, []), "valid")
     case = build_case(ours.tokenizer, tokens, 256, 0.5, 2, random.Random(2), queries=2)
     positions = list(range(case.answer_start - 1, len(case.tokens) - 1))
     with torch.no_grad():
@@ -237,7 +249,7 @@ def test_attention_rows_are_the_maps_the_layer_applies(runs, variant):
     """Each layer's row, times the values (DIFF: then x (1 - lambda), head norm, x (1 - lambda_init)),
     is the core attention's own output at that position."""
     model = load_checkpoint(runs[variant])
-    tokens = held_out_tokens(evaluation_config(model, None, []), "valid")[:40].tolist()
+    tokens = held_out_tokens(evaluation_config(model.cfg, None, []), "valid")[:40].tolist()
     position = 30
     rows = attention_rows(model, tokens, position)
     applied = []
@@ -267,7 +279,7 @@ def test_attention_rows_are_the_maps_the_layer_applies(runs, variant):
 
 def test_attention_allocation_sums_the_rows_over_the_answer_and_the_haystack(runs):
     model = load_checkpoint(runs["diff"])
-    haystack = held_out_tokens(evaluation_config(model, None, []), "valid")
+    haystack = held_out_tokens(evaluation_config(model.cfg, None, []), "valid")
     case = build_case(model.tokenizer, haystack, 200, 0.5, 3, random.Random(2))
     assert model.tokenizer.decode(case.tokens[slice(*case.answer_span)]) == model.tokenizer.decode(case.answer)
     rows = torch.cat(attention_rows(model, case.tokens, case.answer_start - 1))

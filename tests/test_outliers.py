@@ -147,7 +147,7 @@ def test_cli_report_equals_naive_statistics(runs, tmp_path, variant):
                  "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     model = load_checkpoint(runs[variant])
-    cfg = evaluation_config(model, seq_length, [])
+    cfg = evaluation_config(model.cfg, seq_length, [])
     dataset = held_out_dataset(cfg, model.tokenizer, "valid", 3, None)
     eod = model.tokenizer.eod if cfg.data.document_masking else None
     if eod is not None:  # an EOD inside a sample: its documents are attended apart

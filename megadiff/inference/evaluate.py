@@ -24,7 +24,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from megadiff.checkpoint.single_process import CausalLM
-from megadiff.config import ConfigError
+from megadiff.config import Config, ConfigError
 from megadiff.config.loader import saved_config
 from megadiff.config.validate import validate_data
 from megadiff.data.checks import split_documents
@@ -44,9 +44,9 @@ from megadiff.inference.reporting import command_console, write_report
 SPLITS = ("valid", "test")
 
 
-def evaluation_config(model: CausalLM | HFCausalLM, seq_length: int | None, overrides: Iterable[str]):
-    """The checkpoint's config with the evaluation's sequence length and data overrides (checked: the
-    rest was the training run's to check)."""
+def evaluation_config(model_cfg: Config, seq_length: int | None, overrides: Iterable[str]) -> Config:
+    """The checkpoint's config (a model's `cfg`) with the evaluation's sequence length and data overrides
+    (checked: the rest was the training run's to check)."""
     overrides = list(overrides)
     named = {override.split("=", 1)[0].strip() for override in overrides}
     if named & {"data.prefix", "data.blend"} and "data.bundled_corpus" not in named:
@@ -55,7 +55,7 @@ def evaluation_config(model: CausalLM | HFCausalLM, seq_length: int | None, over
         overrides.insert(0, "data.bundled_corpus=null")
     if seq_length is not None:
         overrides.append(f"model.seq_length={seq_length}")
-    cfg = saved_config(model.cfg.model_dump(mode="json"), overrides)
+    cfg = saved_config(model_cfg.model_dump(mode="json"), overrides)
     validate_data(cfg.data)
     return cfg
 
@@ -184,7 +184,7 @@ def evaluate(load: str | None, split: str = "valid", seq_length: int | None = No
     frequent = None if frequent_bigrams is None else FrequentBigrams(frequent_bigrams, sample_tokens)
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
-    cfg = evaluation_config(model, seq_length, overrides)
+    cfg = evaluation_config(model.cfg, seq_length, overrides)
     ensure_prepared(cfg)
     prefixes, weights = megatron_blend(cfg.data)  # an unweighted blend is weighted by tokens, as in training
     progress = command_progress("evaluate")

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from megadiff.checkpoint.single_process import CausalLM
+from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.single_process import CausalLM, checkpoint_tokenizer
 from megadiff.config import ConfigError
 from megadiff.data.checks import split_tokens
 from megadiff.data.locations import training_blend
@@ -241,6 +242,17 @@ def held_out_tokens(cfg, split: str) -> np.ndarray:
     return tokens
 
 
+def _check_cases_fit(load: str, split: str, overrides: Iterable[str], grid: dict) -> None:
+    """Draws every case from the checkpoint's tokenizer and held-out split before the minutes of reading its
+    weights: a length the needles or the split cannot fit is refused then. (With --hf, the directory's
+    tokenizer and window come with the model, so its cases are drawn after the load.)"""
+    checkpoint_dir = resolve_checkpoint_dir(load)
+    cfg = evaluation_config(checkpoint_config(checkpoint_dir), None, overrides)
+    ensure_prepared(cfg)
+    for _ in draw_cases(checkpoint_tokenizer(checkpoint_dir, cfg), held_out_tokens(cfg, split), **grid):
+        pass
+
+
 def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float], needles: int = 1, trials: int = 5,
                 seed: int = 0, split: str = "valid", attention: bool = False, overrides: Iterable[str] = (),
                 output: str | None = None, queries: int = 1, hf: str | None = None, dtype: str | None = None,
@@ -253,9 +265,12 @@ def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float
         raise ConfigError(f"--needles must be at most {len(CITIES)} and --depths within [0, 1]")
     if not 1 <= queries <= needles:
         raise ConfigError(f"--queries must be between 1 and --needles ({needles}), got {queries}")
-    model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
+    grid = dict(lengths=lengths, depths=depths, needles=needles, trials=trials, seed=seed, queries=queries)
+    if load is not None:
+        _check_cases_fit(load, split, overrides, grid)
+    model = load_model(load, hf, dtype, window)  # under torchrun it joins the ranks' process group
     console = command_console()
-    cfg = evaluation_config(model, None, overrides)
+    cfg = evaluation_config(model.cfg, None, overrides)
     ensure_prepared(cfg)
     with command_progress("needles") as progress:
         task = ProgressTask(progress, f"{len(lengths)} lengths x {len(depths)} depths x {trials} trials",

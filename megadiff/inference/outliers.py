@@ -242,7 +242,7 @@ def outliers(load: str | None, split: str = "valid", seq_length: int | None = No
     check_request("outliers", split, overrides, sequences=sequences, batch_size=batch_size)
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
-    cfg = evaluation_config(model, seq_length, overrides)
+    cfg = evaluation_config(model.cfg, seq_length, overrides)
     ensure_prepared(cfg)
     prefixes, _ = training_blend(cfg.data)
     datasets = [held_out_dataset(source_config(cfg, prefix), model.tokenizer, split, sequences, console)
