@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -254,6 +255,34 @@ def test_shares_of_the_parts_then_a_plain_run_that_only_merges(corpus, prepared,
     # once merged, a share has nothing left to do
     assert cli_main(["prepare-data", str(config), "--part", "0/2"]) == 0
     assert "up to date" in capsys.readouterr().out and len(calls) == 3
+
+
+def test_more_documents_than_megatron_numbers_are_refused(corpus, prepared, tmp_path, monkeypatch, capsys):
+    """megatron-core numbers a prefix's documents in int32: past 2**31 - 1 the ids wrap negative and the
+    valid split read training documents. With the limit at 10: of three parts (7, 9 and 8 documents), the
+    second passes it and the third is not tokenized; shares each under it are refused when merged, with
+    the parts kept; data prepared elsewhere is refused before training."""
+    from megadiff.data import indexed
+    from megadiff.data.checks import check_training_data
+
+    monkeypatch.setattr(indexed, "MAX_DOCUMENTS", 10)
+    source_dir = _split_corpus(corpus, tmp_path / "src")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  sources: [{source_dir}]\n  prefix: {tmp_path / 'out' / 'x'}\n")
+    calls = _count_encodings(monkeypatch)
+    assert cli_main(["prepare-data", str(config)]) == 2
+    assert "16 documents; megatron-core's datasets number at most 10 in one prefix" in capsys.readouterr().err
+    assert len(calls) == 2
+    shutil.rmtree(tmp_path / "out")
+    for share in ("0/3", "1/3", "2/3"):
+        assert cli_main(["prepare-data", str(config), "--part", share]) == 0
+    assert cli_main(["prepare-data", str(config)]) == 2  # the merging run counts them
+    assert "16 documents; megatron-core's datasets number at most 10" in capsys.readouterr().err
+    assert not Path(f"{tmp_path / 'out' / 'x'}.bin").exists()
+    assert len(list((tmp_path / "out" / "x.parts").glob("*.idx"))) == 3
+    cfg = build_config({}, [f"data.prefix={prepared[0]}", "data.bundled_corpus=null", "model.seq_length=32"])
+    with pytest.raises(DataError, match="24 documents; megatron-core's datasets number at most 10"):
+        check_training_data(cfg, load_tokenizer(cfg.data.tokenizer))
 
 
 @pytest.mark.parametrize("share", ["2/2", "-1/2", "1", "a/b", "0/0"])

@@ -19,7 +19,9 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megadiff.config import Config
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import IndexSummary, bin_path, idx_path, loss_mask_prefix, read_index, token_dtype
+from megadiff.data.indexed import (
+    IndexSummary, bin_path, idx_path, loss_mask_prefix, read_index, refuse_too_many_documents, token_dtype,
+)
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
 from megadiff.data.tokenizers import Tokenizer, document_start
@@ -155,6 +157,7 @@ def split_tokens(prefix: str, data_split: str, split: str) -> np.ndarray | None:
 def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str) -> None:
     """Every split data.split gives a share must hold at least one sample (seq_length + 1 tokens)."""
     count = len(summary.sequence_lengths)
+    refuse_too_many_documents(count, prefix)  # prepared by another tool
     if summary.tokens == 0:
         raise DataError(f"{key}: {prefix} holds no tokens ({count} documents); prepare it from non-empty text")
     needed = cfg.model.seq_length + 1

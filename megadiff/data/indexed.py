@@ -18,6 +18,9 @@ UINT16_IDS = np.iinfo(np.uint16).max + 1
 INDEX_HEADER_FORMAT = "<9sQBQQ"
 INDEX_HEADER_BYTES = struct.calcsize(INDEX_HEADER_FORMAT)
 MAX_DOCUMENT_TOKENS = np.iinfo(np.int32).max  # the .idx's sequence lengths are int32
+# megatron-core's datasets number a prefix's documents in int32 (its document index): past this, ids wrap
+# negative and numpy reads them from the end, so the valid split read training documents, silently
+MAX_DOCUMENTS = np.iinfo(np.int32).max
 # the entries of each .idx array written at once
 WRITE_CHUNK = 1 << 16
 
@@ -28,6 +31,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 LOSS_MASK_DTYPE = np.dtype(np.uint8)
+
+
+def refuse_too_many_documents(documents: int, prefix: str | Path) -> None:
+    if documents > MAX_DOCUMENTS:
+        raise DataError(f"{prefix}: {documents:,} documents; megatron-core's datasets number at most {MAX_DOCUMENTS:,} "
+                        "in one prefix (int32 ids): prepare the sources as several prefixes, each from a share of "
+                        "them, and list those in data.blend")
 
 
 def loss_mask_prefix(prefix: str | Path) -> str:

@@ -41,7 +41,8 @@ from megadiff.data.conversations import resolve_chat_template
 from megadiff.data.corpus import write_bundled_corpus
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import (
-    LOSS_MASK_DTYPE, AtomicIndexedWriter, bin_path, idx_path, loss_mask_prefix, token_dtype,
+    LOSS_MASK_DTYPE, AtomicIndexedWriter, bin_path, idx_path, loss_mask_prefix, refuse_too_many_documents,
+    token_dtype,
 )
 from megadiff.data.locations import corpus_dir, data_prefix
 from megadiff.data.manifest import (
@@ -250,6 +251,8 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
         for index in indices:
             stats[index] = _prepare_part(plan, index, encoder, progress)
             progress.advance(overall)
+            # refused as soon as the parts pass it, not after the rest of a corpus was tokenized
+            refuse_too_many_documents(sum(part["documents"] for part in stats.values()), plan.prefix)
     return stats
 
 
