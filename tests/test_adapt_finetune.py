@@ -847,8 +847,8 @@ def test_adapt_imports_no_megatron():
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "configs/adapt").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipes_load(recipe, workspace):
-    cfg = load_finetune_config(str(recipe), [f"model.path={workspace / 'model'}",
-                                             f"data.files=[{workspace / 'train.jsonl'}]"])
+    cfg = load_finetune_config(str(recipe), [f"model.path={workspace / 'model'}",  # a context of 128 positions
+                                             f"data.files=[{workspace / 'train.jsonl'}]", "data.seq_length=128"])
     assert deepspeed_config(cfg, world_size=8)["train_batch_size"] == 8 * cfg.train.grad_accum
 
 
