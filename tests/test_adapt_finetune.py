@@ -787,6 +787,33 @@ def test_a_base_model_that_differs_on_one_node_is_refused_on_every_rank(workspac
     assert first == f"rank 1 refused the run: {second}"
 
 
+def adapted_as_rank(rank: int, world_size: int, config: str, overrides: list[str], per_rank: dict, report: str) -> None:
+    """finetune with this rank's own extra overrides (a node's own copy of a config or model); what it raised."""
+    from megadiff.adapt.finetune import finetune
+
+    try:
+        finetune(load_finetune_config(config, [*overrides, *per_rank.get(rank, [])]))
+        outcome = "trained"
+    except MegadiffError as err:
+        outcome = str(err)
+    Path(report, f"rank{rank}").write_text(outcome)
+
+
+def test_adaptation_ranks_started_differently_are_refused_before_the_model_loads(workspace, tmp_path):
+    """Another lr on one node trained its replica apart; a node's own copy of the base model, at its own path,
+    is no difference."""
+    copy = tmp_path / "node1-model"
+    shutil.copytree(workspace / "model", copy)
+    overrides = [f"output_dir={tmp_path / 'run'}", "train.iters=1"]
+    with mock.patch.dict(os.environ, _env(workspace)):
+        run_ranks(2, adapted_as_rank, str(workspace / "adapt.yaml"), overrides,
+                  {1: ["train.lr=0.5", f"model.path={copy}"]}, str(tmp_path), timeout=300)
+    first, second = ((tmp_path / f"rank{rank}").read_text() for rank in range(2))
+    assert first == second == ("the ranks were started differently (a config file or data that differs between "
+                               "nodes?): config.train.lr: rank 0 has 0.003, rank 1 has 0.5")
+    assert not (tmp_path / "run" / "adaptation.json").exists()  # refused before head selection
+
+
 def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | None, error: str, report: str) -> None:
     """finetune's data build, leader (LOCAL_RANK 0) first, failing on `failing_rank` with a refusal
     (`error` "config") or an unexpected error ("os", "local": of a class defined here)."""

@@ -39,6 +39,7 @@ from megadiff.errors import refused_together
 from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
+from megadiff.rank_agreement import check_ranks_agree
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -139,6 +140,17 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     return tokenizer, model, reader, plan, hf_ds_config
 
 
+# where a node may read its own copy of the inputs, at a path of its own
+NODE_LOCAL_KEYS = (("model", "path"), ("model", "tokenizer"), ("data", "files"), ("data", "cache_dir"))
+
+
+def _same_on_every_node(cfg: FinetuneConfig) -> dict:
+    settings = cfg.model_dump(mode="json")
+    for section, key in NODE_LOCAL_KEYS:
+        settings[section].pop(key)
+    return settings
+
+
 def finetune(cfg: FinetuneConfig) -> int:
     """Run (or continue) the adaptation. Returns the process exit code: 0 when finished or stopped at
     checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
@@ -157,6 +169,9 @@ def finetune(cfg: FinetuneConfig) -> int:
     stage = dss.zero_stage(ds_config)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    latest = output_dir / CHECKPOINT_DIR / "latest"
+    resumes_from = latest.read_text().strip() if latest.is_file() else None
+    check_ranks_agree({"output_dir": output_dir}, {"config": _same_on_every_node(cfg), "resumes from": resumes_from})
     wandb = None
     if rank == 0:
         resolved = cfg.model_dump(mode="json")

@@ -22,7 +22,7 @@ from megadiff.config import (
     Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
     refuse_a_file_for_directory, short_warmup_warning,
 )
-from megadiff.errors import MegadiffError
+from megadiff.errors import MegadiffError, refused_together
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
@@ -33,6 +33,7 @@ from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
 from megadiff.parallel import compute_device, initialize, shutdown, tensor_parallel_across_nodes
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
+from megadiff.rank_agreement import check_ranks_agree
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
@@ -84,9 +85,13 @@ class Pretraining:
             device_bytes = torch.cuda.get_device_properties(device).total_memory
             check_fits(self.model_states, device_bytes)
             memory_warning = activations_warning(self.model_states, activations, device_bytes)
-        # W&B starts first: a login or project problem should stop the run before data and model
-        self._wandb = wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None
-        start = plan_start(cfg)  # its refusals come before data and model
+        start = refused_together(lambda: plan_start(cfg))  # its refusals come before data and model
+        starting = str(start.path) if start.path else None
+        check_ranks_agree({"output_dir": self.output, "data.cache_dir": cfg.data.cache_dir},
+                          {"config": cfg.model_dump(mode="json"), "starting checkpoint": starting})
+        # W&B before data and model: a login or project problem should stop the run before them
+        self._wandb = refused_together(
+            lambda: wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None)
         t = cfg.train
         self.train_samples, drawn_for = start.data_samples(cfg)
         self.datasets, self.valid_sets, tokenizer = _prepare_data(cfg, self.train_samples)

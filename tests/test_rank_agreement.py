@@ -1,0 +1,85 @@
+"""Ranks started differently are refused on every rank: an output_dir that is not rank 0's directory on some
+node (its checkpoints would lack that node's shards), or another config or starting checkpoint."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from tests.distributed import megadiff_main, run_ranks, run_reporting_ranks
+from tests.pretrain_runs import DEMO_CONFIG, tiny_overrides
+
+
+def agree_on(rank: int, world_size: int, directories: list[str], facts: list[dict], report: str) -> None:
+    import torch.distributed as dist
+
+    from megadiff.rank_agreement import check_ranks_agree
+
+    dist.init_process_group("gloo")
+    try:
+        check_ranks_agree({"output_dir": directories[rank]}, facts[rank])
+        outcome = "agreed"
+    except Exception as err:  # noqa: BLE001 -- what each rank raised, for the test to compare
+        outcome = f"{type(err).__name__}: {err}"
+    Path(report, f"rank{rank}").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def outcomes(tmp_path: Path, directories: list[Path], facts: list[dict]) -> list[str]:
+    run_ranks(2, agree_on, [str(d) for d in directories], facts, str(tmp_path), timeout=120)
+    return [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+
+
+def test_ranks_started_alike_agree_and_leave_no_probe(tmp_path):
+    shared = tmp_path / "run"
+    facts = {"config": {"train": {"lr": 3e-4}}, "starting checkpoint": None}
+    assert outcomes(tmp_path, [shared, shared], [facts, facts]) == ["agreed", "agreed"]
+    assert list(shared.iterdir()) == []  # rank 0 made the directory; its probe is gone
+
+
+def test_a_node_with_another_output_directory_is_refused_on_every_rank(tmp_path):
+    """A node-local path (or a failed mount) in place of the shared directory: that rank's checkpoint
+    shards went elsewhere, and every committed checkpoint lacked them."""
+    facts = {"config": {}}
+    first, second = outcomes(tmp_path, [tmp_path / "shared", tmp_path / "node1-local"], [facts, facts])
+    host = socket.gethostname()
+    assert first == second == (f"ConfigError: output_dir: {tmp_path / 'shared'} is not the same directory on every "
+                               f"node: rank 1 ({host}, at {tmp_path / 'node1-local'}) did not see the file rank 0 "
+                               f"({host}) wrote there; every rank reads and writes it (checkpoint shards, dataset "
+                               "indices): give every node the same shared directory")
+
+
+def test_another_config_or_starting_checkpoint_on_one_rank_is_refused_naming_it(tmp_path):
+    shared = tmp_path / "run"
+    facts = [{"config": {"train": {"lr": 3e-4, "iters": 10}}, "starting checkpoint": "run/iter_0000006"},
+             {"config": {"train": {"lr": 5e-2, "iters": 10}}, "starting checkpoint": "run/iter_0000004"}]
+    first, second = outcomes(tmp_path, [shared, shared], facts)
+    assert first == second
+    assert first == ("ConfigError: the ranks were started differently (a config file or data that differs between "
+                     "nodes?): config.train.lr: rank 0 has 0.0003, rank 1 has 0.05; starting checkpoint: rank 0 has "
+                     "'run/iter_0000006', rank 1 has 'run/iter_0000004'")
+
+
+def test_an_output_directory_rank_0_cannot_write_is_refused_on_every_rank(tmp_path):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    first, second = outcomes(tmp_path, [in_the_way / "run"] * 2, [{}, {}])
+    assert first.startswith(("FileExistsError", "NotADirectoryError"))
+    assert second == f"MegadiffError: rank 0 failed: {first}"
+
+
+def megadiff_on_rank(argv: list[str], per_rank: dict[int, list[str]]) -> int:
+    """`megadiff ARGV`, with this rank's own extra overrides (as a node with its own copy of a config would)."""
+    return megadiff_main([*argv, *per_rank.get(int(os.environ["RANK"]), [])])
+
+
+def test_pretraining_ranks_started_differently_are_refused_before_any_data_or_model(small_tokenizer_dir, tmp_path):
+    """Another lr on one rank trained its data-parallel replica apart without a word (rank 0's saved); a node-local
+    output_dir committed checkpoints without that node's shards."""
+    argv = ["pretrain", str(DEMO_CONFIG), *tiny_overrides(small_tokenizer_dir, tmp_path / "cache"),
+            f"output_dir={tmp_path / 'run'}", "train.iters=2"]
+    lr = run_reporting_ranks(2, megadiff_on_rank, argv, {1: ["train.lr=0.05"]}, expect=2)
+    assert lr.stderr.count("config.train.lr: rank 0 has 0.005, rank 1 has 0.05") == 2
+    local = run_reporting_ranks(2, megadiff_on_rank, argv, {1: [f"output_dir={tmp_path / 'node1'}"]}, expect=2)
+    assert local.stderr.count(f"output_dir: {tmp_path / 'run'} is not the same directory on every node: rank 1") == 2
+    assert not (tmp_path / "cache" / "indices").exists()  # refused before the data
