@@ -43,9 +43,10 @@ def write_failure(error: Exception) -> str:
     rank only, as its writers' "Worker failure: <the OSError>" (the OSError itself is lost on the way)."""
     if not isinstance(error, CheckpointException):
         return str(error)
-    if not error.failures:
-        return "a write failed on another rank; rank 0's message names it"
-    return str(first_failure(error)).removeprefix("Worker failure: ")
+    if not error.failures:  # this rank's own write may be the one that failed
+        return "a write failed; rank 0's message names the rank and the error"
+    rank = next(iter(error.failures))
+    return f"{str(first_failure(error)).removeprefix('Worker failure: ')}, on rank {rank}"
 
 
 @contextmanager
