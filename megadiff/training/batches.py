@@ -9,12 +9,14 @@ data-parallel rank reads the same micro-batches.
 from __future__ import annotations
 
 import math
+import socket
 from functools import partial
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from megadiff.data.errors import DataError
 from megadiff.helper_processes import ignore_preemption_signals
 from megadiff.models.documents import document_cu_seqlens
 
@@ -45,22 +47,30 @@ class MicroBatchSampler(Sampler[list[int]]):
                 yield list(range(micro_start, micro_start + self.micro_batch))
 
 
-def _collate(samples: list[dict], document_eod: int | None) -> dict[str, torch.Tensor]:
+def _collate(samples: list[dict], vocab_size: int, document_eod: int | None) -> dict[str, torch.Tensor]:
     batch = {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS}
+    for key in ("tokens", "labels"):
+        low, high = torch.aminmax(batch[key])
+        if low < 0 or high >= vocab_size:
+            # the embedding's IndexError (a device-side assert on a GPU), or, in the padded rows, no error at all
+            raise DataError(f"data: token id {int(low if low < 0 else high)} in a micro-batch {socket.gethostname()} "
+                            f"read, outside model.vocab_size ({vocab_size}): the prepared .bin this node reads is "
+                            "damaged, or not the one the others read")
     if document_eod is not None:
         batch["cu_seqlens"] = document_cu_seqlens(batch["tokens"], document_eod)
     return batch
 
 
-def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0,
+def micro_batch_loader(dataset, sampler: MicroBatchSampler, vocab_size: int, num_workers: int = 0,
                        document_eod: int | None = None, micro_batches_per_step: int = 1) -> DataLoader:
-    """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents.
+    """Micro-batches of BATCH_KEYS, their ids checked against `vocab_size`; with `document_eod`, also the
+    "cu_seqlens" of their documents.
 
     Workers read a whole step's micro-batches ahead, so the next step's are ready when it starts (a
     step takes them all at once: with torch's default of two per worker, the rest were read while
     the GPU waited)."""
     ahead = max(2, math.ceil(micro_batches_per_step / num_workers)) if num_workers else None
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, vocab_size=vocab_size, document_eod=document_eod),
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), prefetch_factor=ahead,
                       persistent_workers=num_workers > 0, worker_init_fn=ignore_preemption_signals)
 

@@ -149,7 +149,8 @@ class Pretraining:
         t = self.cfg.train
         sampler = MicroBatchSampler(total, consumed, t.global_batch_size, t.micro_batch_size,
                                     parallel_state.get_data_parallel_rank(), self.dp)
-        loader = micro_batch_loader(dataset, sampler, t.dataloader_workers, self.document_eod, self.num_microbatches)
+        loader = micro_batch_loader(dataset, sampler, self.cfg.model.vocab_size, t.dataloader_workers,
+                                    self.document_eod, self.num_microbatches)
         return IterationBatches(loader, self.num_microbatches, len(self.engine.model))
 
     def _log(self, record: dict) -> None:
