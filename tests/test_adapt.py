@@ -463,3 +463,12 @@ def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeyp
     prompt = tokens(batch=1, length=4)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0),
                        model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0))
+    # annealed on in plain transformers, then saved: the copy had reloaded at the step it was exported at
+    loaded.set_adaptation_step(9)
+    set_step(model, 9)
+    assert current_lambdas(loaded) == current_lambdas(model)  # megadiff's helpers know the remote-code copy
+    loaded.save_pretrained(tmp_path / "annealed")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "annealed", trust_remote_code=True).eval()
+    assert again.config.adaptation["step"] == 9
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, model(x).logits)

@@ -132,7 +132,8 @@ def apply_daa(model: nn.Module, config: AdaptationConfig | dict | None = None,
 
 
 def adapted_modules(model: nn.Module) -> list[AdaptedAttention]:
-    return [m for m in model.modules() if isinstance(m, AdaptedAttention)]
+    # by what they hold, not their class: an export loaded with trust_remote_code has its own copy of it
+    return [m for m in model.modules() if isinstance(m, AdaptedAttention) or hasattr(m, "adapter_method")]
 
 
 def set_step(model: nn.Module, step: int) -> None:

@@ -225,6 +225,18 @@ class _AdaptedCausalLM:
         super().__init__(config, *args, **kwargs)
         install_adapters(self, config.adaptation)
 
+    def set_adaptation_step(self, step: int) -> None:
+        """The annealing step t of lambda(t), to train on in plain transformers (megadiff's loop sets it every
+        optimizer step: t = the steps done)."""
+        for layer in self.model.layers:
+            layer.self_attn.step = step
+
+    def save_pretrained(self, *args, **kwargs):
+        # the adapters as they are now: the step was read from the config when the model was built, and a
+        # copy saved after more annealing had reloaded at the old step
+        self.config.adaptation = describe_adapters(self)
+        return super().save_pretrained(*args, **kwargs)
+
 
 class AdaptedLlamaConfig(LlamaConfig):
     model_type = "megadiff_adapted_llama"
