@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from megadiff.checkpoint.format import checkpoint_config
-from megadiff.config import ConfigError
+from megadiff.config import ConfigError, build_config
 from megadiff.convert import convert_from_hf, convert_to_hf
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.tokenizers import load_tokenizer
@@ -208,3 +208,23 @@ def test_a_rope_base_megatron_cannot_hold_is_refused_by_name(tmp_path):
     stock_llama(tmp_path / "llama", tied=False, rope_theta=10000.5)
     with pytest.raises(ConfigError, match=r"model.rope_theta: 10000.5 must be an integer"):
         convert_from_hf(tmp_path / "llama", tmp_path / "megadiff")
+
+
+def test_tokens_added_to_a_tiktoken_export_come_back_with_it(tmp_path):
+    """An export's sidecar names its packaged encoding (cl100k_base), which from-hf keeps by name; tokens added to
+    the export's tokenizer for fine-tuning (ChatML's, in the padded rows) were then read as text."""
+    from transformers import AutoTokenizer
+
+    from tests.convert_worker import LAYOUTS, MODEL, VARIANTS, save_in_process
+
+    cfg = build_config({}, MODEL + VARIANTS["softmax"] + LAYOUTS["single"] + [
+        "data.tokenizer=cl100k_base", "model.vocab_size=100352", "model.make_vocab_size_divisible_by=128"])
+    save_in_process(cfg, tmp_path / "checkpoint")
+    export = convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf")
+    assert checkpoint_config(convert_from_hf(export, tmp_path / "as-exported")).data.tokenizer == "cl100k_base"
+    hf_tokenizer = AutoTokenizer.from_pretrained(export)
+    hf_tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf_tokenizer.save_pretrained(export)
+    back = checkpoint_config(convert_from_hf(export, tmp_path / "back")).data.tokenizer
+    assert back == str((tmp_path / "back" / "tokenizer").resolve())
+    assert load_tokenizer(back).vocab_size == len(hf_tokenizer) == 100279

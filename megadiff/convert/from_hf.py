@@ -80,17 +80,21 @@ def _is_weight(name: str, tied_embeddings: bool) -> bool:
 def _tokenizer(hf_dir: HFDirectory, save: Path):
     """(data.tokenizer value, number of ids in use, HF tokenizer to copy under tokenizer/ or None).
 
-    A packaged tiktoken encoding named by the export's sidecar stays by name."""
-    source = hf_dir.source_cfg
-    if source is not None and source.data.tokenizer in PACKAGED_TIKTOKEN:
-        return source.data.tokenizer, load_tokenizer(source.data.tokenizer).vocab_size, None
+    A packaged tiktoken encoding named by the export's sidecar stays by name, unless the directory's tokenizer
+    has other ids now (tokens added for fine-tuning: the encoding would read them as text)."""
     from transformers import AutoTokenizer
 
+    source = hf_dir.source_cfg
+    packaged = load_tokenizer(source.data.tokenizer) if source and source.data.tokenizer in PACKAGED_TIKTOKEN else None
     try:  # never run code from the directory: the tokenizer files alone describe the tokenizer
         hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir.path), trust_remote_code=False)
     except (OSError, ValueError) as err:
+        if packaged is not None:
+            return source.data.tokenizer, packaged.vocab_size, None
         raise ConversionError(f"{hf_dir.path}: no usable tokenizer files ({err}); a megadiff checkpoint carries "
                               "its tokenizer") from None
+    if packaged is not None and len(hf_tokenizer) == packaged.vocab_size:
+        return source.data.tokenizer, packaged.vocab_size, None
     return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer
 
 
