@@ -99,6 +99,21 @@ def test_remote_code_cache_gives_the_tokens_of_full_recomputation(models, name):
 
 
 @pytest.mark.parametrize("name", REMOTE)
+def test_remote_code_exports_load_as_a_base_model_too(models, name):
+    """AutoModel (feature extraction, a custom head) gives the causal LM's last hidden states; it refused the
+    remote-code exports as an unrecognized configuration."""
+    from transformers import AutoModel
+
+    _, hf_dir, causal_lm = models[name]
+    base = AutoModel.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    prompt = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=prompt).last_hidden_state,
+                                   causal_lm(input_ids=prompt, output_hidden_states=True).hidden_states[-1])
+    assert AutoTokenizer.from_pretrained(hf_dir).model_max_length == causal_lm.config.max_position_embeddings
+
+
+@pytest.mark.parametrize("name", REMOTE)
 def test_remote_code_builds_no_mask_without_padding_and_refuses_a_static_cache(models, name, monkeypatch):
     """A [B, 1, N, N] mask is 4 GiB of booleans per 64K sequence, and keeps SDPA off its flash kernel."""
     model = models[name][2]

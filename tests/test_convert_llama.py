@@ -213,7 +213,7 @@ def test_a_rope_base_megatron_cannot_hold_is_refused_by_name(tmp_path):
 def test_tokens_added_to_a_tiktoken_export_come_back_with_it(tmp_path):
     """An export's sidecar names its packaged encoding (cl100k_base), which from-hf keeps by name; tokens added to
     the export's tokenizer for fine-tuning (ChatML's, in the padded rows) were then read as text."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig, pipeline
 
     from tests.convert_worker import LAYOUTS, MODEL, VARIANTS, save_in_process
 
@@ -223,6 +223,13 @@ def test_tokens_added_to_a_tiktoken_export_come_back_with_it(tmp_path):
     export = convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf")
     assert checkpoint_config(convert_from_hf(export, tmp_path / "as-exported")).data.tokenizer == "cl100k_base"
     hf_tokenizer = AutoTokenizer.from_pretrained(export)
+    # batched pipelines pad with a reserved id (tiktoken never gives it; the EOS would leave fine-tuning labels)
+    # and truncation cuts at the model's context
+    assert hf_tokenizer.pad_token_id == GenerationConfig.from_pretrained(export).pad_token_id == 100256
+    assert hf_tokenizer.model_max_length == cfg.model.seq_length
+    prompts = ["In the beginning God created", "And the earth was"]
+    generate = pipeline("text-generation", model=str(export), do_sample=False, max_new_tokens=4)
+    assert generate(prompts, batch_size=2) == [generate(prompt) for prompt in prompts]
     hf_tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     hf_tokenizer.save_pretrained(export)
     back = checkpoint_config(convert_from_hf(export, tmp_path / "back")).data.tokenizer

@@ -17,6 +17,7 @@ from megadiff.config.validate import DERIVED_MODEL_KEYS
 from megadiff.convert.hf_layout import ConversionError
 
 REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_megadiff.MegadiffConfig",
+                        "AutoModel": "modeling_megadiff.MegadiffModel",
                         "AutoModelForCausalLM": "modeling_megadiff.MegadiffForCausalLM"}
 SUPPORTED_MODEL_TYPES = ("llama", "diffllama", "megadiff")
 

@@ -74,7 +74,7 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
     _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
         str(directory))
     _save_weights(state, directory)
-    tokenizer.save_hf(directory)
+    tokenizer.save_hf(directory, source_cfg.model.seq_length)
     save_chat_template(source_cfg.data, tokenizer, directory)
     dump_config(source_cfg, directory / SIDECAR_CONFIG)
     if extras:
@@ -91,6 +91,7 @@ def _generation_config(generation, tokenizer, source_cfg: Config):
     end = turn_end_id(template, tokenizer) if template is not None else None
     if end is not None and end != generation.eos_token_id:
         generation.eos_token_id = [generation.eos_token_id, end]
+    generation.pad_token_id = tokenizer.pad
     return generation
 
 

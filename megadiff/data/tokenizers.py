@@ -9,7 +9,9 @@ prompts begin with them, chat templates write their own or are given them), `cha
 Jinja chat template, if it has one), `special_tokens` (the names a chat template reads, e.g.
 eos_token), `special_texts` (the texts `encode` reads as special tokens), `encode` (prompts,
 rendered chat templates), `encode_ordinary` (documents: a special token's text stays text), `decode`
-and `save_hf(dir)`, which writes Hugging Face tokenizer files so an exported model directory is complete.
+`pad` (an id batches of an export may be padded with, never read from text; None where the tokenizer names
+none) and `save_hf(dir, model_max_length=None)`, which writes Hugging Face tokenizer files so an exported model
+directory is complete.
 `load_tokenizer(spec)` takes the `data.tokenizer` config value.
 """
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Tokenizer(Protocol):
     chat_template: Optional[str]
     special_tokens: dict[str, str]
     special_texts: tuple[str, ...]
+    pad: Optional[int]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -56,7 +59,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def save_hf(self, directory: str | Path) -> None: ...
+    def save_hf(self, directory: str | Path, model_max_length: int | None = None) -> None: ...
 
 
 class TiktokenTokenizer:
@@ -79,6 +82,9 @@ class TiktokenTokenizer:
         # what `encode` reads as special tokens' ids, as the exported tokenizer (save_hf) reads them: a chat
         # template's EOS is trained on as the id the export's apply_chat_template and generation stop give
         self.special_texts = tuple(sorted(self.encoding.special_tokens_set))
+        # batched pipelines of an export need a pad token: a reserved id, which tiktoken never gives (the EOS
+        # would be masked out of fine-tuning labels by collators that mask the pad)
+        self.pad = min(self.undecodable_ids, default=None)
 
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode(text, allowed_special="all")
@@ -96,7 +102,7 @@ class TiktokenTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode([i for i in ids if i < self.vocab_size and i not in self.undecodable_ids])
 
-    def save_hf(self, directory: str | Path) -> None:
+    def save_hf(self, directory: str | Path, model_max_length: int | None = None) -> None:
         """tokenizer.json with the same ids as tiktoken (special tokens at their real ids)."""
         from tokenizers import AddedToken
         from transformers import PreTrainedTokenizerFast
@@ -114,7 +120,10 @@ class TiktokenTokenizer:
         first = backend.get_vocab_size()
         backend.add_special_tokens([AddedToken(by_id.get(i, f"<|reserved_{i}|>"), special=True, normalized=False)
                                     for i in range(first, self.vocab_size)])
-        hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT)
+        pad = {} if self.pad is None else {"pad_token": by_id.get(self.pad, f"<|reserved_{self.pad}|>")}
+        context = {} if model_max_length is None else {"model_max_length": model_max_length}
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
+                                     **context, **pad)
         hf.save_pretrained(str(directory))
 
 
@@ -155,6 +164,7 @@ class HFTokenizer:
         # the texts `encode` reads as special tokens' ids (chat markup such as <|im_start|>, the EOS)
         self.special_texts = tuple(token.content for token in self.hf.added_tokens_decoder.values() if token.special)
         self.literal_hf = _reading_special_texts_as_text(self.hf, self.special_texts)
+        self.pad = self.hf.pad_token_id
 
     def encode(self, text: str) -> list[int]:
         """Special tokens' texts in `text` become their ids: for prompts and chat templates' renderings."""
@@ -177,8 +187,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
 
-    def save_hf(self, directory: str | Path) -> None:
-        self.hf.save_pretrained(str(directory))
+    def save_hf(self, directory: str | Path, model_max_length: int | None = None) -> None:
+        exported = copy.copy(self.hf)
+        if model_max_length is not None:  # truncation=True then cuts at the model's context, not the base model's
+            exported.model_max_length = model_max_length
+        exported.save_pretrained(str(directory))
 
 
 def _reading_special_texts_as_text(hf, special_texts: tuple[str, ...]):
