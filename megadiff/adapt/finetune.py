@@ -40,6 +40,7 @@ from megadiff.files import commit_iteration, iteration_dir, remove_staging_lefto
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
 from megadiff.rank_agreement import check_ranks_agree
+from megadiff.watchdog import StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -207,7 +208,9 @@ def finetune(cfg: FinetuneConfig) -> int:
                      + (f"resuming after iteration {start}" if start else "starting"))
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
     iteration, exit_code = start, 0
+    watchdog = StallWatchdog(cfg.train.timeout_minutes)
     while iteration < cfg.train.iters:
+        watchdog.arm()
         iteration += 1
         set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
         torch.manual_seed(cfg.train.seed + iteration)
@@ -236,8 +239,10 @@ def finetune(cfg: FinetuneConfig) -> int:
                              f"rerun the same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
             break
     else:
+        watchdog.disarm()  # the export gathers and writes the whole model: no iteration's length
         set_step(engine.module, iteration)
         _export(cfg, engine, tokenizer, stage, rank)
+    watchdog.disarm()
     if writer is not None:
         writer.close()
     return exit_code

@@ -40,6 +40,7 @@ from megadiff.training.spikes import SpikeGuard
 from megadiff.training.state import plan_start, restore
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
+from megadiff.watchdog import StallWatchdog
 
 CONSOLE_KEYS = ("lm_loss", "valid_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
                 "max_memory_allocated_gib", "skipped_iterations", "skipped_spikes")
@@ -191,8 +192,10 @@ class Pretraining:
         saved_at = state.iteration  # a run resumed at its end has nothing new to save
         unrecorded = self.unrecorded
         failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
+        watchdog = StallWatchdog(cfg.parallel.timeout_minutes)
         try:
             while state.iteration < t.iters:
+                watchdog.arm()
                 started = time.perf_counter()
                 self.profiler.start(state.iteration + 1)
                 self.scheduler.step(1)
@@ -265,6 +268,7 @@ class Pretraining:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
         finally:
+            watchdog.disarm()
             if self.metrics is not None:
                 self.metrics.close(failed=failed)
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
