@@ -1,21 +1,24 @@
-"""That every rank runs the same job: the same config, the same starting checkpoint, and the same shared
-directories (the output_dir every rank writes its checkpoint shards into; pre-training's data cache, whose
-dataset indices rank 0 builds for all).
+"""That every rank runs the same job: the same settings and start, and the same shared directories (the
+output_dir every rank writes its checkpoint shards into; pre-training's data cache, whose dataset indices
+rank 0 builds for all).
 
 A node whose output_dir was not the shared directory (a node-local path, a failed mount) trained to the
 end with exit 0 while every checkpoint lacked its shards; a rank with another config (a stale copy of
 the YAML on one node) trained its replica apart, or hung in a collective the others never reached, and
-one that saw an older checkpoint resumed from it. Checked once, after the process group forms.
+one that saw an older checkpoint resumed from it.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import secrets
 import socket
 import time
 from pathlib import Path
 
 from megadiff.config import ConfigError
-from megadiff.errors import refused_together
+from megadiff.errors import first_line, refused_together
 
 PROBE_PREFIX = ".rank0-probe-"
 # a shared filesystem may show another node's new file a moment late (attribute caches)
@@ -24,56 +27,91 @@ PROBE_WAIT_SECONDS = 5.0
 
 def check_ranks_agree(shared: dict[str, str | Path], facts: dict[str, object]) -> None:
     """Every rank sees the files rank 0 writes into the `shared` directories (by config key) and holds rank 0's
-    `facts` (JSON-like values; nested dicts are compared key by key). Collective; refused on every rank."""
+    `facts` (JSON values; nested dicts are compared key by key). Collective; refused on every rank, naming the
+    ranks and hosts that differ."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank = dist.get_rank()
-    probes = [refused_together(lambda: [_write_probe(Path(d)) for d in shared.values()] if rank == 0 else None)]
+    probes = [refused_together(lambda: _write_probes(list(shared.values())) if rank == 0 else None)]
     dist.broadcast_object_list(probes, src=0)
-    views = {key: (str(directory), _sees(Path(directory) / probe))
-             for (key, directory), probe in zip(shared.items(), probes[0])}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (socket.gethostname(), views, _flat(facts)))
+    views = {key: _view(Path(directory), probe) for (key, directory), probe in zip(shared.items(), probes[0])}
+    flat = _flat(facts)
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, (digest, all(seen for _, seen, _ in views.values())))
     if rank == 0:
-        for directory, probe in zip(shared.values(), probes[0]):
-            (Path(directory) / probe).unlink(missing_ok=True)
+        _remove_probes(list(shared.values()), probes[0])
+    if all(seen for _, seen in digests) and len({d for d, _ in digests}) == 1:
+        return
+    # only where they differ: every rank's whole view, which at thousands of ranks is a lot to gather
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (socket.gethostname(), views, flat))
     for key in shared:
         _refuse_unshared(key, [(host, *seen_by[key]) for host, seen_by, _ in gathered])
-    differences = _differences([flat for *_, flat in gathered])
-    if differences:
-        raise ConfigError("the ranks were started differently (a config file or data that differs between nodes?): "
-                          + "; ".join(differences))
+    raise ConfigError("the ranks were started differently (a config file or data that differs between nodes?): "
+                      + "; ".join(_differences([(host, facts) for host, _, facts in gathered])))
 
 
-def _refuse_unshared(key: str, views: list[tuple[str, str, bool]]) -> None:
-    """views: each rank's (host, directory, whether it saw rank 0's file there)."""
-    (first_host, first_path, _), blind = views[0], []
-    for rank, (host, path, seen) in enumerate(views):
+def comparable(settings: dict, node_local: tuple[str, ...]) -> dict:
+    """A config's dump without the (dotted) keys naming inputs a node may hold its own copy of, at a path of its
+    own: compare what they hold instead."""
+    settings = json.loads(json.dumps(settings))
+    for dotted in node_local:
+        *sections, key = dotted.split(".")
+        inner = settings
+        for section in sections:
+            inner = inner[section]
+        inner.pop(key, None)
+    return settings
+
+
+def _write_probes(directories: list[str | Path]) -> list[str]:
+    name, written = f"{PROBE_PREFIX}{secrets.token_hex(8)}", []
+    try:
+        for directory in directories:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            (Path(directory) / name).touch()
+            written.append(directory)
+    except OSError:
+        _remove_probes(written, [name] * len(written))
+        raise
+    return [name] * len(directories)
+
+
+def _remove_probes(directories: list[str | Path], names: list[str]) -> None:
+    for directory, name in zip(directories, names):
+        with contextlib.suppress(OSError):
+            (Path(directory) / name).unlink(missing_ok=True)
+
+
+def _view(directory: Path, probe: str) -> tuple[str, bool, str | None]:
+    """(the directory as this rank resolves it, whether it sees rank 0's probe there, why not where an error
+    says: a stale handle, a dead mount, no permission)."""
+    deadline = time.monotonic() + PROBE_WAIT_SECONDS
+    try:
+        while not (directory / probe).exists():
+            if time.monotonic() > deadline:
+                return str(directory.absolute()), False, None
+            time.sleep(0.5)
+    except OSError as err:
+        return str(directory.absolute()), False, first_line(err)
+    return str(directory.absolute()), True, None
+
+
+def _refuse_unshared(key: str, views: list[tuple[str, str, bool, str | None]]) -> None:
+    """views: each rank's (host, directory, whether it saw rank 0's file there, the error that hid it)."""
+    (first_host, first_path, _, _), blind = views[0], []
+    for rank, (host, path, seen, problem) in enumerate(views):
         if not seen:
-            blind.append(f"{rank} ({host}{'' if path == first_path else f', at {path}'})")
+            where = "" if path == first_path else f", at {path}"
+            blind.append(f"{rank} ({host}{where}{f': {problem}' if problem else ''})")
     if blind:
         raise ConfigError(f"{key}: {first_path} is not the same directory on every node: rank "
                           f"{', '.join(blind[:3])}{f' and {len(blind) - 3} more' if len(blind) > 3 else ''} did not "
                           f"see the file rank 0 ({first_host}) wrote there; every rank reads and writes it (checkpoint "
                           "shards, dataset indices): give every node the same shared directory")
-
-
-def _write_probe(directory: Path) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    name = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
-    (directory / name).touch()
-    return name
-
-
-def _sees(path: Path) -> bool:
-    deadline = time.monotonic() + PROBE_WAIT_SECONDS
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
 
 
 def _flat(facts: dict, prefix: str = "") -> dict[str, object]:
@@ -86,14 +124,13 @@ def _flat(facts: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
-def _differences(ranks: list[dict[str, object]]) -> list[str]:
-    """"name: rank 0 has A, rank 2 has B" for each fact where a rank differs from rank 0."""
-    lines = []
-    for name in sorted(set().union(*ranks)):
-        first = ranks[0].get(name)
-        others = [f"rank {rank} has {facts.get(name)!r}" for rank, facts in enumerate(ranks)
-                  if facts.get(name) != first]
+def _differences(ranks: list[tuple[str, dict[str, object]]]) -> list[str]:
+    """"name: rank 0 (host) has A, rank 2 (host) has B" for each fact where a rank differs from rank 0."""
+    (first_host, first), lines = ranks[0], []
+    for name in sorted(set().union(*(facts for _, facts in ranks))):
+        others = [f"rank {rank} ({host}) has {facts.get(name)!r}" for rank, (host, facts) in enumerate(ranks)
+                  if facts.get(name) != first.get(name)]
         if others:
-            lines.append(f"{name}: rank 0 has {first!r}, {', '.join(others[:3])}"
+            lines.append(f"{name}: rank 0 ({first_host}) has {first.get(name)!r}, {', '.join(others[:3])}"
                          + (f" (and {len(others) - 3} more ranks)" if len(others) > 3 else ""))
     return lines

@@ -1,29 +1,45 @@
-"""Every thread's stack on stderr when an iteration outlasts most of the collective timeout.
+"""Every thread's stack, in a file of each rank's, when a training step outlasts most of the collective timeout.
 
 A rank stuck outside a collective (a hung data read, a deadlock) printed nothing: its peers failed at the
 timeout with only "Timed out waiting ... for recv", and torchrun named the rank whose timeout fired first,
-a healthy one. Dumped a little before that timeout, the stuck rank's stack shows where it is.
+a healthy one. Dumped a little before that timeout, the stuck rank's stack shows where it is (the others'
+show them waiting in a collective). One file a rank, <directory>/rank<N>-<host>.txt: thousands of ranks'
+stacks in one log would interleave. Files left empty are removed when the run closes the watchdog.
 """
 from __future__ import annotations
 
 import faulthandler
-import sys
+import socket
+from pathlib import Path
+from typing import IO
 
-# of the collective timeout: late enough for no healthy iteration to reach it, early enough to come first
+# of the collective timeout: late enough for no healthy step to reach it, early enough to come first
 SHARE_OF_TIMEOUT = 0.9
+STALLS_DIR = "stalls"  # under a run's output_dir
 
 
 class StallWatchdog:
-    def __init__(self, timeout_minutes: float):
+    """`with watchdog:` around each training step (its data read and its collectives)."""
+
+    def __init__(self, timeout_minutes: float, directory: str | Path, rank: int):
         self.seconds = timeout_minutes * 60 * SHARE_OF_TIMEOUT
-        # the process's own stderr (a file descriptor faulthandler can write to from its thread): the one a
-        # launcher collects, whatever sys.stderr was replaced with
-        self.stream = sys.__stderr__
+        self.path = Path(directory) / f"rank{rank}-{socket.gethostname()}.txt"
+        self.file: IO | None = None
 
-    def arm(self) -> None:
-        """Call as each iteration starts: the dump comes if it is still running `seconds` later."""
-        if self.stream is not None:
-            faulthandler.dump_traceback_later(self.seconds, file=self.stream)
+    def __enter__(self) -> "StallWatchdog":
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "w")
+        faulthandler.dump_traceback_later(self.seconds, file=self.file)
+        return self
 
-    def disarm(self) -> None:
+    def __exit__(self, *exc) -> None:
         faulthandler.cancel_dump_traceback_later()
+
+    def close(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+            if self.path.stat().st_size == 0:
+                self.path.unlink()

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -483,7 +484,8 @@ def test_config_errors_name_their_key(workspace, tmp_path):
     with pytest.raises(ConfigError, match=r"adaptation.selected_heads\[0\]"):
         load_finetune_config(yaml_file, ["adaptation.selected_heads=[[7],[0]]"])
     conflicting = tmp_path / "ds.json"
-    conflicting.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"params": {"lr": 0.1}}}))
+    conflicting.write_text(json.dumps({"zero_optimization": {"stage": 2},
+                                       "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}))
     cfg = load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
     with pytest.raises(ConfigError, match="optimizer.params.lr"):
         deepspeed_config(cfg, world_size=2)
@@ -497,6 +499,7 @@ def test_config_errors_name_their_key(workspace, tmp_path):
             load_finetune_config(yaml_file, [f"deepspeed={conflicting}"])
     # DeepSpeed asserted on these after the model had loaded; SGD has no betas to fill
     for optimizer, refusal in (({"type": "SGD"}, "optimizer.type 'SGD': adaptation trains with Adam or AdamW"),
+                               ({"params": {}}, "optimizer.type None: adaptation trains with Adam or AdamW"),
                                ({"type": "adamw", "params": [1]}, "optimizer must be an object with a params object")):
         conflicting.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": optimizer}))
         with pytest.raises(ConfigError, match=refusal):
@@ -809,8 +812,10 @@ def test_adaptation_ranks_started_differently_are_refused_before_the_model_loads
         run_ranks(2, adapted_as_rank, str(workspace / "adapt.yaml"), overrides,
                   {1: ["train.lr=0.5", f"model.path={copy}"]}, str(tmp_path), timeout=300)
     first, second = ((tmp_path / f"rank{rank}").read_text() for rank in range(2))
+    host = socket.gethostname()
     assert first == second == ("the ranks were started differently (a config file or data that differs between "
-                               "nodes?): config.train.lr: rank 0 has 0.003, rank 1 has 0.5")
+                               f"nodes?): config.train.lr: rank 0 ({host}) has 0.003, rank 1 ({host}) has 0.5; "
+                               f"deepspeed.optimizer.params.lr: rank 0 ({host}) has 0.003, rank 1 ({host}) has 0.5")
     assert not (tmp_path / "run" / "adaptation.json").exists()  # refused before head selection
 
 

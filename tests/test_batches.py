@@ -38,9 +38,8 @@ def test_workers_read_the_next_step_while_this_one_runs(workers):
     reads = multiprocessing.Value("i", 0)
     sampler = MicroBatchSampler(total_samples=10 * MICRO_BATCHES, consumed_samples=0, global_batch_size=MICRO_BATCHES,
                                 micro_batch_size=1, data_parallel_rank=0, data_parallel_size=1)
-    loader = micro_batch_loader(CountingSamples(reads), sampler, 1000, workers,
-                                micro_batches_per_step=MICRO_BATCHES)
-    batches = IterationBatches(loader, MICRO_BATCHES, num_chunks=1)
+    loader = micro_batch_loader(CountingSamples(reads), sampler, workers, micro_batches_per_step=MICRO_BATCHES)
+    batches = IterationBatches(loader, MICRO_BATCHES, num_chunks=1, vocab_size=1000)
     assert _samples(batches.next_iteration()) == list(range(MICRO_BATCHES))
     deadline = time.monotonic() + 10  # the step's compute, during which the workers read on
     while reads.value < 2 * MICRO_BATCHES and time.monotonic() < deadline:
@@ -49,24 +48,33 @@ def test_workers_read_the_next_step_while_this_one_runs(workers):
     assert _samples(batches.next_iteration()) == list(range(MICRO_BATCHES, 2 * MICRO_BATCHES))
 
 
+@pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("bad", [-1, 512])
-def test_ids_outside_the_vocabulary_are_refused_naming_the_node(bad):
+def test_ids_outside_the_vocabulary_are_refused_naming_the_node(bad, workers):
     """Read from a damaged .bin on one node: the embedding's IndexError (a device-side assert on a GPU), or in the
-    vocabulary's padded rows no error at all."""
-    class Damaged(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 4
-
-        def __getitem__(self, index: int) -> dict:
-            sample = {key: torch.arange(4) for key in BATCH_KEYS}
-            if index == 3:
-                sample["labels"] = torch.tensor([1, 2, 3, bad])
-            return sample
-
-    sampler = MicroBatchSampler(total_samples=4, consumed_samples=0, global_batch_size=2, micro_batch_size=2,
+    vocabulary's padded rows no error at all. The refusal is the message alone, with a loader's workers too."""
+    sampler = MicroBatchSampler(total_samples=4, consumed_samples=0, global_batch_size=2, micro_batch_size=1,
                                 data_parallel_rank=0, data_parallel_size=1)
-    batches = iter(micro_batch_loader(Damaged(), sampler, 512))
-    assert next(batches)["tokens"].shape == (2, 4)
-    with pytest.raises(DataError, match=f"token id {bad} in a micro-batch {socket.gethostname()} read, outside "
-                                        r"model.vocab_size \(512\)"):
-        next(batches)
+    batches = IterationBatches(micro_batch_loader(Damaged(bad), sampler, workers), 2, num_chunks=1, vocab_size=512)
+    assert [batch["tokens"].shape for batch in batches.next_iteration()] == [(1, 4)] * 2
+    with pytest.raises(DataError) as refused:
+        batches.next_iteration()
+    assert str(refused.value) == (f"data: token id {bad} in a micro-batch {socket.gethostname()} read, outside "
+                                  "model.vocab_size (512): the prepared .bin this node reads is damaged, or not the "
+                                  "one the others read")
+
+
+class Damaged(torch.utils.data.Dataset):
+    """Four samples, the last with a label outside a 512-id vocabulary."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict:
+        sample = {key: torch.arange(4) for key in BATCH_KEYS}
+        if index == 3:
+            sample["labels"] = torch.tensor([1, 2, 3, self.bad])
+        return sample

@@ -10,11 +10,19 @@ from tests.distributed import megadiff_main, run_ranks, run_reporting_ranks
 from tests.pretrain_runs import DEMO_CONFIG, tiny_overrides
 
 
-def agree_on(rank: int, world_size: int, directories: list[str], facts: list[dict], report: str) -> None:
+def agree_on(rank: int, world_size: int, directories: list[str], facts: list[dict], report: str,
+             stale_on_rank: int | None = None) -> None:
+    import errno
+    import pathlib
+
     import torch.distributed as dist
 
     from megadiff.rank_agreement import check_ranks_agree
 
+    if rank == stale_on_rank:  # what a dead NFS mount answers: Path.exists() raises it, where ENOENT is False
+        def stale(path):
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        pathlib.Path.exists = stale
     dist.init_process_group("gloo")
     try:
         check_ranks_agree({"output_dir": directories[rank]}, facts[rank])
@@ -25,8 +33,9 @@ def agree_on(rank: int, world_size: int, directories: list[str], facts: list[dic
     dist.destroy_process_group()
 
 
-def outcomes(tmp_path: Path, directories: list[Path], facts: list[dict]) -> list[str]:
-    run_ranks(2, agree_on, [str(d) for d in directories], facts, str(tmp_path), timeout=120)
+def outcomes(tmp_path: Path, directories: list[Path], facts: list[dict], stale_on_rank: int | None = None
+             ) -> list[str]:
+    run_ranks(2, agree_on, [str(d) for d in directories], facts, str(tmp_path), stale_on_rank, timeout=120)
     return [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
 
 
@@ -47,6 +56,11 @@ def test_a_node_with_another_output_directory_is_refused_on_every_rank(tmp_path)
                                f"node: rank 1 ({host}, at {tmp_path / 'node1-local'}) did not see the file rank 0 "
                                f"({host}) wrote there; every rank reads and writes it (checkpoint shards, dataset "
                                "indices): give every node the same shared directory")
+    # a rank whose view of the directory raises (a stale handle) is refused the same way, saying so, rather than
+    # leaving the others in the next collective until the timeout
+    first, second = outcomes(tmp_path, [tmp_path / "shared"] * 2, [facts, facts], stale_on_rank=1)
+    assert first == second
+    assert f"rank 1 ({host}: [Errno 116] Stale file handle: '{tmp_path / 'shared'}/.rank0-probe-" in first
 
 
 def test_another_config_or_starting_checkpoint_on_one_rank_is_refused_naming_it(tmp_path):
@@ -55,9 +69,10 @@ def test_another_config_or_starting_checkpoint_on_one_rank_is_refused_naming_it(
              {"config": {"train": {"lr": 5e-2, "iters": 10}}, "starting checkpoint": "run/iter_0000004"}]
     first, second = outcomes(tmp_path, [shared, shared], facts)
     assert first == second
+    host = socket.gethostname()
     assert first == ("ConfigError: the ranks were started differently (a config file or data that differs between "
-                     "nodes?): config.train.lr: rank 0 has 0.0003, rank 1 has 0.05; starting checkpoint: rank 0 has "
-                     "'run/iter_0000006', rank 1 has 'run/iter_0000004'")
+                     f"nodes?): config.train.lr: rank 0 ({host}) has 0.0003, rank 1 ({host}) has 0.05; starting "
+                     f"checkpoint: rank 0 ({host}) has 'run/iter_0000006', rank 1 ({host}) has 'run/iter_0000004'")
 
 
 def test_an_output_directory_rank_0_cannot_write_is_refused_on_every_rank(tmp_path):
@@ -74,12 +89,16 @@ def megadiff_on_rank(argv: list[str], per_rank: dict[int, list[str]]) -> int:
 
 
 def test_pretraining_ranks_started_differently_are_refused_before_any_data_or_model(small_tokenizer_dir, tmp_path):
-    """Another lr on one rank trained its data-parallel replica apart without a word (rank 0's saved); a node-local
-    output_dir committed checkpoints without that node's shards."""
+    """Another lr on one rank trained its data-parallel replica apart without a word (rank 0's saved), another
+    layout hung; a node-local output_dir committed checkpoints without that node's shards."""
     argv = ["pretrain", str(DEMO_CONFIG), *tiny_overrides(small_tokenizer_dir, tmp_path / "cache"),
             f"output_dir={tmp_path / 'run'}", "train.iters=2"]
     lr = run_reporting_ranks(2, megadiff_on_rank, argv, {1: ["train.lr=0.05"]}, expect=2)
-    assert lr.stderr.count("config.train.lr: rank 0 has 0.005, rank 1 has 0.05") == 2
+    host = socket.gethostname()
+    assert lr.stderr.count(f"config.train.lr: rank 0 ({host}) has 0.005, rank 1 ({host}) has 0.05") == 2
+    # checked before the model-parallel groups form, where another layout waited for the timeout
+    layout = run_reporting_ranks(2, megadiff_on_rank, argv, {1: ["parallel.tensor=2"]}, expect=2)
+    assert layout.stderr.count(f"config.parallel.tensor: rank 0 ({host}) has 1, rank 1 ({host}) has 2") == 2
     local = run_reporting_ranks(2, megadiff_on_rank, argv, {1: [f"output_dir={tmp_path / 'node1'}"]}, expect=2)
     assert local.stderr.count(f"output_dir: {tmp_path / 'run'} is not the same directory on every node: rank 1") == 2
     assert not (tmp_path / "cache" / "indices").exists()  # refused before the data

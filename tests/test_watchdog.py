@@ -1,6 +1,7 @@
-"""A rank stuck outside a collective prints its stack before its peers' collective timeout fires."""
+"""A rank stuck outside a collective writes its stack before its peers' collective timeout fires."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -9,23 +10,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_an_iteration_that_outlasts_most_of_the_timeout_dumps_the_stacks_once():
-    script = textwrap.dedent("""
+def test_a_step_that_outlasts_most_of_the_timeout_writes_the_ranks_stacks_to_its_own_file(tmp_path):
+    script = textwrap.dedent(f"""
         import time
         from megadiff.watchdog import StallWatchdog
 
         def stuck_reading_data():
-            time.sleep(2.0)
+            time.sleep(3.0)
 
-        watchdog = StallWatchdog(timeout_minutes=1 / 60)  # dumps 0.9 s into an iteration
-        watchdog.arm()
-        time.sleep(0.5)
-        watchdog.arm()  # a new iteration: the timer starts again
-        stuck_reading_data()
-        watchdog.disarm()
-        time.sleep(1.0)  # disarmed: no second dump
+        stalls = StallWatchdog(timeout_minutes=1 / 60, directory={str(tmp_path / "stalls")!r}, rank=3)
+        quiet = StallWatchdog(timeout_minutes=2 / 60, directory={str(tmp_path / "quiet")!r}, rank=0)
+        with quiet:  # a step well within its 1.8 s
+            time.sleep(0.1)
+        time.sleep(2.5)  # after the step: nothing is dumped
+        quiet.close()
+        with stalls:
+            stuck_reading_data()
+        stalls.close()
     """)
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stderr.count("Timeout (0:00:00.900000)!") == 1, run.stderr
-    assert "in stuck_reading_data" in run.stderr
+    stacks = (tmp_path / "stalls" / f"rank3-{socket.gethostname()}.txt").read_text()
+    assert stacks.startswith("Timeout (0:00:00.900000)!") and "in stuck_reading_data" in stacks
+    assert list((tmp_path / "quiet").iterdir()) == []  # a file left empty is removed

@@ -39,8 +39,8 @@ from megadiff.errors import refused_together
 from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
-from megadiff.rank_agreement import check_ranks_agree
-from megadiff.watchdog import StallWatchdog
+from megadiff.rank_agreement import check_ranks_agree, comparable
+from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -141,15 +141,17 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     return tokenizer, model, reader, plan, hf_ds_config
 
 
-# where a node may read its own copy of the inputs, at a path of its own
-NODE_LOCAL_KEYS = (("model", "path"), ("model", "tokenizer"), ("data", "files"), ("data", "cache_dir"))
+# inputs a node may read from its own copy, at its own path (the base model's plan and data checks compare what
+# they hold); the DeepSpeed JSON's path is kept relative where it is found, so its contents are compared
+NODE_LOCAL_KEYS = ("model.path", "model.tokenizer", "data.files", "data.cache_dir", "deepspeed")
 
 
-def _same_on_every_node(cfg: FinetuneConfig) -> dict:
-    settings = cfg.model_dump(mode="json")
-    for section, key in NODE_LOCAL_KEYS:
-        settings[section].pop(key)
-    return settings
+def _latest_tag(checkpoint_dir: Path) -> str | None:
+    """The checkpoint a rerun resumes from, as this rank sees it."""
+    try:
+        return (checkpoint_dir / "latest").read_text().strip() if (checkpoint_dir / "latest").is_file() else None
+    except OSError as err:  # refused by the ranks' check, not on this rank alone (the others would wait for it)
+        return f"unreadable: {err}"
 
 
 def finetune(cfg: FinetuneConfig) -> int:
@@ -169,17 +171,19 @@ def finetune(cfg: FinetuneConfig) -> int:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     stage = dss.zero_stage(ds_config)
     output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    latest = output_dir / CHECKPOINT_DIR / "latest"
-    resumes_from = latest.read_text().strip() if latest.is_file() else None
-    check_ranks_agree({"output_dir": output_dir}, {"config": _same_on_every_node(cfg), "resumes from": resumes_from})
-    wandb = None
-    if rank == 0:
+    # made by rank 0 (in a world of one too): a node where it cannot be made is named by the check below
+    refused_together(lambda: output_dir.mkdir(parents=True, exist_ok=True) if rank == 0 else None)
+    check_ranks_agree({"output_dir": output_dir}, {"config": comparable(cfg.model_dump(mode="json"), NODE_LOCAL_KEYS),
+                                                   "deepspeed": ds_config,
+                                                   "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
+    def started_on_rank_0():
         resolved = cfg.model_dump(mode="json")
         # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
         (output_dir / "config.yaml").write_text(config_yaml(resolved))
-        # before the model loads: a W&B login or project problem stops the run at once
-        wandb = wandb_sink(output_dir, cfg.logging, resolved)
+        # before the model loads: a W&B login or project problem stops the run at once, on every rank
+        return wandb_sink(output_dir, cfg.logging, resolved)
+
+    wandb = refused_together(lambda: started_on_rank_0() if rank == 0 else None)
     torch.manual_seed(cfg.train.seed)
     tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
 
@@ -208,14 +212,14 @@ def finetune(cfg: FinetuneConfig) -> int:
                      + (f"resuming after iteration {start}" if start else "starting"))
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
     iteration, exit_code = start, 0
-    watchdog = StallWatchdog(cfg.train.timeout_minutes)
+    watchdog = StallWatchdog(cfg.train.timeout_minutes, output_dir / STALLS_DIR, rank)
     while iteration < cfg.train.iters:
-        watchdog.arm()
         iteration += 1
         set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
         torch.manual_seed(cfg.train.seed + iteration)
         began = time.perf_counter()
-        loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
+        with watchdog:
+            loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
         # on every rank (the loss is the global batch's): each saves them with its checkpoint
         unrecorded.add(loss, time.perf_counter() - began)
         if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
@@ -239,10 +243,9 @@ def finetune(cfg: FinetuneConfig) -> int:
                              f"rerun the same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
             break
     else:
-        watchdog.disarm()  # the export gathers and writes the whole model: no iteration's length
         set_step(engine.module, iteration)
         _export(cfg, engine, tokenizer, stage, rank)
-    watchdog.disarm()
+    watchdog.close()
     if writer is not None:
         writer.close()
     return exit_code

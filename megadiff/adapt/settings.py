@@ -196,7 +196,8 @@ def read_deepspeed_json(path: str) -> dict:
     if stage not in (1, 2, 3):  # without ZeRO, DeepSpeed's engine has no gradient norm to report
         raise ConfigError(f"deepspeed: {path}: zero_optimization.stage must be 1, 2 or 3, not {stage!r} "
                           "(configs/deepspeed/zero2.json is the usual choice)")
-    _check_optimizer(ds.get("optimizer", {}), path)
+    if "optimizer" in ds:  # else deepspeed_config fills in torch's AdamW
+        _check_optimizer(ds["optimizer"], path)
     return ds
 
 
@@ -208,7 +209,7 @@ def _check_optimizer(optimizer, path: str) -> None:
     """DeepSpeed's own assertion met a bad optimizer only once the model had loaded."""
     if not isinstance(optimizer, dict) or not isinstance(optimizer.get("params", {}), dict):
         raise ConfigError(f"deepspeed: {path}: optimizer must be an object with a params object")
-    kind = optimizer.get("type", "AdamW")
+    kind = optimizer.get("type")  # without one, DeepSpeed builds no optimizer of its own
     if not isinstance(kind, str) or kind.lower() not in ADAM_OPTIMIZERS:
         raise ConfigError(f"deepspeed: {path}: optimizer.type {kind!r}: adaptation trains with Adam or AdamW "
                           "(train.adam_betas, train.adam_eps and train.weight_decay fill its params)")

@@ -47,44 +47,50 @@ class MicroBatchSampler(Sampler[list[int]]):
                 yield list(range(micro_start, micro_start + self.micro_batch))
 
 
-def _collate(samples: list[dict], vocab_size: int, document_eod: int | None) -> dict[str, torch.Tensor]:
+def _collate(samples: list[dict], document_eod: int | None) -> dict[str, torch.Tensor]:
     batch = {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS}
-    for key in ("tokens", "labels"):
-        low, high = torch.aminmax(batch[key])
-        if low < 0 or high >= vocab_size:
-            # the embedding's IndexError (a device-side assert on a GPU), or, in the padded rows, no error at all
-            raise DataError(f"data: token id {int(low if low < 0 else high)} in a micro-batch {socket.gethostname()} "
-                            f"read, outside model.vocab_size ({vocab_size}): the prepared .bin this node reads is "
-                            "damaged, or not the one the others read")
     if document_eod is not None:
         batch["cu_seqlens"] = document_cu_seqlens(batch["tokens"], document_eod)
     return batch
 
 
-def micro_batch_loader(dataset, sampler: MicroBatchSampler, vocab_size: int, num_workers: int = 0,
+def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0,
                        document_eod: int | None = None, micro_batches_per_step: int = 1) -> DataLoader:
-    """Micro-batches of BATCH_KEYS, their ids checked against `vocab_size`; with `document_eod`, also the
-    "cu_seqlens" of their documents.
+    """Micro-batches of BATCH_KEYS; with `document_eod`, also the "cu_seqlens" of their documents.
 
     Workers read a whole step's micro-batches ahead, so the next step's are ready when it starts (a
     step takes them all at once: with torch's default of two per worker, the rest were read while
     the GPU waited)."""
     ahead = max(2, math.ceil(micro_batches_per_step / num_workers)) if num_workers else None
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, vocab_size=vocab_size, document_eod=document_eod),
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), prefetch_factor=ahead,
                       persistent_workers=num_workers > 0, worker_init_fn=ignore_preemption_signals)
+
+
+def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int) -> None:
+    """Ids outside the vocabulary, read from a damaged .bin: the embedding's IndexError (a device-side assert on
+    a GPU), or, in the padded rows, no error at all. Checked here, in the training process: from a loader's
+    worker the refusal came wrapped in the worker's traceback."""
+    for key in ("tokens", "labels"):
+        low, high = torch.aminmax(batch[key])
+        if low < 0 or high >= vocab_size:
+            raise DataError(f"data: token id {int(low if low < 0 else high)} in a micro-batch {socket.gethostname()} "
+                            f"read, outside model.vocab_size ({vocab_size}): the prepared .bin this node reads is "
+                            "damaged, or not the one the others read")
 
 
 class IterationBatches:
     """Hands out one iteration's micro-batches, once per model chunk (the interleaved schedule
     pulls each micro-batch through every virtual stage)."""
 
-    def __init__(self, loader: DataLoader, num_microbatches: int, num_chunks: int):
+    def __init__(self, loader: DataLoader, num_microbatches: int, num_chunks: int, vocab_size: int):
         self._source = iter(loader)
-        self.num_microbatches, self.num_chunks = num_microbatches, num_chunks
+        self.num_microbatches, self.num_chunks, self.vocab_size = num_microbatches, num_chunks, vocab_size
 
     def next_iteration(self):
         batches = [next(self._source) for _ in range(self.num_microbatches)]
+        for batch in batches:
+            check_token_ids(batch, self.vocab_size)
         if torch.cuda.is_available():  # cu_seqlens stays on the host: attention slices documents by it
             batches = [{k: v if k == "cu_seqlens" else v.cuda(non_blocking=True) for k, v in b.items()}
                        for b in batches]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,16 +32,18 @@ from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
-from megadiff.parallel import compute_device, initialize, shutdown, tensor_parallel_across_nodes
+from megadiff.parallel import (
+    compute_device, init_process_group, initialize, shutdown, tensor_parallel_across_nodes,
+)
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
-from megadiff.rank_agreement import check_ranks_agree
+from megadiff.rank_agreement import check_ranks_agree, comparable
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
 from megadiff.training.state import plan_start, restore
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
-from megadiff.watchdog import StallWatchdog
+from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CONSOLE_KEYS = ("lm_loss", "valid_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
                 "max_memory_allocated_gib", "skipped_iterations", "skipped_spikes")
@@ -87,9 +90,9 @@ class Pretraining:
             check_fits(self.model_states, device_bytes)
             memory_warning = activations_warning(self.model_states, activations, device_bytes)
         start = refused_together(lambda: plan_start(cfg))  # its refusals come before data and model
-        starting = str(start.path) if start.path else None
-        check_ranks_agree({"output_dir": self.output, "data.cache_dir": cfg.data.cache_dir},
-                          {"config": cfg.model_dump(mode="json"), "starting checkpoint": starting})
+        # a node seeing an older checkpoint resumed from it; what the tokenizer reads, wherever its copy is
+        check_ranks_agree({}, {"starts from a checkpoint": start.path is not None,
+                               "starts at iteration, samples": list(start.position()), "tokenizer": start.tokenizer})
         # W&B before data and model: a login or project problem should stop the run before them
         self._wandb = refused_together(
             lambda: wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None)
@@ -150,9 +153,8 @@ class Pretraining:
         t = self.cfg.train
         sampler = MicroBatchSampler(total, consumed, t.global_batch_size, t.micro_batch_size,
                                     parallel_state.get_data_parallel_rank(), self.dp)
-        loader = micro_batch_loader(dataset, sampler, self.cfg.model.vocab_size, t.dataloader_workers,
-                                    self.document_eod, self.num_microbatches)
-        return IterationBatches(loader, self.num_microbatches, len(self.engine.model))
+        loader = micro_batch_loader(dataset, sampler, t.dataloader_workers, self.document_eod, self.num_microbatches)
+        return IterationBatches(loader, self.num_microbatches, len(self.engine.model), self.cfg.model.vocab_size)
 
     def _log(self, record: dict) -> None:
         lambdas = layer_lambdas(self.engine.unwrapped())  # collective over pipeline stages
@@ -192,15 +194,15 @@ class Pretraining:
         saved_at = state.iteration  # a run resumed at its end has nothing new to save
         unrecorded = self.unrecorded
         failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
-        watchdog = StallWatchdog(cfg.parallel.timeout_minutes)
+        watchdog = StallWatchdog(cfg.parallel.timeout_minutes, self.output / STALLS_DIR, self.rank)
         try:
             while state.iteration < t.iters:
-                watchdog.arm()
                 started = time.perf_counter()
                 self.profiler.start(state.iteration + 1)
                 self.scheduler.step(1)
-                result = train_step(self.engine, batches.next_iteration(), self.num_microbatches,
-                                    spike_guard=self.spike_guard)
+                with watchdog:
+                    result = train_step(self.engine, batches.next_iteration(), self.num_microbatches,
+                                        spike_guard=self.spike_guard)
                 lr = self.engine.optimizer.param_groups[0]["lr"]
                 if not result.updated:  # as megatron's: the schedule follows the updates (fp16's first skips keep
                     self.scheduler.step(-1)  # the warmup whole)
@@ -268,7 +270,7 @@ class Pretraining:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
         finally:
-            watchdog.disarm()
+            watchdog.close()
             if self.metrics is not None:
                 self.metrics.close(failed=failed)
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
@@ -316,14 +318,24 @@ def _prepare_data(cfg: Config, train_samples: int):
     return datasets, valid_sets, tokenizer
 
 
+# inputs a node may read from its own copy, at its own path (a tokenizer directory, the checkpoint a run starts
+# from): what they hold is compared instead. Data and its cache are read by path on every rank (megatron's
+# dataset indices are named after it), so they must be the same.
+NODE_LOCAL_KEYS = ("data.tokenizer", "checkpoint.load")
+
+
 def pretrain(cfg: Config) -> int:
     # from the start to the end: a preemption signal while the run starts (minutes at scale: process
     # groups, data, model, checkpoint) or shuts down asks for a requeue too; the default action killed
     # the rank and failed the job. Signalled before its first step, the run stops after that step.
     preemption = PreemptionHandler(budget_minutes=cfg.train.exit_duration_minutes)
     try:
-        initialize(cfg.parallel, cfg.train.seed)
+        init_process_group(timedelta(minutes=cfg.parallel.timeout_minutes))
         try:
+            # before the model-parallel groups: ranks of another layout would wait in forming them until the timeout
+            check_ranks_agree({"output_dir": cfg.output_dir, "data.cache_dir": cfg.data.cache_dir},
+                              {"config": comparable(cfg.model_dump(mode="json"), NODE_LOCAL_KEYS)})
+            initialize(cfg.parallel, cfg.train.seed)
             return Pretraining(cfg, preemption).train()
         finally:
             shutdown()
