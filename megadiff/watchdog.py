@@ -4,10 +4,11 @@ A rank stuck outside a collective (a hung data read, a deadlock) printed nothing
 timeout with only "Timed out waiting ... for recv", and torchrun named the rank whose timeout fired first,
 a healthy one. Dumped a little before that timeout, the stuck rank's stack shows where it is (the others'
 show them waiting in a collective). One file a rank, <directory>/rank<N>-<host>.txt: thousands of ranks'
-stacks in one log would interleave. Files left empty are removed when the run closes the watchdog.
+stacks in one log would interleave. Files left empty, and then the directory, are removed at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import socket
 from pathlib import Path
@@ -43,3 +44,5 @@ class StallWatchdog:
             self.file = None
             if self.path.stat().st_size == 0:
                 self.path.unlink()
+                with contextlib.suppress(OSError):  # left in place while another rank's file is there
+                    self.path.parent.rmdir()

@@ -176,6 +176,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     check_ranks_agree({"output_dir": output_dir}, {"config": comparable(cfg.model_dump(mode="json"), NODE_LOCAL_KEYS),
                                                    "deepspeed": ds_config,
                                                    "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
+
     def started_on_rank_0():
         resolved = cfg.model_dump(mode="json")
         # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
