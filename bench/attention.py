@@ -183,7 +183,8 @@ def run_shape(shape: Shape, args, device, dtype) -> list[dict]:
             try:
                 torch.cuda.empty_cache()
             except RuntimeError as error:  # a sticky CUDA error (an illegal access): the device is lost for good
-                print(f"  the device failed ({str(error).splitlines()[0][:200]}); keeping the rows measured", flush=True)
+                print(f"  the device failed ({str(error).splitlines()[0][:200]}); keeping the rows measured",
+                      flush=True)
                 break
     _add_ratios(rows)
     return rows

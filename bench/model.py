@@ -37,6 +37,7 @@ from megadiff.ops import resolve_backend  # noqa: E402
 from megadiff.parallel import initialize, shutdown  # noqa: E402
 from megadiff.parallel.initialize import set_seed  # noqa: E402
 from megadiff.training.engine import build_engine  # noqa: E402
+from megadiff.training.pretrain import build_scheduler  # noqa: E402
 from megadiff.training.step import train_step  # noqa: E402
 from megadiff.training.throughput import device_peak_tflops  # noqa: E402
 
@@ -69,7 +70,8 @@ def run_config(args, run: Run) -> Config:
     model = SMALL_MODEL if args.config is None else RECIPE_SLICE if args.config.resolve() == RECIPE else []
     overrides = model + [f"train.micro_batch_size={args.micro_batch}",
                          f"train.global_batch_size={args.micro_batch * args.micro_batches}",
-                         f"train.lr={args.lr}", *PRECISIONS[run.precision], *args.set]
+                         f"train.lr={args.lr}", f"train.lr_warmup_iters={args.warmup + args.steps}",
+                         *PRECISIONS[run.precision], *args.set]
     diff = load_config(args.config, overrides + ["model.variant=diff"])
     if run.variant == "diff":
         return diff
@@ -110,6 +112,10 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         return row
     set_seed(args.seed)  # the same initial weights and data for every precision of a variant
     engine = build_engine(cfg)
+    # lr rises linearly over the whole run, as pretraining's warmup does: at a constant 3e-4 from the first
+    # step, the loss jumped from 12 to 21-24 and swung for the rest of the run (H200, 2026-11-27), so BF16's
+    # and FP8's losses parted by up to 2.2 where the two precisions' numerics differ by far less
+    scheduler = build_scheduler(cfg, engine.optimizer)
     steps = args.warmup + args.steps
     pool = zipf_batches(cfg, args.micro_batches * steps, device, args.seed)
 
@@ -119,6 +125,7 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         index = len(row["losses"]) * args.micro_batches
         micro = iter(pool[index:index + args.micro_batches])
         result = train_step(engine, micro, args.micro_batches)
+        scheduler.step(1)
         row["losses"].append(result.loss)
         if not result.updated and len(row["losses"]) > args.warmup:  # the timed steps only
             skipped.append(len(row["losses"]))
@@ -244,7 +251,8 @@ def parse_args(argv):
     parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps")
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=3e-4, help="the peak lr, reached at the last step after a "
+                        "linear warmup over the whole run")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense BF16 peak for MFU (default: known GPUs, e.g. H100 SXM 989)")

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE, from the repository root. A session holds the GPU for 15 minutes of device
-# time in all (a start takes 1-2 of them) and one call for at most 10, so one call does issue 6's
-# measurements and the kernel tests:
+# time in all (a start takes 1-2 of them) and one call for at most 10, so two calls in a row, the second on the
+# still warm machine, do issue 6's measurements and the kernel tests:
+#   bash bench/run_on_gpu.sh measure            # at most 550 s (388 s on an H200, 2026-11-27): the attention and
+#                                               #   whole-model benchmarks (BF16 and FP8), every tile candidate tuned
+#   bash bench/run_on_gpu.sh tests              # at most 270 s (150 s): kernel/float8/TE/memory GPU tests
+# or, in one call:
 #   bash bench/run_on_gpu.sh quick              # at most 560 s (241 s on an H100, 2026-11-26): the attention
 #                                               #   benchmark (150 s), the kernel tests (150 s), the whole-model
 #                                               #   benchmark in BF16 (230 s), each kernel's autotuner measuring
-#                                               #   its first 3 fitting tile candidates (MEGADIFF_TRITON_CANDIDATES=3):
-#                                               #   a DIFF step at the 3B head shape compiles 19, about 9 s each
+#                                               #   its first 3 fitting tile candidates (MEGADIFF_TRITON_CANDIDATES=3)
 # then, with what time is left (a warm machine; none starts with under 4 minutes left), any of the
 # full stages, each under 10 minutes:
 #   bash bench/run_on_gpu.sh attention          # 540 s: the attention benchmark with DINT rows, all candidates
 #   bash bench/run_on_gpu.sh model              # 560 s: the whole-model benchmark, BF16 and FP8, all candidates
-#   bash bench/run_on_gpu.sh tests training     # 270 + 300 s: kernel/float8/TE/memory tests, then the user's
-#                                               #   commands (pretrain/resume/convert/generate) on CUDA; one tile
-#                                               #   candidate each (correctness), as every command tunes afresh
+#   bash bench/run_on_gpu.sh training           # 300 s: the user's commands (pretrain/resume/convert/generate) on
+#                                               #   CUDA; one tile candidate each (correctness), as every command
+#                                               #   tunes afresh
 #   bash bench/run_on_gpu.sh documents          # 400 s: document masking, 512-token documents (fused
 #                                               #   kernel vs per-document SDPA)
 # Installs the wheels carried in .whl/ (made here by bench/fetch_wheels.sh), then writes the results
@@ -69,13 +72,18 @@ for stage in $stages; do
     # (2026-11-26): each of its seven commands is a process whose autotuner measures every candidate anew
     tests) MEGADIFF_TRITON_CANDIDATES=1 run 270 "${gpu_pytest[@]}" tests/test_triton_kernel.py tests/test_float8.py \
              tests/test_transformer_engine.py tests/test_memory.py ;;
+    # the two benchmarks in one call, every candidate tuned: the attention benchmark (cut short, it keeps the
+    # shapes it finished: 4K and 16K), then the model's four runs, whose DIFF kernels reuse the tiles tuned at 4K
+    # (the autotuner's choice is cached on disk by its key, which holds no batch size)
+    measure) run 230 python3 bench/attention.py --out-dir "$out"
+             run 320 python3 bench/model.py --out-dir "$out" ;;
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
     # each command's output goes to $out/commands as it runs: a stage cut short still shows how far it got
     training) MEGADIFF_TEST_OUTPUT_DIR="$out/commands" MEGADIFF_TRITON_CANDIDATES=1 \
                 run 300 "${gpu_pytest[@]}" tests/test_gpu_training.py ;;
     documents) run 400 python3 bench/attention.py --documents 512 --backends triton sdpa --out-dir "$out" ;;
-    *) echo "unknown stage $stage (quick | attention | tests | model | training | documents)"; exit 2 ;;
+    *) echo "unknown stage $stage (quick | measure | attention | tests | model | training | documents)"; exit 2 ;;
   esac
 done
 exit $status

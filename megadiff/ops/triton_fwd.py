@@ -49,13 +49,15 @@ class KernelConfig:
 # accumulators would not fit in registers are pruned first. At the 3B head shape (d=128, dv=256)
 # every candidate holds 128 fp32 accumulators per thread and ptxas spills some registers; the
 # small-tile ones spill least (bench/kernel_resources.py prints each one's registers, spills and
-# shared memory for sm_90 without a GPU). Which is fastest is for the autotuner to measure.
+# shared memory for sm_90 without a GPU). Which is fastest is for the autotuner to measure. Each list starts
+# with the tile that won at the 3B shape when every candidate was measured (H200, 2026-11-27, N = 4K to 64K
+# alike), so that $MEGADIFF_TRITON_CANDIDATES=3 measures it.
 CANDIDATES = {
-    "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 2), (32, 64, 4, 2),
+    "fwd": [(64, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2),
             (32, 64, 8, 2), (32, 32, 8, 2)],
-    "dkdv": [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2), (64, 128, 8, 2),
-             (64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)],
-    "dq": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2),
+    "dkdv": [(64, 32, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2),
+             (64, 128, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)],
+    "dq": [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
            (64, 32, 8, 2), (32, 32, 4, 2)],
 }
 # fp32 accumulator elements a program holds, per kernel (block_m, block_n, padded d, padded dv)
@@ -65,24 +67,6 @@ _ACCUMULATORS = {
     "dq": lambda m, n, d, dv: 2 * m * d,
 }
 _MAX_ACC_PER_THREAD = 128
-# Shared memory (bytes) a program needs, per kernel (block_m, block_n, num_stages, padded d, padded dv, bytes
-# per input element, dO columns it reads: dv when tied, else 2 dv): the dots' operand tiles, those a program
-# keeps once and those its loop streams in num_stages - 1 buffers, plus fp32 scratch for score tiles changing
-# layout (fp32 inputs' dots, which run without tensor cores; and the dK/dV kernel's at block_n = 32, too few
-# rows for wgmma). Fitted to what Triton 3.9 allocates for sm_90 (metadata.shared, as python
-# bench/kernel_resources.py --all prints it): never below it, equal for the forward's and dQ's fp32 tiles.
-# A launch needing more than the GPU has fails, and an autotuner left with one candidate launches it untried.
-_SHARED_MEMORY = {
-    # Q1, Q2 kept; K1, K2, V streamed; fp32: P and the row maxima
-    "fwd": lambda m, n, stages, d, dv, elem, do_cols: ((2 * m * d + (stages - 1) * n * (2 * d + dv)) * elem
-                                                       + (elem == 4) * 4 * m * (n + 1)),
-    # K1, K2, V kept; Q1, Q2, dO streamed; P1, P2, dS1, dS2 in fp32; the rows' lse, delta and document starts
-    "dkdv": lambda m, n, stages, d, dv, elem, do_cols: ((n * (2 * d + dv) + (stages - 1) * m * (2 * d + do_cols))
-                                                        * elem + 16 * m * n + 20 * m),
-    # Q1, Q2, dO kept; K1, K2, V streamed; fp32: dS1, dS2
-    "dq": lambda m, n, stages, d, dv, elem, do_cols: ((m * (2 * d + do_cols) + (stages - 1) * n * (2 * d + dv))
-                                                      * elem + (elem == 4) * 8 * m * n),
-}
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32)
 # Fused multiply-adds on: Triton's default until 3.10 turns it off. The kernels' speed and their
 # tested accuracy assume FMAs, so a Triton upgrade must not change them silently.
@@ -282,18 +266,44 @@ def shared_layout(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def shared_memory_estimate(kind: str, block_m: int, block_n: int, num_stages: int, block_d: int, block_dv: int,
-                           element_size: int, tied: bool = True) -> int:
-    """Bytes of shared memory a program of the kind's kernel needs, by _SHARED_MEMORY."""
-    return _SHARED_MEMORY[kind](block_m, block_n, num_stages, block_d, block_dv, element_size,
-                                block_dv if tied else 2 * block_dv)
+                           element_size: int, tied: bool = True, arch: int = 90) -> int:
+    """Bytes of shared memory a program of the kind's kernel needs on a GPU of compute capability arch / 10:
+    the dots' operand tiles, those it keeps and those its loop streams, and score tiles changing layout.
+
+    Fitted to what Triton 3.6 and 3.9 allocate for sm_90 and sm_80 at a launch on aligned tensors
+    (metadata.shared, as python bench/kernel_resources.py --all prints it, which matched the H200's launches
+    on 2026-11-27): never below it, equal for the forward's and dQ's tiles. A launch needing more than the
+    GPU has fails, and an autotuner left with one candidate launches it untried.
+
+    On Hopper a 16-bit dot over query tiles of 64 rows or more is a warp-group MMA reading its streamed
+    operand from shared memory, which the pipeliner fills asynchronously: a buffer per stage (Triton allocated
+    256 KiB for dQ's 128x64 tile in bf16 where one buffer fewer gives 192, and the H200 refused the launch).
+    Otherwise the dots read registers: a buffer fewer, plus the score tile in the inputs' dtype (fp32: P and
+    the row maxima in the forward, dS1 and dS2 in dQ).
+    """
+    do_cols = block_dv if tied else 2 * block_dv  # the dO columns a backward program reads
+    if kind == "dkdv":  # K1, K2, V kept; Q1, Q2, dO streamed; P1, P2, dS1, dS2 in fp32; lse, delta, doc starts
+        return ((block_n * (2 * block_d + block_dv) + (num_stages - 1) * block_m * (2 * block_d + do_cols))
+                * element_size + 16 * block_m * block_n + 32 * block_m)
+    warp_group_mma = arch >= 90 and element_size < 4 and block_m >= 64
+    streamed = block_n * (2 * block_d + block_dv) * (num_stages if warp_group_mma else num_stages - 1)  # K1, K2, V
+    kept = block_m * (2 * block_d + (0 if kind == "fwd" else do_cols))  # Q1, Q2 (and dO)
+    if warp_group_mma:
+        scratch = 0
+    elif element_size < 4:
+        scratch = block_m * block_n * element_size
+    else:
+        scratch = 4 * block_m * (block_n + 1) if kind == "fwd" else 8 * block_m * block_n
+    return (kept + streamed) * element_size + scratch
 
 
-def shared_memory_limit(device: torch.device) -> int | None:
-    """The shared memory a program may use on a CUDA device (227 KiB on an H100), None elsewhere: the
-    interpreter has no such limit."""
+def shared_memory_budget(device: torch.device) -> tuple[int, int] | None:
+    """(the shared memory a program may use, compute capability x 10) on a CUDA device (227 KiB and 90 on an
+    H100), None elsewhere: the interpreter has no such limit."""
     if device.type != "cuda":
         return None
-    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+    major, minor = torch.cuda.get_device_capability(device)
+    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"], 10 * major + minor
 
 
 def _fitting(kind: str, candidates: list, block_d: int, block_dv: int, tiles) -> list:
@@ -316,12 +326,14 @@ def fitting_candidates(kind: str, d: int, dv: int) -> list[tuple]:
 def _prune(kind: str):
     def prune(configs, named_args, **meta):
         inputs = named_args["Q1"]  # every kernel's first argument
-        limit = shared_memory_limit(inputs.device)
-        if limit is not None:  # before the cut to N below: the first N must be tiles the GPU can launch
+        budget = shared_memory_budget(inputs.device)
+        if budget is not None:  # before the cut to N below: the first N must be tiles the GPU can launch
+            limit, arch = budget
+
             def shared(config):
                 return shared_memory_estimate(kind, config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"],
                                               config.num_stages, meta["BLOCK_D"], meta["BLOCK_DV"],
-                                              inputs.element_size(), meta.get("TIED", True))
+                                              inputs.element_size(), meta.get("TIED", True), arch)
             # none fitting: the least needing, whose launch then says how much it needs
             configs = [c for c in configs if shared(c) <= limit] or [min(configs, key=shared)]
         fitting = _fitting(kind, configs, meta["BLOCK_D"], meta["BLOCK_DV"],
