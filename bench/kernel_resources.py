@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
 from megadiff.ops import triton_bwd, triton_fwd  # noqa: E402
 
 KERNELS = {"fwd": (triton_fwd._fwd_kernel, {"COMBINE": True, "DOCUMENTS": False}),
-           "dkdv": (triton_bwd._dkdv_kernel, {"TIED": True, "DOCUMENTS": False}),
+           "dkdv": (triton_bwd._dkdv_kernel, {"TIED": True, "DOCUMENTS": False, "SPLIT": False}),
            "dq": (triton_bwd._dq_kernel, {"TIED": True, "DOCUMENTS": False})}
 FP32_POINTERS = {"LSE1", "LSE2", "DELTA1", "DELTA2", "LAM"}
 INT32_POINTERS = {"DOC_START", "DOC_END"}
@@ -95,14 +95,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"sm_{args.arch}, d={args.d}, dv={args.dv}, {args.dtype}, "
               f"causal{', documents' if args.documents else ''}")
-        print(f"{'kernel':<6} {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'regs':>5} "
+        print(f"{'kernel':<6} {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'split':>5} {'regs':>5} "
               f"{'stack B':>8} {'smem KiB':>8}  autotuned")
         for kind in args.kernels:
             fits = triton_fwd.fitting_candidates(kind, args.d, args.dv)
             for candidate in triton_fwd.CANDIDATES[kind] if args.all else fits:
-                usage = resource_usage(compile_candidate(kind, *candidate, d=args.d, dv=args.dv, arch=args.arch,
-                                                         dtype=args.dtype, DOCUMENTS=args.documents), Path(tmp))
-                print(f"{kind:<6} {candidate[0]:>7} {candidate[1]:>7} {candidate[2]:>5} {candidate[3]:>6} "
+                block_m, block_n, warps, stages, *split = candidate
+                flags = {"SPLIT": True} if any(split) else {}
+                usage = resource_usage(compile_candidate(kind, block_m, block_n, warps, stages, d=args.d, dv=args.dv,
+                                                         arch=args.arch, dtype=args.dtype, DOCUMENTS=args.documents,
+                                                         **flags), Path(tmp))
+                print(f"{kind:<6} {block_m:>7} {block_n:>7} {warps:>5} {stages:>6} {'yes' if split else '':>5} "
                       f"{usage['registers']:>5} {usage['stack_bytes']:>8} {usage['shared_bytes'] / 1024:>8.0f}  "
                       f"{'yes' if candidate in fits else 'pruned'}", flush=True)
     return 0

@@ -42,7 +42,7 @@ class Case:
     n_k: int = 37
     batch: int = 2
     dtype: torch.dtype = torch.float32
-    blocks: tuple[int, int] | None = (16, 32)  # (block_m, block_n); None: the default config
+    blocks: tuple | None = (16, 32)  # KernelConfig's arguments (block_m, block_n, ...); None: the default config
     autotuned: bool = False  # the CUDA path: the autotuner measures every candidate (timed on CPU here)
     first_map: bool = False  # also return A1 V, with an upstream gradient of its own
     strided: bool = False  # q1/q2, k1/k2 as views of fused projections, v a slice of a wider tensor
@@ -83,6 +83,13 @@ def _grid() -> dict[str, Case]:
         "paired-past-int32-offsets": Case(paired=True, sequence_major=True, pairs_past_int32=True, per_head_lam=True),
         "paired-documents-fewer-queries": Case(paired=True, sequence_major=True, n_q=20, n_k=45, per_head_lam=True,
                                                documents=(0, 12, 30, 33, 45, 50, 90)),
+        # dK/dV in two programs per key tile (KernelConfig.split), tied and not, with documents, over pairs
+        "split-dkdv-gqa": Case(blocks=(16, 32, 4, 1, True), per_head_lam=True),
+        "split-dkdv-dint-mha": Case(blocks=(16, 16, 4, 1, True), integral=True, gqa=False),
+        "split-dkdv-documents-fewer-queries": Case(blocks=(16, 32, 4, 1, True), n_q=20, n_k=45, per_head_lam=True,
+                                                   documents=(0, 12, 30, 33, 45, 50, 90)),
+        "split-dkdv-paired-first-map": Case(paired=True, sequence_major=True, first_map=True,
+                                            blocks=(32, 16, 4, 1, True)),
         "first-map-diff": Case(first_map=True, per_head_lam=True),
         "first-map-dint": Case(first_map=True, integral=True, causal=False),
         "dispatcher-default-config": Case(blocks=None, n_q=50, n_k=50, batch=1),
@@ -367,15 +374,12 @@ def test_document_bounds_read_once_per_tensor(monkeypatch):
 def test_candidates_limit_bounds_what_the_autotuner_compiles(monkeypatch):
     """$MEGADIFF_TRITON_CANDIDATES keeps the first N of the candidates that fit, in CANDIDATES' order."""
     triton_fwd = pytest.importorskip("megadiff.ops.triton_fwd")
-    import triton
 
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in triton_fwd.CANDIDATES["dkdv"]]
+    configs = [triton_fwd.tile_config(tile) for tile in triton_fwd.CANDIDATES["dkdv"]]
     prune = triton_fwd._prune("dkdv")
 
-    def kept(**meta):
-        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-                for c in prune(configs, {"Q1": torch.empty(0)}, **meta)]  # on CPU: no shared-memory limit
+    def kept(**meta):  # on CPU: no shared-memory limit
+        return [triton_fwd.config_tile(c) for c in prune(configs, {"Q1": torch.empty(0)}, **meta)]
     fitting = triton_fwd.fitting_candidates("dkdv", 128, 256)
     monkeypatch.delenv(TRITON_CANDIDATES_ENV, raising=False)
     assert kept(BLOCK_D=128, BLOCK_DV=256) == fitting and len(fitting) > 2
@@ -447,17 +451,14 @@ def _tiles_kept_on_hopper(monkeypatch, kind: str, dtype: str, d: int, dv: int, l
                           ) -> list[tuple]:
     """The candidates the autotuner's pruning keeps, in their order, on a GPU with `limit` bytes of shared memory
     (an H100's)."""
-    import triton
-
     from bench.kernel_resources import DTYPES
     from megadiff.ops import triton_fwd
 
     monkeypatch.setattr(triton_fwd, "shared_memory_budget", lambda device: (limit, 90))
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in triton_fwd.CANDIDATES[kind]]
+    configs = [triton_fwd.tile_config(tile) for tile in triton_fwd.CANDIDATES[kind]]
     kept = triton_fwd._prune(kind)(configs, {"Q1": torch.empty(0, dtype=DTYPES[dtype])},
                                    BLOCK_D=triton_fwd.padded_dim(d), BLOCK_DV=triton_fwd.padded_dim(dv))
-    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+    return [triton_fwd.config_tile(c) for c in kept]
 
 
 @pytest.mark.parametrize("kind,tied", [("fwd", True), ("dkdv", True), ("dkdv", False), ("dq", True), ("dq", False)])
@@ -680,17 +681,29 @@ class TestOnGPU:
         attention = paired_differential_attention if case.paired else differential_attention
         return outputs_and_grads(lambda *a, **kw: attention(*a, **kw, backend=backend), inputs, grad_out, case)
 
-    @pytest.mark.parametrize("name", list(GPU_CASES))
-    def test_matches_reference(self, name):
-        case = replace(GPU_CASES[name], d=128, dv=256, dtype=torch.bfloat16, blocks=None)
+    def _assert_matches(self, name, case, got):
         want = self._results(name, case, "reference")
-        got = self._results(name, case, "triton")
         sdpa = self._results(name, case, "sdpa")
         for key in want:
             err = (got[key].float() - want[key].float()).abs().max().item()
             sdpa_err = (sdpa[key].float() - want[key].float()).abs().max().item()
             scale = want[key].float().abs().max().item()
             assert err <= 2 * sdpa_err + 1e-2 * scale, f"{name}: {key} error {err:.3e} vs SDPA's {sdpa_err:.3e}"
+
+    @pytest.mark.parametrize("name", list(GPU_CASES))
+    def test_matches_reference(self, name):
+        case = replace(GPU_CASES[name], d=128, dv=256, dtype=torch.bfloat16, blocks=None)
+        self._assert_matches(name, case, self._results(name, case, "triton"))
+
+    def test_split_dk_dv_tiles_match_reference(self):
+        """The split dK/dV programs (a candidate the autotuner weighs, so not always chosen), compiled."""
+        from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton
+
+        name, case = "split-dkdv-n2048", Case(n_q=2048, n_k=2048, d=128, dv=256, dtype=torch.bfloat16,
+                                              per_head_lam=True, blocks=None)
+        inputs, grad_out = make_inputs(name, case, device="cuda")
+        split = partial(differential_attention_triton, config=KernelConfig(32, 128, 8, 2, split=True))
+        self._assert_matches(name, case, outputs_and_grads(split, inputs, grad_out, case))
 
     def test_deterministic_backward(self):
         case = Case(n_q=1024, n_k=1024, d=128, dv=256, dtype=torch.bfloat16, blocks=None)

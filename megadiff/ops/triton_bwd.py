@@ -59,7 +59,8 @@ def document_query_ends(DOC_END, offs_n, n_q, n_k, BLOCK_M: tl.constexpr):
 def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, DOC_START, lam,
                 stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, hi, n_q, n_k, qk_scale,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, DOCUMENTS: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr):
+                MASKED: tl.constexpr, DOCUMENTS: tl.constexpr, TIED: tl.constexpr, DOT_PREC: tl.constexpr,
+                WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
     # transposed orientation: rows are our keys, columns the query tile
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -78,31 +79,39 @@ def _dkdv_tiles(dk1, dk2, dv, k1, k2, v, Q1, Q2, DO1, DO2, LSE1, LSE2, DELTA1, D
                 ok = in_document(ok, q_start[None, :], offs_n[:, None], DOCUMENTS)
             p1 = tl.where(ok, p1, 0.0)
             p2 = tl.where(ok, p2, 0.0)
-        dp1 = tl.dot(v, tl.trans(do1), input_precision=DOT_PREC)
-        if TIED:
-            dv = tl.dot((p1 - lam * p2).to(do1.dtype), do1, dv, input_precision=DOT_PREC)
-            dp2 = -lam * dp1
-        else:
+        if WANT_DK:  # the fused program's order: dP1, dV, then dP2 (fewer registers spilled than dV first)
+            dp1 = tl.dot(v, tl.trans(do1), input_precision=DOT_PREC)
+        do2 = do1  # placeholder: tied mode derives dP2 from dP1 and never reads dO2
+        if not TIED:
             do2 = load_tile(DO2, offs_m, stride_don, offs_dv, n_q, HEAD_DV)
-            dv = tl.dot(p1.to(do1.dtype), do1, dv, input_precision=DOT_PREC)
-            dv = tl.dot(p2.to(do2.dtype), do2, dv, input_precision=DOT_PREC)
-            dp2 = tl.dot(v, tl.trans(do2), input_precision=DOT_PREC)
-        ds1 = p1 * (dp1 - tl.load(DELTA1 + offs_m, mask=in_q, other=0.0)[None, :])
-        ds2 = p2 * (dp2 - tl.load(DELTA2 + offs_m, mask=in_q, other=0.0)[None, :])
-        dk1 = tl.dot(ds1.to(q1.dtype), q1, dk1, input_precision=DOT_PREC)
-        dk2 = tl.dot(ds2.to(q2.dtype), q2, dk2, input_precision=DOT_PREC)
+        if WANT_DV:
+            if TIED:
+                dv = tl.dot((p1 - lam * p2).to(do1.dtype), do1, dv, input_precision=DOT_PREC)
+            else:
+                dv = tl.dot(p1.to(do1.dtype), do1, dv, input_precision=DOT_PREC)
+                dv = tl.dot(p2.to(do2.dtype), do2, dv, input_precision=DOT_PREC)
+        if WANT_DK:
+            if TIED:
+                dp2 = -lam * dp1
+            else:
+                dp2 = tl.dot(v, tl.trans(do2), input_precision=DOT_PREC)
+            ds1 = p1 * (dp1 - tl.load(DELTA1 + offs_m, mask=in_q, other=0.0)[None, :])
+            ds2 = p2 * (dp2 - tl.load(DELTA2 + offs_m, mask=in_q, other=0.0)[None, :])
+            dk1 = tl.dot(ds1.to(q1.dtype), q1, dk1, input_precision=DOT_PREC)
+            dk2 = tl.dot(ds2.to(q2.dtype), q2, dk2, input_precision=DOT_PREC)
     return dk1, dk2, dv
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k"])  # as the forward kernel: one compile per tile for every length
-def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DK1, DK2, DV,
-                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-                 stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                 n_q, n_k, n_heads, group, qk_scale, scale, tune_n_q, tune_n_k,
-                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
-                 DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr):
+@triton.jit
+def _dkdv_key_tile(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DK1, DK2, DV,
+                   stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                   stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+                   stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                   n_q, n_k, n_heads, group, qk_scale, scale,
+                   HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
+                   DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+    """dK1 and dK2 (WANT_DK) and/or dV (WANT_DV) of the program's key tile."""
     start_n = tl.program_id(0) * BLOCK_N
     n_kv = n_heads // group
     b = (tl.program_id(1) // n_kv).to(tl.int64)
@@ -114,7 +123,9 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
     k_off = b * stride_kb + h_kv * stride_kh
     k1 = load_tile(K1 + k_off, offs_n, stride_kn, offs_d, n_k, HEAD_D)
     k2 = load_tile(K2 + k_off, offs_n, stride_kn, offs_d, n_k, HEAD_D)
-    v = load_tile(V + b * stride_vb + h_kv * stride_vh, offs_n, stride_vn, offs_dv, n_k, HEAD_DV)
+    v = k1  # placeholder: only dK's dP = dO V^T reads V
+    if WANT_DK:
+        v = load_tile(V + b * stride_vb + h_kv * stride_vh, offs_n, stride_vn, offs_dv, n_k, HEAD_DV)
     dk1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -137,20 +148,50 @@ def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, D
         dk1, dk2, dv = _dkdv_tiles(
             dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
             stride_qn, stride_don, offs_n, offs_d, offs_dv, lo, mid, n_q, n_k, qk_scale,
-            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC)
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC, WANT_DK, WANT_DV)
         dk1, dk2, dv = _dkdv_tiles(
             dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
             stride_qn, stride_don, offs_n, offs_d, offs_dv, mid, tail, n_q, n_k, qk_scale,
-            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, DOCUMENTS, TIED, DOT_PREC)
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, False, DOCUMENTS, TIED, DOT_PREC, WANT_DK, WANT_DV)
         dk1, dk2, dv = _dkdv_tiles(
             dk1, dk2, dv, k1, k2, v, Q1h, Q2h, DO1h, DO2h, LSE1h, LSE2h, DELTA1h, DELTA2h, DOCSb, lam,
             stride_qn, stride_don, offs_n, offs_d, offs_dv, tl.maximum(mid, tail), q_end, n_q, n_k, qk_scale,
-            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC)
+            HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, True, DOCUMENTS, TIED, DOT_PREC, WANT_DK, WANT_DV)
 
-    dk_off = b * stride_dkb + h_kv * stride_dkh
-    store_tile(DK1 + dk_off, dk1 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
-    store_tile(DK2 + dk_off, dk2 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
-    store_tile(DV + b * stride_dvb + h_kv * stride_dvh, dv, offs_n, stride_dvn, offs_dv, n_k, HEAD_DV)
+    if WANT_DK:
+        dk_off = b * stride_dkb + h_kv * stride_dkh
+        store_tile(DK1 + dk_off, dk1 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
+        store_tile(DK2 + dk_off, dk2 * scale, offs_n, stride_dkn, offs_d, n_k, HEAD_D)
+    if WANT_DV:
+        store_tile(DV + b * stride_dvb + h_kv * stride_dvh, dv, offs_n, stride_dvn, offs_dv, n_k, HEAD_DV)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k"])  # as the forward kernel: one compile per tile for every length
+def _dkdv_kernel(Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DK1, DK2, DV,
+                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                 stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                 n_q, n_k, n_heads, group, qk_scale, scale, tune_n_q, tune_n_k,
+                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TIED: tl.constexpr,
+                 DOCUMENTS: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False):
+    """SPLIT: two programs per key tile (grid axis 2), one for dK1 and dK2, one for dV, each holding half the
+    accumulators of one doing both (at the 3B shape 256 columns per key instead of 512), so that key tiles of 64
+    rows and more fit the registers, at the cost of computing the scores in both."""
+    args = (Q1, Q2, K1, K2, V, DO1, DO2, LSE1, LSE2, DELTA1, DELTA2, LAM, DOC_START, DOC_END, DK1, DK2, DV,
+            stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+            stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+            stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+            n_q, n_k, n_heads, group, qk_scale, scale)
+    if not SPLIT:
+        _dkdv_key_tile(*args, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, TIED, DOCUMENTS, DOT_PREC,
+                       True, True)
+    elif tl.program_id(2) == 0:
+        _dkdv_key_tile(*args, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, TIED, DOCUMENTS, DOT_PREC,
+                       True, False)
+    else:
+        _dkdv_key_tile(*args, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, TIED, DOCUMENTS, DOT_PREC,
+                       False, True)
 
 
 @triton.jit

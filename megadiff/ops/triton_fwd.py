@@ -38,33 +38,37 @@ class Documents:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile sizes and launch options; block_m tiles queries, block_n tiles keys."""
+    """Tile sizes and launch options; block_m tiles queries, block_n tiles keys. split: the dK/dV kernel runs
+    two programs per key tile, one for dK1 and dK2, one for dV (the other kernels ignore it)."""
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 1
+    split: bool = False
 
 
-# Candidates (block_m, block_n, num_warps, num_stages) for triton.autotune on CUDA; those whose fp32
+# Candidates (block_m, block_n, num_warps, num_stages[, split]) for triton.autotune on CUDA; those whose fp32
 # accumulators would not fit in registers are pruned first. At the 3B head shape (d=128, dv=256)
-# every candidate holds 128 fp32 accumulators per thread and ptxas spills some registers; the
-# small-tile ones spill least (bench/kernel_resources.py prints each one's registers, spills and
-# shared memory for sm_90 without a GPU). Which is fastest is for the autotuner to measure. Each list starts
+# most candidates hold 128 fp32 accumulators per thread and ptxas spills some registers, the larger
+# tiles most (bench/kernel_resources.py prints each one's registers, spills and shared memory for
+# sm_90 without a GPU). Which is fastest is for the autotuner to measure. Each list starts
 # with the tile that won at the 3B shape when every candidate was measured (H200, 2026-11-27, N = 4K to 64K
-# alike), so that $MEGADIFF_TRITON_CANDIDATES=3 measures it.
+# alike), so that $MEGADIFF_TRITON_CANDIDATES=3 measures it. The split dK/dV tiles (KernelConfig.split) hold
+# half the accumulators, so 128 keys fit (a warp-group MMA's rows on Hopper, where the fused kernel's 32-key tile
+# is not one), for computing the scores twice; they are to be measured on a GPU.
 CANDIDATES = {
     "fwd": [(64, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2),
             (32, 64, 8, 2), (32, 32, 8, 2)],
     "dkdv": [(64, 32, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2),
-             (64, 128, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)],
+             (64, 128, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2), (32, 128, 8, 2, True), (32, 64, 8, 2, True)],
     "dq": [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
            (64, 32, 8, 2), (32, 32, 4, 2)],
 }
 # fp32 accumulator elements a program holds, per kernel (block_m, block_n, padded d, padded dv)
 _ACCUMULATORS = {
-    "fwd": lambda m, n, d, dv: 2 * m * dv,
-    "dkdv": lambda m, n, d, dv: n * (2 * d + dv),
-    "dq": lambda m, n, d, dv: 2 * m * d,
+    "fwd": lambda m, n, d, dv, split: 2 * m * dv,
+    "dkdv": lambda m, n, d, dv, split: n * (max(2 * d, dv) if split else 2 * d + dv),
+    "dq": lambda m, n, d, dv, split: 2 * m * d,
 }
 _MAX_ACC_PER_THREAD = 128
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32)
@@ -306,21 +310,33 @@ def shared_memory_budget(device: torch.device) -> tuple[int, int] | None:
     return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"], 10 * major + minor
 
 
-def _fitting(kind: str, candidates: list, block_d: int, block_dv: int, tiles) -> list:
-    """The candidates whose fp32 accumulators fit the per-thread budget, else the one needing fewest.
+def tile_config(tile: tuple) -> triton.Config:
+    """A CANDIDATES entry as the autotuner's config (SPLIT only where set: the other kernels take no such
+    argument)."""
+    block_m, block_n, num_warps, num_stages, *split = tile
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, **({"SPLIT": True} if any(split) else {})},
+                         num_warps=num_warps, num_stages=num_stages)
 
-    tiles(candidate) -> (block_m, block_n, num_warps).
-    """
+
+def config_tile(config: triton.Config) -> tuple:
+    """The CANDIDATES entry an autotuner's config stands for."""
+    tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    return tile + (True,) if config.kwargs.get("SPLIT") else tile
+
+
+def _fitting(kind: str, candidates: list, block_d: int, block_dv: int, tile=lambda candidate: candidate) -> list:
+    """The candidates whose fp32 accumulators fit the per-thread budget, else the one needing fewest.
+    tile(candidate): its CANDIDATES entry."""
     def per_thread(candidate):
-        block_m, block_n, num_warps = tiles(candidate)
-        return _ACCUMULATORS[kind](block_m, block_n, block_d, block_dv) / (32 * num_warps)
+        block_m, block_n, num_warps, _, *split = tile(candidate)
+        return _ACCUMULATORS[kind](block_m, block_n, block_d, block_dv, any(split)) / (32 * num_warps)
     fitting = [c for c in candidates if per_thread(c) <= _MAX_ACC_PER_THREAD]
     return fitting or [min(candidates, key=per_thread)]
 
 
 def fitting_candidates(kind: str, d: int, dv: int) -> list[tuple]:
     """Which of CANDIDATES[kind] the autotuner measures for head dims d and dv, shared memory aside."""
-    return _fitting(kind, CANDIDATES[kind], padded_dim(d), padded_dim(dv), lambda c: (c[0], c[1], c[2]))
+    return _fitting(kind, CANDIDATES[kind], padded_dim(d), padded_dim(dv))
 
 
 def _prune(kind: str):
@@ -336,8 +352,7 @@ def _prune(kind: str):
                                               inputs.element_size(), meta.get("TIED", True), arch)
             # none fitting: the least needing, whose launch then says how much it needs
             configs = [c for c in configs if shared(c) <= limit] or [min(configs, key=shared)]
-        fitting = _fitting(kind, configs, meta["BLOCK_D"], meta["BLOCK_DV"],
-                           lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps))
+        fitting = _fitting(kind, configs, meta["BLOCK_D"], meta["BLOCK_DV"], config_tile)
         return fitting[:triton_candidates_limit()]
     return prune
 
@@ -351,8 +366,7 @@ def tuning_lengths(n_q: int, n_k: int) -> tuple[int, int]:
 
 @functools.cache
 def _autotuned(kernel, kind: str):
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in CANDIDATES[kind]]
+    configs = [tile_config(tile) for tile in CANDIDATES[kind]]
     # the mode flags a kernel takes (COMBINE: the forward's epilogue, TIED: the backward's inputs,
     # DOCUMENTS: document masking) change what a program holds, so each mode is tuned apart, as is each
     # length class; cache_results keeps the choice on disk for the next process (benchmarks, then
@@ -370,13 +384,15 @@ def launch(kernel, kind: str, n_tiled: int, programs: int, args: tuple, meta: di
     """
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     if config is None and not INTERPRETED:
-        _autotuned(kernel, kind)[lambda m: (triton.cdiv(n_tiled, m[tile]), programs)](*args, **meta,
-                                                                                     **COMPILE_OPTIONS)
+        # a split tile's programs are two per tile, on grid axis 2
+        _autotuned(kernel, kind)[lambda m: (triton.cdiv(n_tiled, m[tile]), programs, 1 + m.get("SPLIT", False))](
+            *args, **meta, **COMPILE_OPTIONS)
         return
     config = config or INTERPRETER_CONFIG
     tile_rows = config.block_n if kind == "dkdv" else config.block_m
-    kernel[(triton.cdiv(n_tiled, tile_rows), programs)](
-        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    split = config.split and kind == "dkdv"
+    kernel[(triton.cdiv(n_tiled, tile_rows), programs, 1 + split)](
+        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, **({"SPLIT": True} if split else {}),
         num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
 
 
