@@ -48,18 +48,14 @@ def _count(text: str) -> int:
     return value
 
 
-def _positive_gib(text: str) -> float:
-    value = _number(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a GPU's memory in GiB (a number > 0)")
-    return value
-
-
-def _document_limit(text: str) -> float:
-    value = _number(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is neither a number of documents nor a fraction of them (> 0)")
-    return value
+def _positive(meaning: str) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0, refused as not `meaning` otherwise."""
+    def positive(text: str) -> float:
+        value = _number(text)
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} is not {meaning} (a number > 0)")
+        return value
+    return positive
 
 
 def _output_file(text: str) -> str:
@@ -142,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("overrides", nargs="*")
     params.add_argument("--world-size", type=_positive_int, default=None,
                         help="GPUs of the run, for the per-GPU memory (default: TP x PP x CP, one replica)")
-    params.add_argument("--fit", type=_positive_gib, default=None, metavar="GIB",
+    params.add_argument("--fit", type=_positive("a GPU's memory in GiB"), default=None, metavar="GIB",
                         help="also list the tensor/pipeline/recompute layouts whose estimated peak fits GIB per GPU")
     params.set_defaults(run=lambda a: _target("megadiff.models.param_count:print_param_count")(
         a.config, a.overrides, world_size=a.world_size, fit_gib=a.fit))
@@ -233,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="lm-eval task names or patterns, e.g. arc_easy arc_challenge boolq hellaswag openbookqa "
                          "piqa winogrande")
     harness.add_argument("--num-fewshot", type=_count, default=None)
-    harness.add_argument("--limit", type=_document_limit, default=None, help="documents per task (a fraction when < 1)")
+    harness.add_argument("--limit", type=_positive("a number of documents, or a fraction of them"), default=None,
+                         help="documents per task (a fraction when < 1)")
     harness.add_argument("--batch-size", type=int, default=8)
     harness.add_argument("--include-path", default=None, help="a directory of your own task YAML files")
     harness.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,

@@ -34,8 +34,10 @@ def check_ranks_agree(shared: dict[str, str | Path], facts: dict[str, object]) -
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank = dist.get_rank()
-    probes = [refused_together(lambda: _write_probes(list(shared.values())) if rank == 0 else None)]
-    dist.broadcast_object_list(probes, src=0)
+    probes = [[]]
+    if shared:  # the same keys on every rank: all of them take the probes' collectives, or none
+        probes = [refused_together(lambda: _write_probes(list(shared.values())) if rank == 0 else None)]
+        dist.broadcast_object_list(probes, src=0)
     views = {key: _view(Path(directory), probe) for (key, directory), probe in zip(shared.items(), probes[0])}
     flat = _flat(facts)
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()

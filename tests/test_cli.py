@@ -56,8 +56,8 @@ def test_fit_is_a_gpus_memory(capsys, given):
 
 
 @pytest.mark.parametrize("options, said", [
-    (["--limit", "0"], "argument --limit: 0 is neither a number of documents nor a fraction of them (> 0)"),
-    (["--limit", "-1"], "argument --limit: -1 is neither"),
+    (["--limit", "0"], "argument --limit: 0 is not a number of documents, or a fraction of them (a number > 0)"),
+    (["--limit", "-1"], "argument --limit: -1 is not a number of documents"),
     (["--num-fewshot", "-1"], "argument --num-fewshot: -1 is not >= 0"),
 ])
 def test_lm_eval_counts_are_refused_as_the_command_is_read(capsys, options, said):

@@ -25,7 +25,7 @@ def agree_on(rank: int, world_size: int, directories: list[str], facts: list[dic
         pathlib.Path.exists = stale
     dist.init_process_group("gloo")
     try:
-        check_ranks_agree({"output_dir": directories[rank]}, facts[rank])
+        check_ranks_agree({"output_dir": directories[rank]} if directories[rank] else {}, facts[rank])
         outcome = "agreed"
     except Exception as err:  # noqa: BLE001 -- what each rank raised, for the test to compare
         outcome = f"{type(err).__name__}: {err}"
@@ -33,9 +33,11 @@ def agree_on(rank: int, world_size: int, directories: list[str], facts: list[dic
     dist.destroy_process_group()
 
 
-def outcomes(tmp_path: Path, directories: list[Path], facts: list[dict], stale_on_rank: int | None = None
+def outcomes(tmp_path: Path, directories: list[Path | None], facts: list[dict], stale_on_rank: int | None = None
              ) -> list[str]:
-    run_ranks(2, agree_on, [str(d) for d in directories], facts, str(tmp_path), stale_on_rank, timeout=120)
+    """None for directories: no shared directory to check (pre-training's second check, of its start)."""
+    run_ranks(2, agree_on, [str(d) if d else "" for d in directories], facts, str(tmp_path), stale_on_rank,
+              timeout=120)
     return [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
 
 
@@ -73,6 +75,9 @@ def test_another_config_or_starting_checkpoint_on_one_rank_is_refused_naming_it(
     assert first == ("ConfigError: the ranks were started differently (a config file or data that differs between "
                      f"nodes?): config.train.lr: rank 0 ({host}) has 0.0003, rank 1 ({host}) has 0.05; starting "
                      f"checkpoint: rank 0 ({host}) has 'run/iter_0000006', rank 1 ({host}) has 'run/iter_0000004'")
+    # the facts alone, with no directory to probe
+    assert outcomes(tmp_path, [None, None], facts) == [first, first]
+    assert outcomes(tmp_path, [None, None], facts[:1] * 2) == ["agreed", "agreed"]
 
 
 def test_an_output_directory_rank_0_cannot_write_is_refused_on_every_rank(tmp_path):
