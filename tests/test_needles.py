@@ -189,10 +189,12 @@ def test_lengths_the_cases_cannot_fit_are_refused_before_the_weights_are_read(ru
         assert re.search(refusal, capsys.readouterr().err)
 
 
-def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
+def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys, monkeypatch):
     """--hf on the DIFF run's Hugging Face export (stock DiffLlama, run by transformers), the haystack
     named by data.* overrides: the answer positions' logits are the checkpoint's, so are the one-pass
-    checks, the command's report and the attention rows (--attention)."""
+    checks, the command's report and the attention rows (--attention). Lengths its cases cannot fit are
+    refused before its weights are read, as a checkpoint's."""
+    from megadiff.inference import needles
     from megadiff.inference.hf_attention import hf_attention_rows
     from megadiff.inference.hf_model import load_hf_model
 
@@ -233,6 +235,9 @@ def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys):
     capsys.readouterr()
     assert main(["needles", "--hf", str(tmp_path / "other"), *options]) == 2  # no haystack named
     assert "data.prefix" in capsys.readouterr().err
+    monkeypatch.setattr(needles, "load_model", lambda *args: pytest.fail("the weights were read"))
+    assert main(["needles", "--hf", str(export), "--lengths", "5"]) == 2
+    assert "5 tokens are fewer than the needles, question and answer take" in capsys.readouterr().err
 
 
 def _greedy(model, prompt: list[int], count: int) -> list[int]:

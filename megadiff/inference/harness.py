@@ -373,7 +373,8 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
     if fewshot_as_multiturn and not apply_chat_template:
-        raise ConfigError("--fewshot-as-multiturn writes the few-shot examples as chat turns: add --apply-chat-template")
+        raise ConfigError("--fewshot-as-multiturn writes the few-shot examples as chat turns: "
+                          "add --apply-chat-template")
     if attention_logit_bits is not None and attention_logit_bits < 2:
         raise ConfigError("--attention-logit-bits must be >= 2 (a sign and one level)")
     if log_samples and not output:

@@ -71,7 +71,7 @@ class HFCausalLM:
     def __init__(self, hf, path: str | Path, window: int):
         self.hf, self.checkpoint_dir = hf, Path(path)
         self.tokenizer: Tokenizer = load_tokenizer(str(path), trust_remote_code=True)
-        self.cfg: Config = build_config({"model": {"seq_length": window}, **_export_data(path)})
+        self.cfg: Config = hf_run_config(path, window)
 
     @property
     def device(self) -> torch.device:
@@ -147,26 +147,41 @@ def _export_data(path: str | Path) -> dict:
     return {"data": {**run.get("data", {}), "tokenizer": str(path), "document_masking": False}, **seed}
 
 
+def hf_run_config(path: str | Path, window: int) -> Config:
+    """What the commands read of a run's config, for the transformers model in `path`: its window, its
+    directory's tokenizer, and the data (_export_data)."""
+    return build_config({"model": {"seq_length": window}, **_export_data(path)})
+
+
+def hf_window(path: str | Path, window: int | None = None) -> int:
+    """--window, else the model's max_position_embeddings (its config only: no weights are read)."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"--hf {path} is not a Hugging Face model directory (no config.json)")
+    if window is not None and window < 1:
+        raise ConfigError(f"--window must be at least 1, got {window}")
+    with _refused_by_name(path):  # an architecture transformers does not know, code it lacks
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    window = window if window is not None else getattr(config, "max_position_embeddings", None)
+    if not window:
+        raise ConfigError(f"{path}'s config gives no max_position_embeddings: pass --window")
+    return window
+
+
 def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None = None) -> HFCausalLM:
     """The transformers model in directory `path` (trust_remote_code: adapted and megadiff exports
     ship their code), in `dtype` (default: its config's), on this rank's device; under torchrun it
     joins the ranks' process group first (the commands share their work among ranks)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"--hf {path} is not a Hugging Face model directory (no config.json)")
     if dtype is not None and dtype not in PRECISION_DTYPES:
         raise ConfigError(f"--dtype must be one of {list(PRECISION_DTYPES)}, got {dtype}")
+    window = hf_window(path, window)
     init_process_group(timedelta(minutes=30))
     # a directory without tokenizer files is refused before the weights are read
     load_tokenizer(str(path), trust_remote_code=True)
-    if window is not None and window < 1:
-        raise ConfigError(f"--window must be at least 1, got {window}")
-    with _refused_by_name(path):  # an architecture transformers does not know, code or weights it lacks
-        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        window = window if window is not None else getattr(config, "max_position_embeddings", None)
-        if not window:
-            raise ConfigError(f"{path}'s config gives no max_position_embeddings: pass --window")
+    with _refused_by_name(path):  # weights it lacks
         hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
                                                   dtype=PRECISION_DTYPES[dtype] if dtype else "auto")
     return HFCausalLM(hf.to(compute_device()).eval(), path, window)

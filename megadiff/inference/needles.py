@@ -30,10 +30,10 @@ from megadiff.config import ConfigError
 from megadiff.data.checks import split_tokens
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.data.tokenizers import Tokenizer, encode_continuing
+from megadiff.data.tokenizers import Tokenizer, encode_continuing, load_tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config
 from megadiff.inference.hf_attention import hf_attention_rows
-from megadiff.inference.hf_model import HFCausalLM, load_model
+from megadiff.inference.hf_model import HFCausalLM, hf_run_config, hf_window, load_model
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
@@ -242,14 +242,21 @@ def held_out_tokens(cfg, split: str) -> np.ndarray:
     return tokens
 
 
-def _check_cases_fit(load: str, split: str, overrides: Iterable[str], grid: dict) -> None:
-    """Draws every case from the checkpoint's tokenizer and held-out split before the minutes of reading its
-    weights: a length the needles or the split cannot fit is refused then. (With --hf, the directory's
-    tokenizer and window come with the model, so its cases are drawn after the load.)"""
-    checkpoint_dir = resolve_checkpoint_dir(load)
-    cfg = evaluation_config(checkpoint_config(checkpoint_dir), None, overrides)
-    ensure_prepared(cfg)
-    for _ in draw_cases(checkpoint_tokenizer(checkpoint_dir, cfg), held_out_tokens(cfg, split), **grid):
+def _check_cases_fit(load: str | None, hf: str | None, window: int | None, split: str, overrides: Iterable[str],
+                     grid: dict) -> None:
+    """Draws every case from the model's tokenizer and held-out split before the minutes of reading its
+    weights (a checkpoint's, or the --hf directory's): a length the needles or the split cannot fit is refused
+    then."""
+    if load is not None:
+        checkpoint_dir = resolve_checkpoint_dir(load)
+        cfg = evaluation_config(checkpoint_config(checkpoint_dir), None, overrides)
+        ensure_prepared(cfg)
+        tokenizer = checkpoint_tokenizer(checkpoint_dir, cfg)
+    else:
+        cfg = evaluation_config(hf_run_config(hf, hf_window(hf, window)), None, overrides)
+        ensure_prepared(cfg)
+        tokenizer = load_tokenizer(hf, trust_remote_code=True)
+    for _ in draw_cases(tokenizer, held_out_tokens(cfg, split), **grid):
         pass
 
 
@@ -266,8 +273,8 @@ def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float
     if not 1 <= queries <= needles:
         raise ConfigError(f"--queries must be between 1 and --needles ({needles}), got {queries}")
     grid = dict(lengths=lengths, depths=depths, needles=needles, trials=trials, seed=seed, queries=queries)
-    if load is not None:
-        _check_cases_fit(load, split, overrides, grid)
+    if (load is None) != (hf is None):  # else load_model says to give one
+        _check_cases_fit(load, hf, window, split, overrides, grid)
     model = load_model(load, hf, dtype, window)  # under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model.cfg, None, overrides)
