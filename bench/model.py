@@ -106,7 +106,7 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length,
                attention_backend=resolve_backend(cfg.model.attention_backend,
                                                  torch.empty(0, device=device)) if run.variant != "softmax" else
-               "sdpa", losses=[])
+               "sdpa", losses=[], lrs=[])
     if run.precision == "fp8" and importlib.util.find_spec("torchao") is None:
         row["status"] = "skipped: torchao is not installed"
         return row
@@ -124,8 +124,11 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
     def step():
         index = len(row["losses"]) * args.micro_batches
         micro = iter(pool[index:index + args.micro_batches])
+        scheduler.step(1)  # as pretraining orders it: the first step at lr / steps, the last at lr
+        row["lrs"].append(engine.optimizer.param_groups[0]["lr"])  # what this step's update uses
         result = train_step(engine, micro, args.micro_batches)
-        scheduler.step(1)
+        if not result.updated:  # the schedule follows the updates
+            scheduler.step(-1)
         row["losses"].append(result.loss)
         if not result.updated and len(row["losses"]) > args.warmup:  # the timed steps only
             skipped.append(len(row["losses"]))

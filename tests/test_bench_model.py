@@ -38,6 +38,8 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path):
     for row in rows.values():
         assert row["status"] == "ok", row
         assert len(row["losses"]) == steps and all(map(math.isfinite, row["losses"]))
+        # a linear warmup over the run, as pretraining's scheduler steps it: the last step at the peak lr
+        assert row["lrs"] == pytest.approx([3e-4 * (i + 1) / steps for i in range(steps)])
         assert row["tokens_per_s"] > 0 and row["tflops_per_device"] > 0
     assert "diff-bf16 / softmax-bf16 tokens/s" in report["ratios"]
     if "fp8" in precisions:  # the same initial weights and data: float8 starts from BF16's loss

@@ -279,17 +279,33 @@ def shared_memory_estimate(kind: str, block_m: int, block_n: int, num_stages: in
     on 2026-11-27): never below it, equal for the forward's and dQ's tiles. A launch needing more than the
     GPU has fails, and an autotuner left with one candidate launches it untried.
 
-    On Hopper a 16-bit dot over query tiles of 64 rows or more is a warp-group MMA reading its streamed
-    operand from shared memory, which the pipeliner fills asynchronously: a buffer per stage (Triton allocated
-    256 KiB for dQ's 128x64 tile in bf16 where one buffer fewer gives 192, and the H200 refused the launch).
-    Otherwise the dots read registers: a buffer fewer, plus the score tile in the inputs' dtype (fp32: P and
-    the row maxima in the forward, dS1 and dS2 in dQ).
+    On Hopper a 16-bit dot over 64 rows or more (query rows; key rows in dK/dV) is a warp-group MMA reading
+    its streamed operand from shared memory, which the pipeliner fills asynchronously: a buffer per stage
+    (Triton allocated 256 KiB for dQ's 128x64 tile in bf16 where one buffer fewer gives 192, and the H200
+    refused the launch). Otherwise the dots read registers: a buffer fewer, plus the score tile in the inputs'
+    dtype (fp32: P and the row maxima in the forward, dS1 and dS2 in dQ). Blackwell (sm_100) is not fitted:
+    Hopper's estimate with margins that covered some 40 tiles compiled for it (Triton 3.9).
     """
-    do_cols = block_dv if tied else 2 * block_dv  # the dO columns a backward program reads
-    if kind == "dkdv":  # K1, K2, V kept; Q1, Q2, dO streamed; P1, P2, dS1, dS2 in fp32; lse, delta, doc starts
-        return ((block_n * (2 * block_d + block_dv) + (num_stages - 1) * block_m * (2 * block_d + do_cols))
-                * element_size + 16 * block_m * block_n + 32 * block_m)
-    warp_group_mma = arch >= 90 and element_size < 4 and block_m >= 64
+    hopper = _shared_memory(kind, block_m, block_n, num_stages, block_d, block_dv, element_size,
+                            block_dv if tied else 2 * block_dv, arch >= 90 and element_size < 4)
+    if arch < 100:
+        return hopper
+    if kind == "fwd":
+        return hopper + 2048
+    return hopper * (118 if kind == "dq" else 140 if block_n >= 64 else 100) // 100
+
+
+def _shared_memory(kind: str, block_m: int, block_n: int, num_stages: int, block_d: int, block_dv: int,
+                   element_size: int, do_cols: int, warp_group_mma: bool) -> int:
+    """shared_memory_estimate on sm_80 (warp_group_mma False) and sm_90; do_cols: the dO columns a backward
+    program reads (dv when tied, else 2 dv)."""
+    if kind == "dkdv":  # K1, K2, V kept; Q1, Q2, dO streamed; the rows' lse, delta and document starts
+        kept, streamed_rows = block_n * (2 * block_d + block_dv), block_m * (2 * block_d + do_cols)
+        if warp_group_mma and block_n >= 64:
+            return (kept + num_stages * streamed_rows + block_m * block_n) * element_size + 32 * block_m
+        # P1, P2, dS1, dS2 in fp32
+        return (kept + (num_stages - 1) * streamed_rows) * element_size + 16 * block_m * block_n + 32 * block_m
+    warp_group_mma = warp_group_mma and block_m >= 64
     streamed = block_n * (2 * block_d + block_dv) * (num_stages if warp_group_mma else num_stages - 1)  # K1, K2, V
     kept = block_m * (2 * block_d + (0 if kind == "fwd" else do_cols))  # Q1, Q2 (and dO)
     if warp_group_mma:
