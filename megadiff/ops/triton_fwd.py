@@ -64,7 +64,8 @@ CANDIDATES = {
     "dq": [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
            (64, 32, 8, 2), (32, 32, 4, 2)],
 }
-# fp32 accumulator elements a program holds, per kernel (block_m, block_n, padded d, padded dv)
+# fp32 accumulator elements a program holds, per kernel (block_m, block_n, padded d, padded dv, split: one of the
+# dK/dV kernel's two programs per key tile, dK1 and dK2 or dV)
 _ACCUMULATORS = {
     "fwd": lambda m, n, d, dv, split: 2 * m * dv,
     "dkdv": lambda m, n, d, dv, split: n * (max(2 * d, dv) if split else 2 * d + dv),
