@@ -43,6 +43,7 @@ from megadiff.rank_agreement import check_ranks_agree, comparable
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"  # beside the checkpoints: the tag a rerun resumes from (DeepSpeed's name for it)
 
 
 def _load_model(cfg: FinetuneConfig, ds_config: dict):
@@ -149,7 +150,8 @@ NODE_LOCAL_KEYS = ("model.path", "model.tokenizer", "data.files", "data.cache_di
 def _latest_tag(checkpoint_dir: Path) -> str | None:
     """The checkpoint a rerun resumes from, as this rank sees it."""
     try:
-        return (checkpoint_dir / "latest").read_text().strip() if (checkpoint_dir / "latest").is_file() else None
+        latest = checkpoint_dir / LATEST_FILE
+        return latest.read_text().strip() if latest.is_file() else None
     except OSError as err:  # refused by the ranks' check, not on this rank alone (the others would wait for it)
         return f"unreadable: {err}"
 
@@ -196,7 +198,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     engine.train()
     checkpoint_dir = output_dir / CHECKPOINT_DIR
     start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
-    if (checkpoint_dir / "latest").is_file():
+    if (checkpoint_dir / LATEST_FILE).is_file():
         # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
         _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
         start = client_state["iteration"]
@@ -286,7 +288,7 @@ def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: in
     engine.save_checkpoint(str(checkpoint_dir), tag=staging_dir(final).name, client_state=client_state,
                            save_latest=False, exclude_frozen_parameters=True)
     if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
-        commit_iteration(checkpoint_dir, iteration, "latest", final.name, keep_last)
+        commit_iteration(checkpoint_dir, iteration, LATEST_FILE, final.name, keep_last)
 
 
 def finetune_from_config(config_path: str, overrides: list[str]) -> int:
