@@ -6,8 +6,10 @@
 
 Every differential backend (fused Triton kernel, SDPA wide-V, SDPA split-V) is
 timed in the same run as the baseline: softmax attention with 2x the heads,
-head dim d and V width d, through SDPA's cuDNN and flash backends (the faster
-one is the baseline). Results go to bench/results/attention-<device>-<date>.{json,md}.
+head dim d and V width d, through SDPA's cuDNN and flash kernels (the faster
+one is the baseline). The SDPA backends run as torch chooses, and again with
+each kernel of --sdpa-kernels forced (cuDNN on CUDA); every row says which SDPA
+kernel ran. Results go to bench/results/attention-<device>-<date>.{json,md}.
 FLOP formulas: see `attention_flops` and bench/README.md.
 """
 from __future__ import annotations
@@ -19,16 +21,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, tiles_tuned_here, timed_ms, write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, software, tiles_tuned_here, timed_ms,
+    write,
 )
-from megadiff.ops import differential_attention  # noqa: E402
+from megadiff.ops import SDPA_KERNELS, differential_attention, sdpa_kernel_order, softmax_attention  # noqa: E402
+from megadiff.ops.sdpa import recording_sdpa_kernels  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -57,27 +60,23 @@ def attention_flops(shape: Shape, maps: int, heads: int, dv: int) -> tuple[float
     return per_pair * (2 * shape.d + 2 * dv), per_pair * (6 * shape.d + 4 * dv)
 
 
-def _sdpa_backends(device: torch.device) -> dict[str, list]:
+SDPA_BACKENDS = ("sdpa", "sdpa_split_v")  # the differential backends made of SDPA calls
+
+
+def _baseline_kernels(device: torch.device) -> dict[str, list[str] | None]:
     """Baseline variants: cuDNN and flash on CUDA, whatever SDPA picks elsewhere."""
-    if device.type != "cuda":
-        return {"sdpa": []}
-    from torch.nn.attention import SDPBackend
-    return {"sdpa-cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa-flash": [SDPBackend.FLASH_ATTENTION]}
+    return {"sdpa-cudnn": ["cudnn"], "sdpa-flash": ["flash"]} if device.type == "cuda" else {"sdpa": None}
 
 
-def _baseline(backends: list, causal: bool) -> Callable:
-    from torch.nn.attention import sdpa_kernel
-
+def _baseline(kernels: list[str] | None, causal: bool) -> Callable:
     def run(q, k, v):
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # megadiff keeps [B, N, H, d]
-        if not backends:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
-        with sdpa_kernel(backends):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+        with sdpa_kernel_order(kernels):
+            return softmax_attention(q, k, v, causal=causal)
     return run
 
 
-def _differential(backend: str, causal: bool, integral: bool, document_length: int | None = None) -> Callable:
+def _differential(backend: str, causal: bool, integral: bool, document_length: int | None = None,
+                  kernels: list[str] | None = None) -> Callable:
     # one boundaries tensor per shape, as a training micro-batch hands the same one to every layer: the
     # kernel reads the document bounds once per tensor, which a new tensor per call would time each call
     boundaries: dict[tuple, torch.Tensor] = {}
@@ -90,8 +89,9 @@ def _differential(backend: str, causal: bool, integral: bool, document_length: i
                 boundaries[key] = torch.arange(0, q1.shape[0] * q1.shape[1] + 1, document_length, dtype=torch.int32,
                                                device=q1.device)
             documents = boundaries[key]
-        return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral, backend=backend,
-                                      cu_seqlens=documents)
+        with sdpa_kernel_order(kernels):
+            return differential_attention(q1, k1, q2, k2, v, lam, causal=causal, integral=integral,
+                                          backend=backend, cu_seqlens=documents)
     return run
 
 
@@ -133,7 +133,8 @@ def _peak_mib(fn: Callable, device: torch.device) -> float | None:
 
 
 def measure(fn: Callable, inputs: tuple, device, warmup: int, reps: int) -> dict:
-    grad = torch.randn_like(fn(*inputs))
+    with recording_sdpa_kernels() as kernels:
+        grad = torch.randn_like(fn(*inputs))
 
     def forward():
         with torch.no_grad():
@@ -142,17 +143,21 @@ def measure(fn: Callable, inputs: tuple, device, warmup: int, reps: int) -> dict
     def forward_backward():
         torch.autograd.grad(fn(*inputs), inputs, grad)
 
-    return dict(fwd_ms=_mean_ms(forward, device, warmup, reps),
+    return dict(sdpa_kernels="+".join(dict.fromkeys(kernels)) or None,  # which SDPA kernels ran: torch's choice
+                fwd_ms=_mean_ms(forward, device, warmup, reps),
                 fwd_bwd_ms=_mean_ms(forward_backward, device, warmup, reps),
                 peak_fwd_mib=_peak_mib(forward, device), peak_fwd_bwd_mib=_peak_mib(forward_backward, device))
 
 
 def _methods(args, device) -> dict[str, tuple[Callable, bool, int, int | None]]:
     """name -> (fn taking the inputs, is_baseline, number of softmax maps, document length or None)."""
-    methods = {f"baseline-{name}": (_baseline(backends, args.causal), True, 1, None)
-               for name, backends in _sdpa_backends(device).items()}
+    methods = {f"baseline-{name}": (_baseline(kernels, args.causal), True, 1, None)
+               for name, kernels in _baseline_kernels(device).items()}
     for backend in args.backends:
         methods[f"diff-{backend}"] = (_differential(backend, args.causal, False), False, 2, None)
+        for kernel in args.sdpa_kernels if backend in SDPA_BACKENDS else ():
+            methods[f"diff-{backend}-{kernel}"] = (_differential(backend, args.causal, False, kernels=[kernel]),
+                                                   False, 2, None)
         if args.integral:
             methods[f"dint-{backend}"] = (_differential(backend, args.causal, True), False, 2, None)
         if args.documents:
@@ -209,7 +214,8 @@ def _add_ratios(rows: list[dict]) -> None:
                 row[f"{pass_}_vs_baseline"] = row[f"{pass_}_ms"] / best[f"{pass_}_ms"]
 
 
-COLUMNS = (("method", "method", "{}"), ("fwd+bwd FLOPs x baseline", "fwd_bwd_flop_vs_baseline", "{:.2f}"),
+COLUMNS = (("method", "method", "{}"), ("SDPA kernel", "sdpa_kernels", "{}"),
+           ("fwd+bwd FLOPs x baseline", "fwd_bwd_flop_vs_baseline", "{:.2f}"),
            ("fwd ms", "fwd_ms", "{:.3f}"), ("fwd+bwd ms", "fwd_bwd_ms", "{:.3f}"),
            ("fwd TFLOP/s", "fwd_tflops", "{:.3g}"), ("fwd+bwd TFLOP/s", "fwd_bwd_tflops", "{:.3g}"),
            ("peak fwd+bwd MiB", "peak_fwd_bwd_mib", "{:.0f}"), ("fwd x baseline", "fwd_vs_baseline", "{:.2f}"),
@@ -250,9 +256,9 @@ def _shape_of(row: dict) -> Shape:
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# Attention benchmark, {env['device']}", "",
-             f"{env['date']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
-             f"dtype {report['dtype']}. Times are means over repeated runs; \"x baseline\" divides by the "
-             "fastest baseline of the same shape. FLOPs are counted as in bench/README.md.", ""]
+             f"{env['date']}; {software(env)}, dtype {report['dtype']}. Times are means over repeated runs; "
+             "\"x baseline\" divides by the fastest baseline of the same shape. FLOPs are counted as in "
+             "bench/README.md.", ""]
     for shape in dict.fromkeys(_shape_of(r) for r in report["rows"]):
         lines += [f"## B={shape.batch}, N={shape.seq}, {shape.heads} differential heads (baseline "
                   f"{2 * shape.heads}), d={shape.d}, dv={shape.dv}, {'causal' if shape.causal else 'non-causal'}",
@@ -273,6 +279,9 @@ def parse_args(argv):
     parser.add_argument("--small", action="store_true", help="one tiny shape: checks the script, not the speed")
     parser.add_argument("--backends", nargs="+", help="differential backends (default: triton sdpa sdpa_split_v "
                         "on CUDA; sdpa sdpa_split_v reference on CPU)")
+    parser.add_argument("--sdpa-kernels", nargs="*", choices=tuple(SDPA_KERNELS), default=None,
+                        help="also time the SDPA backends with each of these SDPA kernels forced (default: cudnn on "
+                        "CUDA, none elsewhere); their rows fail, saying so, where the kernel does not take the call")
     parser.add_argument("--integral", action="store_true", help="also time DINT (the integral term)")
     parser.add_argument("--documents", type=int, metavar="LEN", help="also time each differential backend with "
                         "document masking, every sample packed from documents of LEN tokens (a divisor of N)")
@@ -290,6 +299,7 @@ def parse_args(argv):
     on_cuda = args.device == "cuda"
     args.backends = args.backends or (["triton", "sdpa", "sdpa_split_v"] if on_cuda
                                       else ["sdpa", "sdpa_split_v", "reference"])
+    args.sdpa_kernels = args.sdpa_kernels if args.sdpa_kernels is not None else (["cudnn"] if on_cuda else [])
     args.warmup = args.warmup if args.warmup is not None else (3 if on_cuda else 1)
     args.reps = args.reps if args.reps is not None else (10 if on_cuda else 2)
     return args

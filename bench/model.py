@@ -7,9 +7,10 @@ Every run goes through megadiff's real training step (build_engine + train_step:
 schedule, DDP, the Adam optimizer) on synthetic token batches, one process, one device. Runs:
 the DIFF model and the softmax model of the same hidden size, layers and batch (twice the heads,
 half the head width), in BF16, then each in FP8 through torch-native float8 linears
-(train.fp8_backend=torchao). Reported per run: tokens/s, TFLOP/s per device and MFU (matmul FLOPs
-from megadiff.models.param_count, peak from --peak-tflops or the device's known dense BF16 peak),
-peak memory, and the loss of every step. Results: bench/results/model-<device>-<date>.{json,md}.
+(train.fp8_backend=torchao); --diff-backends runs the DIFF model once per attention backend. Reported
+per run: tokens/s, TFLOP/s per device and MFU (matmul FLOPs from megadiff.models.param_count, peak from
+--peak-tflops or the device's known dense BF16 peak), peak memory, the SDPA kernels its attention ran,
+and the loss of every step. Results: bench/results/model-<device>-<date>.{json,md}.
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, synchronize, tiles_tuned_here,
-    timed_ms, write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, software, synchronize,
+    tiles_tuned_here, timed_ms, write,
 )
 from megadiff.config import Config, load_config, resolved_head_dim  # noqa: E402
 from megadiff.models.param_count import count_parameters, training_flops_per_token  # noqa: E402
 from megadiff.ops import resolve_backend  # noqa: E402
+from megadiff.ops.sdpa import recording_sdpa_kernels  # noqa: E402
 from megadiff.parallel import initialize, shutdown  # noqa: E402
 from megadiff.parallel.initialize import set_seed  # noqa: E402
 from megadiff.training.engine import build_engine  # noqa: E402
@@ -59,10 +61,11 @@ ZIPF_EXPONENT = 1.1  # synthetic tokens follow a Zipf law, so the loss has somet
 class Run:
     variant: str    # "diff" or "softmax" (the equal-size baseline)
     precision: str  # a key of PRECISIONS
+    backend: str | None = None  # DIFF's model.attention_backend; None: the config's
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-{self.precision}"
+        return f"{self.variant}{f'[{self.backend}]' if self.backend else ''}-{self.precision}"
 
 
 def run_config(args, run: Run) -> Config:
@@ -72,7 +75,8 @@ def run_config(args, run: Run) -> Config:
                          f"train.global_batch_size={args.micro_batch * args.micro_batches}",
                          f"train.lr={args.lr}", f"train.lr_warmup_iters={args.warmup + args.steps}",
                          *PRECISIONS[run.precision], *args.set]
-    diff = load_config(args.config, overrides + ["model.variant=diff"])
+    backend = [f"model.attention_backend={run.backend}"] if run.backend else []
+    diff = load_config(args.config, overrides + ["model.variant=diff"] + backend)
     if run.variant == "diff":
         return diff
     m = diff.model
@@ -133,8 +137,11 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         if not result.updated and len(row["losses"]) > args.warmup:  # the timed steps only
             skipped.append(len(row["losses"]))
 
-    for _ in range(args.warmup):  # compilation: Triton autotuning, torch.compile of the float8 casts
-        step()
+    for index in range(args.warmup):  # compilation: Triton autotuning, torch.compile of the float8 casts
+        with recording_sdpa_kernels() as kernels:
+            step()
+        if index == 0:  # torch's choice, or model.sdpa_kernels'
+            row["sdpa_kernels"] = "+".join(dict.fromkeys(kernels)) or None
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -209,15 +216,16 @@ def add_ratios(rows: list[dict]) -> dict:
         if softmax and row["variant"] != "softmax":
             row["vs_softmax"] = row["tokens_per_s"] / softmax["tokens_per_s"]
             ratios[f"{row['run']} / softmax-{row['precision']} tokens/s"] = row["vs_softmax"]
-        bf16 = ok.get(f"{row['variant']}-bf16")
+        bf16 = ok.get(Run(row["variant"], "bf16", row.get("backend")).name)
         if bf16 and row["precision"] != "bf16":
             row["vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
             row["loss_gap_vs_bf16"] = max(abs(a - b) for a, b in zip(row["losses"], bf16["losses"]))
-            ratios[f"{row['run']} / {row['variant']}-bf16 tokens/s"] = row["vs_bf16"]
+            ratios[f"{row['run']} / {bf16['run']} tokens/s"] = row["vs_bf16"]
     return ratios
 
 
-COLUMNS = (("run", "run", "{}"), ("attention", "attention_backend", "{}"), ("params", "params", "{:,d}"),
+COLUMNS = (("run", "run", "{}"), ("attention", "attention_backend", "{}"), ("SDPA kernel", "sdpa_kernels", "{}"),
+           ("params", "params", "{:,d}"),
            ("tokens/step", "tokens_per_step", "{:,d}"), ("step ms", "step_ms", "{:.1f}"),
            ("tokens/s", "tokens_per_s", "{:,.0f}"), ("TFLOP/s/device", "tflops_per_device", "{:.1f}"),
            ("MFU", "mfu", "{:.1%}"), ("peak GiB", "peak_memory_gib", "{:.1f}"),
@@ -230,7 +238,7 @@ def markdown(report: dict) -> str:
     env, setup = report["environment"], report["setup"]
     peak = f"{setup['peak_tflops']:g} TFLOP/s (dense BF16)" if setup["peak_tflops"] else "unknown (no MFU)"
     lines = [f"# Whole-model benchmark, {env['device']}", "",
-             f"{env['date']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
+             f"{env['date']}; {software(env)}. "
              f"Model: {setup['model']}. {setup['micro_batches']} micro-batches of {setup['micro_batch']} per step, "
              f"{setup['warmup']} warm-up steps, then the mean of {setup['steps']} timed steps. MFU peak: {peak}. "
              "TFLOP/s counts matmul FLOPs (megadiff.models.param_count.training_flops_per_token). Targets: "
@@ -250,6 +258,8 @@ def parse_args(argv):
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     parser.add_argument("--variants", nargs="+", default=["softmax", "diff"], choices=("softmax", "diff"))
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=tuple(PRECISIONS))
+    parser.add_argument("--diff-backends", nargs="+", default=[None], choices=("triton", "sdpa", "sdpa_split_v"),
+                        help="one DIFF run per attention backend (default: one, with the config's backend)")
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step")
     parser.add_argument("--warmup", type=int, default=None)
@@ -279,7 +289,8 @@ def main(argv=None) -> int:
         return 0
     device = torch.device(args.device)
     args.peak_tflops = device_peak_tflops(args.peak_tflops) if device.type == "cuda" else args.peak_tflops
-    runs = [Run(variant, precision) for precision in args.precisions for variant in args.variants]
+    runs = [Run(variant, precision, backend) for precision in args.precisions for variant in args.variants
+            for backend in (args.diff_backends if variant == "diff" else [None])]
     diff = run_config(args, Run("diff", args.precisions[0]))
     m = diff.model
     setup = dict(model=f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} DIFF heads "

@@ -33,9 +33,16 @@ def environment(device: torch.device) -> dict:
         triton_version = None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return dict(device=name, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
+                # which SDPA kernels take a call, and torch's default order of them, depend on it
+                cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
                 date=datetime.date.today().isoformat(), python=platform.python_version(),
                 # how many tile candidates each kernel's autotuner measured (all: unset)
                 triton_candidates=os.environ.get(TRITON_CANDIDATES_ENV, "all"))
+
+
+def software(env: dict) -> str:
+    """The environment's versions, for a report's heading."""
+    return f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env.get('cudnn')}"
 
 
 def cuda_missing(device: str, script: str) -> bool:

@@ -2,8 +2,10 @@
 # Run ON THE GPU MACHINE, from the repository root. A session holds the GPU for 15 minutes of device
 # time in all (a start takes 1-2 of them) and one call for at most 10, so two calls in a row, the second on the
 # still warm machine, do issue 6's measurements and the kernel tests:
-#   bash bench/run_on_gpu.sh measure            # at most 550 s (388 s on an H200, 2026-11-27): the attention and
-#                                               #   whole-model benchmarks (BF16 and FP8), every tile candidate tuned
+#   bash bench/run_on_gpu.sh measure            # at most 550 s: the attention benchmark (SDPA as torch chooses and
+#                                               #   with cuDNN forced) and the whole model in BF16, DIFF once per
+#                                               #   attention backend (fused, SDPA wide-V, split-V), every tile
+#                                               #   candidate tuned
 #   bash bench/run_on_gpu.sh tests              # at most 270 s (150 s): kernel/float8/TE/memory GPU tests
 # or, in one call:
 #   bash bench/run_on_gpu.sh quick              # at most 560 s (241 s on an H100, 2026-11-26): the attention
@@ -73,10 +75,13 @@ for stage in $stages; do
     tests) MEGADIFF_TRITON_CANDIDATES=1 run 270 "${gpu_pytest[@]}" tests/test_triton_kernel.py tests/test_float8.py \
              tests/test_transformer_engine.py tests/test_memory.py ;;
     # the two benchmarks in one call, every candidate tuned: the attention benchmark (cut short, it keeps the
-    # shapes it finished: 4K and 16K), then the model's four runs, whose DIFF kernels reuse the tiles tuned at 4K
-    # (the autotuner's choice is cached on disk by its key, which holds no batch size)
-    measure) run 230 python3 bench/attention.py --out-dir "$out"
-             run 320 python3 bench/model.py --out-dir "$out" ;;
+    # shapes it finished: 4K and 16K), then the model's runs, whose DIFF kernels reuse the tiles tuned at 4K
+    # (the autotuner's choice is cached on disk by its key, which holds no batch size). The SDPA rows: wide-V
+    # took 1.6x split-V's time at 64K, which cuDNN took, while cuDNN takes V 256 wide on Hopper (torch >= 2.8,
+    # cuDNN >= 9.10): whether it did, and at what speed, is what the rows' SDPA kernel and the cuDNN rows say
+    measure) run 250 python3 bench/attention.py --out-dir "$out"
+             run 300 python3 bench/model.py --precisions bf16 --diff-backends triton sdpa sdpa_split_v \
+               --out-dir "$out" ;;
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;
     # each command's output goes to $out/commands as it runs: a stage cut short still shows how far it got

@@ -198,3 +198,65 @@ def test_lambda_vectors_start_normal_with_the_configured_std(tmp_path):
             assert abs(vector.std().item() - std) < 5 * std / math.sqrt(2 * (n - 1)), (std, index, vector.std())
             assert abs(vector.mean().item()) < 5 * std / math.sqrt(n), (std, index, vector.mean())
             assert not any(torch.equal(vector, other) for other in drawn[index + 1:])
+
+
+# on a CPU torch tries its flash kernel before math whatever the order (the order is CUDA's): a list leaving
+# flash out is what makes it run math here
+SDPA_ORDERS = ([], ["model.sdpa_kernels=[math]"], ["model.sdpa_kernels=[flash,math]"])
+SDPA_LAYERS = {"softmax": ["model.variant=softmax"], "diff-sdpa": ["model.attention_backend=sdpa"],
+               "dint-sdpa_split_v": ["model.variant=dint", "model.attention_backend=sdpa_split_v"]}
+
+
+def _sdpa_order_worker(rank: int, world_size: int, out_path: str) -> None:
+    """Each layer's forward and backward under each SDPA kernel order, with the kernel torch chose for every
+    SDPA call (its own dispatcher's answer, asked at the call)."""
+    import torch.nn.functional as F
+
+    from megadiff.parallel import shutdown
+
+    sdpa = F.scaled_dot_product_attention
+    chosen = []
+
+    def recording_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        chosen.append(int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                  enable_gqa=enable_gqa)))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = recording_sdpa
+    results = {}
+    for layer, layer_overrides in SDPA_LAYERS.items():
+        for order in SDPA_ORDERS:
+            _, attention = _build_attention(layer_overrides + order)
+            x = torch.randn(SEQ, BATCH, D_MODEL, generator=torch.Generator().manual_seed(3), requires_grad=True)
+            chosen.clear()
+            out, _ = attention(x, attention_mask=None)
+            out.sum().backward()
+            results[layer, tuple(order)] = dict(kernels=list(chosen), out=out.detach(), grad_x=x.grad,
+                                                priority_after=torch._C._get_sdp_priority_order(),
+                                                flash_enabled=torch.backends.cuda.flash_sdp_enabled())
+    torch.save(dict(results=results, priority_before=torch._C._get_sdp_priority_order()), out_path)
+    shutdown()
+
+
+def test_model_sdpa_kernels_sets_the_kernel_every_sdpa_call_runs(tmp_path):
+    """model.sdpa_kernels reaches each SDPA call of the softmax baseline and of both SDPA differential backends
+    (the chosen kernel is one listed), leaves torch's settings as they were, and changes the kernel, not the
+    result."""
+    from torch.nn.attention import SDPBackend
+
+    run_ranks(1, _sdpa_order_worker, str(tmp_path / "orders.pt"))
+    saved = torch.load(tmp_path / "orders.pt")
+    flash, math_ = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.MATH)
+    # SDPA calls per forward, and the kernel torch picks by default: CPU flash needs V as wide as Q and K
+    defaults = {"softmax": [flash], "diff-sdpa": [math_] * 2, "dint-sdpa_split_v": [flash] * 4}
+    results = saved["results"]
+    for layer, default_kernels in defaults.items():
+        default, math_only, flash_first = (results[layer, tuple(order)] for order in SDPA_ORDERS)
+        assert default["kernels"] == default_kernels, (layer, default["kernels"])
+        assert math_only["kernels"] == [math_] * len(default_kernels), (layer, math_only["kernels"])
+        assert flash_first["kernels"] == default_kernels, (layer, flash_first["kernels"])
+        for run_ in (math_only, flash_first):
+            assert run_["priority_after"] == saved["priority_before"] and run_["flash_enabled"]
+            torch.testing.assert_close(run_["out"], default["out"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(run_["grad_x"], default["grad_x"], rtol=1e-4, atol=1e-5)

@@ -27,13 +27,16 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path):
     precisions = ["bf16", "fp8"] if importlib.util.find_spec("torchao") else ["bf16"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--precisions", *precisions,
-                           "--out-dir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--diff-backends", "sdpa", "sdpa_split_v", "--out-dir", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (path,) = tmp_path.glob("model-*.json")
     report = json.loads(path.read_text())
     rows = {row["run"]: row for row in report["rows"]}
-    assert set(rows) == {f"{v}-{p}" for v in ("softmax", "diff") for p in precisions}
+    assert set(rows) == {f"{v}-{p}" for v in ("softmax", "diff[sdpa]", "diff[sdpa_split_v]") for p in precisions}
+    # the SDPA kernels each model's attention ran, as torch chose them on a CPU (flash needs V as wide as Q)
+    assert [rows[f"{v}-bf16"]["sdpa_kernels"] for v in ("softmax", "diff[sdpa]", "diff[sdpa_split_v]")] == \
+        ["flash", "math", "flash"]
     steps = report["setup"]["warmup"] + report["setup"]["steps"]
     for row in rows.values():
         assert row["status"] == "ok", row
@@ -41,12 +44,13 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path):
         # a linear warmup over the run, as pretraining's scheduler steps it: the last step at the peak lr
         assert row["lrs"] == pytest.approx([3e-4 * (i + 1) / steps for i in range(steps)])
         assert row["tokens_per_s"] > 0 and row["tflops_per_device"] > 0
-    assert "diff-bf16 / softmax-bf16 tokens/s" in report["ratios"]
+    assert {"diff[sdpa]-bf16 / softmax-bf16 tokens/s", "diff[sdpa_split_v]-bf16 / softmax-bf16 tokens/s"} <= \
+        set(report["ratios"])
     if "fp8" in precisions:  # the same initial weights and data: float8 starts from BF16's loss
-        assert rows["diff-fp8"]["first_loss"] == pytest.approx(rows["diff-bf16"]["first_loss"], rel=2e-2)
-        assert rows["diff-fp8"]["vs_bf16"] > 0
+        assert rows["diff[sdpa]-fp8"]["first_loss"] == pytest.approx(rows["diff[sdpa]-bf16"]["first_loss"], rel=2e-2)
+        assert report["ratios"]["diff[sdpa]-fp8 / diff[sdpa]-bf16 tokens/s"] == rows["diff[sdpa]-fp8"]["vs_bf16"] > 0
     markdown = path.with_suffix(".md").read_text()
-    assert markdown.count("| diff-") == len(precisions) and "## Ratios" in markdown
+    assert markdown.count("| diff[") == 2 * len(precisions) and "## Ratios" in markdown
 
 
 def test_softmax_twin_has_the_same_widths(bench):

@@ -15,17 +15,23 @@ def bench():
 
 
 def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):
-    assert bench.main(["--device", "cpu", "--small", "--backends", "sdpa", "reference", "--dtype", "float32",
-                       "--out-dir", str(tmp_path)]) == 0
+    assert bench.main(["--device", "cpu", "--small", "--backends", "sdpa", "sdpa_split_v", "reference",
+                       "--dtype", "float32", "--sdpa-kernels", "math", "efficient", "--out-dir", str(tmp_path)]) == 0
     (report_path,) = tmp_path.glob("attention-*.json")
-    report = json.loads(report_path.read_text())
-    assert {r["method"] for r in report["rows"]} == {"baseline-sdpa", "diff-sdpa", "diff-reference"}
-    for row in report["rows"]:
-        assert row["status"] == "ok", row
+    rows = {r["method"]: r for r in json.loads(report_path.read_text())["rows"]}
+    # the SDPA kernel each row ran: torch's choice (on a CPU, flash where V is as wide as Q and K), or the one
+    # forced; a forced kernel that cannot take the call (efficient, off CUDA) fails its row only
+    kernels = {"baseline-sdpa": "flash", "diff-sdpa": "math", "diff-sdpa-math": "math", "diff-sdpa_split_v": "flash",
+               "diff-sdpa_split_v-math": "math", "diff-reference": None}
+    assert set(rows) == set(kernels) | {"diff-sdpa-efficient", "diff-sdpa_split_v-efficient"}
+    for method, kernel in kernels.items():
+        row = rows[method]
+        assert row["status"] == "ok" and row["sdpa_kernels"] == kernel, row
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and math.isfinite(row["fwd_bwd_tflops"])
-    diff = next(r for r in report["rows"] if r["method"] == "diff-sdpa")
-    assert diff["fwd_flop_vs_baseline"] == pytest.approx(1.5)  # two maps, V twice as wide, half the heads
-    assert report_path.with_suffix(".md").read_text().count("| diff-") == 2
+    for method in ("diff-sdpa-efficient", "diff-sdpa_split_v-efficient"):
+        assert rows[method]["status"].startswith("error: RuntimeError: No viable backend"), rows[method]
+    assert rows["diff-sdpa"]["fwd_flop_vs_baseline"] == pytest.approx(1.5)  # two maps, V twice as wide, half the heads
+    assert report_path.with_suffix(".md").read_text().count("| diff-") == 7
 
 
 def test_document_rows_count_the_flops_of_their_documents(bench, tmp_path, monkeypatch):

@@ -70,6 +70,11 @@ def test_softmax_head_dim_uses_all_heads():
      "train.precision: .*: model.ffn_hidden_size per rank \\(2500\\) is not \\(with parallel.tensor=2\\)"),
     (["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather"),
     (["model.transformer_impl=te"], "model.transformer_impl"),
+    (["model.sdpa_kernels=[flash,math,flash]"], "model.sdpa_kernels: .*names a kernel twice"),
+    (["model.sdpa_kernels=[]"], "model.sdpa_kernels"),
+    (["model.sdpa_kernels=[fa3]"], "model.sdpa_kernels.*'cudnn', 'flash', 'efficient' or 'math'"),
+    (["model.attention_backend=triton", "model.sdpa_kernels=[cudnn]"],
+     "model.sdpa_kernels: model.attention_backend=triton makes no SDPA call"),
     (["logging.profile_iterations=[3,2]"], "logging.profile_iterations"),
     (["logging.profile_iterations=[0,2]"], "logging.profile_iterations"),
     (["logging.profile_ranks=[-1]"], "logging.profile_ranks"),
@@ -107,6 +112,10 @@ def test_document_masking_refuses_tes_softmax_attention(monkeypatch):
     build_config({}, overrides + ["model.variant=diff"])  # the differential core attention is ours
     with pytest.raises(ConfigError, match="data.document_masking: the softmax baseline"):
         build_config({}, overrides + ["model.variant=softmax"])
+    kernels = ["model.sdpa_kernels=[cudnn,flash]", "model.transformer_impl=te"]
+    build_config({}, kernels + ["model.variant=diff", "model.attention_backend=sdpa"])
+    with pytest.raises(ConfigError, match="model.sdpa_kernels: the softmax baseline .* runs TE's attention"):
+        build_config({}, kernels + ["model.variant=softmax"])
 
 
 def test_world_size_checks():
@@ -166,6 +175,22 @@ def test_the_triton_backend_without_a_gpu_is_refused_before_the_run_starts(monke
     monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
     assert main(["pretrain", str(DEMO_CONFIG), "model.attention_backend=triton"]) == 2
     assert "model.attention_backend: 'triton' cannot run here: the kernel needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_sdpa_kernels_that_cannot_run_on_a_cpu_are_refused_before_the_run_starts(monkeypatch, capsys):
+    import megadiff.training.pretrain as pretrain
+    from megadiff.cli import main
+    from tests.pretrain_runs import DEMO_CONFIG
+
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
+    assert main(["pretrain", str(DEMO_CONFIG), "model.sdpa_kernels=[cudnn,efficient]"]) == 2
+    assert "model.sdpa_kernels: ['cudnn', 'efficient'] cannot run on a CPU, where SDPA runs flash or math" in \
+        capsys.readouterr().err
+    started = []
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg: started.append(cfg.model.sdpa_kernels) or 0)
+    assert main(["pretrain", str(DEMO_CONFIG), "model.sdpa_kernels=[cudnn,math]"]) == 0
+    assert started == [["cudnn", "math"]]
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_the_run_starts(monkeypatch, capsys, tmp_path):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from megadiff.models.softmax_attention import SoftmaxCoreAttention
+from megadiff.models.transformer_config import MegadiffTransformerConfig
 from tests.test_ops import quantized_rows
 
 SEQ, BATCH, HEADS, GROUPS, D = 9, 2, 4, 2, 8
@@ -25,8 +25,8 @@ def naive(q, k, v, logit_bits=None):
 
 
 def core_attention_and_inputs():
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * D, num_attention_heads=HEADS,
-                               num_query_groups=GROUPS, use_cpu_initialization=True)
+    config = MegadiffTransformerConfig(num_layers=1, hidden_size=HEADS * D, num_attention_heads=HEADS,
+                                       num_query_groups=GROUPS, use_cpu_initialization=True)
     core = SoftmaxCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(SEQ, BATCH, HEADS, D, generator=gen, dtype=torch.float64, requires_grad=True)

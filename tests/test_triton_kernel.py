@@ -719,6 +719,37 @@ class TestOnGPU:
         split = partial(differential_attention_triton, config=KernelConfig(32, 128, 8, 2, split=True))
         self._assert_matches(name, case, outputs_and_grads(split, inputs, grad_out, case))
 
+    @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
+    @pytest.mark.parametrize("backend", ["sdpa", "sdpa_split_v"])
+    def test_sdpa_backends_match_reference_under_each_sdpa_kernel(self, backend, kernel):
+        """What model.sdpa_kernels may choose, at the 3B head shape: cuDNN takes V 256 wide on Hopper
+        (cuDNN >= 9.10), so the SDPA backends may run on it where they ran elsewhere. The bound: 5e-2 of the
+        largest value; bf16 kernels that round P and dS before their matmuls are up to 2e-2 of it off (CPU's
+        flash kernel in split-V's dV at N=512), a wrong one the value itself. A kernel that does not take the
+        call skips, naming it."""
+        from megadiff.ops import sdpa_kernel_order
+
+        name = "sdpa-kernels-n2048"
+        case = Case(gqa=False, n_q=2048, n_k=2048, d=128, dv=256, dtype=torch.bfloat16, per_head_lam=True,
+                    blocks=None)
+        inputs, grad_out = make_inputs(name, case, device="cuda")
+
+        def attention(*args, **kwargs):
+            with sdpa_kernel_order([kernel]):
+                return differential_attention(*args, **kwargs, backend=backend)
+
+        try:
+            got = outputs_and_grads(attention, inputs, grad_out, case)
+        except RuntimeError as error:
+            if "No viable backend" not in str(error) and "No available kernel" not in str(error):
+                raise
+            pytest.skip(f"SDPA's {kernel} kernel does not take {backend}'s calls here")
+        want = self._results(name, case, "reference")
+        for key in want:
+            err = (got[key].float() - want[key].float()).abs().max().item()
+            scale = want[key].float().abs().max().item()
+            assert err <= 5e-2 * scale, f"{backend} on {kernel}: {key} error {err:.3e} of {scale:.3e}"
+
     def test_deterministic_backward(self):
         case = Case(n_q=1024, n_k=1024, d=128, dv=256, dtype=torch.bfloat16, blocks=None)
         first, second = (self._results("determinism", case, "triton") for _ in range(2))

@@ -38,7 +38,7 @@ def single_process_config(cfg: Config, precision: str | None = None) -> Config:
     vocabulary as the layout that saved it (padding grows with the tensor-parallel size)."""
     model = cfg.model.model_copy(update={
         "make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor,
-        "transformer_impl": "local", "attention_backend": "auto"})
+        "transformer_impl": "local", "attention_backend": "auto", "sdpa_kernels": None})
     precision = precision or cfg.train.precision
     train = cfg.train.model_copy(update={"precision": "bf16" if precision == "fp8" else precision})
     return cfg.model_copy(update={"model": model, "parallel": ParallelConfig(), "train": train})

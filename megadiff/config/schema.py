@@ -83,7 +83,18 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0)
     tie_embeddings: bool = False
     attention_backend: Literal["auto", "triton", "sdpa", "sdpa_split_v", "reference"] = "auto"
+    sdpa_kernels: Optional[list[Literal["cudnn", "flash", "efficient", "math"]]] = Field(
+        None, min_length=1, description="the SDPA kernels the softmax baseline and the sdpa / sdpa_split_v "
+        "backends may run, in the order torch tries them; default: torch's own order, which differs between "
+        "versions (recent ones try cuDNN first on Hopper and Blackwell); see docs/performance.md")
     transformer_impl: Literal["local", "te"] = "local"
+
+    @field_validator("sdpa_kernels")
+    @classmethod
+    def _each_kernel_once(cls, kernels):
+        if kernels is not None and len(set(kernels)) != len(kernels):
+            raise ValueError(f"names a kernel twice: {kernels}")
+        return kernels
 
 
 class ParallelConfig(Section):

@@ -86,6 +86,12 @@ def validate_model(model: ModelConfig) -> None:
         from importlib.util import find_spec
         if find_spec("transformer_engine") is None:
             _fail("model.transformer_impl", "'te' needs TransformerEngine, which is not installed; use 'local'")
+    if model.sdpa_kernels is not None and differential and model.attention_backend in ("triton", "reference"):
+        _fail("model.sdpa_kernels", f"model.attention_backend={model.attention_backend} makes no SDPA call; "
+              "sdpa_kernels orders those of auto (off CUDA), sdpa and sdpa_split_v")
+    if model.sdpa_kernels is not None and not differential and model.transformer_impl == "te":
+        _fail("model.sdpa_kernels", "the softmax baseline with model.transformer_impl=te runs TE's attention, "
+              "not SDPA; use model.transformer_impl=local")
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None,

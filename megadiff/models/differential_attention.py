@@ -16,7 +16,9 @@ from megatron.core.transformer.module import MegatronModule
 
 from megadiff.models.context_parallel import context_parallel_differential_attention
 from megadiff.models.documents import packed_documents
-from megadiff.ops import IntegralCarry, depth_lambda_init, paired_differential_attention, reparameterized_lambda
+from megadiff.ops import (
+    IntegralCarry, depth_lambda_init, paired_differential_attention, reparameterized_lambda, sdpa_kernel_order,
+)
 from megadiff.ops.common import map_pairs
 
 
@@ -96,17 +98,18 @@ class DifferentialCoreAttention(MegatronModule):
         v = value.reshape(*value.shape[:2], -1, 2 * d)
         lam = self.current_lambda()
         self.last_lambda = lam.detach()
-        if self.config.context_parallel_size > 1:
-            (q1, q2), (k1, k2) = map_pairs(query), map_pairs(key)
-            out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
-                                                          softmax_scale=self.softmax_scale, backend=self.backend,
-                                                          cu_seqlens=documents)
-        else:
-            query, key, v = (t.transpose(0, 1) for t in (query, key, v))
-            out = paired_differential_attention(query, key, v, lam, causal=True, integral=self.integral,
-                                                softmax_scale=self.softmax_scale, backend=self.backend,
-                                                cu_seqlens=documents, logit_bits=self.attention_logit_bits,
-                                                integral_carry=self.integral_carry)
+        with sdpa_kernel_order(self.config.sdpa_kernels):
+            if self.config.context_parallel_size > 1:
+                (q1, q2), (k1, k2) = map_pairs(query), map_pairs(key)
+                out = context_parallel_differential_attention(q1, k1, q2, k2, v, lam, integral=self.integral,
+                                                              softmax_scale=self.softmax_scale, backend=self.backend,
+                                                              cu_seqlens=documents)
+            else:
+                query, key, v = (t.transpose(0, 1) for t in (query, key, v))
+                out = paired_differential_attention(query, key, v, lam, causal=True, integral=self.integral,
+                                                    softmax_scale=self.softmax_scale, backend=self.backend,
+                                                    cu_seqlens=documents, logit_bits=self.attention_logit_bits,
+                                                    integral_carry=self.integral_carry)
         # [b, s, ...] -> [s, b, ...]: the Triton kernel wrote its output [s, b, ...] in memory (as the
         # queries are), so the norm reads it in place and linear_proj's reshape copies nothing
         out = out.transpose(0, 1)

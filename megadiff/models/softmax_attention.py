@@ -13,7 +13,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megadiff.models.context_parallel import context_parallel_softmax_attention
 from megadiff.models.documents import packed_documents
-from megadiff.ops import softmax_attention
+from megadiff.ops import sdpa_kernel_order, softmax_attention
 
 
 class SoftmaxCoreAttention(MegatronModule):
@@ -33,12 +33,13 @@ class SoftmaxCoreAttention(MegatronModule):
             raise NotImplementedError("attention_bias is not supported")
         seq, batch = query.shape[:2]
         documents = packed_documents(packed_seq_params)
-        if self.config.context_parallel_size > 1:
-            out = context_parallel_softmax_attention(query, key, value, softmax_scale=self.softmax_scale,
-                                                     cu_seqlens=documents)
-        else:
-            # megatron's [s, b, heads, d] -> [b, s, heads, d]
-            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-            out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, cu_seqlens=documents,
-                                    logit_bits=self.attention_logit_bits)
+        with sdpa_kernel_order(self.config.sdpa_kernels):
+            if self.config.context_parallel_size > 1:
+                out = context_parallel_softmax_attention(query, key, value, softmax_scale=self.softmax_scale,
+                                                         cu_seqlens=documents)
+            else:
+                # megatron's [s, b, heads, d] -> [b, s, heads, d]
+                q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+                out = softmax_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
+                                        cu_seqlens=documents, logit_bits=self.attention_logit_bits)
         return out.transpose(0, 1).reshape(seq, batch, -1)

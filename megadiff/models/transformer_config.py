@@ -9,7 +9,7 @@ SelfAttention, QKV split, RoPE and tensor-parallel head sharding untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ class MegadiffTransformerConfig(TransformerConfig):
     lowrank_rank: int = 0
     lowrank_zero_init: bool = True
     attention_backend_name: str = "auto"
+    sdpa_kernels: Optional[list[str]] = None  # model.sdpa_kernels: the order SDPA's kernels are tried in
     float8_linears: bool = False  # the local layers' linears in float8 (models/float8.py, fp8_backend=torchao)
 
     @property
@@ -105,6 +106,7 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         lowrank_rank=m.lowrank_rank,
         lowrank_zero_init=m.lowrank_zero_init,
         attention_backend_name=m.attention_backend,
+        sdpa_kernels=m.sdpa_kernels,
         float8_linears=t.precision == "fp8" and t.fp8_backend == "torchao",
         calculate_per_token_loss=t.per_token_loss,
         **recompute,

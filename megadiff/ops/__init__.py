@@ -3,11 +3,12 @@ from megadiff.ops.dispatch import BACKENDS, differential_attention, paired_diffe
 from megadiff.ops.incremental import IntegralCarry
 from megadiff.ops.lambdas import depth_lambda_init, reparameterized_lambda
 from megadiff.ops.reference import differential_attention_reference
-from megadiff.ops.sdpa import differential_attention_sdpa, softmax_attention
+from megadiff.ops.sdpa import SDPA_KERNELS, differential_attention_sdpa, sdpa_kernel_order, softmax_attention
 
 __all__ = [
     "BACKENDS",
     "IntegralCarry",
+    "SDPA_KERNELS",
     "differential_attention",
     "differential_attention_reference",
     "differential_attention_sdpa",
@@ -15,5 +16,6 @@ __all__ = [
     "paired_differential_attention",
     "reparameterized_lambda",
     "resolve_backend",
+    "sdpa_kernel_order",
     "softmax_attention",
 ]

@@ -7,13 +7,48 @@ Q/K: `split_v=True` then runs each map on the two halves of V (4 calls).
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megadiff.ops.common import check_shapes, compute_dtype, lambda_per_head, running_mean
 from megadiff.ops.documents import attend_by_document
 from megadiff.ops.reference import softmax_attention_reference
+
+SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+# what SDPA can run on a CPU tensor: its CPU flash kernel, or the math one
+CPU_SDPA_KERNELS = ("flash", "math")
+
+
+def sdpa_kernel_order(kernels: list[str] | None) -> AbstractContextManager:
+    """Within it, SDPA runs the first of `kernels` (names of SDPA_KERNELS) that takes the call, and no
+    other; None leaves torch's own order. The backward runs the forward's kernel, so the forward is
+    what needs it."""
+    if kernels is None:
+        return nullcontext()
+    return sdpa_kernel([SDPA_KERNELS[name] for name in kernels], set_priority=True)
+
+
+_kernel_records: list[list[str]] = []  # the lists recording_sdpa_kernels is filling
+
+
+@contextmanager
+def recording_sdpa_kernels():
+    """Yields a list to which every SDPA call of this module appends, while it lasts, the name of the
+    kernel torch runs it with (its dispatcher's answer for the call): which kernel ran is otherwise unseen,
+    and torch's default order differs between versions and GPUs."""
+    record: list[str] = []
+    _kernel_records.append(record)
+    try:
+        yield record
+    finally:
+        _kernel_records.remove(record)
+
+
+_KERNEL_NAMES = {int(backend): name for name, backend in SDPA_KERNELS.items()}
 
 
 def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -23,11 +58,12 @@ def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     mask = None
     if causal and n_q != n_k:  # SDPA's is_causal is top-left aligned; we need bottom-right
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(1, 2)
+    call = dict(attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if _kernel_records:
+        kernel = torch._fused_sdp_choice(q, k, v, **call)
+        for record in _kernel_records:
+            record.append(_KERNEL_NAMES.get(kernel, f"kernel {kernel}"))
+    return F.scaled_dot_product_attention(q, k, v, **call).transpose(1, 2)
 
 
 def _one_map(q, k, v, causal, scale, split_v):

@@ -32,6 +32,7 @@ from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
+from megadiff.ops.sdpa import CPU_SDPA_KERNELS
 from megadiff.parallel import (
     compute_device, init_process_group, initialize, shutdown, tensor_parallel_across_nodes,
 )
@@ -355,5 +356,9 @@ def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     if unavailable:
         raise ConfigError(f"model.attention_backend: 'triton' cannot run here: {unavailable}; use auto (the kernel "
                           "where it runs, else SDPA) or sdpa")
+    kernels = cfg.model.sdpa_kernels
+    if kernels is not None and not torch.cuda.is_available() and not set(kernels) & set(CPU_SDPA_KERNELS):
+        raise ConfigError(f"model.sdpa_kernels: {kernels} cannot run on a CPU, where SDPA runs "
+                          f"{' or '.join(CPU_SDPA_KERNELS)}; add one, or leave the key unset")
     refuse_a_file_for_directory("output_dir", cfg.output_dir, "a run writes a directory (its metrics and checkpoints)")
     return pretrain(cfg)
