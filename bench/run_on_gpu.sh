@@ -79,8 +79,8 @@ for stage in $stages; do
     # (the autotuner's choice is cached on disk by its key, which holds no batch size). The SDPA rows: wide-V
     # took 1.6x split-V's time at 64K, which cuDNN took, while cuDNN takes V 256 wide on Hopper (torch >= 2.8,
     # cuDNN >= 9.10): whether it did, and at what speed, is what the rows' SDPA kernel and the cuDNN rows say
-    measure) run 250 python3 bench/attention.py --out-dir "$out"
-             run 300 python3 bench/model.py --precisions bf16 --diff-backends triton sdpa sdpa_split_v \
+    measure) run 270 python3 bench/attention.py --out-dir "$out"
+             run 280 python3 bench/model.py --precisions bf16 --diff-backends triton sdpa sdpa_split_v \
                --out-dir "$out" ;;
     attention) run 540 python3 bench/attention.py --integral --out-dir "$out" ;;
     model) run 560 python3 bench/model.py --out-dir "$out" ;;

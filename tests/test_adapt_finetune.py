@@ -369,6 +369,38 @@ def test_a_signal_while_the_adaptation_starts_requeues_it(workspace, tmp_path, m
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000001"
 
 
+def failing_at_the_second_iteration(rank: int, world_size: int, config: str, overrides: list[str],
+                                    report: str) -> None:
+    """`megadiff adapt` in a spawned rank whose second iteration raises; reports what it raised."""
+    from megadiff.adapt import finetune as module
+
+    original = module._train_iteration
+
+    def train_iteration(engine, reader, iteration, grad_accum):
+        if iteration == 2:
+            raise RuntimeError("a failing step")
+        return original(engine, reader, iteration, grad_accum)
+
+    module._train_iteration = train_iteration
+    try:
+        module.finetune(load_finetune_config(config, overrides))
+    except RuntimeError as error:
+        Path(report).write_text(str(error))
+
+
+def test_a_failing_step_leaves_no_empty_stalls_file(workspace, tmp_path, monkeypatch):
+    """The watchdog's file (one a rank, filled only by a stalled step) was removed at a normal end only: an
+    error left every rank's empty file behind, which reads as a stall that was not."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    output, report = tmp_path / "failed", tmp_path / "raised"
+    run_ranks(1, failing_at_the_second_iteration, str(workspace / "adapt.yaml"),
+              [f"output_dir={output}", "logging.log_interval=1"], str(report))
+    assert report.read_text() == "a failing step"
+    assert [r["iteration"] for r in read_metrics(output)] == [1]  # the metrics written before the error
+    assert not (output / "stalls").exists()
+
+
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
     """One plain process (world of one): SIGUSR1 mid-run -> checkpoint at the iteration it was in,

@@ -150,6 +150,39 @@ def test_an_export_into_an_earlier_exports_directory_keeps_none_of_its_files(roo
     assert AutoTokenizer.from_pretrained(hf_dir).chat_template is None
 
 
+def test_an_export_failing_part_way_leaves_the_earlier_export_whole(root, reference, tmp_path, monkeypatch):
+    """Written in place, a re-export deleted the earlier one's shards before writing its own: a full disk or a
+    kill part way lost both. Written aside and moved in when whole, the earlier export still loads, nothing
+    of the failed one is left, and a file of the user's in the directory stays through every export."""
+    import errno
+
+    import safetensors.torch
+
+    hf_dir = convert_to_hf(root / "tp2" / "diff", tmp_path / "hf", check=False)
+    (hf_dir / "NOTES.md").write_text("the user's own")
+    before = {path.name: path.read_bytes() for path in hf_dir.iterdir()}
+
+    def disk_full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(safetensors.torch, "save_file", disk_full)
+        with pytest.raises(OSError, match="No space left on device"):
+            convert_to_hf(root / "tp2" / "shared_diff", hf_dir, check=False)
+    assert {path.name: path.read_bytes() for path in hf_dir.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]  # no staging directory left
+    with torch.no_grad():
+        torch.testing.assert_close(load_export(hf_dir, "diff")(input_ids=tokens()).logits,
+                                   reference("diff", "tp2")(tokens()), rtol=1e-4, atol=2e-5)
+    convert_to_hf(root / "tp2" / "shared_diff", hf_dir, check=False)  # remote code in place of DiffLlama
+    with torch.no_grad():
+        torch.testing.assert_close(load_export(hf_dir, "shared_diff")(input_ids=tokens()).logits,
+                                   reference("shared_diff", "tp2")(tokens()), rtol=1e-4, atol=2e-5)
+    assert (hf_dir / "NOTES.md").read_text() == "the user's own"
+    assert not (hf_dir / "megadiff_unfolded.safetensors").exists()  # DiffLlama's sidecar, not this export's
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+
+
 def test_a_sharded_export_copies_one_shard_at_a_time_and_replaces_an_earlier_exports_shards(
         root, reference, tmp_path, monkeypatch):
     """Shards of 100 KB: when each is written, only its own tensors' copies are alive (the views of

@@ -260,6 +260,28 @@ def test_the_compiled_lambda_is_the_eager_one_in_value_and_gradients():
                 torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
 
 
+def test_the_compiled_sdpa_combination_is_the_eager_one_in_value_and_gradients():
+    """CUDA combines the SDPA backends' two maps through the compiled form: compiled here for the CPU, it gives
+    the eager values and gradients, in bf16 and fp32, and at a second length (a new shape, as a decoding step
+    or another sequence length brings)."""
+    from megadiff.ops.sdpa import differential_combination, fused_differential_combination
+
+    draw = torch.Generator().manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (5, 9):
+            maps = [torch.randn(2, n, 3, 8, generator=draw).to(dtype).requires_grad_() for _ in range(2)]
+            lam = (0.5 + 0.1 * torch.randn(3, generator=draw)).requires_grad_()
+            grad = torch.randn(2, n, 3, 8, generator=draw).to(dtype)
+            eager = differential_combination(*maps, lam)
+            compiled = fused_differential_combination()(*maps, lam)
+            assert compiled.dtype == eager.dtype == dtype
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+            for got, want in zip(torch.autograd.grad(compiled, [*maps, lam], grad),
+                                 torch.autograd.grad(eager, [*maps, lam], grad)):
+                assert got.dtype == want.dtype
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_lambda_reparameterisation_and_depth_init():
     assert depth_lambda_init(0) == pytest.approx(0.2)
     assert depth_lambda_init(10) == pytest.approx(0.8 - 0.6 * math.exp(-3.0))

@@ -216,41 +216,46 @@ def finetune(cfg: FinetuneConfig) -> int:
     tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
     iteration, exit_code = start, 0
     watchdog = StallWatchdog(cfg.train.timeout_minutes, output_dir / STALLS_DIR, rank)
-    while iteration < cfg.train.iters:
-        iteration += 1
-        set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
-        torch.manual_seed(cfg.train.seed + iteration)
-        began = time.perf_counter()
-        with watchdog:
-            loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
-        # on every rank (the loss is the global batch's): each saves them with its checkpoint
-        unrecorded.add(loss, time.perf_counter() - began)
-        if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
-            loss, seconds = unrecorded.take()
-            if writer is not None:
-                grad_norm = engine.get_global_grad_norm()
-                writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
-                            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                            "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)})
-        exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
-                                                  and iteration % cfg.checkpoint.exit_interval == 0)
-        if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
-            _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
-                  {"iteration": iteration, "unrecorded": unrecorded.state()})
-        if exit_now and iteration < cfg.train.iters:
-            exit_code = stop.exit_after_checkpoint(rank)
-            if writer is not None:
-                reason = (signal_name(stop.received) if stop.signalled else
-                          "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")
-                writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; "
-                             f"rerun the same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
-            break
-    else:
-        set_step(engine.module, iteration)
-        _export(cfg, engine, tokenizer, stage, rank)
-    watchdog.close()
-    if writer is not None:
-        writer.close()
+    failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
+    try:
+        while iteration < cfg.train.iters:
+            iteration += 1
+            set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
+            torch.manual_seed(cfg.train.seed + iteration)
+            began = time.perf_counter()
+            with watchdog:
+                loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
+            # on every rank (the loss is the global batch's): each saves them with its checkpoint
+            unrecorded.add(loss, time.perf_counter() - began)
+            if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
+                loss, seconds = unrecorded.take()
+                if writer is not None:
+                    grad_norm = engine.get_global_grad_norm()
+                    writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
+                                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                                "tokens_per_s": tokens_per_iteration / seconds,
+                                "lambda": current_lambdas(engine.module)})
+            exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
+                                                      and iteration % cfg.checkpoint.exit_interval == 0)
+            if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
+                _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
+                      {"iteration": iteration, "unrecorded": unrecorded.state()})
+            if exit_now and iteration < cfg.train.iters:
+                exit_code = stop.exit_after_checkpoint(rank)
+                if writer is not None:
+                    reason = (signal_name(stop.received) if stop.signalled else
+                              "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")
+                    writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; rerun the same "
+                                 "command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
+                break
+        else:
+            set_step(engine.module, iteration)
+            _export(cfg, engine, tokenizer, stage, rank)
+        failed = False
+    finally:  # an error leaves no empty stalls file, and the metrics closed
+        watchdog.close()
+        if writer is not None:
+            writer.close(failed=failed)
     return exit_code
 
 

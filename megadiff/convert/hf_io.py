@@ -13,6 +13,7 @@ hf_code/) plus two megadiff sidecars that transformers ignores:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,7 @@ from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import chat_template_of, save_chat_template, turn_end_id
 from megadiff.errors import first_line
+from megadiff.files import staging_dir
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
 SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
@@ -48,9 +50,6 @@ def _save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    for stale in directory.iterdir():  # an earlier export's shards
-        if WEIGHT_FILES.fullmatch(stale.name):
-            stale.unlink()
     split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD_SIZE)
     for filename, names in split.filename_to_tensors.items():
         save_file(_owned_copies({name: state[name] for name in names}), str(directory / filename),
@@ -62,14 +61,47 @@ def _save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
 
 def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
                  tokenizer, source_cfg: Config) -> None:
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
+    """The export, written aside (<directory>.partial) and moved in when whole: killed or out of disk space
+    part way, it leaves an earlier export there as it was (writing in place deleted its shards first), and
+    the space it took given back. Files of the directory's that no export writes stay."""
+    staged = staging_dir(directory)
+    shutil.rmtree(staged, ignore_errors=True)  # a killed export's
+    staged.mkdir(parents=True)
+    try:
+        _write_export(staged, config, state, extras, tokenizer, source_cfg)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    _move_in(staged, directory)
+
+
+def _is_export_file(name: str) -> bool:
     from transformers.utils.hub import CHAT_TEMPLATE_FILE
 
+    return bool(WEIGHT_FILES.fullmatch(name)) or name in (SIDECAR_UNFOLDED, CHAT_TEMPLATE_FILE, *CODE_FILES)
+
+
+def _move_in(staged: Path, directory: Path) -> None:
+    """staged's files into directory, replacing their namesakes; an earlier export's files that this one
+    lacks (more shards, a chat template, remote code) are removed."""
     directory.mkdir(parents=True, exist_ok=True)
-    # from an earlier export into the same directory (a chat run's template would outlive it)
-    for stale in (SIDECAR_UNFOLDED, CHAT_TEMPLATE_FILE, *CODE_FILES):
-        (directory / stale).unlink(missing_ok=True)
+    written = {path.name for path in staged.iterdir()}
+    for stale in directory.iterdir():
+        if _is_export_file(stale.name) and stale.name not in written:
+            stale.unlink()
+    for path in staged.iterdir():
+        target = directory / path.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(path, target)
+    staged.rmdir()
+
+
+def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
+                  tokenizer, source_cfg: Config) -> None:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
     config.save_pretrained(str(directory))
     _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
         str(directory))

@@ -68,9 +68,12 @@ class HFCausalLM:
     [B, V]; model.logits_at(ids, positions) -> [B, P, V], on the model's device; `cfg` holds the
     window and the tokenizer."""
 
-    def __init__(self, hf, path: str | Path, window: int):
+    def __init__(self, hf, path: str | Path, window: int, tokenizer: Tokenizer | None = None):
+        """tokenizer: the directory's, where the caller has loaded it already."""
         self.hf, self.checkpoint_dir = hf, Path(path)
-        self.tokenizer: Tokenizer = load_tokenizer(str(path), trust_remote_code=True)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(str(path), trust_remote_code=True)
+        self.tokenizer: Tokenizer = tokenizer
         self.cfg: Config = hf_run_config(path, window)
 
     @property
@@ -180,11 +183,11 @@ def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None
     window = hf_window(path, window)
     init_process_group(timedelta(minutes=30))
     # a directory without tokenizer files is refused before the weights are read
-    load_tokenizer(str(path), trust_remote_code=True)
+    tokenizer = load_tokenizer(str(path), trust_remote_code=True)
     with _refused_by_name(path):  # weights it lacks
         hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
                                                   dtype=PRECISION_DTYPES[dtype] if dtype else "auto")
-    return HFCausalLM(hf.to(compute_device()).eval(), path, window)
+    return HFCausalLM(hf.to(compute_device()).eval(), path, window, tokenizer)
 
 
 @contextmanager

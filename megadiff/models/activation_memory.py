@@ -104,9 +104,13 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
     if backend == "triton":
         statistics = 2 * heads * FP32                   # one log-sum-exp per map
         combine = 0
-    else:  # SDPA calls per map (two per map with split V), and lambda * (A2 V) in fp32
+    else:  # SDPA calls per map (two per map with split V), and the O2 that lambda * O2 keeps: an fp32 copy where
+        # it runs eagerly (off CUDA; DINT), else (compiled) O2 itself, which split V concatenates from its halves
         statistics = (4 if backend == "sdpa_split_v" else 2) * heads * FP32
-        combine = q_width * FP32
+        if device != "cuda" or m.variant == "dint":
+            combine = q_width * FP32
+        else:
+            combine = q_width * element if backend == "sdpa_split_v" else 0
     # lambda x running mean, and its divisors; the kernel's autograd Function takes the integral in (without
     # context parallelism, which continues it across chunks outside) and saves nothing more for it
     integral_outside = backend != "triton" or share.kv_tokens != tokens
