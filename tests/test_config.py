@@ -184,13 +184,23 @@ def test_sdpa_kernels_that_cannot_run_on_a_cpu_are_refused_before_the_run_starts
     from tests.pretrain_runs import DEMO_CONFIG
 
     monkeypatch.setattr(pretrain, "pretrain", lambda cfg: pytest.fail("the run started"))
-    assert main(["pretrain", str(DEMO_CONFIG), "model.sdpa_kernels=[cudnn,efficient]"]) == 2
-    assert "model.sdpa_kernels: ['cudnn', 'efficient'] cannot run on a CPU, where SDPA runs flash or math" in \
-        capsys.readouterr().err
+    # the demo's DIFF model: V twice as wide as Q and K, which CPU flash does not take
+    assert main(["pretrain", str(DEMO_CONFIG), "model.sdpa_kernels=[cudnn,flash]"]) == 2
+    assert "model.sdpa_kernels: ['cudnn', 'flash'] cannot run here: on a CPU, SDPA runs this model's calls with " \
+           "math only" in capsys.readouterr().err
+    assert main(["pretrain", str(DEMO_CONFIG), "model.variant=softmax", "model.sdpa_kernels=[efficient]"]) == 2
+    assert "with flash or math only" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a chunk's queries see earlier chunks' keys: a mask, which flash lacks
+    assert main(["pretrain", str(DEMO_CONFIG), "model.variant=softmax", "model.sdpa_kernels=[flash]",
+                 "parallel.context=2"]) == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    assert "with math only" in capsys.readouterr().err
     started = []
     monkeypatch.setattr(pretrain, "pretrain", lambda cfg: started.append(cfg.model.sdpa_kernels) or 0)
-    assert main(["pretrain", str(DEMO_CONFIG), "model.sdpa_kernels=[cudnn,math]"]) == 0
-    assert started == [["cudnn", "math"]]
+    for kernels, overrides in (("[cudnn,math]", []), ("[flash]", ["model.attention_backend=sdpa_split_v"]),
+                               ("[flash]", ["model.variant=softmax"])):
+        assert main(["pretrain", str(DEMO_CONFIG), f"model.sdpa_kernels={kernels}", *overrides]) == 0
+    assert started == [["cudnn", "math"], ["flash"], ["flash"]]
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_the_run_starts(monkeypatch, capsys, tmp_path):

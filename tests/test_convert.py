@@ -181,6 +181,21 @@ def test_an_export_failing_part_way_leaves_the_earlier_export_whole(root, refere
     assert (hf_dir / "NOTES.md").read_text() == "the user's own"
     assert not (hf_dir / "megadiff_unfolded.safetensors").exists()  # DiffLlama's sidecar, not this export's
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+    assert not list(hf_dir.glob(".*"))  # nor the staging directory inside
+
+
+def test_to_hf_refuses_a_file_for_save_before_reading_and_takes_the_working_directory(root, tmp_path, monkeypatch):
+    """A file named as --save failed after the whole export was written; '.' (no name of its own to stage
+    beside) is the directory the command runs in."""
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.setattr(to_hf, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ConversionError, match="--save .*file is a file; to-hf writes a directory"):
+        convert_to_hf(root / "tp2" / "diff", tmp_path / "file", check=False)
+    monkeypatch.undo()
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    convert_to_hf(root / "tp2" / "diff", ".", check=False)
+    assert (tmp_path / "here" / "config.json").is_file() and not list((tmp_path / "here").glob(".*"))
 
 
 def test_a_sharded_export_copies_one_shard_at_a_time_and_replaces_an_earlier_exports_shards(

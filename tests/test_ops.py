@@ -262,24 +262,35 @@ def test_the_compiled_lambda_is_the_eager_one_in_value_and_gradients():
 
 def test_the_compiled_sdpa_combination_is_the_eager_one_in_value_and_gradients():
     """CUDA combines the SDPA backends' two maps through the compiled form: compiled here for the CPU, it gives
-    the eager values and gradients, in bf16 and fp32, and at a second length (a new shape, as a decoding step
-    or another sequence length brings)."""
+    the eager values and gradients over more variants than torch compiles (its limit is 8): bf16 and fp32,
+    with and without grad, the maps as wide-V's SDPA returns them ([B, H, N, e] in memory) and as split-V
+    concatenates them, and lengths and batches of 1 (a decoding step, a one-token document)."""
     from megadiff.ops.sdpa import differential_combination, fused_differential_combination
 
     draw = torch.Generator().manual_seed(2)
+    variants = 0
     for dtype in (torch.bfloat16, torch.float32):
-        for n in (5, 9):
-            maps = [torch.randn(2, n, 3, 8, generator=draw).to(dtype).requires_grad_() for _ in range(2)]
-            lam = (0.5 + 0.1 * torch.randn(3, generator=draw)).requires_grad_()
-            grad = torch.randn(2, n, 3, 8, generator=draw).to(dtype)
-            eager = differential_combination(*maps, lam)
-            compiled = fused_differential_combination()(*maps, lam)
-            assert compiled.dtype == eager.dtype == dtype
-            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-            for got, want in zip(torch.autograd.grad(compiled, [*maps, lam], grad),
-                                 torch.autograd.grad(eager, [*maps, lam], grad)):
-                assert got.dtype == want.dtype
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for batch, n in ((2, 5), (1, 9), (2, 1)):
+            for transposed in (False, True):
+                for grad_mode in (True, False):
+                    shape = (batch, 3, n, 8) if transposed else (batch, n, 3, 8)
+                    maps = [torch.randn(*shape, generator=draw).to(dtype) for _ in range(2)]
+                    maps = [(m.transpose(1, 2) if transposed else m).requires_grad_(grad_mode) for m in maps]
+                    lam = (0.5 + 0.1 * torch.randn(3, generator=draw)).requires_grad_(grad_mode)
+                    with torch.set_grad_enabled(grad_mode):
+                        eager = differential_combination(*maps, lam)
+                        compiled = fused_differential_combination()(*maps, lam)
+                    variants += 1
+                    assert compiled.dtype == eager.dtype == dtype and compiled.shape == (batch, n, 3, 8)
+                    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+                    if not grad_mode:
+                        continue
+                    grad = torch.randn(batch, n, 3, 8, generator=draw).to(dtype)
+                    for got, want in zip(torch.autograd.grad(compiled, [*maps, lam], grad),
+                                         torch.autograd.grad(eager, [*maps, lam], grad)):
+                        assert got.dtype == want.dtype
+                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert variants > 8
 
 
 def test_lambda_reparameterisation_and_depth_init():

@@ -27,7 +27,6 @@ from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import chat_template_of, save_chat_template, turn_end_id
 from megadiff.errors import first_line
-from megadiff.files import staging_dir
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
 SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
@@ -59,20 +58,36 @@ def _save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
         (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
 
 
+EXPORT_STAGING = ".megadiff-export.partial"  # inside the export's directory: its files' own disk
+
+
 def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
                  tokenizer, source_cfg: Config) -> None:
-    """The export, written aside (<directory>.partial) and moved in when whole: killed or out of disk space
-    part way, it leaves an earlier export there as it was (writing in place deleted its shards first), and
-    the space it took given back. Files of the directory's that no export writes stay."""
-    staged = staging_dir(directory)
-    shutil.rmtree(staged, ignore_errors=True)  # a killed export's
-    staged.mkdir(parents=True)
+    """The export, written into <directory>/.megadiff-export.partial and moved in, file by file, when whole:
+    killed or out of disk space part way, it leaves an earlier export there as it was (writing in place
+    deleted its shards first) and gives the space back. Staged inside the directory, it is written on the
+    directory's own disk (a mount point or a link to another disk too), and each file moves by a rename.
+    Files no export writes stay."""
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    staged = directory / EXPORT_STAGING
+    _remove(staged)  # a killed export's
+    staged.mkdir()
     try:
         _write_export(staged, config, state, extras, tokenizer, source_cfg)
+        _move_in(staged, directory)
     except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
+        _remove(staged)
+        if created and not any(directory.iterdir()):
+            directory.rmdir()
         raise
-    _move_in(staged, directory)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def _is_export_file(name: str) -> bool:
@@ -82,18 +97,18 @@ def _is_export_file(name: str) -> bool:
 
 
 def _move_in(staged: Path, directory: Path) -> None:
-    """staged's files into directory, replacing their namesakes; an earlier export's files that this one
-    lacks (more shards, a chat template, remote code) are removed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    written = {path.name for path in staged.iterdir()}
+    """staged's files into directory in place of their namesakes, then the earlier export's files this one
+    lacks (more shards, a chat template, remote code) removed: until the last rename, the earlier export's
+    files are all there, each either its own or this export's."""
+    written = [path.name for path in staged.iterdir()]
+    for name in written:
+        target = directory / name
+        if target.is_dir() and not target.is_symlink() or (staged / name).is_dir():
+            _remove(target)  # a rename puts neither a file nor a directory over a directory, nor one over a file
+        os.replace(staged / name, target)
     for stale in directory.iterdir():
-        if _is_export_file(stale.name) and stale.name not in written:
+        if _is_export_file(stale.name) and stale.name not in written and stale.is_file():
             stale.unlink()
-    for path in staged.iterdir():
-        target = directory / path.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(path, target)
     staged.rmdir()
 
 

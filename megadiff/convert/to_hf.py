@@ -17,7 +17,7 @@ from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import load_hf_model, write_hf_dir
-from megadiff.convert.hf_layout import Dims, megatron_to_hf
+from megadiff.convert.hf_layout import ConversionError, Dims, megatron_to_hf
 from megadiff.convert.steps import step
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -32,6 +32,9 @@ def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                   remote_code: bool = False) -> Path:
     console = plain_console()
+    out = Path(save)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"--save {out} is a file; to-hf writes a directory")
     checkpoint_dir = resolve_checkpoint_dir(load)
     cfg = checkpoint_config(checkpoint_dir)
     family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read
@@ -45,7 +48,6 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     # cast before DiffLlama's head-norm fold: from-hf refolds the sidecar's tensors to recognise o_proj
     state, extras = megatron_to_hf(cast_weights(source.parameters_by_name(), target_dtype),
                                    Dims.of(cfg.model, family))
-    out = Path(save)
     with step(console, f"writing {sum(t.numel() for t in state.values()):,} parameters to {out}"):
         write_hf_dir(out, hf_config, state, extras, tokenizer, cfg)
     # views of the source's weights (or casts of them): kept, they would hold a third model (26 GB for 13B

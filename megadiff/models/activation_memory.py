@@ -105,9 +105,10 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
         statistics = 2 * heads * FP32                   # one log-sum-exp per map
         combine = 0
     else:  # SDPA calls per map (two per map with split V), and the O2 that lambda * O2 keeps: an fp32 copy where
-        # it runs eagerly (off CUDA; DINT), else (compiled) O2 itself, which split V concatenates from its halves
+        # it runs eagerly (off CUDA; DINT's integral, which context parallelism takes outside), else (compiled)
+        # O2 itself, which split V concatenates from its halves
         statistics = (4 if backend == "sdpa_split_v" else 2) * heads * FP32
-        if device != "cuda" or m.variant == "dint":
+        if device != "cuda" or (m.variant == "dint" and share.kv_tokens == tokens):
             combine = q_width * FP32
         else:
             combine = q_width * element if backend == "sdpa_split_v" else 0

@@ -20,8 +20,12 @@ from megadiff.ops.reference import softmax_attention_reference
 
 SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-# what SDPA can run on a CPU tensor: its CPU flash kernel, or the math one
-CPU_SDPA_KERNELS = ("flash", "math")
+
+
+def cpu_sdpa_kernels(v_as_wide_as_qk: bool, fewer_queries_than_keys: bool) -> tuple[str, ...]:
+    """The SDPA kernels that take a call on CPU tensors: flash (where V is as wide as Q and K, without the
+    mask that fewer queries than keys need) and math."""
+    return ("flash", "math") if v_as_wide_as_qk and not fewer_queries_than_keys else ("math",)
 
 
 def sdpa_kernel_order(kernels: list[str] | None) -> AbstractContextManager:
@@ -87,8 +91,10 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
         work = compute_dtype(q1.dtype)
         first, lam_h = o1.to(work), lam_h.to(work).view(-1, 1)
         out = (first - lam_h * o2.to(work) + lam_h * running_mean(first, causal)).to(q1.dtype)
+    elif o1.is_cuda:  # lambda per head in memory: its expanded form would be another compiled variant
+        out = fused_differential_combination()(o1, o2, lam_h.contiguous())
     else:
-        out = (fused_differential_combination() if o1.is_cuda else differential_combination)(o1, o2, lam_h)
+        out = differential_combination(o1, o2, lam_h)
     return (out, o1) if return_first_map else out
 
 
@@ -104,8 +110,10 @@ def fused_differential_combination():
     """differential_combination compiled: one pass over the two maps forward and one backward, where eager
     torch makes fp32 copies of both maps and of the gradient, about eight passes over [B, N, H, 2d] fp32
     tensors a layer (some 0.4 ms at the 3B shape and 4K tokens, against the attention's 2-4 ms), and keeps
-    an fp32 copy of O2 for the backward."""
-    return torch.compile(differential_combination, fullgraph=True)
+    an fp32 copy of O2 for the backward. Compiled for any sizes (documents, decoding steps and batches vary
+    them), not as one graph: grad mode, dtypes and the maps' layouts each make a variant, and past torch's
+    limit of them a call runs eagerly where fullgraph would raise."""
+    return torch.compile(differential_combination, dynamic=True)
 
 
 def softmax_attention(q, k, v, *, causal=True, softmax_scale=None, cu_seqlens=None,

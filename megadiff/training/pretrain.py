@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
-    Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
+    DIFFERENTIAL_VARIANTS, Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
     refuse_a_file_for_directory, short_warmup_warning,
 )
 from megadiff.errors import MegadiffError, refused_together
@@ -32,7 +32,7 @@ from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
-from megadiff.ops.sdpa import CPU_SDPA_KERNELS
+from megadiff.ops.sdpa import cpu_sdpa_kernels
 from megadiff.parallel import (
     compute_device, init_process_group, initialize, shutdown, tensor_parallel_across_nodes,
 )
@@ -356,9 +356,12 @@ def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     if unavailable:
         raise ConfigError(f"model.attention_backend: 'triton' cannot run here: {unavailable}; use auto (the kernel "
                           "where it runs, else SDPA) or sdpa")
-    kernels = cfg.model.sdpa_kernels
-    if kernels is not None and not torch.cuda.is_available() and not set(kernels) & set(CPU_SDPA_KERNELS):
-        raise ConfigError(f"model.sdpa_kernels: {kernels} cannot run on a CPU, where SDPA runs "
-                          f"{' or '.join(CPU_SDPA_KERNELS)}; add one, or leave the key unset")
+    m = cfg.model
+    if m.sdpa_kernels is not None and not torch.cuda.is_available():  # differential SDPA off CUDA: V 2d wide
+        usable = cpu_sdpa_kernels(m.variant not in DIFFERENTIAL_VARIANTS or m.attention_backend == "sdpa_split_v",
+                                  fewer_queries_than_keys=cfg.parallel.context > 1)  # a chunk sees earlier keys
+        if not set(m.sdpa_kernels) & set(usable):
+            raise ConfigError(f"model.sdpa_kernels: {m.sdpa_kernels} cannot run here: on a CPU, SDPA runs this "
+                              f"model's calls with {' or '.join(usable)} only; add it, or leave the key unset")
     refuse_a_file_for_directory("output_dir", cfg.output_dir, "a run writes a directory (its metrics and checkpoints)")
     return pretrain(cfg)
