@@ -65,7 +65,7 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
                  tokenizer, source_cfg: Config) -> None:
     """The export, written into <directory>/.megadiff-export.partial and moved in, file by file, when whole:
     killed or out of disk space part way, it leaves an earlier export there as it was (writing in place
-    deleted its shards first) and gives the space back. Staged inside the directory, it is written on the
+    deleted its shards first); failing, it gives the space back (killed, the next export does). Staged inside the directory, it is written on the
     directory's own disk (a mount point or a link to another disk too), and each file moves by a rename.
     Files no export writes stay."""
     created = not directory.exists()
