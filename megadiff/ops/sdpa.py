@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -22,11 +23,6 @@ SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_A
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def cpu_sdpa_kernels(v_as_wide_as_qk: bool, fewer_queries_than_keys: bool) -> tuple[str, ...]:
-    """The SDPA kernels that take a call on CPU tensors: flash (where V is as wide as Q and K, without the
-    mask that fewer queries than keys need) and math."""
-    return ("flash", "math") if v_as_wide_as_qk and not fewer_queries_than_keys else ("math",)
-
 
 def sdpa_kernel_order(kernels: list[str] | None) -> AbstractContextManager:
     """Within it, SDPA runs the first of `kernels` (names of SDPA_KERNELS) that takes the call, and no
@@ -35,6 +31,27 @@ def sdpa_kernel_order(kernels: list[str] | None) -> AbstractContextManager:
     if kernels is None:
         return nullcontext()
     return sdpa_kernel([SDPA_KERNELS[name] for name in kernels], set_priority=True)
+
+
+def sdpa_kernels_refusal(kernels: list[str], *, heads: int, kv_heads: int, head_dim: int, value_dim: int,
+                         dtype: torch.dtype, device: torch.device, masked: bool) -> str | None:
+    """Why none of `kernels` takes SDPA calls of these widths and dtype on `device` (None: one does), as
+    torch's dispatcher answers for a few rows of them, with its reasons for each kernel it turns down;
+    `masked`: the calls carry a mask (causal queries fewer than their keys)."""
+    rows, keys = 64, 128 if masked else 64
+    q = torch.zeros(1, heads, rows, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(1, kv_heads, keys, head_dim, dtype=dtype, device=device)
+    v = torch.zeros(1, kv_heads, keys, value_dim, dtype=dtype, device=device)
+    mask = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows) if masked else None
+    with sdpa_kernel_order(kernels), warnings.catch_warnings(record=True) as reasons:
+        warnings.simplefilter("always")
+        try:
+            torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=not masked, enable_gqa=heads != kv_heads)
+            return None
+        except RuntimeError as error:
+            said = [str(reason.message).split(" (Triggered internally")[0].strip() for reason in reasons]
+            said = [reason for reason in said if not reason.endswith(":")]  # headings of the reasons that follow
+            return "; ".join(dict.fromkeys(said + [str(error).splitlines()[0].strip()]))
 
 
 _kernel_records: list[list[str]] = []  # the lists recording_sdpa_kernels is filling

@@ -7,6 +7,7 @@ boundary after `train.exit_duration_minutes`, or after SIGTERM/SIGUSR1 (exit cod
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -20,22 +21,23 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
-    DIFFERENTIAL_VARIANTS, Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
+    Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
     refuse_a_file_for_directory, short_warmup_warning,
 )
 from megadiff.errors import MegadiffError, refused_together
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
+from megadiff.models.sdpa_calls import sdpa_kernels_refusal_for
 from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
-from megadiff.ops.sdpa import cpu_sdpa_kernels
 from megadiff.parallel import (
     compute_device, init_process_group, initialize, shutdown, tensor_parallel_across_nodes,
 )
+from megadiff.parallel.initialize import local_device
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
 from megadiff.rank_agreement import check_ranks_agree, comparable
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
@@ -356,12 +358,12 @@ def pretrain_from_config(config_path: str, overrides: list[str]) -> int:
     if unavailable:
         raise ConfigError(f"model.attention_backend: 'triton' cannot run here: {unavailable}; use auto (the kernel "
                           "where it runs, else SDPA) or sdpa")
-    m = cfg.model
-    if m.sdpa_kernels is not None and not torch.cuda.is_available():  # differential SDPA off CUDA: V 2d wide
-        usable = cpu_sdpa_kernels(m.variant not in DIFFERENTIAL_VARIANTS or m.attention_backend == "sdpa_split_v",
-                                  fewer_queries_than_keys=cfg.parallel.context > 1)  # a chunk sees earlier keys
-        if not set(m.sdpa_kernels) & set(usable):
-            raise ConfigError(f"model.sdpa_kernels: {m.sdpa_kernels} cannot run here: on a CPU, SDPA runs this "
-                              f"model's calls with {' or '.join(usable)} only; add it, or leave the key unset")
+    if cfg.model.sdpa_kernels is not None:
+        device = torch.device("cuda", local_device()) if torch.cuda.is_available() else torch.device("cpu")
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            refusal = sdpa_kernels_refusal_for(cfg, device)
+        if refusal:
+            raise ConfigError(f"model.sdpa_kernels: none of {cfg.model.sdpa_kernels} takes this model's attention "
+                              f"calls here; torch says: {refusal}")
     refuse_a_file_for_directory("output_dir", cfg.output_dir, "a run writes a directory (its metrics and checkpoints)")
     return pretrain(cfg)
