@@ -77,9 +77,9 @@ for stage in $stages; do
     # the two benchmarks in one call, every candidate tuned: the attention benchmark (cut short, it keeps the
     # shapes it finished: 4K and 16K), then the model's runs, whose DIFF kernels reuse the tiles tuned at 4K
     # (the autotuner's choice is cached on disk by its key, which holds no batch size). The SDPA rows: wide-V
-    # took 1.18x split-V's time at 64K (which ran at twice cuDNN's softmax time), while recent torch lets cuDNN
-    # take V 256 wide on Hopper (cuDNN >= 9.10): whether it did, and at what speed, is what the rows' SDPA kernel
-    # and the cuDNN rows say
+    # took 1.18x split-V's time at 64K (which ran at twice cuDNN's softmax time); which kernel each ran, and
+    # whether this torch lets cuDNN take V 256 wide with Q and K 128 (current torch: forward only), is what the
+    # rows' SDPA kernel and the cuDNN rows say
     measure) run 270 python3 bench/attention.py --out-dir "$out"
              run 280 python3 bench/model.py --precisions bf16 --diff-backends triton sdpa sdpa_split_v \
                --out-dir "$out" ;;

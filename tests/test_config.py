@@ -208,3 +208,34 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_run_starts(monkeypat
     (tmp_path / "run").write_text("a file where the run would go")
     assert main(["pretrain", str(DEMO_CONFIG), f"output_dir={tmp_path / 'run'}"]) == 2
     assert f"output_dir: {tmp_path / 'run'} is a file" in capsys.readouterr().err
+
+
+def test_the_sdpa_kernels_check_asks_for_training_calls_of_the_models_shapes(monkeypatch):
+    """What torch's dispatcher is asked: inputs needing gradients (some kernels' backward limits, e.g. cuDNN's
+    at V 256 wide, refuse only those), one rank's heads, V as wide as the backend makes it, a mask under
+    context parallelism, and one-token calls under document masking."""
+    from megadiff.models import sdpa_calls
+
+    asked = []
+
+    def choice(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+        asked.append(dict(grad=torch.is_grad_enabled() and q.requires_grad and v.requires_grad,
+                          heads=(q.shape[1], k.shape[1]), widths=(q.shape[-1], v.shape[-1]),
+                          lengths=(q.shape[2], k.shape[2]), masked=attn_mask is not None, gqa=enable_gqa))
+        return 0
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    cpu = torch.device("cpu")
+    model = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_kv_heads=2", "model.head_dim=32",
+             "model.sdpa_kernels=[math]"]
+    with torch.no_grad():  # the check asks for training calls wherever it is run from
+        assert sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["parallel.tensor=2"], 2), cpu) is None
+    assert asked == [dict(grad=True, heads=(2, 1), widths=(32, 64), lengths=(64, 64), masked=False, gqa=True)]
+    asked.clear()
+    sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["model.attention_backend=sdpa_split_v",
+                                                                  "parallel.context=2", "data.document_masking=true"],
+                                                     2), cpu)
+    assert [(a["widths"], a["lengths"], a["masked"]) for a in asked] == [((32, 32), (64, 128), True),
+                                                                         ((32, 32), (1, 1), False)]
+    asked.clear()
+    assert sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model[:-1]), cpu) is None and asked == []

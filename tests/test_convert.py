@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,13 +185,44 @@ def test_an_export_failing_part_way_leaves_the_earlier_export_whole(root, refere
     assert not list(hf_dir.glob(".*"))  # nor the staging directory inside
 
 
+def test_an_export_interrupted_between_its_renames_keeps_the_earlier_config(root, tmp_path, monkeypatch):
+    """The files naming the others move last: an export interrupted among its renames leaves the earlier
+    export's config.json (transformers then reads the earlier model's architecture, not a mix named as the
+    new one), and the new files not yet moved in the staging directory, which the next export replaces."""
+    import os
+
+    from megadiff.convert import hf_io
+
+    hf_dir = convert_to_hf(root / "tp2" / "diff", tmp_path / "hf", check=False)
+    earlier_config = (hf_dir / "config.json").read_bytes()
+    renames, replace = [], os.replace
+
+    def interrupted(source, target):
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        renames.append(Path(target).name)
+        return replace(source, target)
+
+    monkeypatch.setattr(hf_io.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_hf(root / "tp2" / "shared_diff", hf_dir, check=False)
+    monkeypatch.undo()
+    assert "config.json" not in renames and (hf_dir / "config.json").read_bytes() == earlier_config
+    assert (hf_dir / ".megadiff-export.partial" / "config.json").is_file()
+    convert_to_hf(root / "tp2" / "shared_diff", hf_dir, check=False)
+    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "megadiff"
+    assert not list(hf_dir.glob(".*"))
+
+
 def test_to_hf_refuses_a_file_for_save_before_reading_and_takes_the_working_directory(root, tmp_path, monkeypatch):
-    """A file named as --save failed after the whole export was written; '.' (no name of its own to stage
-    beside) is the directory the command runs in."""
+    """A file named as --save (or a link to nothing) failed after the whole export was written; '.' (no name
+    of its own to stage beside) is the directory the command runs in."""
     (tmp_path / "file").write_text("mine")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
     monkeypatch.setattr(to_hf, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
-    with pytest.raises(ConversionError, match="--save .*file is a file; to-hf writes a directory"):
-        convert_to_hf(root / "tp2" / "diff", tmp_path / "file", check=False)
+    for save in ("file", "dangling"):
+        with pytest.raises(ConversionError, match=f"--save .*{save} is a file; to-hf writes a directory"):
+            convert_to_hf(root / "tp2" / "diff", tmp_path / save, check=False)
     monkeypatch.undo()
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")

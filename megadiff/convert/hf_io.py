@@ -64,10 +64,10 @@ EXPORT_STAGING = ".megadiff-export.partial"  # inside the export's directory: it
 def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
                  tokenizer, source_cfg: Config) -> None:
     """The export, written into <directory>/.megadiff-export.partial and moved in, file by file, when whole:
-    killed or out of disk space part way, it leaves an earlier export there as it was (writing in place
-    deleted its shards first); failing, it gives the space back (killed, the next export does). Staged inside the directory, it is written on the
-    directory's own disk (a mount point or a link to another disk too), and each file moves by a rename.
-    Files no export writes stay."""
+    killed or out of disk space while writing, it leaves an earlier export there as it was (writing in place
+    deleted its shards first); failing, it gives the space back (killed, the next export does). Staged
+    inside the directory, it is written on the directory's own disk (a mount point or a link to another
+    disk too), and each file moves by a rename. Files no export writes stay."""
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     staged = directory / EXPORT_STAGING
@@ -75,12 +75,12 @@ def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras
     staged.mkdir()
     try:
         _write_export(staged, config, state, extras, tokenizer, source_cfg)
-        _move_in(staged, directory)
     except BaseException:
         _remove(staged)
         if created and not any(directory.iterdir()):
             directory.rmdir()
         raise
+    _move_in(staged, directory)
 
 
 def _remove(path: Path) -> None:
@@ -97,10 +97,12 @@ def _is_export_file(name: str) -> bool:
 
 
 def _move_in(staged: Path, directory: Path) -> None:
-    """staged's files into directory in place of their namesakes, then the earlier export's files this one
-    lacks (more shards, a chat template, remote code) removed: until the last rename, the earlier export's
-    files are all there, each either its own or this export's."""
-    written = [path.name for path in staged.iterdir()]
+    """staged's files into directory in place of their namesakes, the files naming the others (config.json,
+    the shards' index) last, then the earlier export's files this one lacks (more shards, a chat template,
+    remote code) removed. Interrupted between two renames (a moment), the directory holds some of each
+    export's files, and the staging directory the rest of the new one's: the next export replaces both."""
+    last = (SAFETENSORS_INDEX, "config.json")
+    written = sorted((path.name for path in staged.iterdir()), key=lambda name: name in last)
     for name in written:
         target = directory / name
         if target.is_dir() and not target.is_symlink() or (staged / name).is_dir():

@@ -33,7 +33,7 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
                   remote_code: bool = False) -> Path:
     console = plain_console()
     out = Path(save)
-    if out.exists() and not out.is_dir():
+    if (out.exists() or out.is_symlink()) and not out.is_dir():  # a link to nothing is no directory either
         raise ConversionError(f"--save {out} is a file; to-hf writes a directory")
     checkpoint_dir = resolve_checkpoint_dir(load)
     cfg = checkpoint_config(checkpoint_dir)

@@ -34,16 +34,18 @@ def sdpa_kernel_order(kernels: list[str] | None) -> AbstractContextManager:
 
 
 def sdpa_kernels_refusal(kernels: list[str], *, heads: int, kv_heads: int, head_dim: int, value_dim: int,
-                         dtype: torch.dtype, device: torch.device, masked: bool) -> str | None:
-    """Why none of `kernels` takes SDPA calls of these widths and dtype on `device` (None: one does), as
-    torch's dispatcher answers for a few rows of them, with its reasons for each kernel it turns down;
-    `masked`: the calls carry a mask (causal queries fewer than their keys)."""
-    rows, keys = 64, 128 if masked else 64
-    q = torch.zeros(1, heads, rows, head_dim, dtype=dtype, device=device)
-    k = torch.zeros(1, kv_heads, keys, head_dim, dtype=dtype, device=device)
-    v = torch.zeros(1, kv_heads, keys, value_dim, dtype=dtype, device=device)
+                         dtype: torch.dtype, device: torch.device, rows: int, keys: int) -> str | None:
+    """Why none of `kernels` takes training's SDPA calls (inputs needing gradients, which some kernels'
+    backward limits turn down) of these widths and dtype on `device` (None: one does), as torch's dispatcher
+    answers for `rows` causal queries over `keys` keys (the last ones; fewer queries than keys take a mask),
+    with its reasons for each kernel it declines."""
+    def zeros(heads_, length, width):
+        return torch.zeros(1, heads_, length, width, dtype=dtype, device=device, requires_grad=True)
+
+    q, k, v = zeros(heads, rows, head_dim), zeros(kv_heads, keys, head_dim), zeros(kv_heads, keys, value_dim)
+    masked = rows != keys
     mask = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows) if masked else None
-    with sdpa_kernel_order(kernels), warnings.catch_warnings(record=True) as reasons:
+    with sdpa_kernel_order(kernels), warnings.catch_warnings(record=True) as reasons, torch.enable_grad():
         warnings.simplefilter("always")
         try:
             torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=not masked, enable_gqa=heads != kv_heads)
