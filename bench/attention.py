@@ -27,8 +27,8 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, software, tiles_tuned_here, timed_ms,
-    write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, kernels_ran, markdown_table, software, tiles_tuned_here,
+    timed_ms, write,
 )
 from megadiff.ops import SDPA_KERNELS, differential_attention, sdpa_kernel_order, softmax_attention  # noqa: E402
 from megadiff.ops.sdpa import recording_sdpa_kernels  # noqa: E402
@@ -143,7 +143,7 @@ def measure(fn: Callable, inputs: tuple, device, warmup: int, reps: int) -> dict
     def forward_backward():
         torch.autograd.grad(fn(*inputs), inputs, grad)
 
-    return dict(sdpa_kernels="+".join(dict.fromkeys(kernels)) or None,  # which SDPA kernels ran: torch's choice
+    return dict(sdpa_kernels=kernels_ran(kernels),  # which SDPA kernels ran: torch's choice, or the one forced
                 fwd_ms=_mean_ms(forward, device, warmup, reps),
                 fwd_bwd_ms=_mean_ms(forward_backward, device, warmup, reps),
                 peak_fwd_mib=_peak_mib(forward, device), peak_fwd_bwd_mib=_peak_mib(forward_backward, device))

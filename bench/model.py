@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, markdown_table, software, synchronize,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, kernels_ran, markdown_table, software, synchronize,
     tiles_tuned_here, timed_ms, write,
 )
 from megadiff.config import Config, load_config, resolved_head_dim  # noqa: E402
@@ -141,7 +141,7 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         with recording_sdpa_kernels() as kernels:
             step()
         if index == 0:  # torch's choice, or model.sdpa_kernels'
-            row["sdpa_kernels"] = "+".join(dict.fromkeys(kernels)) or None
+            row["sdpa_kernels"] = kernels_ran(kernels)
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -45,6 +45,12 @@ def software(env: dict) -> str:
     return f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env.get('cudnn')}"
 
 
+def kernels_ran(record: list[str]) -> str | None:
+    """What megadiff.ops.sdpa.recording_sdpa_kernels saw, each kernel once in order ('cudnn+flash'); None
+    where no SDPA call was made (the fused kernel)."""
+    return "+".join(dict.fromkeys(record)) or None
+
+
 def cuda_missing(device: str, script: str) -> bool:
     """True, after saying so, when CUDA is asked for and there is none: nothing to measure."""
     if device != "cuda" or torch.cuda.is_available():
