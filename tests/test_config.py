@@ -218,7 +218,7 @@ def test_the_sdpa_kernels_check_asks_for_training_calls_of_the_models_shapes(mon
 
     asked = []
 
-    def choice(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    def choice(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
         asked.append(dict(grad=torch.is_grad_enabled() and q.requires_grad and v.requires_grad,
                           heads=(q.shape[1], k.shape[1]), widths=(q.shape[-1], v.shape[-1]),
                           lengths=(q.shape[2], k.shape[2]), masked=attn_mask is not None, gqa=enable_gqa))

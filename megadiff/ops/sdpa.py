@@ -23,7 +23,6 @@ SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_A
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-
 def sdpa_kernel_order(kernels: list[str] | None) -> AbstractContextManager:
     """Within it, SDPA runs the first of `kernels` (names of SDPA_KERNELS) that takes the call, and no
     other; None leaves torch's own order. The backward runs the forward's kernel, so the forward is
@@ -43,12 +42,10 @@ def sdpa_kernels_refusal(kernels: list[str], *, heads: int, kv_heads: int, head_
         return torch.zeros(1, heads_, length, width, dtype=dtype, device=device, requires_grad=True)
 
     q, k, v = zeros(heads, rows, head_dim), zeros(kv_heads, keys, head_dim), zeros(kv_heads, keys, value_dim)
-    masked = rows != keys
-    mask = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows) if masked else None
     with sdpa_kernel_order(kernels), warnings.catch_warnings(record=True) as reasons, torch.enable_grad():
         warnings.simplefilter("always")
         try:
-            torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=not masked, enable_gqa=heads != kv_heads)
+            torch._fused_sdp_choice(q, k, v, **_sdpa_call(q, k, causal=True, scale=None))
             return None
         except RuntimeError as error:
             said = [str(reason.message).split(" (Triggered internally")[0].strip() for reason in reasons]
@@ -75,14 +72,20 @@ def recording_sdpa_kernels():
 _KERNEL_NAMES = {int(backend): name for name, backend in SDPA_KERNELS.items()}
 
 
-def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    """[B, N, H, d] in and out; GQA handled by SDPA itself."""
-    n_q, n_k = q.shape[1], k.shape[1]
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+def _sdpa_call(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> dict:
+    """SDPA's keyword arguments for q [B, Hq, Nq, d] over k [B, Hkv, Nk, d]: causal masking aligned
+    bottom-right (queries fewer than keys are the last ones), GQA by SDPA itself."""
+    n_q, n_k = q.shape[2], k.shape[2]
     mask = None
     if causal and n_q != n_k:  # SDPA's is_causal is top-left aligned; we need bottom-right
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-    call = dict(attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return dict(attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """[B, N, H, d] in and out; GQA handled by SDPA itself."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    call = _sdpa_call(q, k, causal, scale)
     if _kernel_records:
         kernel = torch._fused_sdp_choice(q, k, v, **call)
         for record in _kernel_records:
