@@ -137,11 +137,10 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         if not result.updated and len(row["losses"]) > args.warmup:  # the timed steps only
             skipped.append(len(row["losses"]))
 
-    for index in range(args.warmup):  # compilation: Triton autotuning, torch.compile of the float8 casts
-        with recording_sdpa_kernels() as kernels:
+    with recording_sdpa_kernels() as kernels:  # torch's choice, or model.sdpa_kernels'
+        for _ in range(args.warmup):  # compilation: Triton autotuning, torch.compile of the float8 casts
             step()
-        if index == 0:  # torch's choice, or model.sdpa_kernels'
-            row["sdpa_kernels"] = kernels_ran(kernels)
+    row["sdpa_kernels"] = kernels_ran(kernels)
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
