@@ -7,7 +7,10 @@ longer than the model's 32-token window and one empty context, rolling log-likel
 that take several windows, and generation up to stop strings."""
 from __future__ import annotations
 
+import http.server
 import json
+import socketserver
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -496,6 +499,31 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
     monkeypatch.setattr(harness, "HARNESS_MISSING", True)
     assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice"]) == 3
     assert "pip install" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hub_answers", [True, False])
+def test_an_unreachable_hub_reads_task_data_from_the_cache_without_retrying(tasks, hub_answers, capsys, monkeypatch):
+    """Without HF_HUB_OFFLINE, datasets retries an unreachable hub for some 20 s a task: one failed
+    request turns offline mode on instead; a hub that answers leaves it off."""
+    import datasets
+    import huggingface_hub
+    from megadiff.inference import harness
+
+    with socketserver.TCPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as server:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        if hub_answers:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+        else:
+            server.server_close()  # nothing listens there: the connection is refused
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+        manager, names = harness.known_tasks(["kjv_choice"], str(tasks))
+        harness.check_task_data(manager, names)  # the task's data is local: read either way
+        if hub_answers:
+            server.shutdown()
+    assert datasets.config.HF_HUB_OFFLINE is huggingface_hub.constants.HF_HUB_OFFLINE is (not hub_answers)
+    assert ("does not answer" in capsys.readouterr().err) is (not hub_answers)
 
 
 def document_masked(run: Path):

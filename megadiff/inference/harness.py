@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import ConfigError
+from megadiff.console import plain_console
 from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
@@ -294,6 +295,9 @@ def require_harness() -> None:
         raise MegadiffError("lm-evaluation-harness is not installed: pip install 'megadiff[eval]' (or lm_eval)")
 
 
+HUB_PROBE_TIMEOUT_S = 5
+
+
 def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskManager, list[str]]:
     """The harness's task index and the task names that `tasks` (names or glob patterns) match,
     after checking that each matches one (before the checkpoint is read). Tasks all found under
@@ -310,12 +314,31 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
     return manager, manager.match_tasks(list(tasks))
 
 
+def read_hub_data_from_cache_if_unreachable() -> None:
+    """Without a network, and without HF_HUB_OFFLINE=1 (or HF_DATASETS_OFFLINE=1), the datasets library
+    retries the hub for some 20 s a task before reading its cache: one request that fails turns both
+    libraries' offline mode on instead, for this process."""
+    import datasets
+    import huggingface_hub
+
+    if datasets.config.HF_HUB_OFFLINE:
+        return
+    try:
+        huggingface_hub.utils.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 -- any failure to reach it (DNS, refused, timeout, proxy) counts
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+        plain_console(stderr=True, quiet=not reports()).print(
+            f"the hub ({huggingface_hub.constants.ENDPOINT}) does not answer ({type(error).__name__}): the tasks' "
+            "data is read from the datasets cache only (HF_HUB_OFFLINE=1 says so without asking)")
+
+
 def check_task_data(manager: TaskManager, names: list[str]) -> None:
     """Builds the tasks once before the checkpoint is read: each reads its data from the hub or the
     datasets cache, so data that cannot be had (offline, a missing file) is refused by name rather than
     after minutes of loading; the evaluation then builds them again from the cache."""
     import datasets
 
+    read_hub_data_from_cache_if_unreachable()
     try:
         get_task_dict(names, manager)
     except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
