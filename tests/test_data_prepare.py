@@ -10,6 +10,7 @@ import runpy
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -630,3 +631,43 @@ def test_a_prefix_with_brackets_is_printed_as_written(corpus, tmp_path, capsys):
     prepare(config)
     prepare(config)
     assert f"prepare-data: {prefix} is up to date" in capsys.readouterr().out
+
+
+def test_a_hub_dataset_updated_upstream_is_prepared_again(tmp_path, monkeypatch, capsys):
+    """A hub dataset's fingerprint holds the commit its builder finds, and the data is read at that
+    commit. The hub is a stand-in here (no network): it serves one text per commit."""
+    import datasets
+
+    name, commit, reads = "owner-megadiff/verses", {"sha": "1111"}, []
+    real_load = datasets.load_dataset
+
+    def load_dataset(path, *args, **options):
+        if path != name:
+            return real_load(path, *args, **options)
+        reads.append(options["revision"])
+        return datasets.Dataset.from_dict({"text": [f"Verse at commit {options['revision']}."]})
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", lambda path: SimpleNamespace(hash=commit["sha"]))
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    prefix, tokenizer = tmp_path / "hub", load_tokenizer("cl100k_base")
+    config = data_config(tmp_path, f"data.sources=[{name}]", f"data.prefix={prefix}")
+    prepare(config)
+    assert reads == ["1111"] and read_back(prefix) == [tokenizer.encode("Verse at commit 1111.") + [tokenizer.eod]]
+    capsys.readouterr()
+    prepare(config)
+    assert "up to date" in capsys.readouterr().out and reads == ["1111"]
+
+    commit["sha"] = "2222"
+    prepare(config)
+    assert reads == ["1111", "2222"]
+    assert read_back(prefix) == [tokenizer.encode("Verse at commit 2222.") + [tokenizer.eod]]
+
+    # a manifest written before commits were recorded stands for what it records: no second tokenizing
+    manifest = Path(f"{prefix}.manifest.json")
+    recorded = json.loads(manifest.read_text())
+    assert recorded["fingerprint"]["sources"] == [[name, "2222"]]
+    recorded["fingerprint"]["sources"] = [[name]]
+    manifest.write_text(json.dumps(recorded))
+    capsys.readouterr()
+    prepare(config)
+    assert "up to date" in capsys.readouterr().out and reads == ["1111", "2222"]

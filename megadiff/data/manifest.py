@@ -93,14 +93,18 @@ def is_up_to_date(prefix: str | Path, fingerprint: dict, outputs: Sequence[str |
             and _same_outputs(manifest.get("output_bytes"), _output_sizes(outputs)))
 
 
-# Manifests written before tokenizer directories were hashed and loss masks' sizes recorded hold
-# less: they stand for what they record, so upgrading does not tokenize a whole corpus again.
+# Manifests written before tokenizer directories were hashed, loss masks' sizes and hub datasets'
+# commits recorded hold less: they stand for what they record, so upgrading does not tokenize a whole
+# corpus again.
 
 def _same_inputs(recorded: dict | None, current: dict) -> bool:
-    if recorded == current or recorded is None:
-        return recorded == current
+    if recorded is None:
+        return False
     unhashed = {key: value for key, value in current["tokenizer"].items() if key != "splits"}
-    return "splits" not in recorded.get("tokenizer", {}) and recorded == {**current, "tokenizer": unhashed}
+    uncommitted = [source[:1] if all(isinstance(entry, str) or entry is None for entry in source) else source
+                   for source in current["sources"]]  # a hub dataset's [name, commit]; files are lists
+    return any(recorded == {**current, **tokenizer, **sources}
+               for tokenizer in ({}, {"tokenizer": unhashed}) for sources in ({}, {"sources": uncommitted}))
 
 
 def _same_outputs(recorded: list | None, sizes: list | None) -> bool:

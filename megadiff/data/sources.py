@@ -22,11 +22,13 @@ TEXT_TYPES = ("string", "large_string")
 
 @dataclass(frozen=True)
 class Source:
-    """Local files read by one `datasets` builder, or (builder "hub") a hub dataset name."""
+    """Local files read by one `datasets` builder, or (builder "hub") a hub dataset name at the revision
+    its builder found when the plan was made."""
     key: str                      # the config key, for messages: data.sources[i]
     builder: str
     files: tuple[Path, ...] = ()
     name: Optional[str] = None
+    revision: Optional[str] = None  # the hub repository's commit (or its cached copy's)
 
     def describe(self) -> str:
         return self.name if self.builder == "hub" else ", ".join(str(f) for f in self.files)
@@ -36,9 +38,10 @@ class Source:
         return [self] if self.builder == "hub" else [replace(self, files=(f,)) for f in self.files]
 
     def fingerprint(self) -> list:
-        """What decides whether prepared data is still up to date: file paths, sizes and times."""
+        """What decides whether prepared data is still up to date: file paths, sizes and times, or the
+        hub dataset's name and commit (a dataset updated upstream is prepared again)."""
         if self.builder == "hub":
-            return [self.name]
+            return [self.name, self.revision]
         return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
 
 
@@ -153,10 +156,10 @@ def _hub_source(key: str, name: str) -> Source:
     source = Source(key, "hub", name=name)
     try:
         with _quiet_datasets():
-            datasets.load_dataset_builder(name)
+            builder = datasets.load_dataset_builder(name)
     except Exception as err:  # datasets raises many types; all mean the same thing here
         raise _unloadable(source, err) from err
-    return source
+    return replace(source, revision=builder.hash)  # a hub dataset's builder hash is its repository's commit
 
 
 def _unloadable(source: Source, err: Exception) -> DataError:
@@ -190,7 +193,7 @@ def _load(source: Source, cache_dir: str):
 
     try:
         if source.builder == "hub":
-            return datasets.load_dataset(source.name, split="train")
+            return datasets.load_dataset(source.name, split="train", revision=source.revision)
         options = {"sample_by": "document"} if source.builder == "text" else {}
         # an empty file holds no documents, but datasets' builders refuse it
         files = [str(f) for f in source.files if f.stat().st_size]
