@@ -150,7 +150,8 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
         status = f"{len(skipped)} updates skipped (non-finite gradients)"
     row.update(step_ms=step_ms, status=status)
     row["tokens_per_s"] = row["tokens_per_step"] / (step_ms / 1e3)
-    row["tflops_per_device"] = training_flops_per_token(cfg.model) * row["tokens_per_s"] / 1e12
+    flops_per_token = training_flops_per_token(cfg.model, tensor_parallel=cfg.parallel.tensor)
+    row["tflops_per_device"] = flops_per_token * row["tokens_per_s"] / 1e12
     if args.peak_tflops:
         row["mfu"] = row["tflops_per_device"] / args.peak_tflops
     if device.type == "cuda":

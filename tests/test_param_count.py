@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megadiff.config import build_config, load_config, padded_vocab_size, resolved_head_dim
 from megadiff.data.tokenizers import load_tokenizer
-from megadiff.models.param_count import count_parameters, training_flops_per_token
+from megadiff.models.param_count import (
+    attention_training_flops_per_token, count_parameters, dense_training_flops_per_token, training_flops_per_token,
+)
 from tests.distributed import run_ranks
 from tests.pretrain_runs import ROOT
 
@@ -128,6 +131,55 @@ def test_formula_equals_the_built_models(tmp_path):
     built = json.loads(out.read_text())
     for name, overrides in MODELS.items():
         assert count_parameters(build_config({}, SMALL + overrides).model).total == built[name], name
+
+
+FLOP_LENGTHS = (16, 32)
+
+
+def _count_flops(rank: int, world_size: int, out: str) -> None:
+    """Each model's matmul FLOPs per token over one forward and backward, as torch's FlopCounterMode
+    counts them on this rank: the weights' (aten.mm) and attention's (aten.bmm) apart."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megadiff.models import build_model
+    from megadiff.parallel import initialize, shutdown
+
+    measured = {}
+    layout = [f"parallel.tensor={world_size}"]
+    initialize(build_config({}, layout).parallel, seed=0)  # one layout for all the models
+    for name, overrides in MODELS.items():
+        for length in FLOP_LENGTHS:
+            cfg = build_config({}, SMALL + overrides + layout + [f"model.seq_length={length}"])
+            [model] = build_model(cfg)
+            tokens = torch.arange(2 * length).view(2, length) % cfg.model.vocab_size  # the same on every rank
+            with FlopCounterMode(display=False) as counter:
+                model(tokens, torch.arange(length).expand(2, length), None, labels=tokens).sum().backward()
+            counts = {str(op): flops / tokens.numel() for op, flops in counter.get_flop_counts()["Global"].items()}
+            measured[f"{name}/{length}"] = counts
+    shutdown()
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(measured, handle)
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_flops_formula_equals_the_built_models_matmuls(tmp_path, tensor_parallel):
+    """The weights' FLOPs (every rank's share, the vocabulary padded at that TP size) are the
+    formula's dense part exactly; the reference attention computes every (query, key) pair, twice
+    the causal half the formula counts. On a CPU SDPA's own kernel (the softmax model's) counts none."""
+    out = tmp_path / "flops.json"
+    run_ranks(tensor_parallel, _count_flops, str(out))  # rank 0's share: TP ranks hold equal shares
+    measured = json.loads(out.read_text())
+    for name, overrides in MODELS.items():
+        for length in FLOP_LENGTHS:
+            model = build_config({}, SMALL + overrides).model
+            counts = measured[f"{name}/{length}"]
+            if name.startswith("shared_diff") and tensor_parallel > 1:
+                continue  # every rank computes the replicated low-rank A's product: more than the model's FLOPs
+            assert tensor_parallel * counts["aten.mm"] == dense_training_flops_per_token(model, tensor_parallel), name
+            attention = counts.get("aten.bmm", 0) * tensor_parallel
+            expected = 0 if name.startswith("softmax") else 2 * attention_training_flops_per_token(model, length)
+            assert attention == expected, (name, length)
 
 
 @pytest.mark.parametrize("variant", ["diff", "softmax"])

@@ -17,6 +17,7 @@ from megadiff.config import (
 class ParamCount:
     attention: int       # per layer: QKV (Shared DIFF: shared + low-rank), output projection, lambda, head norm
     attention_replicated: int  # of which every tensor-parallel rank holds all: lambda, head norm, low-rank A
+    attention_vectors: int     # of which no matmul reads: lambda and head norm
     mlp: int             # per layer: SwiGLU fc1 (gate + up) and fc2
     norms: int           # per layer: the two RMSNorms
     num_layers: int
@@ -53,6 +54,7 @@ def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount
     return ParamCount(
         attention=qkv + q * hidden + differential_extras,  # linear_proj reads every query head's output
         attention_replicated=differential_extras + lowrank_down,
+        attention_vectors=differential_extras,
         mlp=3 * hidden * ffn,
         norms=2 * hidden,
         num_layers=model.num_layers,
@@ -62,20 +64,28 @@ def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount
     )
 
 
-def training_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
-    """Matmul FLOPs (forward + backward = 3 x forward) per trained token.
+def training_flops_per_token(model: ModelConfig, seq_length: int | None = None, tensor_parallel: int = 1) -> float:
+    """Matmul FLOPs (forward + backward = 3 x forward) per trained token: the dense layers' and
+    attention's, as MFU counts them (no recomputation)."""
+    return (dense_training_flops_per_token(model, tensor_parallel)
+            + attention_training_flops_per_token(model, seq_length))
 
-    Dense layers: 2 FLOPs per weight per token (the output layer included, the embedding lookup
-    not). Attention: every map computes Q K^T and P V over, on average, half the sequence (causal).
-    """
+
+def dense_training_flops_per_token(model: ModelConfig, tensor_parallel: int = 1) -> float:
+    """2 FLOPs per matmul weight per token, times 3: the layers' and the output layer's weights (the
+    vocabulary padded as at `tensor_parallel`), not the embedding lookup nor lambda and the head norms."""
+    counts = count_parameters(model, tensor_parallel)
+    weights = counts.num_layers * (counts.attention - counts.attention_vectors + counts.mlp) + counts.embedding
+    return 3 * 2 * weights
+
+
+def attention_training_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
+    """Every map computes Q K^T and P V over, on average, half the sequence (causal), times 3."""
     seq = seq_length or model.seq_length
-    counts = count_parameters(model)
-    dense = counts.num_layers * (counts.attention + counts.mlp) + counts.embedding
     q, _, _ = qkv_widths(model)
     maps = 2 if model.variant in DIFFERENTIAL_VARIANTS else 1
     # scores: all maps' query width; P V: each map times a V as wide as a differential head (2d)
-    per_layer_attention = 2 * (seq / 2) * (q + maps * q)
-    return 3 * (2 * dense + counts.num_layers * per_layer_attention)
+    return 3 * model.num_layers * 2 * (seq / 2) * (q + maps * q)
 
 
 def _billions(n: int) -> str:
@@ -103,7 +113,7 @@ def print_param_count(config_path: str, overrides: list[str], world_size: int | 
             ("output layer", counts.output_layer), ("total", counts.total)]
     for name, value in rows:
         print(f"  {name:<18} {value:>16,d}  ({_billions(value)})")
-    print(f"  training FLOPs / token: {training_flops_per_token(m):.3e}")
+    print(f"  training FLOPs / token: {training_flops_per_token(m, tensor_parallel=p.tensor):.3e}")
     print(f"per GPU on {world} rank{'s' if world > 1 else ''} (TP {p.tensor}, PP {p.pipeline}, CP {p.context}, DP "
           f"{data_parallel_size(p, world)}; {cfg.train.precision}"
           f"{', distributed optimizer' if p.distributed_optimizer else ''}; micro-batch "

@@ -30,7 +30,8 @@ def peak_tflops_of(device_name: str) -> float | None:
 class Throughput:
     def __init__(self, cfg: Config, world_size: int):
         self.tokens_per_iteration = cfg.train.global_batch_size * cfg.model.seq_length
-        self.flops_per_iteration = training_flops_per_token(cfg.model) * self.tokens_per_iteration
+        self.flops_per_iteration = (training_flops_per_token(cfg.model, tensor_parallel=cfg.parallel.tensor)
+                                    * self.tokens_per_iteration)
         self.world_size = world_size
         self.peak = device_peak_tflops(cfg.logging.peak_tflops)
 
