@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format")
     conv_sub = convert.add_subparsers(dest="direction", required=True)
     for direction, target, options in (("to-hf", "megadiff.convert.to_hf:convert_to_hf", ("remote_code",)),
-                                       ("from-hf", "megadiff.convert.from_hf:convert_from_hf", ())):
+                                       ("from-hf", "megadiff.convert.from_hf:convert_from_hf", ("pad_vocab",))):
         p = conv_sub.add_parser(direction)
         p.add_argument("--load", required=True, help="source directory")
         p.add_argument("--save", required=True, help="destination directory")
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv_sub.choices["to-hf"].add_argument(
         "--remote-code", action="store_true",
         help="export DIFF with megadiff's modeling code (trust_remote_code) instead of stock DiffLlama")
+    conv_sub.choices["from-hf"].add_argument(
+        "--pad-vocab", type=_positive_int, default=None, metavar="MULTIPLE",
+        help="pad the vocabulary's rows to a multiple of MULTIPLE (128 x the tensor-parallel size to train at), "
+             "the new rows the old ones' mean (default: keep it as it is)")
 
     gen = sub.add_parser("generate", help="generate text from a megadiff checkpoint")
     gen.add_argument("--load", required=True)

@@ -121,6 +121,44 @@ def test_a_vocabulary_padded_before_conversion_trains_tensor_parallel(tmp_path):
     _check_same_vocabulary(cfg, at_tensor_parallel(("make_vocab_size_divisible_by", 192)), checkpoint)
 
 
+def test_from_hf_pads_an_odd_vocabulary_for_tensor_parallel_training(tmp_path, capsys):
+    """`--pad-vocab 128` does in the conversion what docs/conversion.md's transformers step does before it:
+    301 rows become 384, the new ones the old rows' mean, the Llama's own logits unchanged."""
+    from megadiff.cli import main
+    from megadiff.training.state import _check_same_vocabulary
+
+    llama = stock_llama(tmp_path / "llama", tied=False)
+    llama.resize_token_embeddings(301)  # an added token: 301 rows pad to no multiple but 1
+    llama.save_pretrained(tmp_path / "odd")
+    load_tokenizer(str(tmp_path / "llama")).save_hf(tmp_path / "odd")
+    assert main(["convert", "from-hf", "--load", str(tmp_path / "odd"), "--save", str(tmp_path / "megadiff"),
+                 "--pad-vocab", "128"]) == 0
+    assert "padded from 301 to 384 rows" in capsys.readouterr().out
+    checkpoint = tmp_path / "megadiff"
+    cfg = checkpoint_config(checkpoint)
+    assert (cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by) == (301, 128)
+
+    ours = load_checkpoint(checkpoint)
+    assert ours.vocab_size == 384
+    weights = ours.parameters_by_name()
+    for name, theirs in (("embedding.word_embeddings.weight", llama.model.embed_tokens.weight),
+                         ("output_layer.weight", llama.lm_head.weight)):
+        assert torch.equal(weights[name][:301], theirs.detach())
+        torch.testing.assert_close(weights[name][301:], theirs.detach().mean(0).expand(83, -1))
+    ids = torch.randint(0, 301, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[..., :301], llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+    padded_per_rank = cfg.model.model_copy(update={"make_vocab_size_divisible_by": 192})
+    tensor_parallel = cfg.model_copy(update={"model": padded_per_rank,
+                                             "parallel": cfg.parallel.model_copy(update={"tensor": 2})})
+    _check_same_vocabulary(cfg, tensor_parallel, checkpoint)  # 384 rows at TP=2
+    with pytest.raises(SystemExit, match="2"):
+        main(["convert", "from-hf", "--load", str(tmp_path / "odd"), "--save", str(tmp_path / "x"), "--pad-vocab", "0"])
+    assert "--pad-vocab: 0 is not >= 1" in capsys.readouterr().err
+    with pytest.raises(ConversionError, match="--pad-vocab must be >= 1"):
+        convert_from_hf(tmp_path / "odd", tmp_path / "x", pad_vocab=0)
+
+
 def test_an_export_names_its_tokenizers_bos_and_its_rope_base_for_every_transformers(tmp_path):
     """A Llama-family tokenizer begins texts with a BOS of its own (not the EOS); transformers 4.x reads the
     RoPE base from config.json's rope_theta alone, and took 10000 silently without it."""

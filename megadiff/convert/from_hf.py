@@ -11,7 +11,7 @@ uses a packaged tiktoken encoding, its tokenizer under tokenizer/ (where
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,12 +33,14 @@ from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
 from megadiff.files import publish_staged, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+VOCAB_PARAMETERS = {"embedding.word_embeddings.weight", "output_layer.weight"}  # megatron's names of their rows
 
 def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precision: str, tokenizer: str,
-                     console: Console) -> Config:
-    """The sidecar config of a megadiff export where it still describes config.json, else one derived from it."""
+                     console: Console, pad_vocab: int | None) -> Config:
+    """The sidecar config of a megadiff export where it still describes config.json, else one derived from it;
+    the vocabulary padded to a multiple of `pad_vocab`, or kept as it is."""
     source = hf_dir.source_cfg
-    if source is not None and same_model(source.model, fields) and \
+    if source is not None and pad_vocab is None and same_model(source.model, fields) and \
             padded_vocab_size(source.model, source.parallel.tensor) == vocab_size:
         base, model = source, source.model
     else:
@@ -47,7 +49,7 @@ def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precisi
                           "export?); deriving the model config from config.json")
         base = Config()
         model = ModelConfig(**fields, vocab_size=vocab_size,
-                            make_vocab_size_divisible_by=vocab_padding_multiple(vocab_size))
+                            make_vocab_size_divisible_by=pad_vocab or vocab_padding_multiple(vocab_size))
     cfg = base.model_copy(update={"model": model,
                                   "data": base.data.model_copy(update={"tokenizer": tokenizer}),
                                   "train": base.train.model_copy(update={"precision": precision})})
@@ -69,6 +71,17 @@ def _load_parts(model, parts: Iterable[dict[str, torch.Tensor]]) -> int:
     if own:
         raise ConversionError(f"no tensor converted for {', '.join(sorted(own))}")
     return copied
+
+
+def _with_padded_vocab(parts: Iterable[dict[str, torch.Tensor]], rows: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The parts, the embedding's and output layer's rows padded to `rows` with their mean (as transformers'
+    resize_token_embeddings starts new rows: near the others, so no logit of a padded id stands out)."""
+    for part in parts:
+        for name in VOCAB_PARAMETERS & part.keys():
+            matrix = part[name]
+            mean = matrix.float().mean(0, keepdim=True).to(matrix.dtype)
+            part[name] = torch.cat([matrix, mean.expand(rows - matrix.shape[0], -1)])
+        yield part
 
 
 def _is_weight(name: str, tied_embeddings: bool) -> bool:
@@ -98,8 +111,13 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
     return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer
 
 
-def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True) -> Path:
+def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
+                    pad_vocab: int | None = None) -> Path:
+    """`pad_vocab`: pad the vocabulary's rows to a multiple of it (128 x the tensor-parallel size to come: an
+    odd vocabulary, a Llama's 32,001, trains at parallel.tensor=1 only), the new rows the old ones' mean."""
     console = plain_console()
+    if pad_vocab is not None and pad_vocab < 1:
+        raise ConversionError(f"--pad-vocab must be >= 1, not {pad_vocab}")
     out = Path(save)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
@@ -121,21 +139,28 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     precision = dtype or PRECISIONS[hf_dtype]
     tokenizer_spec, vocab_in_use, hf_tokenizer = _tokenizer(hf_dir, out)
     cfg = _megadiff_config(hf_dir, model_fields_from_hf(hf_config, hf_dir.path), hf_config.vocab_size, precision,
-                           tokenizer_spec, console)
+                           tokenizer_spec, console, pad_vocab)
     dims = Dims.of(cfg.model, family)
     # the check's model holds the read tensors in fp32 (exactly: the checkpoint's may round them, --dtype)
     checked = build_single_process_model(single_process_config(cfg, "fp32" if check else None))
+    rows = padded_vocab_size(cfg.model, cfg.parallel.tensor)
+    expected = expected_hf_shapes(dict(checked.named_parameters()), dims)
+    for name in {EMBEDDING, LM_HEAD} & expected.keys():  # before padding
+        expected[name] = torch.Size([hf_config.vocab_size, *expected[name][1:]])
     check_tensors({name: state.shape(name) for name in state if _is_weight(name, hf_config.tie_word_embeddings)},
-                  expected_hf_shapes(dict(checked.named_parameters()), dims), f"{hf_dir.path} (config.json)")
+                  expected, f"{hf_dir.path} (config.json)")
     with step(console, f"reading {load}"):
-        parameters = _load_parts(checked, hf_to_megatron(state, dims, hf_dir.extras))
+        parameters = _load_parts(checked, _with_padded_vocab(hf_to_megatron(state, dims, hf_dir.extras), rows))
+    if rows > hf_config.vocab_size:
+        console.print(f"megadiff convert: the vocabulary padded from {hf_config.vocab_size:,} to {rows:,} rows "
+                      "(--pad-vocab), the new rows the mean of the old")
     model = checked
     if check and precision != "fp32":
         model = build_single_process_model(single_process_config(cfg))
         _load_parts(model, [dict(checked.named_parameters())])  # rounded as from the read tensors
     if check:  # before anything is written
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
-            ours = megadiff_logits(CausalLM(checked, cfg), vocab_in_use)
+            ours = megadiff_logits(CausalLM(checked, cfg), vocab_in_use)[..., :hf_config.vocab_size]  # not the padding
             del checked  # before the Hugging Face model is loaded
             theirs = hf_logits(load_hf_model(hf_dir.path, family), vocab_in_use)
             result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, hf_dtype))
