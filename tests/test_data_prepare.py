@@ -662,7 +662,8 @@ def test_a_hub_dataset_updated_upstream_is_prepared_again(tmp_path, monkeypatch,
     assert reads == ["1111", "2222"]
     assert read_back(prefix) == [tokenizer.encode("Verse at commit 2222.") + [tokenizer.eod]]
 
-    # a manifest written before commits were recorded stands for what it records: no second tokenizing
+    # a manifest written before commits were recorded stands for what it records: no second tokenizing;
+    # it then records the commit found, so that the next upstream change is seen
     manifest = Path(f"{prefix}.manifest.json")
     recorded = json.loads(manifest.read_text())
     assert recorded["fingerprint"]["sources"] == [[name, "2222"]]
@@ -671,3 +672,8 @@ def test_a_hub_dataset_updated_upstream_is_prepared_again(tmp_path, monkeypatch,
     capsys.readouterr()
     prepare(config)
     assert "up to date" in capsys.readouterr().out and reads == ["1111", "2222"]
+    assert json.loads(manifest.read_text()) == {**recorded, "fingerprint": {**recorded["fingerprint"],
+                                                                           "sources": [[name, "2222"]]}}
+    commit["sha"] = "3333"
+    prepare(config)
+    assert reads == ["1111", "2222", "3333"]

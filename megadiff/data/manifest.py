@@ -86,16 +86,21 @@ def _output_sizes(outputs: Sequence[str | Path]) -> Optional[list[int]]:
 
 
 def is_up_to_date(prefix: str | Path, fingerprint: dict, outputs: Sequence[str | Path]) -> bool:
-    """Whether the manifest at `prefix` matches `fingerprint` and the indexed datasets `outputs` are intact."""
+    """Whether the manifest at `prefix` matches `fingerprint` and the indexed datasets `outputs` are intact
+    (call it holding the prefix's lock: an older manifest that matches is rewritten in the current form)."""
     manifest = read_manifest(prefix)
-    return (manifest is not None and manifest.get("format") == FORMAT
+    if not (manifest is not None and manifest.get("format") == FORMAT
             and _same_inputs(manifest.get("fingerprint"), fingerprint)
-            and _same_outputs(manifest.get("output_bytes"), _output_sizes(outputs)))
+            and _same_outputs(manifest.get("output_bytes"), _output_sizes(outputs))):
+        return False
+    if manifest["fingerprint"] != fingerprint:  # so that a later change of what it lacked is seen
+        write_manifest(prefix, fingerprint, manifest["stats"], outputs)
+    return True
 
 
 # Manifests written before tokenizer directories were hashed, loss masks' sizes and hub datasets'
-# commits recorded hold less: they stand for what they record, so upgrading does not tokenize a whole
-# corpus again.
+# commits recorded hold less: they stand for what they record (the data is taken to be that of the
+# tokenizer and commit found now), so upgrading does not tokenize a whole corpus again.
 
 def _same_inputs(recorded: dict | None, current: dict) -> bool:
     if recorded is None:
