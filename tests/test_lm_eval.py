@@ -501,29 +501,36 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
     assert "pip install" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("hub_answers", [True, False])
-def test_an_unreachable_hub_reads_task_data_from_the_cache_without_retrying(tasks, hub_answers, capsys, monkeypatch):
-    """Without HF_HUB_OFFLINE, datasets retries an unreachable hub for some 20 s a task: one failed
-    request turns offline mode on instead; a hub that answers leaves it off."""
+class _UnavailableHub(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self):  # noqa: N802 -- http.server's name
+        self.send_response(503)
+        self.end_headers()
+
+
+@pytest.mark.parametrize("hub", ["answers", "answers 503", "does not answer"])
+def test_an_unreachable_hub_reads_task_data_from_the_cache_without_retrying(tasks, hub, capsys, monkeypatch):
+    """Without HF_HUB_OFFLINE, datasets retries an unreachable hub for some 20 s a task: one request
+    without an answer turns offline mode on instead; a hub that answers, whatever its status, leaves it off."""
     import datasets
     import huggingface_hub
     from megadiff.inference import harness
 
-    with socketserver.TCPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as server:
-        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-        if hub_answers:
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-        else:
+    handler = _UnavailableHub if hub == "answers 503" else http.server.SimpleHTTPRequestHandler
+    with socketserver.TCPServer(("127.0.0.1", 0), handler) as server:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        if hub == "does not answer":
             server.server_close()  # nothing listens there: the connection is refused
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        else:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
         manager, names = harness.known_tasks(["kjv_choice"], str(tasks))
         harness.check_task_data(manager, names)  # the task's data is local: read either way
-        if hub_answers:
+        if hub != "does not answer":
             server.shutdown()
-    assert datasets.config.HF_HUB_OFFLINE is huggingface_hub.constants.HF_HUB_OFFLINE is (not hub_answers)
-    assert ("does not answer" in capsys.readouterr().err) is (not hub_answers)
+    offline = hub == "does not answer"
+    assert datasets.config.HF_HUB_OFFLINE is huggingface_hub.constants.HF_HUB_OFFLINE is offline
+    assert ("does not answer" in capsys.readouterr().err) is offline
 
 
 def document_masked(run: Path):

@@ -24,6 +24,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,20 +319,24 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
 
 def read_hub_data_from_cache_if_unreachable() -> None:
     """Without a network, and without HF_HUB_OFFLINE=1 (or HF_DATASETS_OFFLINE=1), the datasets library
-    retries the hub for some 20 s a task before reading its cache: one request that fails turns both
-    libraries' offline mode on instead, for this process."""
+    retries the hub for some 20 s a task before reading its cache: one request that gets no answer turns
+    both libraries' offline mode on instead, for this process (any HTTP status is an answer)."""
     import datasets
     import huggingface_hub
 
     if datasets.config.HF_HUB_OFFLINE:
         return
+    endpoint = huggingface_hub.constants.ENDPOINT
     try:
-        huggingface_hub.utils.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
-    except Exception as error:  # noqa: BLE001 -- any failure to reach it (DNS, refused, timeout, proxy) counts
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        pass
+    except OSError as error:  # DNS, refused, a timeout, a proxy that cannot connect
         datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
-        plain_console(stderr=True, quiet=not reports()).print(
-            f"the hub ({huggingface_hub.constants.ENDPOINT}) does not answer ({type(error).__name__}): the tasks' "
-            "data is read from the datasets cache only (HF_HUB_OFFLINE=1 says so without asking)")
+        # before the ranks join (the checkpoint's loading joins them): the launcher's rank 0 prints
+        plain_console(stderr=True, quiet=os.environ.get("RANK", "0") != "0").print(
+            f"the hub ({endpoint}) does not answer ({getattr(error, 'reason', error)}): the tasks' data is read "
+            "from the datasets cache only (HF_HUB_OFFLINE=1 says so without asking)")
 
 
 def check_task_data(manager: TaskManager, names: list[str]) -> None:
