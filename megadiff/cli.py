@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="export DIFF with megadiff's modeling code (trust_remote_code) instead of stock DiffLlama")
     conv_sub.choices["from-hf"].add_argument(
         "--pad-vocab", type=_positive_int, default=None, metavar="MULTIPLE",
-        help="pad the vocabulary's rows to a multiple of MULTIPLE (128 x the tensor-parallel size to train at), "
-             "the new rows the old ones' mean (default: keep it as it is)")
+        help="pad the vocabulary's rows to a multiple of MULTIPLE (e.g. 128) for tensor-parallel training, the new "
+             "rows the old ones' mean (default: keep it as it is)")
 
     gen = sub.add_parser("generate", help="generate text from a megadiff checkpoint")
     gen.add_argument("--load", required=True)

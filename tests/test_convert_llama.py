@@ -152,6 +152,16 @@ def test_from_hf_pads_an_odd_vocabulary_for_tensor_parallel_training(tmp_path, c
     tensor_parallel = cfg.model_copy(update={"model": padded_per_rank,
                                              "parallel": cfg.parallel.model_copy(update={"tensor": 2})})
     _check_same_vocabulary(cfg, tensor_parallel, checkpoint)  # 384 rows at TP=2
+
+    # a megadiff export keeps its run's config (the sidecar's): its tokenizer's vocabulary, padded further
+    exported = convert_to_hf(checkpoint, tmp_path / "export")
+    capsys.readouterr()
+    again = convert_from_hf(exported, tmp_path / "again", pad_vocab=256)
+    assert "does not describe" not in capsys.readouterr().out
+    model = checkpoint_config(again).model
+    assert (model.vocab_size, model.make_vocab_size_divisible_by) == (301, 512)
+    padded = load_checkpoint(again).parameters_by_name()["output_layer.weight"]
+    assert padded.shape[0] == 512 and torch.equal(padded[:384], weights["output_layer.weight"])
     with pytest.raises(SystemExit, match="2"):
         main(["convert", "from-hf", "--load", str(tmp_path / "odd"), "--save", str(tmp_path / "x"), "--pad-vocab", "0"])
     assert "--pad-vocab: 0 is not >= 1" in capsys.readouterr().err

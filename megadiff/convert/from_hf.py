@@ -38,11 +38,18 @@ VOCAB_PARAMETERS = {"embedding.word_embeddings.weight", "output_layer.weight"}  
 def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precision: str, tokenizer: str,
                      console: Console, pad_vocab: int | None) -> Config:
     """The sidecar config of a megadiff export where it still describes config.json, else one derived from it;
-    the vocabulary padded to a multiple of `pad_vocab`, or kept as it is."""
+    the vocabulary's `vocab_size` rows padded to a multiple of `pad_vocab`, or kept as they are."""
+    rows = -(-vocab_size // pad_vocab) * pad_vocab if pad_vocab else vocab_size
     source = hf_dir.source_cfg
-    if source is not None and pad_vocab is None and same_model(source.model, fields) and \
+    if source is not None and same_model(source.model, fields) and \
             padded_vocab_size(source.model, source.parallel.tensor) == vocab_size:
         base, model = source, source.model
+        if rows != vocab_size:  # the run's own vocabulary (its tokenizer's), padded further
+            tensor = source.parallel.tensor
+            if rows % tensor:
+                raise ConversionError(f"--pad-vocab {pad_vocab} gives {rows} rows, which the export's "
+                                      f"parallel.tensor={tensor} does not divide: pass a multiple of {tensor}")
+            model = model.model_copy(update={"make_vocab_size_divisible_by": rows // tensor})
     else:
         if source is not None:
             console.print("megadiff convert: megadiff_config.yaml does not describe config.json (edited since the "
@@ -113,8 +120,8 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
 
 def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                     pad_vocab: int | None = None) -> Path:
-    """`pad_vocab`: pad the vocabulary's rows to a multiple of it (128 x the tensor-parallel size to come: an
-    odd vocabulary, a Llama's 32,001, trains at parallel.tensor=1 only), the new rows the old ones' mean."""
+    """`pad_vocab`: pad the vocabulary's rows to a multiple of it (e.g. 128: an odd vocabulary, a Llama's
+    32,001, trains at parallel.tensor=1 only), the new rows the old ones' mean."""
     console = plain_console()
     if pad_vocab is not None and pad_vocab < 1:
         raise ConversionError(f"--pad-vocab must be >= 1, not {pad_vocab}")
