@@ -89,7 +89,9 @@ def test_an_output_that_is_a_directory_is_refused_as_the_command_is_read(capsys,
     (["convert", "to-hf", "--load", "r", "--save", "h", "--remote-code"], "megadiff.convert.to_hf:convert_to_hf",
      (("r", "h"), {"dtype": None, "check": True, "remote_code": True})),
     (["convert", "from-hf", "--load", "h", "--save", "c", "--dtype", "bf16", "--no-check"],
-     "megadiff.convert.from_hf:convert_from_hf", (("h", "c"), {"dtype": "bf16", "check": False})),
+     "megadiff.convert.from_hf:convert_from_hf", (("h", "c"), {"dtype": "bf16", "check": False, "pad_vocab": None})),
+    (["convert", "from-hf", "--load", "h", "--save", "c", "--pad-vocab", "128"],
+     "megadiff.convert.from_hf:convert_from_hf", (("h", "c"), {"dtype": None, "check": True, "pad_vocab": 128})),
 ])
 def test_each_command_calls_its_function_with_its_options(monkeypatch, argv, target, call):
     from megadiff import cli
