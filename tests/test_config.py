@@ -75,6 +75,8 @@ def test_softmax_head_dim_uses_all_heads():
     (["model.sdpa_kernels=[fa3]"], "model.sdpa_kernels.*'cudnn', 'flash', 'efficient' or 'math'"),
     (["model.attention_backend=triton", "model.sdpa_kernels=[cudnn]"],
      "model.sdpa_kernels: model.attention_backend=triton makes no SDPA call"),
+    (["model.attention_backend=reference", "model.sdpa_kernels=[cudnn]"],
+     "model.sdpa_kernels: model.attention_backend=reference makes no SDPA call"),
     (["logging.profile_iterations=[3,2]"], "logging.profile_iterations"),
     (["logging.profile_iterations=[0,2]"], "logging.profile_iterations"),
     (["logging.profile_ranks=[-1]"], "logging.profile_ranks"),
@@ -220,7 +222,7 @@ def test_the_sdpa_kernels_check_asks_for_training_calls_of_the_models_shapes(mon
 
     def choice(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
         asked.append(dict(grad=torch.is_grad_enabled() and q.requires_grad and v.requires_grad,
-                          heads=(q.shape[1], k.shape[1]), widths=(q.shape[-1], v.shape[-1]),
+                          heads=(q.shape[1], k.shape[1], v.shape[1]), widths=(q.shape[-1], v.shape[-1]),
                           lengths=(q.shape[2], k.shape[2]), masked=attn_mask is not None, gqa=enable_gqa))
         return 0
 
@@ -230,7 +232,14 @@ def test_the_sdpa_kernels_check_asks_for_training_calls_of_the_models_shapes(mon
              "model.sdpa_kernels=[math]"]
     with torch.no_grad():  # the check asks for training calls wherever it is run from
         assert sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["parallel.tensor=2"], 2), cpu) is None
-    assert asked == [dict(grad=True, heads=(2, 1), widths=(32, 64), lengths=(64, 64), masked=False, gqa=True)]
+    assert asked == [dict(grad=True, heads=(2, 1, 1), widths=(32, 64), lengths=(64, 64), masked=False, gqa=True)]
+    asked.clear()
+    # every differential variant's V is twice as wide; without grouped queries, no GQA
+    for variant in (["model.variant=dint"], ["model.variant=shared_diff", "model.lowrank_rank=4"]):
+        sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + variant), cpu)
+    sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["model.num_kv_heads=4"]), cpu)
+    assert [(a["heads"], a["widths"], a["gqa"]) for a in asked] == [((4, 2, 2), (32, 64), True)] * 2 + \
+        [((4, 4, 4), (32, 64), False)]
     asked.clear()
     sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["model.attention_backend=sdpa_split_v",
                                                                   "parallel.context=2", "data.document_masking=true"],
@@ -239,3 +248,34 @@ def test_the_sdpa_kernels_check_asks_for_training_calls_of_the_models_shapes(mon
                                                                          ((32, 32), (1, 1), False)]
     asked.clear()
     assert sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model[:-1]), cpu) is None and asked == []
+
+    # where the differential backend resolves to the fused kernel (auto on CUDA), no SDPA call is made
+    resolved = []
+    monkeypatch.setattr(sdpa_calls, "resolve_backend", lambda backend, q, value_dim: resolved.append(
+        (backend, q.shape[-1], value_dim)) or "triton")
+    assert sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model), cpu) is None and asked == []
+    assert resolved == [("auto", 32, 64)]
+
+
+def test_sdpa_kernels_order_the_softmax_baseline_whatever_the_differential_backend_says():
+    """model.attention_backend chooses the differential core attention's path; the softmax baseline's is SDPA."""
+    cfg = build_config({}, ["model.variant=softmax", "model.attention_backend=triton", "model.sdpa_kernels=[math]"])
+    assert cfg.model.sdpa_kernels == ["math"]
+
+
+def test_a_kernel_list_that_refuses_only_one_token_documents_says_so(monkeypatch):
+    """Document masking's one-token calls (which cuDNN, for one, declines) are asked about apart, and a
+    refusal of those alone names them."""
+    from megadiff.models import sdpa_calls
+
+    def choice(q, k, v, **call):
+        if q.shape[2] == 1:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return 0
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    model = ["model.sdpa_kernels=[cudnn]", "model.attention_backend=sdpa"]
+    assert sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model), torch.device("cpu")) is None
+    refusal = sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["data.document_masking=true"]),
+                                                  torch.device("cpu"))
+    assert refusal.startswith("(a one-token document's call) No available kernel"), refusal

@@ -9,10 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torch.nn.attention import SDPBackend
+
 from megadiff.ops import (
     IntegralCarry, depth_lambda_init, differential_attention, differential_attention_reference,
-    differential_attention_sdpa, reparameterized_lambda, resolve_backend, softmax_attention,
+    differential_attention_sdpa, reparameterized_lambda, resolve_backend, sdpa_kernel_order, softmax_attention,
 )
+from megadiff.ops.sdpa import recording_sdpa_kernels
 
 IMPLEMENTATIONS = {
     "reference": differential_attention_reference,
@@ -100,6 +103,37 @@ def assert_matches_paper_formula(out, inputs, causal, integral, visible=None) ->
     want = torch.autograd.grad(expected, leaves, grad_out)
     for name, g, w in zip(("q1", "k1", "q2", "k2", "v", "lam"), got, want):
         torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-6, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_a_softmax_scale_scales_the_scores(impl):
+    """softmax_scale s on q is the default 1/sqrt(d) on q * s * sqrt(d), for both maps."""
+    q1, k1, q2, k2, v, lam = make_inputs()
+    scale = 0.3
+    boost = scale * math.sqrt(q1.shape[-1])
+    torch.testing.assert_close(IMPLEMENTATIONS[impl](q1, k1, q2, k2, v, lam, softmax_scale=scale),
+                               IMPLEMENTATIONS[impl](q1 * boost, k1, q2 * boost, k2, v, lam), rtol=1e-9, atol=1e-9)
+
+
+def test_sdpa_kernel_order_sets_torchs_priority_and_restores_it():
+    before = torch._C._get_sdp_priority_order()
+    with sdpa_kernel_order(["math", "flash"]):
+        assert torch._C._get_sdp_priority_order()[:2] == [int(SDPBackend.MATH), int(SDPBackend.FLASH_ATTENTION)]
+    assert torch._C._get_sdp_priority_order() == before
+
+
+def test_a_kernel_recording_ends_with_its_block_even_when_it_raises():
+    from megadiff.ops import sdpa
+
+    q1, k1, q2, k2, v, lam = make_inputs()
+    with recording_sdpa_kernels() as kernels:
+        differential_attention_sdpa(q1, k1, q2, k2, v, lam)
+    assert len(kernels) == 2  # one call a map
+    with pytest.raises(RuntimeError, match="stop"), recording_sdpa_kernels():
+        raise RuntimeError("stop")
+    assert sdpa._kernel_records == []  # later calls ask torch's dispatcher nothing, and nothing is kept
+    differential_attention_sdpa(q1, k1, q2, k2, v, lam)
+    assert len(kernels) == 2
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
