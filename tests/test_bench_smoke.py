@@ -26,7 +26,7 @@ def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):
     assert set(rows) == set(kernels) | {"diff-sdpa-efficient", "diff-sdpa_split_v-efficient"}
     for method, kernel in kernels.items():
         row = rows[method]
-        assert row["status"] == "ok" and row["sdpa_kernels"] == kernel, row
+        assert row["status"] == "ok" and row["sdpa_kernels"] == row["sdpa_kernels_fwd"] == kernel, row
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and math.isfinite(row["fwd_bwd_tflops"])
     for method in ("diff-sdpa-efficient", "diff-sdpa_split_v-efficient"):
         assert rows[method]["status"].startswith("error: RuntimeError: No viable backend"), rows[method]
