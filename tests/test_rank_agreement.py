@@ -107,3 +107,38 @@ def test_pretraining_ranks_started_differently_are_refused_before_any_data_or_mo
     local = run_reporting_ranks(2, megadiff_on_rank, argv, {1: [f"output_dir={tmp_path / 'node1'}"]}, expect=2)
     assert local.stderr.count(f"output_dir: {tmp_path / 'run'} is not the same directory on every node: rank 1") == 2
     assert not (tmp_path / "cache" / "indices").exists()  # refused before the data
+
+
+def test_a_probe_a_shared_filesystem_shows_late_is_waited_for(tmp_path, monkeypatch):
+    """NFS attribute caches may show rank 0's new file a moment late: not seen at first is not yet refused."""
+    from megadiff import rank_agreement
+
+    looks = []
+    monkeypatch.setattr(Path, "exists", lambda path: looks.append(path) or len(looks) > 1)
+    assert rank_agreement._view(tmp_path, "probe") == (str(tmp_path), True, None) and len(looks) == 2
+
+
+def test_probes_written_before_a_directory_that_fails_are_removed(tmp_path):
+    import pytest
+
+    from megadiff import rank_agreement
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(OSError):
+        rank_agreement._write_probes([tmp_path / "run", tmp_path / "a-file" / "data"])
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_many_differing_ranks_are_named_three_and_counted():
+    import pytest
+
+    from megadiff.config import ConfigError
+    from megadiff.rank_agreement import _differences, _refuse_unshared
+
+    views = [("h0", "/shared", True, None)] + [(f"h{rank}", f"/local{rank}", False, None) for rank in range(1, 6)]
+    with pytest.raises(ConfigError, match=r"rank 1 \(h1, at /local1\), 2 \(h2, at /local2\), 3 \(h3, at /local3\) "
+                                          r"and 2 more did not see"):
+        _refuse_unshared("output_dir", views)
+    lines = _differences([("h0", {"lr": 1})] + [(f"h{rank}", {"lr": 2}) for rank in range(1, 6)])
+    assert lines == ["lr: rank 0 (h0) has 1, rank 1 (h1) has 2, rank 2 (h2) has 2, rank 3 (h3) has 2 "
+                     "(and 2 more ranks)"]
