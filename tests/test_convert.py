@@ -5,8 +5,11 @@ the stock classes load without trust_remote_code, the round trip gives identical
 bad inputs are refused by name."""
 from __future__ import annotations
 
+import errno
 import gc
+import itertools
 import json
+import os
 import re
 import shutil
 import weakref
@@ -21,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config
 from megadiff.config import build_config
 from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf, from_hf, to_hf
-from megadiff.convert.hf_io import HFWeights
+from megadiff.convert.hf_io import CODE_FILES, EXPORT_STAGING, SAFETENSORS_INDEX, HFWeights, read_hf_dir
 from megadiff.inference import load_checkpoint
 from tests.convert_worker import MODEL, VARIANTS, build_tokenizer, reference_model, save_checkpoints, save_in_process
 from tests.distributed import run_ranks
@@ -185,33 +188,151 @@ def test_an_export_failing_part_way_leaves_the_earlier_export_whole(root, refere
     assert not list(hf_dir.glob(".*"))  # nor the staging directory inside
 
 
-def test_an_export_interrupted_between_its_renames_keeps_the_earlier_config(root, tmp_path, monkeypatch):
-    """The files naming the others move last: an export interrupted among its renames leaves the earlier
-    export's config.json (transformers then reads the earlier model's architecture, not a mix named as the
-    new one), and the new files not yet moved in the staging directory, which the next export replaces."""
-    import os
+def _files(directory: Path) -> dict[str, bytes]:
+    """A directory's files and their bytes (not the staging directory)."""
+    return {path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()}
+
+
+def _steps_in(monkeypatch, directory: Path, kill_at: int | None = None) -> list[str]:
+    """Patches os.replace and Path.unlink to record each step of an export in `directory` (a rename into it,
+    a removal of one of its files) as 'replace NAME' or 'unlink NAME', and with `kill_at`, to raise
+    KeyboardInterrupt in place of that step (numbered from 0): a kill there, nothing after it done."""
+    from megadiff.convert import hf_io
+
+    steps, replace, unlink = [], os.replace, Path.unlink
+
+    def step(kind: str, path) -> None:
+        if Path(path).parent == directory:
+            if len(steps) == kill_at:
+                raise KeyboardInterrupt
+            steps.append(f"{kind} {Path(path).name}")
+
+    def replacing(source, target):
+        step("replace", target)
+        return replace(source, target)
+
+    def unlinking(path, missing_ok=False):
+        step("unlink", path)
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(hf_io.os, "replace", replacing)
+    monkeypatch.setattr(Path, "unlink", unlinking)
+    return steps
+
+
+def test_a_sharded_export_removes_the_earlier_config_first_and_moves_its_index_then_its_config_last(
+        root, tmp_path, monkeypatch):
+    """config.json names the architecture and the index the shards: moved in before the files they name (or
+    before the earlier export's files are removed), a kill left them naming files not yet there or stale ones."""
+    from megadiff.convert import hf_io
+
+    hf_dir = convert_to_hf(root / "tp2" / "diff", tmp_path / "hf", check=False)  # one file, replaced by shards
+    monkeypatch.setattr(hf_io, "MAX_SHARD_SIZE", "100KB")
+    steps = _steps_in(monkeypatch, hf_dir)
+    convert_to_hf(root / "tp2" / "diff", hf_dir, check=False)
+    moved = [step.removeprefix("replace ") for step in steps if step.startswith("replace ")]
+    assert len(list(hf_dir.glob("model-*.safetensors"))) > 3
+    assert sorted(moved) == sorted(_files(hf_dir)) and "unlink model.safetensors" in steps
+    assert steps[0] == "unlink config.json"
+    assert steps[-2:] == [f"replace {SAFETENSORS_INDEX}", "replace config.json"]
+
+
+@pytest.mark.parametrize("earlier,later", [(("shared_diff", "200KB"), ("diff", "5GB")),
+                                           (("diff", "5GB"), ("shared_diff", "200KB"))],
+                         ids=["shards_then_one_file", "one_file_then_shards"])
+def test_an_export_killed_at_any_step_of_its_moves_leaves_the_earlier_export_or_none_a_reader_takes(
+        root, tmp_path, monkeypatch, earlier, later):
+    """Moved in file by file, an export killed between two steps left a mix: new weights under the earlier
+    config.json, or (shards replaced by one file) the new config.json beside the earlier index, which from-hf
+    reads before model.safetensors: the earlier shards taken for the new model. Killed at each step in turn,
+    the directory is the earlier export as it was or lacks config.json, which transformers and from-hf refuse;
+    the next export leaves what one into an empty directory does (with the remote code of neither)."""
+    from transformers import AutoConfig
 
     from megadiff.convert import hf_io
 
+    def export(variant_and_shard_size, directory):
+        variant, shard_size = variant_and_shard_size
+        monkeypatch.setattr(hf_io, "MAX_SHARD_SIZE", shard_size)
+        return convert_to_hf(root / "tp2" / variant, directory, check=False)
+
+    before, after = _files(export(earlier, tmp_path / "earlier")), _files(export(later, tmp_path / "later"))
+    assert (SAFETENSORS_INDEX in before) != (SAFETENSORS_INDEX in after)
+    hf_dir = tmp_path / "hf"
+    for kill_at in itertools.count():
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        shutil.copytree(tmp_path / "earlier", hf_dir)
+        with monkeypatch.context() as patched:
+            steps = _steps_in(patched, hf_dir, kill_at)
+            try:
+                export(later, hf_dir)
+                break
+            except KeyboardInterrupt:
+                pass
+        left = _files(hf_dir)
+        if left != before:
+            assert "config.json" not in left, f"killed after {steps}"
+            with pytest.raises(ConversionError, match="no config.json"):
+                read_hf_dir(hf_dir)
+            with pytest.raises((OSError, ValueError), match="config.json"):  # "Unrecognized model ... config.json"
+                AutoConfig.from_pretrained(hf_dir)
+    assert kill_at == len(steps) > len(after)  # every step was a kill point
+    assert _files(hf_dir) == after and not (hf_dir / EXPORT_STAGING).exists()
+    shutil.rmtree(hf_dir)
+    shutil.copytree(tmp_path / "earlier", hf_dir)
+    with monkeypatch.context() as patched:
+        _steps_in(patched, hf_dir, kill_at // 2)
+        with pytest.raises(KeyboardInterrupt):
+            export(later, hf_dir)
+    assert (hf_dir / EXPORT_STAGING).is_dir()
+    export(later, hf_dir)
+    assert _files(hf_dir) == after and not (hf_dir / EXPORT_STAGING).exists()
+
+
+def test_a_failing_export_removes_the_directory_it_made_and_keeps_the_one_it_was_given(root, tmp_path, monkeypatch):
+    """Failing, an export into a new directory leaves nothing (an empty directory named as the model); one
+    into an existing empty directory, the user's (a mount point, a directory with its permissions), keeps it."""
+    import safetensors.torch
+
+    def disk_full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    (tmp_path / "given").mkdir()
+    for save in ("made", "given"):
+        with pytest.raises(OSError, match="No space left on device"):
+            convert_to_hf(root / "tp2" / "diff", tmp_path / save, check=False)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["given"]
+    assert not any((tmp_path / "given").iterdir())
+
+
+def test_an_export_interrupted_while_writing_leaves_no_staging_directory(root, tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt, no Exception) while the shards were written left them, a model's size, in the
+    staging directory until the next export, and the directory made for the export; it still stops the export."""
+    import safetensors.torch
+
+    def interrupted(tensors, filename, metadata=None):
+        raise KeyboardInterrupt
+
     hf_dir = convert_to_hf(root / "tp2" / "diff", tmp_path / "hf", check=False)
-    earlier_config = (hf_dir / "config.json").read_bytes()
-    renames, replace = [], os.replace
+    before = _files(hf_dir)
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    for save in (hf_dir, tmp_path / "new"):
+        with pytest.raises(KeyboardInterrupt):
+            convert_to_hf(root / "tp2" / "shared_diff", save, check=False)
+    assert _files(hf_dir) == before and not (hf_dir / EXPORT_STAGING).exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
 
-    def interrupted(source, target):
-        if len(renames) == 2:
-            raise KeyboardInterrupt
-        renames.append(Path(target).name)
-        return replace(source, target)
 
-    monkeypatch.setattr(hf_io.os, "replace", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        convert_to_hf(root / "tp2" / "shared_diff", hf_dir, check=False)
-    monkeypatch.undo()
-    assert "config.json" not in renames and (hf_dir / "config.json").read_bytes() == earlier_config
-    assert (hf_dir / ".megadiff-export.partial" / "config.json").is_file()
-    convert_to_hf(root / "tp2" / "shared_diff", hf_dir, check=False)
-    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "megadiff"
-    assert not list(hf_dir.glob(".*"))
+def test_a_stock_export_over_a_remote_code_one_leaves_none_of_its_code(root, tmp_path):
+    """A DiffLlama export over a remote-code one kept modeling_megadiff.py and configuration_megadiff.py: the
+    directory then reads (and is shared) as a remote-code model, with code that is not its model's."""
+    hf_dir = convert_to_hf(root / "tp2" / "shared_diff", tmp_path / "hf", check=False)
+    assert all((hf_dir / name).is_file() for name in CODE_FILES)
+    convert_to_hf(root / "tp2" / "diff", hf_dir, check=False)
+    fresh = convert_to_hf(root / "tp2" / "diff", tmp_path / "fresh", check=False)
+    assert not any((hf_dir / name).exists() for name in CODE_FILES)
+    assert sorted(_files(hf_dir)) == sorted(_files(fresh))
 
 
 def test_to_hf_refuses_a_file_for_save_before_reading_and_takes_the_working_directory(root, tmp_path, monkeypatch):

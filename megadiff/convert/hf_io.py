@@ -97,21 +97,29 @@ def _is_export_file(name: str) -> bool:
 
 
 def _move_in(staged: Path, directory: Path) -> None:
-    """staged's files into directory in place of their namesakes, the files naming the others (config.json,
-    the shards' index) last, then the earlier export's files this one lacks (more shards, a chat template,
-    remote code) removed. Interrupted between two renames (a moment), the directory holds some of each
-    export's files, and the staging directory the rest of the new one's: the next export replaces both."""
-    last = (SAFETENSORS_INDEX, "config.json")
-    written = sorted((path.name for path in staged.iterdir()), key=lambda name: name in last)
-    for name in written:
-        target = directory / name
-        if target.is_dir() and not target.is_symlink() or (staged / name).is_dir():
-            _remove(target)  # a rename puts neither a file nor a directory over a directory, nor one over a file
-        os.replace(staged / name, target)
+    """staged's files into directory in place of their namesakes, the earlier export's files this one lacks
+    (more shards, a chat template, remote code) removed, and the files naming the others (the shards' index,
+    then config.json) last. The earlier config.json goes first: every reader needs one (transformers, from-hf,
+    chat --hf), so interrupted among these steps (a moment), the directory is refused until the next export
+    replaces it and the staging directory's rest, never read as a mix of both exports (the earlier one's
+    index naming its shards under the new config.json, or new weights under the earlier config.json)."""
+    written = [path.name for path in staged.iterdir()]
+    last = [name for name in (SAFETENSORS_INDEX, "config.json") if name in written]
+    _remove(directory / "config.json")
+    for name in [name for name in written if name not in last]:
+        _replace(staged / name, directory / name)
     for stale in directory.iterdir():
         if _is_export_file(stale.name) and stale.name not in written and stale.is_file():
             stale.unlink()
+    for name in last:
+        _replace(staged / name, directory / name)
     staged.rmdir()
+
+
+def _replace(source: Path, target: Path) -> None:
+    if target.is_dir() and not target.is_symlink() or source.is_dir():
+        _remove(target)  # a rename puts neither a file nor a directory over a directory, nor one over a file
+    os.replace(source, target)
 
 
 def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
