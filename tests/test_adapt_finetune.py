@@ -26,7 +26,7 @@ from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import run_ranks, run_reporting_ranks
 from tests.test_chat_data import CHATML
-from tests.wandb_log import logged_history_and_config
+from tests.wandb_log import exit_codes, logged_history_and_config
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS = 4
@@ -110,6 +110,11 @@ def finetuned(config: str, overrides: list[str]) -> int:
 STAGES = {1: ("configs/deepspeed/zero1.json", "deepspeed"), 2: ("configs/deepspeed/zero2.json", "torchrun"),
           3: (None, "torchrun")}
 WANDB_STAGE = 2  # this stage's run also logs to W&B (offline: tests/conftest.py)
+WANDB = "logging.wandb_project=megadiff-tests"
+
+
+def wandb_runs(output: Path) -> list[Path]:
+    return sorted((output / "wandb").glob("offline-run-*"))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +127,7 @@ def stage_runs(workspace):
             ds_json, launcher = STAGES[stage]
             ds_json = str(REPO / ds_json) if ds_json else str(workspace / "zero3_all.json")
             output = workspace / f"zero{stage}"
-            wandb = ["logging.wandb_project=megadiff-tests"] if stage == WANDB_STAGE else []
+            wandb = [WANDB] if stage == WANDB_STAGE else []
             run_adapt(workspace, f"deepspeed={ds_json}", f"output_dir={output}", *wandb, launcher=launcher)
             done[stage] = output
         return done[stage]
@@ -151,10 +156,11 @@ def test_zero_stage_trains_logs_and_exports(stage, stage_runs, workspace):
     assert all(v != 0.0 for v in records[1]["lambda"].values())
     assert (output / "tensorboard").is_dir() and (output / "checkpoints" / "latest").is_file()
     if stage == WANDB_STAGE:
-        history, config = logged_history_and_config(sorted((output / "wandb").glob("offline-run-*")))
+        history, config = logged_history_and_config(wandb_runs(output))
         assert {r["iteration"]: r["lm_loss"] for r in history} == pytest.approx(
             {r["iteration"]: r["lm_loss"] for r in records})
         assert config["adaptation"]["method"] == "dex"
+        assert exit_codes(wandb_runs(output)) == [0]  # W&B shows the run finished, not failed
     plan = json.loads((output / "adaptation.json").read_text())
     assert [len(layer["heads"]) for layer in plan["layers"]] == [2, 2]
 
@@ -360,13 +366,15 @@ def signalled_while_starting(rank: int, world_size: int, config: str, overrides:
 
 def test_a_signal_while_the_adaptation_starts_requeues_it(workspace, tmp_path, monkeypatch):
     """The default action killed the rank (and failed the job): the run takes its first iteration,
-    checkpoints it and exits 75."""
+    checkpoints it and exits 75; its W&B run ends as finished (exit code 0), not failed: the requeue resumes it."""
     for name, value in _env(workspace).items():
         monkeypatch.setenv(name, value)
     output, report = tmp_path / "started", tmp_path / "exit_code"
-    run_ranks(1, signalled_while_starting, str(workspace / "adapt.yaml"), [f"output_dir={output}"], str(report))
+    run_ranks(1, signalled_while_starting, str(workspace / "adapt.yaml"), [f"output_dir={output}", WANDB],
+              str(report))
     assert report.read_text() == "75"
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000001"
+    assert exit_codes(wandb_runs(output)) == [0]
 
 
 def failing_at_the_second_iteration(rank: int, world_size: int, config: str, overrides: list[str],
@@ -388,16 +396,47 @@ def failing_at_the_second_iteration(rank: int, world_size: int, config: str, ove
         Path(report).write_text(str(error))
 
 
-def test_a_failing_step_leaves_no_empty_stalls_file(workspace, tmp_path, monkeypatch):
+def test_a_failing_step_leaves_no_empty_stalls_file_and_fails_the_wandb_run(workspace, tmp_path, monkeypatch):
     """The watchdog's file (one a rank, filled only by a stalled step) was removed at a normal end only: an
-    error left every rank's empty file behind, which reads as a stall that was not."""
+    error left every rank's empty file behind, which reads as a stall that was not. W&B shows the run failed
+    (exit code 1), not finished."""
     for name, value in _env(workspace).items():
         monkeypatch.setenv(name, value)
     output, report = tmp_path / "failed", tmp_path / "raised"
     run_ranks(1, failing_at_the_second_iteration, str(workspace / "adapt.yaml"),
-              [f"output_dir={output}", "logging.log_interval=1"], str(report))
+              [f"output_dir={output}", "logging.log_interval=1", WANDB], str(report))
     assert report.read_text() == "a failing step"
     assert [r["iteration"] for r in read_metrics(output)] == [1]  # the metrics written before the error
+    assert not (output / "stalls").exists()
+    assert exit_codes(wandb_runs(output)) == [1]
+
+
+def failing_as_deepspeed_starts(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
+    """`megadiff adapt` in a spawned rank whose deepspeed.initialize raises; reports what it raised."""
+    import deepspeed
+
+    from megadiff.adapt.finetune import finetune
+
+    def initialize(*args, **kwargs):
+        raise RuntimeError("DeepSpeed failed to start")
+
+    deepspeed.initialize = initialize
+    try:
+        finetune(load_finetune_config(config, overrides))
+    except RuntimeError as error:
+        Path(report).write_text(str(error))
+
+
+def test_a_run_failing_before_its_first_step_fails_its_wandb_run(workspace, tmp_path, monkeypatch):
+    """The W&B run starts before the model loads (a login or project problem stops the run at once): an error in
+    the minutes between (the model, head selection, DeepSpeed, the checkpoint) left it unfinished, never failed."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    output, report = tmp_path / "failed", tmp_path / "raised"
+    run_ranks(1, failing_as_deepspeed_starts, str(workspace / "adapt.yaml"), [f"output_dir={output}", WANDB],
+              str(report))
+    assert report.read_text() == "DeepSpeed failed to start"
+    assert exit_codes(wandb_runs(output)) == [1]
     assert not (output / "stalls").exists()
 
 

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from megadiff.watchdog import StallWatchdog
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,3 +35,17 @@ def test_a_step_that_outlasts_most_of_the_timeout_writes_the_ranks_stacks_to_its
     stacks = (tmp_path / "stalls" / f"rank3-{socket.gethostname()}.txt").read_text()
     assert stacks.startswith("Timeout (0:00:00.900000)!") and "in stuck_reading_data" in stacks
     assert not (tmp_path / "quiet").exists()  # a file left empty is removed, and then its directory
+
+
+def test_entering_the_watchdog_every_step_reuses_its_one_open_file(tmp_path):
+    # entered around every training step: a file opened per step would leak a descriptor a step (or, if
+    # collected, truncate what an earlier dump wrote), so the first step's file serves the whole run
+    watchdog = StallWatchdog(timeout_minutes=60, directory=tmp_path / "stalls", rank=0)
+    with watchdog:
+        first = watchdog.file
+    for _ in range(50):
+        with watchdog:
+            assert watchdog.file is first
+    assert not first.closed
+    watchdog.close()
+    assert first.closed and not (tmp_path / "stalls").exists()

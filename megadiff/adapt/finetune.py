@@ -187,37 +187,37 @@ def finetune(cfg: FinetuneConfig) -> int:
         return wandb_sink(output_dir, cfg.logging, resolved)
 
     wandb = refused_together(lambda: started_on_rank_0() if rank == 0 else None)
-    torch.manual_seed(cfg.train.seed)
-    tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
-
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
-    leave_out_frozen_aliases(engine)
-    # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
-    # turns on its dropout and gradient checkpointing
-    engine.train()
-    checkpoint_dir = output_dir / CHECKPOINT_DIR
-    start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
-    if (checkpoint_dir / LATEST_FILE).is_file():
-        # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
-        _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
-        start = client_state["iteration"]
-        unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
-        resume_schedule(engine.lr_scheduler, cfg.train)
     writer = None
-    if rank == 0:
-        writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
-                               total_iterations=cfg.train.iters,
-                               console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
-                               wandb=wandb)
-        writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
-                     f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
-                     + (f"resuming after iteration {start}" if start else "starting"))
-    tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
-    iteration, exit_code = start, 0
     watchdog = StallWatchdog(cfg.train.timeout_minutes, output_dir / STALLS_DIR, rank)
-    failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
+    failed = True  # until the run ends as planned: an error on its way out (from here on) fails the W&B run
     try:
+        torch.manual_seed(cfg.train.seed)
+        tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
+
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        leave_out_frozen_aliases(engine)
+        # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
+        # turns on its dropout and gradient checkpointing
+        engine.train()
+        checkpoint_dir = output_dir / CHECKPOINT_DIR
+        start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
+        if (checkpoint_dir / LATEST_FILE).is_file():
+            # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
+            _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
+            start = client_state["iteration"]
+            unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
+            resume_schedule(engine.lr_scheduler, cfg.train)
+        if rank == 0:
+            writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
+                                   total_iterations=cfg.train.iters,
+                                   console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
+                                   wandb=wandb)
+            writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
+                         f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
+                         + (f"resuming after iteration {start}" if start else "starting"))
+        tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
+        iteration, exit_code = start, 0
         while iteration < cfg.train.iters:
             iteration += 1
             set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
@@ -256,6 +256,8 @@ def finetune(cfg: FinetuneConfig) -> int:
         watchdog.close()
         if writer is not None:
             writer.close(failed=failed)
+        elif wandb is not None:  # failed before the metrics writer took the W&B run over
+            wandb.close(failed=failed)
     return exit_code
 
 
