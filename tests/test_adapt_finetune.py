@@ -117,6 +117,15 @@ def wandb_runs(output: Path) -> list[Path]:
     return sorted((output / "wandb").glob("offline-run-*"))
 
 
+def adapt_in_a_rank(workspace: Path, monkeypatch, target, output: Path, report: Path, *overrides: str) -> str:
+    """target(rank, world, config, overrides, report) in one spawned rank, adapting the workspace's model into
+    `output` with W&B on; what it reported."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    run_ranks(1, target, str(workspace / "adapt.yaml"), [f"output_dir={output}", WANDB, *overrides], str(report))
+    return report.read_text()
+
+
 @pytest.fixture(scope="module")
 def stage_runs(workspace):
     """One uninterrupted run per ZeRO stage (stage 1 through the deepspeed launcher), made on demand."""
@@ -367,12 +376,8 @@ def signalled_while_starting(rank: int, world_size: int, config: str, overrides:
 def test_a_signal_while_the_adaptation_starts_requeues_it(workspace, tmp_path, monkeypatch):
     """The default action killed the rank (and failed the job): the run takes its first iteration,
     checkpoints it and exits 75; its W&B run ends as finished (exit code 0), not failed: the requeue resumes it."""
-    for name, value in _env(workspace).items():
-        monkeypatch.setenv(name, value)
-    output, report = tmp_path / "started", tmp_path / "exit_code"
-    run_ranks(1, signalled_while_starting, str(workspace / "adapt.yaml"), [f"output_dir={output}", WANDB],
-              str(report))
-    assert report.read_text() == "75"
+    output = tmp_path / "started"
+    assert adapt_in_a_rank(workspace, monkeypatch, signalled_while_starting, output, tmp_path / "exit_code") == "75"
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000001"
     assert exit_codes(wandb_runs(output)) == [0]
 
@@ -400,12 +405,9 @@ def test_a_failing_step_leaves_no_empty_stalls_file_and_fails_the_wandb_run(work
     """The watchdog's file (one a rank, filled only by a stalled step) was removed at a normal end only: an
     error left every rank's empty file behind, which reads as a stall that was not. W&B shows the run failed
     (exit code 1), not finished."""
-    for name, value in _env(workspace).items():
-        monkeypatch.setenv(name, value)
-    output, report = tmp_path / "failed", tmp_path / "raised"
-    run_ranks(1, failing_at_the_second_iteration, str(workspace / "adapt.yaml"),
-              [f"output_dir={output}", "logging.log_interval=1", WANDB], str(report))
-    assert report.read_text() == "a failing step"
+    output = tmp_path / "failed"
+    assert adapt_in_a_rank(workspace, monkeypatch, failing_at_the_second_iteration, output, tmp_path / "raised",
+                           "logging.log_interval=1") == "a failing step"
     assert [r["iteration"] for r in read_metrics(output)] == [1]  # the metrics written before the error
     assert not (output / "stalls").exists()
     assert exit_codes(wandb_runs(output)) == [1]
@@ -430,12 +432,9 @@ def failing_as_deepspeed_starts(rank: int, world_size: int, config: str, overrid
 def test_a_run_failing_before_its_first_step_fails_its_wandb_run(workspace, tmp_path, monkeypatch):
     """The W&B run starts before the model loads (a login or project problem stops the run at once): an error in
     the minutes between (the model, head selection, DeepSpeed, the checkpoint) left it unfinished, never failed."""
-    for name, value in _env(workspace).items():
-        monkeypatch.setenv(name, value)
-    output, report = tmp_path / "failed", tmp_path / "raised"
-    run_ranks(1, failing_as_deepspeed_starts, str(workspace / "adapt.yaml"), [f"output_dir={output}", WANDB],
-              str(report))
-    assert report.read_text() == "DeepSpeed failed to start"
+    output = tmp_path / "failed"
+    assert adapt_in_a_rank(workspace, monkeypatch, failing_as_deepspeed_starts, output,
+                           tmp_path / "raised") == "DeepSpeed failed to start"
     assert exit_codes(wandb_runs(output)) == [1]
     assert not (output / "stalls").exists()
 
