@@ -169,6 +169,15 @@ def test_from_hf_pads_an_odd_vocabulary_for_tensor_parallel_training(tmp_path, c
         convert_from_hf(tmp_path / "odd", tmp_path / "x", pad_vocab=0)
 
 
+def test_a_vocabulary_that_needs_no_padding_is_not_copied():
+    """The largest matrices of a 13B conversion: padding them is a copy, which an unpadded one skips."""
+    from megadiff.convert.from_hf import _with_padded_vocab
+
+    embedding, head = torch.randn(8, 4), torch.randn(8, 4)
+    [part] = _with_padded_vocab([{"embedding.word_embeddings.weight": embedding, "output_layer.weight": head}], 8)
+    assert part["embedding.word_embeddings.weight"] is embedding and part["output_layer.weight"] is head
+
+
 def test_an_export_names_its_tokenizers_bos_and_its_rope_base_for_every_transformers(tmp_path):
     """A Llama-family tokenizer begins texts with a BOS of its own (not the EOS); transformers 4.x reads the
     RoPE base from config.json's rope_theta alone, and took 10000 silently without it."""

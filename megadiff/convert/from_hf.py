@@ -86,6 +86,8 @@ def _with_padded_vocab(parts: Iterable[dict[str, torch.Tensor]], rows: int) -> I
     for part in parts:
         for name in VOCAB_PARAMETERS & part.keys():
             matrix = part[name]
+            if matrix.shape[0] == rows:
+                continue  # not copied: a vocabulary's matrices are the largest
             mean = matrix.float().mean(0, keepdim=True).to(matrix.dtype)
             part[name] = torch.cat([matrix, mean.expand(rows - matrix.shape[0], -1)])
         yield part
