@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megadiff.checkpoint.format import (
-    LATEST_FILE, CheckpointError, iteration_dir, latest_checkpoint, read_latest_iteration, resolve_checkpoint_dir,
+    LATEST_FILE, CheckpointError, iteration_dir, latest_checkpoint, model_keys, read_latest_iteration,
+    resolve_checkpoint_dir,
 )
 from megadiff.checkpoint.training_checkpoint import _staging_dir
 from megadiff.files import commit_iteration
@@ -62,3 +63,78 @@ def test_a_marker_naming_a_removed_checkpoint_is_refused_with_those_left(tmp_pat
         latest_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="names iteration 9"):
         resolve_checkpoint_dir(tmp_path)
+
+
+def test_a_marker_that_names_no_iteration_is_refused_as_a_checkpoint_error(tmp_path):
+    """A marker cut short or edited by hand must say which file is wrong, not fail in int() deep in a resume."""
+    for text in ("", "12abc\n", "-3\n"):
+        (tmp_path / LATEST_FILE).write_text(text)
+        with pytest.raises(CheckpointError, match="expected an iteration number"):
+            read_latest_iteration(tmp_path)
+
+
+def test_an_output_dir_resolves_to_its_marker_s_checkpoint_and_one_without_config_is_refused(tmp_path):
+    """Conversion and inference take a run's output_dir; a checkpoint without its config.yaml (the commit
+    writes it last, before the rename) cannot be rebuilt into a model and is refused by name."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    for iteration in (3, 6):
+        _whole(checkpoints, iteration)
+        (iteration_dir(checkpoints, iteration) / "config.yaml").write_text("{}")
+    (checkpoints / LATEST_FILE).write_text("3\n")
+    assert resolve_checkpoint_dir(tmp_path) == iteration_dir(checkpoints, 3)
+    assert resolve_checkpoint_dir(checkpoints) == iteration_dir(checkpoints, 3)
+    assert resolve_checkpoint_dir(iteration_dir(checkpoints, 6)) == iteration_dir(checkpoints, 6)
+    (iteration_dir(checkpoints, 3) / "config.yaml").unlink()
+    with pytest.raises(CheckpointError, match="is not a megadiff checkpoint"):
+        resolve_checkpoint_dir(tmp_path)
+
+
+def test_virtual_pipeline_chunks_are_saved_under_one_key_each():
+    """Two chunks under one key would save one chunk's weights over the other's."""
+    assert model_keys(1) == ["model"]
+    assert model_keys(2) == ["model0", "model1"]
+
+
+def _writer(monkeypatch, directory):
+    from megadiff.checkpoint import training_checkpoint
+
+    # no manager process for megatron's writers: nothing here writes through them
+    monkeypatch.setattr(training_checkpoint, "start_write_results_queue", lambda: None)
+    return training_checkpoint.CheckpointWriter(directory, cfg=None)
+
+
+def test_a_save_failing_with_an_os_error_is_reported_with_the_checkpoint_kept(tmp_path, monkeypatch):
+    """An OSError outside megatron's writers (the staging mkdir, the commit's config or rename on a full disk)
+    must read as the writers' failures do: what is kept, its partial files removed to give back the space."""
+    writer = _writer(monkeypatch, tmp_path)
+    _commit_staged(tmp_path, 2, keep_last=None)
+    _staging_dir(tmp_path, 4).mkdir()
+    (_staging_dir(tmp_path, 4) / "half_written.distcp").write_text("x")
+    with pytest.raises(CheckpointError, match=r"iteration 4 could not be written .*\(\[Errno 28\] No space left on "
+                                              r"device\); the run's last checkpoint, .*iter_0000002, is kept"):
+        with writer._failure_reported(4):
+            raise OSError(28, "No space left on device")
+    assert _saved(tmp_path) == ["iter_0000002"] and read_latest_iteration(tmp_path) == 2
+
+
+def test_a_first_save_failing_says_there_is_no_checkpoint_yet(tmp_path, monkeypatch):
+    writer = _writer(monkeypatch, tmp_path)
+    with pytest.raises(CheckpointError, match="the run has no checkpoint yet"):
+        with writer._failure_reported(2):
+            raise PermissionError(13, "Permission denied")
+
+
+def test_a_writer_s_commit_carries_the_run_s_config_and_applies_its_keep_last(tmp_path, monkeypatch):
+    """The config.yaml is what conversion and resumes rebuild the model from; keep_last bounds the disk a run
+    takes. Only the slow end-to-end runs checked either."""
+    from megadiff.checkpoint.format import checkpoint_config
+    from megadiff.config.loader import build_config
+
+    writer = _writer(monkeypatch, tmp_path)
+    writer.cfg, writer.keep_last = build_config({}, ["model.num_layers=3"]), 1
+    for iteration in (2, 4):
+        _staging_dir(tmp_path, iteration).mkdir()
+        writer._commit_fn(iteration)()
+    assert _saved(tmp_path) == ["iter_0000004"] and read_latest_iteration(tmp_path) == 4
+    assert checkpoint_config(iteration_dir(tmp_path, 4)).model.num_layers == 3

@@ -11,7 +11,9 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megadiff.preemption import REQUEUE_MARKER_ENV, PreemptionHandler, leave_requeue_marker
+from megadiff.preemption import (
+    REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV, PreemptionHandler, leave_requeue_marker, signal_name,
+)
 from tests.distributed import run_ranks
 
 
@@ -127,3 +129,25 @@ def test_the_checkpoint_writers_manager_ignores_preemption_and_exits_with_its_tr
         manager.wait(timeout=10)  # psutil.TimeoutExpired if it outlives its trainer
     finally:
         trainer.kill()
+
+
+def test_only_a_signal_requeues_and_leaves_the_marker_a_spent_budget_exits_0(tmp_path, monkeypatch):
+    """A spent budget is a planned stop: requeueing it (exit 75 or the marker) would restart a run whose
+    time is up, while a signal that did not requeue would lose the rest of a preempted run."""
+    marker = tmp_path / "requeue"
+    monkeypatch.setenv(REQUEUE_MARKER_ENV, str(marker))
+    clock = FakeClock()
+    budget = PreemptionHandler(signals=(), budget_minutes=1, clock=clock)
+    clock.now += 60
+    assert budget.agreed() and budget.out_of_time
+    assert budget.exit_after_checkpoint(0) == 0 and not marker.exists()
+    preempted = PreemptionHandler(signals=())
+    preempted.received = signal.SIGTERM  # as _handle records it
+    assert preempted.agreed() and preempted.signalled
+    assert preempted.exit_after_checkpoint(1) == REQUEUE_EXIT_CODE and not marker.exists()  # rank 0's to leave
+    assert preempted.exit_after_checkpoint(0) == REQUEUE_EXIT_CODE and marker.exists()
+
+
+def test_the_signal_name_in_the_stop_message_or_another_rank_s_when_none_arrived_here():
+    assert signal_name(signal.SIGUSR1) == "SIGUSR1" and signal_name(signal.SIGTERM) == "SIGTERM"
+    assert signal_name(None) == "a signal on another rank"

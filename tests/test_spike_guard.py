@@ -41,3 +41,14 @@ def test_a_guard_rebuilt_from_its_history_decides_the_same():
     rebuilt = SpikeGuard(2.0, 5, **guard.history())
     following = [(2.5, 1.2), (9.0, 1.0), (2.4, 8.0), (2.3, 1.1)]
     assert [guard.is_spike(*step) for step in following] == [rebuilt.is_spike(*step) for step in following]
+
+
+def test_the_history_keeps_both_windows_apart():
+    """A resumed run rebuilds its guard from history(): a loss window saved as the gradient norms' would
+    make it skip (or apply) steps the uninterrupted run did not."""
+    guard = SpikeGuard(sigma=3.0, window=3)
+    for loss, norm in [(3.0, 0.5), (2.9, 0.6), (2.8, 0.4), (2.7, 0.55)]:
+        guard.is_spike(loss, norm)
+    assert guard.history() == {"losses": [2.9, 2.8, 2.7], "grad_norms": [0.6, 0.4, 0.55]}
+    rebuilt = SpikeGuard(3.0, 3, **guard.history())
+    assert rebuilt.is_spike(2.7, 5.0) and guard.is_spike(2.7, 5.0)  # a gradient-norm spike, the loss in range
