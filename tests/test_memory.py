@@ -170,13 +170,14 @@ def test_what_is_not_estimated_and_what_is_only_warned_about():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["diff", "dint"])
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "sdpa_split_v"])
-def test_activation_estimate_on_cuda(backend):
+def test_activation_estimate_on_cuda(backend, variant):
     """torch's fused rms_norm, megatron's fused SwiGLU, the Triton kernel and the SDPA backends' compiled
-    combination save what the CUDA accounting says."""
+    combination (with DINT's running mean) save what the CUDA accounting says."""
     # auto: the fused kernel at d = 128, dv = 256, whose compiled variants the kernel tests leave cached
     overrides = ["train.precision=bf16", "model.seq_length=256", f"model.attention_backend={backend}",
-                 "model.hidden_size=512", "model.num_attention_heads=2"]
+                 "model.hidden_size=512", "model.num_attention_heads=2", f"model.variant={variant}"]
     results = multiprocessing.get_context("spawn").Queue()
     run_ranks(1, measure_activations, overrides, results)
     estimate = activation_memory(build_config({}, MODEL + overrides, 1), 1, device="cuda")

@@ -298,33 +298,91 @@ def test_the_compiled_sdpa_combination_is_the_eager_one_in_value_and_gradients()
     """CUDA combines the SDPA backends' two maps through the compiled form: compiled here for the CPU, it gives
     the eager values and gradients over more variants than torch compiles (its limit is 8): bf16 and fp32,
     with and without grad, the maps as wide-V's SDPA returns them ([B, H, N, e] in memory) and as split-V
-    concatenates them, and lengths and batches of 1 (a decoding step, a one-token document)."""
-    from megadiff.ops.sdpa import differential_combination, fused_differential_combination
+    concatenates them, and lengths and batches of 1 (a decoding step, a one-token document); then DINT's
+    causal and non-causal running means, each compiled afresh."""
+    from megadiff.ops.common import compiled
+    from megadiff.ops.sdpa import differential_combination
 
     draw = torch.Generator().manual_seed(2)
+
+    def compare(batch, n, dtype, transposed, grad_mode, *modes):
+        shape = (batch, 3, n, 8) if transposed else (batch, n, 3, 8)
+        maps = [torch.randn(*shape, generator=draw).to(dtype) for _ in range(2)]
+        maps = [(m.transpose(1, 2) if transposed else m).requires_grad_(grad_mode) for m in maps]
+        lam = (0.5 + 0.1 * torch.randn(3, generator=draw)).requires_grad_(grad_mode)
+        with torch.set_grad_enabled(grad_mode):
+            eager = differential_combination(*maps, lam, *modes)
+            fused = compiled(differential_combination)(*maps, lam, *modes)
+        assert fused.dtype == eager.dtype == dtype and fused.shape == (batch, n, 3, 8)
+        # the running mean's sums may add in another order
+        exact = dict(rtol=0, atol=0) if not modes else dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+        torch.testing.assert_close(fused, eager, **exact)
+        if grad_mode:
+            grad = torch.randn(batch, n, 3, 8, generator=draw).to(dtype)
+            for got, want in zip(torch.autograd.grad(fused, [*maps, lam], grad),
+                                 torch.autograd.grad(eager, [*maps, lam], grad)):
+                assert got.dtype == want.dtype
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
     variants = 0
     for dtype in (torch.bfloat16, torch.float32):
         for batch, n in ((2, 5), (1, 9), (2, 1)):
             for transposed in (False, True):
                 for grad_mode in (True, False):
-                    shape = (batch, 3, n, 8) if transposed else (batch, n, 3, 8)
-                    maps = [torch.randn(*shape, generator=draw).to(dtype) for _ in range(2)]
-                    maps = [(m.transpose(1, 2) if transposed else m).requires_grad_(grad_mode) for m in maps]
-                    lam = (0.5 + 0.1 * torch.randn(3, generator=draw)).requires_grad_(grad_mode)
-                    with torch.set_grad_enabled(grad_mode):
-                        eager = differential_combination(*maps, lam)
-                        compiled = fused_differential_combination()(*maps, lam)
+                    compare(batch, n, dtype, transposed, grad_mode)
                     variants += 1
-                    assert compiled.dtype == eager.dtype == dtype and compiled.shape == (batch, n, 3, 8)
-                    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-                    if not grad_mode:
-                        continue
-                    grad = torch.randn(batch, n, 3, 8, generator=draw).to(dtype)
-                    for got, want in zip(torch.autograd.grad(compiled, [*maps, lam], grad),
-                                         torch.autograd.grad(eager, [*maps, lam], grad)):
-                        assert got.dtype == want.dtype
-                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert variants > 8
+    torch._dynamo.reset()  # DINT's variants get compiled rather than run eagerly past the limit
+    for causal in (True, False):
+        for dtype in (torch.bfloat16, torch.float32):
+            compare(2, 7, dtype, False, True, True, causal)
+
+
+def _document_bounds_of(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N] int64 starts and (exclusive) ends of each position's document, from each sample's lengths."""
+    starts, ends = [], []
+    for sample in lengths:
+        bounds = torch.tensor([0, *sample]).cumsum(0)
+        sizes = torch.tensor(sample)
+        starts.append(bounds[:-1].repeat_interleave(sizes))
+        ends.append(bounds[1:].repeat_interleave(sizes))
+    return torch.stack(starts), torch.stack(ends)
+
+
+def test_the_compiled_integral_around_the_kernel_is_the_eager_one(monkeypatch):
+    """CUDA runs DINT's integral around the fused kernel (forward: out + lam R(O1); backward: dO1, dO2, delta1 and
+    lam's gradient) as compiled functions: compiled here for the CPU, they give the eager results, for causal,
+    non-causal and document-masked means, with and without O1's own gradient, in bf16 and fp32, and keep a
+    sequence-major output sequence-major (megatron's layout, which its output projection reads as it is)."""
+    from megadiff.ops.common import compiled
+    from megadiff.ops.integral import first_map_gradients, integral_added
+
+    draw = torch.Generator().manual_seed(3)
+    batch, n, heads, width = 2, 9, 3, 8
+    documents = _document_bounds_of([[3, 1, 5], [2, 7]])
+    torch._dynamo.reset()
+    # each variant compiled: past the limit torch would run it eagerly, and compare the eager form with itself
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 32)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    for dtype in (torch.bfloat16, torch.float32):
+        close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+        for causal, (starts, ends) in ((True, (None, None)), (False, (None, None)), (True, documents)):
+            # [N, B, H, e] in memory, as the kernel lays out megatron's outputs
+            out, o1, g = (torch.randn(n, batch, heads, width, generator=draw).to(dtype).transpose(0, 1)
+                          for _ in range(3))
+            lam_h = 0.5 + 0.1 * torch.randn(heads, generator=draw)
+            eager = integral_added(out, o1, lam_h, causal, starts)
+            fused = compiled(integral_added)(out, o1, lam_h, causal, starts)
+            assert fused.dtype == dtype and fused.stride() == out.stride()
+            torch.testing.assert_close(fused, eager, **close)
+            for integral, grad_first_map in ((True, None), (True, torch.randn_like(g)), (False, torch.randn_like(g))):
+                args = (g, o1, lam_h, causal, integral, starts, ends, grad_first_map)
+                eager, fused = first_map_gradients(*args), compiled(first_map_gradients)(*args)
+                assert [t.dtype for t in fused] == [dtype, dtype, torch.float32, torch.float32]
+                assert fused[2].shape == (batch, heads, n) and fused[2].is_contiguous()
+                for got, want in zip(fused, eager):
+                    torch.testing.assert_close(got, want, **close)
+                assert fused[3].abs().sum() > 0 if integral else not fused[3].any()
 
 
 def test_lambda_reparameterisation_and_depth_init():

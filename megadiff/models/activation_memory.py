@@ -105,17 +105,19 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
         statistics = 2 * heads * FP32                   # one log-sum-exp per map
         combine = 0
     else:  # SDPA calls per map (two per map with split V), and the O2 that lambda * O2 keeps: an fp32 copy where
-        # it runs eagerly (off CUDA; DINT's integral, which context parallelism takes outside), else (compiled)
-        # O2 itself, which split V concatenates from its halves
+        # it runs eagerly (off CUDA), else (compiled) O2 itself, which split V concatenates from its halves
         statistics = (4 if backend == "sdpa_split_v" else 2) * heads * FP32
-        if device != "cuda" or (m.variant == "dint" and share.kv_tokens == tokens):
+        if device != "cuda":
             combine = q_width * FP32
         else:
             combine = q_width * element if backend == "sdpa_split_v" else 0
-    # lambda x running mean, and its divisors; the kernel's autograd Function takes the integral in (without
-    # context parallelism, which continues it across chunks outside) and saves nothing more for it
-    integral_outside = backend != "triton" or share.kv_tokens != tokens
-    integral = q_width * FP32 + FP32 if m.variant == "dint" and integral_outside else 0
+    # DINT: lambda x running mean, and (eagerly) its divisors. The kernel's autograd Function takes the integral in
+    # (without context parallelism, which continues it across chunks outside, eagerly) and saves nothing more for
+    # it; the SDPA backends' combination takes it in, compiled on CUDA, which keeps the running mean alone
+    integral = 0
+    if m.variant == "dint" and (backend != "triton" or share.kv_tokens != tokens):
+        compiled = device == "cuda" and share.kv_tokens == tokens
+        integral = q_width * FP32 + (0 if compiled else FP32)
     head_norm = rms_norm_bytes(q_width, heads, element, device)
     return saved, checkpointed, tokens * (outputs + statistics + combine + integral + head_norm)
 

@@ -1,6 +1,7 @@
 """Shape checks and small helpers shared by every differential-attention implementation."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -16,6 +17,19 @@ TRITON_CANDIDATES_ENV = "MEGADIFF_TRITON_CANDIDATES"
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax and accumulation run in fp32 for low precision, in the input dtype otherwise."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+@functools.cache
+def compiled(function):
+    """`function` compiled for any sizes (documents, decoding steps and batches vary them): a fused kernel or two
+    where eager torch launches a pass per op. Not as one graph: grad mode, dtypes, layouts and the flags each
+    make a variant, and past torch's limit of them a call runs eagerly where fullgraph would raise."""
+    return torch.compile(function, dynamic=True)
+
+
+def compiled_on(device: torch.device, function):
+    """`function` compiled for CUDA, as it is elsewhere (the CPU has no use for the compile's seconds)."""
+    return compiled(function) if device.type == "cuda" else function
 
 
 def triton_fits(head_dim: int, value_dim: int) -> bool:

@@ -6,7 +6,6 @@ Q/K: `split_v=True` then runs each map on the two halves of V (4 calls).
 """
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megadiff.ops.common import check_shapes, compute_dtype, lambda_per_head, running_mean
+from megadiff.ops.common import check_shapes, compiled_on, compute_dtype, lambda_per_head, running_mean
 from megadiff.ops.documents import attend_by_document
 from megadiff.ops.reference import softmax_attention_reference
 
@@ -109,33 +108,26 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
     o1 = _one_map(q1, k1, v, causal, scale, split_v)
     o2 = _one_map(q2, k2, v, causal, scale, split_v)
     lam_h = lambda_per_head(lam, q1.shape[2])
-    if integral:
-        work = compute_dtype(q1.dtype)
-        first, lam_h = o1.to(work), lam_h.to(work).view(-1, 1)
-        out = (first - lam_h * o2.to(work) + lam_h * running_mean(first, causal)).to(q1.dtype)
-    elif o1.is_cuda:  # lambda per head in memory: its expanded form would be another compiled variant
-        out = fused_differential_combination()(o1, o2, lam_h.contiguous())
-    else:
-        out = differential_combination(o1, o2, lam_h)
+    # compiled on CUDA, where eager torch makes fp32 copies of both maps and of the gradient, some eight passes
+    # over [B, N, H, 2d] fp32 tensors a layer (0.4 ms at the 3B shape and 4K tokens, against the attention's
+    # 2-4 ms), keeps an fp32 copy of O2 for the backward, and adds a dozen passes for DINT's running mean.
+    # lam_h in memory: its expanded form would be another compiled variant
+    combine = compiled_on(o1.device, differential_combination)
+    out = combine(o1, o2, lam_h.contiguous(), integral, causal)
     return (out, o1) if return_first_map else out
 
 
-def differential_combination(o1: torch.Tensor, o2: torch.Tensor, lam_h: torch.Tensor) -> torch.Tensor:
-    """O1 - lam O2 ([B, N, H, e] maps, lam_h [H]), computed in fp32 for low precision: the two maps cancel
-    (the point of the difference), and the result in the maps' dtype."""
+def differential_combination(o1: torch.Tensor, o2: torch.Tensor, lam_h: torch.Tensor, integral: bool = False,
+                             causal: bool = True) -> torch.Tensor:
+    """O1 - lam O2 (+ lam R(O1) with DINT's `integral`, R the running mean over positions, causal or not)
+    ([B, N, H, e] maps, lam_h [H]), computed in fp32 for low precision: the two maps cancel (the point of the
+    difference), and the result in the maps' dtype."""
     work = compute_dtype(o1.dtype)
-    return (o1.to(work) - lam_h.to(work).view(-1, 1) * o2.to(work)).to(o1.dtype)
-
-
-@functools.cache
-def fused_differential_combination():
-    """differential_combination compiled: one pass over the two maps forward and one backward, where eager
-    torch makes fp32 copies of both maps and of the gradient, about eight passes over [B, N, H, 2d] fp32
-    tensors a layer (some 0.4 ms at the 3B shape and 4K tokens, against the attention's 2-4 ms), and keeps
-    an fp32 copy of O2 for the backward. Compiled for any sizes (documents, decoding steps and batches vary
-    them), not as one graph: grad mode, dtypes and the maps' layouts each make a variant, and past torch's
-    limit of them a call runs eagerly where fullgraph would raise."""
-    return torch.compile(differential_combination, dynamic=True)
+    first, lam_h = o1.to(work), lam_h.to(work).view(-1, 1)
+    out = first - lam_h * o2.to(work)
+    if integral:
+        out = out + lam_h * running_mean(first, causal)
+    return out.to(o1.dtype)
 
 
 def softmax_attention(q, k, v, *, causal=True, softmax_scale=None, cu_seqlens=None,

@@ -3,13 +3,10 @@
 The kernels (triton_fwd, triton_bwd) compute both maps per query tile in one
 pass over K/V. What is linear in O1 and O2 happens here, in torch:
     out = O1 - lam O2 + [integral] lam R(O1),   R = running mean over positions
-(the kernel fuses O1 - lam O2 into its epilogue); O1 itself can be returned too.
-Backward, with G = dL/dout and G1 = dL/dO1 (when O1 was returned):
-    dO1 = G + [integral] lam R^T(G) + G1,   dO2 = -lam G,
-    dlam_h = sum_{b,n,e} G * (-O2 + [integral] R(O1)) = sum(-G O2) + [integral] sum(R^T(G) O1),
-where R^T(G)_k = sum_{i >= k} G_i / i (causal) or mean_i G_i (non-causal). With documents
-(cu_seqlens), the kernels mask attention to each query's document and R runs within documents:
-R^T(G)_k = sum over i >= k of k's document of G_i / (i - start + 1).
+(the kernel fuses O1 - lam O2 into its epilogue; `integral` adds DINT's term); O1 itself can be
+returned too. Backward, with G = dL/dout: dO2 = -lam G, dO1 = G plus what `integral` derives, and
+dlam_h = sum(-G O2) + [integral] sum(R^T(G) O1). With documents (cu_seqlens), the kernels mask
+attention to each query's document and R runs within documents.
 
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (set before
 triton is first imported) -- how the tests exercise it.
@@ -22,10 +19,10 @@ import torch
 
 from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.common import (
-    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, document_counts, lambda_per_head, map_pairs, running_mean,
-    sum_until, triton_fits,
+    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, compiled_on, lambda_per_head, map_pairs, triton_fits,
 )
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
+from megadiff.ops.integral import first_map_gradients, integral_added
 from megadiff.ops.triton_bwd import attention_maps_backward, row_dots
 from megadiff.ops.triton_fwd import (
     INTERPRETED, Documents, KernelConfig, attention_maps_forward, empty_bnhd, row_offsets_fit_int32,
@@ -60,16 +57,6 @@ def _kernel_layout(q1, k1, q2, k2, v):
     return q1, k1, q2, k2, v
 
 
-def _running_mean_adjoint(g: torch.Tensor, causal: bool, documents: Documents | None) -> torch.Tensor:
-    """R^T(g) for R = running_mean along dim 1: the gradient of sum(g * R(x)) w.r.t. x."""
-    if not causal:
-        return g.mean(dim=1, keepdim=True).expand_as(g)
-    if documents is None:
-        counts = torch.arange(1, g.shape[1] + 1, device=g.device, dtype=g.dtype).view(1, -1, 1, 1)
-        return (g / counts).flip(1).cumsum(1).flip(1)
-    return sum_until(g / document_counts(documents.starts.long(), g.dtype), documents.ends.long())
-
-
 _documents_of_tensors = DerivedPerTensor()  # read once per micro-batch, not once per layer
 
 
@@ -95,7 +82,7 @@ def _maps_forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, 
         documents=documents, sequence_major=q1.stride(0) < q1.stride(1))
     if integral:
         starts = documents.starts.long() if documents is not None else None
-        out = (out.float() + lam_h.view(1, 1, -1, 1) * running_mean(o1.float(), causal, starts)).to(q1.dtype)
+        out = compiled_on(out.device, integral_added)(out, o1, lam_h, causal, starts)
     ctx.save_for_backward(q1, k1, q2, k2, v, o1, o2, lse1, lse2, lam_h)
     ctx.causal, ctx.integral, ctx.scale, ctx.config, ctx.documents = causal, integral, scale, config, documents
     ctx.lam_meta = (lam.dim(), lam.dtype)
@@ -114,17 +101,12 @@ def _maps_backward(ctx, grad_out, grad_first_map, grads: tuple | None = None):
         do1, do2 = g, None
         delta1 = row_dots(g, o1)
     else:
-        lam = lam_h.view(1, 1, -1, 1)
-        do1 = g.float()
-        do2 = -lam * do1
-        if ctx.integral:
-            g_mean = _running_mean_adjoint(do1, ctx.causal, ctx.documents)
-            grad_lam = grad_lam + row_dots(g_mean, o1).sum(dim=(0, 2))
-            do1 = do1 + lam * g_mean
-        if grad_first_map is not None:
-            do1 = do1 + grad_first_map.float()
-        delta1 = row_dots(do1, o1)
-        do1, do2 = shared_layout(*(t.to(q1.dtype) for t in (do1, do2)))  # the kernels read both with dO1's strides
+        documents = ctx.documents
+        starts, ends = (None, None) if documents is None else (documents.starts.long(), documents.ends.long())
+        do1, do2, delta1, grad_integral = compiled_on(g.device, first_map_gradients)(
+            g, o1, lam_h, ctx.causal, ctx.integral, starts, ends, grad_first_map)
+        grad_lam = grad_lam + grad_integral
+        do1, do2 = shared_layout(do1, do2)  # the kernels read both with dO1's strides
     dq1, dk1, dq2, dk2, dv = attention_maps_backward(
         q1, k1, q2, k2, v, do1, do2, lam_h, lse1, lse2, delta1, delta2,
         causal=ctx.causal, scale=ctx.scale, config=ctx.config, documents=ctx.documents, grads=grads)
