@@ -27,8 +27,8 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, kernels_ran, markdown_table, software, tiles_tuned_here,
-    timed_ms, write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, kernel_times_ms, kernels_ran, markdown_table, software,
+    tiles_tuned_here, timed_ms, write,
 )
 from megadiff.ops import SDPA_KERNELS, differential_attention, sdpa_kernel_order, softmax_attention  # noqa: E402
 from megadiff.ops.sdpa import recording_sdpa_kernels  # noqa: E402
@@ -151,6 +151,8 @@ def measure(fn: Callable, inputs: tuple, device, warmup: int, reps: int) -> dict
                 sdpa_kernels_fwd=kernels_ran(forward_kernels),  # those of the fwd column, timed without grad
                 fwd_ms=_mean_ms(forward, device, warmup, reps),
                 fwd_bwd_ms=_mean_ms(forward_backward, device, warmup, reps),
+                # which of the kernels a fwd+bwd launches takes the time: the fused kernel's forward, dK/dV, dQ
+                fwd_bwd_kernel_ms=kernel_times_ms(forward_backward, device, min(reps, 3)),
                 peak_fwd_mib=_peak_mib(forward, device), peak_fwd_bwd_mib=_peak_mib(forward_backward, device))
 
 
@@ -271,7 +273,11 @@ def markdown(report: dict) -> str:
         lines += [f"## B={shape.batch}, N={shape.seq}, {shape.heads} differential heads (baseline "
                   f"{2 * shape.heads}), d={shape.d}, dv={shape.dv}, {'causal' if shape.causal else 'non-causal'}",
                   ""]
-        lines += markdown_table(COLUMNS, [r for r in report["rows"] if _shape_of(r) == shape])
+        rows = [r for r in report["rows"] if _shape_of(r) == shape]
+        lines += markdown_table(COLUMNS, rows)
+        lines += ["", "Where each fwd+bwd's time goes (ms a call, by kernel; profiled apart from the timings):", ""]
+        lines += [f"- {r['method']}: " + ", ".join(f"`{name}` {ms:.3f}" for name, ms in r["fwd_bwd_kernel_ms"].items())
+                  for r in rows if r.get("fwd_bwd_kernel_ms")]
         lines.append("")
     if report.get("targets"):
         lines += ["## Targets (issue 6)", ""]

@@ -29,8 +29,8 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from bench.report import (  # noqa: E402
-    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, kernels_ran, markdown_table, software, synchronize,
-    tiles_tuned_here, timed_ms, write,
+    OUT_DIR_HELP, cuda_missing, default_out_dir, environment, kernel_times_ms, kernels_ran, markdown_table, software,
+    synchronize, tiles_tuned_here, timed_ms, write,
 )
 from megadiff.config import Config, load_config, resolved_head_dim  # noqa: E402
 from megadiff.models.param_count import count_parameters, training_flops_per_token  # noqa: E402
@@ -121,7 +121,7 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
     # and FP8's losses parted by up to 2.2 where the two precisions' numerics differ by far less
     scheduler = build_scheduler(cfg, engine.optimizer)
     steps = args.warmup + args.steps
-    pool = zipf_batches(cfg, args.micro_batches * steps, device, args.seed)
+    pool = zipf_batches(cfg, args.micro_batches * (steps + 1), device, args.seed)  # + 1: the profiled step
 
     skipped = []  # steps that made no update (non-finite gradients): faster, so not a fair timing
 
@@ -157,6 +157,9 @@ def measure_run(args, run: Run, device: torch.device) -> dict:
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     row["first_loss"], row["last_loss"] = row["losses"][0], row["losses"][-1]
+    # where a step's time goes, by kernel: one more step, profiled, left out of the curve and the timings
+    row["step_kernel_ms"] = kernel_times_ms(step, device, reps=1, top=12)
+    del row["losses"][-1], row["lrs"][-1]
     return row
 
 
@@ -246,6 +249,10 @@ def markdown(report: dict) -> str:
     lines += markdown_table(COLUMNS, report["rows"])
     if report["ratios"]:
         lines += ["", "## Ratios", ""] + [f"- {name}: **{value:.3f}**" for name, value in report["ratios"].items()]
+    lines += ["", "## Where a step's time goes", "", "ms by kernel in one more step, profiled apart from the timings:",
+              ""]
+    lines += [f"- {r['run']}: " + ", ".join(f"`{name}` {ms:.2f}" for name, ms in r["step_kernel_ms"].items())
+              for r in report["rows"] if r.get("step_kernel_ms")]
     return "\n".join(lines) + "\n"
 
 

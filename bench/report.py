@@ -82,6 +82,35 @@ def timed_ms(fn: Callable, device: torch.device, reps: int) -> float:
     return (time.perf_counter() - begin) * 1e3 / reps
 
 
+KERNEL_NAME_CHARS = 60  # cuDNN's kernel names run to hundreds of characters
+
+
+def kernel_times_ms(fn: Callable, device: torch.device, reps: int, top: int = 6) -> dict[str, float]:
+    """Where fn's time goes: the mean time a call of each kernel it launches takes (on CUDA; on a CPU, of each
+    op), the `top` largest by name, the rest summed as "other". fn runs compiled and tuned already."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as profiled:
+        for _ in range(reps):
+            fn()
+        synchronize(device)
+    times: dict[str, float] = {}
+    for event in profiled.key_averages():
+        # on CUDA the kernels alone: an op's device time is its kernels', counted with them
+        us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
+        if us > 0 and (event.device_type == DeviceType.CUDA or not on_cuda):
+            name = event.key[:KERNEL_NAME_CHARS]
+            times[name] = times.get(name, 0.0) + us / 1e3 / reps
+    ranked = sorted(times.items(), key=lambda item: -item[1])
+    kept = dict(ranked[:top])
+    if len(ranked) > top:
+        kept["other"] = sum(ms for _, ms in ranked[top:])
+    return kept
+
+
 def markdown_table(columns, rows: list[dict]) -> list[str]:
     """columns: (title, key, format) triples; a missing value prints as '-'."""
     lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "---|" * len(columns)]

@@ -44,6 +44,8 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path):
         # a linear warmup over the run, as pretraining's scheduler steps it: the last step at the peak lr
         assert row["lrs"] == pytest.approx([3e-4 * (i + 1) / steps for i in range(steps)])
         assert row["tokens_per_s"] > 0 and row["tflops_per_device"] > 0
+        # a step beyond the curve, profiled: its time by op on a CPU, the 12 largest and the rest
+        assert len(row["step_kernel_ms"]) == 13 and min(row["step_kernel_ms"].values()) > 0
     assert {"diff[sdpa]-bf16 / softmax-bf16 tokens/s", "diff[sdpa_split_v]-bf16 / softmax-bf16 tokens/s"} <= \
         set(report["ratios"])
     if "fp8" in precisions:  # the same initial weights and data: float8 starts from BF16's loss
@@ -51,6 +53,7 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path):
         assert report["ratios"]["diff[sdpa]-fp8 / diff[sdpa]-bf16 tokens/s"] == rows["diff[sdpa]-fp8"]["vs_bf16"] > 0
     markdown = path.with_suffix(".md").read_text()
     assert markdown.count("| diff[") == 2 * len(precisions) and "## Ratios" in markdown
+    assert markdown.count("\n- diff[sdpa]-bf16: `") == 1
 
 
 def test_softmax_twin_has_the_same_widths(bench):

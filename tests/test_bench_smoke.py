@@ -28,10 +28,16 @@ def test_cpu_smoke_writes_json_and_markdown(bench, tmp_path):
         row = rows[method]
         assert row["status"] == "ok" and row["sdpa_kernels"] == row["sdpa_kernels_fwd"] == kernel, row
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and math.isfinite(row["fwd_bwd_tflops"])
+        # where the time goes: the largest first, the rest as "other" (on a CPU by op)
+        times = row["fwd_bwd_kernel_ms"]
+        ranked = [ms for name, ms in times.items() if name != "other"]
+        assert len(ranked) == 6 and "other" in times and ranked == sorted(ranked, reverse=True) and min(ranked) > 0
     for method in ("diff-sdpa-efficient", "diff-sdpa_split_v-efficient"):
         assert rows[method]["status"].startswith("error: RuntimeError: No viable backend"), rows[method]
     assert rows["diff-sdpa"]["fwd_flop_vs_baseline"] == pytest.approx(1.5)  # two maps, V twice as wide, half the heads
-    assert report_path.with_suffix(".md").read_text().count("| diff-") == 7
+    markdown = report_path.with_suffix(".md").read_text()
+    assert markdown.count("| diff-") == 7
+    assert "- diff-sdpa: `aten::" in markdown and "- baseline-sdpa: `aten::" in markdown
 
 
 def test_document_rows_count_the_flops_of_their_documents(bench, tmp_path, monkeypatch):
