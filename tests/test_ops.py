@@ -338,6 +338,32 @@ def test_the_compiled_sdpa_combination_is_the_eager_one_in_value_and_gradients()
             compare(2, 7, dtype, False, True, True, causal)
 
 
+def test_a_function_whose_compile_fails_warns_once_and_runs_eagerly(monkeypatch):
+    """The compiled paths run on CUDA only, and a torch or Triton version whose compile fails must cost speed,
+    not the run."""
+    from megadiff.ops import common
+
+    compiles = []
+
+    def failing_compile(function):
+        def run(*args):
+            compiles.append(function)
+            raise torch._dynamo.exc.BackendCompilerFailed(None, RuntimeError("no such instruction"), None)
+        return run
+
+    def double(x):
+        return 2 * x
+
+    monkeypatch.setattr(common, "compiled", failing_compile)
+    monkeypatch.setattr(common, "_failed_to_compile", set())
+    x = torch.arange(3.0)
+    assert common.compiled_on(torch.device("cpu"), double) is double and not compiles
+    with pytest.warns(UserWarning, match=r"torch.compile of .*double failed \(.*no such instruction.*\); it runs "
+                                         "eagerly from now on"):
+        assert torch.equal(common.compiled_on(torch.device("cuda"), double)(x), 2 * x)
+    assert common.compiled_on(torch.device("cuda"), double) is double and compiles == [double]
+
+
 def _document_bounds_of(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, N] int64 starts and (exclusive) ends of each position's document, from each sample's lengths."""
     starts, ends = [], []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,27 @@ def compiled(function):
     return torch.compile(function, dynamic=True)
 
 
+_failed_to_compile: set = set()
+
+
 def compiled_on(device: torch.device, function):
-    """`function` compiled for CUDA, as it is elsewhere (the CPU has no use for the compile's seconds)."""
-    return compiled(function) if device.type == "cuda" else function
+    """`function` compiled for CUDA, as it is elsewhere (the CPU has no use for the compile's seconds). A compile
+    that fails (a bug of some torch or Triton version) warns once and leaves the function eager: slower, the
+    same math."""
+    if device.type != "cuda" or function in _failed_to_compile:
+        return function
+    return functools.partial(_run_compiled, function)
+
+
+def _run_compiled(function, *args):
+    try:
+        return compiled(function)(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        _failed_to_compile.add(function)
+        cause = getattr(error, "inner_exception", error)  # the compiler's own error, not dynamo's wrapping
+        warnings.warn(f"torch.compile of {function.__qualname__} failed ({type(cause).__name__}: "
+                      f"{(str(cause).strip().splitlines() or [''])[0]}); it runs eagerly from now on")
+        return function(*args)
 
 
 def triton_fits(head_dim: int, value_dim: int) -> bool:
