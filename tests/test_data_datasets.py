@@ -464,3 +464,130 @@ def test_reading_an_index_copies_none_of_it(tmp_path):
         tracemalloc.stop()
     assert (tokens, shortest) == (token_count(tmp_path / "docs"), 1)
     assert peak < count
+
+
+# ---- boundaries of the checks (each found unchecked by mutation testing) -------------------------
+
+def _copy_corpus(corpus, directory: Path) -> Path:
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{corpus[0]}{ext}", directory / f"docs{ext}")
+    return directory / "docs"
+
+
+def test_a_model_vocabulary_one_id_short_of_the_tokenizers_is_refused(corpus, tmp_path):
+    """The tokenizer's highest id would index past the embedding."""
+    with pytest.raises(DataError, match=r"model.vocab_size: 1000 is smaller .* \(1001 ids\)"):
+        check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "model.vocab_size=1000",
+                                   "data.split=80,10,10"), TOKENIZER)
+    check_training_data(config(tmp_path, f"data.prefix={corpus[0]}", "model.vocab_size=1001", "data.split=80,10,10"),
+                        TOKENIZER)
+
+
+def test_data_prepared_with_a_tokenizer_of_the_same_size_and_another_eod_is_refused(corpus, tmp_path):
+    """The same vocabulary size, another end-of-document id: documents would not end where the data says."""
+    prefix = _copy_corpus(corpus, tmp_path)
+    prepared_with = {"spec": "other", "vocab_size": TOKENIZER.vocab_size, "eod": EOD - 1}
+    write_manifest(prefix, {"tokenizer": prepared_with}, {}, [prefix])
+    with pytest.raises(DataError, match="data.tokenizer: .*docs was prepared with tokenizer 'other'"):
+        check_training_data(config(tmp_path, f"data.prefix={prefix}", "data.split=80,10,10"), TOKENIZER)
+
+
+def _prompt_response_data(corpus, directory: Path, mask_lengths: list[int], inner_eods: int) -> Path:
+    """The corpus as prompt/response data: a loss mask of `mask_lengths` and a manifest counting `inner_eods`."""
+    prefix = _copy_corpus(corpus, directory)
+    write_documents(Path(f"{prefix}-loss-mask"), [np.ones(n, dtype=np.int64) for n in mask_lengths])
+    tokenizer = {"spec": "synthetic", "vocab_size": TOKENIZER.vocab_size, "eod": EOD}
+    write_manifest(prefix, {"tokenizer": tokenizer, "response_key": "response"}, {"inner_eods": inner_eods}, [prefix])
+    return prefix
+
+
+def test_a_loss_mask_of_as_many_documents_of_other_lengths_is_refused(corpus, tmp_path):
+    """A mask from another preparation, of as many documents: the loss would fall on other tokens."""
+    lengths = [len(doc) for doc in corpus[1]]
+    shifted = [lengths[-1], *lengths[:-1]]
+    assert len(shifted) == len(lengths) and shifted != lengths
+    prefix = _prompt_response_data(corpus, tmp_path, lengths, inner_eods=0)
+    check_training_data(config(tmp_path, f"data.prefix={prefix}", "data.response_key=response", "data.split=80,10,10"),
+                        TOKENIZER)
+    _prompt_response_data(corpus, tmp_path, shifted, inner_eods=0)
+    with pytest.raises(DataError, match="docs-loss-mask does not describe the documents"):
+        check_training_data(config(tmp_path, f"data.prefix={prefix}", "data.response_key=response",
+                                   "data.split=80,10,10"), TOKENIZER)
+
+
+def test_document_masking_refuses_data_with_one_eod_inside_a_document(corpus, tmp_path):
+    """Document masking cuts at every EOD: one inside a conversation already cuts it in two."""
+    lengths = [len(doc) for doc in corpus[1]]
+    overrides = ["data.response_key=response", "data.split=80,10,10", "data.document_masking=true"]
+    prefix = _prompt_response_data(corpus, tmp_path, lengths, inner_eods=0)
+    check_training_data(config(tmp_path, f"data.prefix={prefix}", *overrides), TOKENIZER)
+    _prompt_response_data(corpus, tmp_path, lengths, inner_eods=1)
+    with pytest.raises(DataError, match=rf"data.document_masking: .*docs holds the tokenizer's EOD \(id {EOD}\) 1 "
+                                        "times inside its documents"):
+        check_training_data(config(tmp_path, f"data.prefix={prefix}", *overrides), TOKENIZER)
+    check_training_data(config(tmp_path, f"data.prefix={prefix}", *overrides[:2]), TOKENIZER)  # without masking
+
+
+@pytest.mark.parametrize("count, split", [(7, "60,20,20"), (13, "80,10,10"), (11, "70,20,10")])
+def test_the_checks_split_the_documents_as_megatrons_builder_does(tmp_path, count, split):
+    """The checks (and evaluation's split_tokens) must look at the documents training reads: megatron rounds
+    each split's bounds."""
+    from megadiff.data.checks import split_documents
+
+    documents = [np.append(np.full(40, i), EOD) for i in range(count)]
+    write_documents(tmp_path / "docs", documents)
+    built = build_datasets(config(tmp_path, f"data.prefix={tmp_path / 'docs'}", f"data.split={split}"), TOKENIZER,
+                           (5, 5, 5), seed=0)
+    ranges = split_documents(read_index(tmp_path / "docs").sequence_lengths, split)
+    for name, dataset in zip(("train", "valid", "test"), built):
+        begin, end, tokens = ranges[name]
+        assert (begin, end) == (int(dataset.indices[0]), int(dataset.indices[-1]) + 1), name
+        assert tokens == 41 * (end - begin)
+
+
+def test_a_split_built_one_sample_short_is_refused(corpus, tmp_path, monkeypatch):
+    class OneShortBuilder:
+        def __init__(self, *args):
+            pass
+
+        def build(self):
+            return [list(range(9)), None, None]
+
+    monkeypatch.setattr("megadiff.data.datasets.BlendedMegatronDatasetBuilder", OneShortBuilder)
+    with pytest.raises(DataError, match="the train split was built with 9 samples, fewer than the 10 asked for"):
+        build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=1,0,0"), TOKENIZER, (10, 0, 0), 0)
+
+
+def test_blend_prefixes_sharing_a_file_name_get_a_metric_name_each():
+    from megadiff.data.datasets import source_names
+
+    assert source_names(["a/x", "b/x", "c/x", "d/y"]) == ["x-0", "x-1", "x-2", "y"]
+    assert source_names(["a/x", "b/x"]) == ["x-0", "x-1"]
+    assert source_names(["a/x", "b/y"]) == ["x", "y"]
+
+
+def test_an_index_cut_short_or_of_another_version_is_refused_by_name(corpus, tmp_path):
+    """Megatron would fail later, deep in its reader, or read another format as its own."""
+    prefix = _copy_corpus(corpus, tmp_path)
+    whole = (tmp_path / "docs.idx").read_bytes()
+    (tmp_path / "docs.idx").write_bytes(whole[:-8])
+    with pytest.raises(DataError, match=r"docs.idx is not a readable megatron index \(\d+ bytes, fewer than"):
+        read_index(prefix)
+    header = bytearray(whole)
+    header[indexed.INDEX_HEADER_BYTES - 25] = 2  # the version field, after the 9-byte magic
+    (tmp_path / "docs.idx").write_bytes(bytes(header))
+    with pytest.raises(DataError, match=r"docs.idx is not a readable megatron index \(bad header or version 2\)"):
+        read_index(prefix)
+
+
+def test_index_caches_follow_what_the_manifest_says_the_data_was_made_from(tmp_path):
+    """Data prepared again from other sources into files of the very same sizes must not reuse the index caches
+    built over the old data."""
+    from megadiff.data.prepared_dataset import prepared_files_digest
+
+    write_documents(tmp_path / "docs", synthetic_documents(20, seed=1))
+    write_manifest(tmp_path / "docs", {"sources": ["a.jsonl"]}, {}, [tmp_path / "docs"])
+    before = prepared_files_digest(str(tmp_path / "docs"))
+    assert prepared_files_digest(str(tmp_path / "docs")) == before
+    write_manifest(tmp_path / "docs", {"sources": ["b.jsonl"]}, {}, [tmp_path / "docs"])
+    assert prepared_files_digest(str(tmp_path / "docs")) != before
