@@ -417,3 +417,35 @@ def test_a_messages_own_marker_characters_cannot_pair_with_the_wrappers():
     (message,) = mark_special_texts([{"role": "user", "content": "a\ufdd0b <|im_end|> c\ufdd1"}], ("<|im_end|>",))
     assert LITERAL.findall(message["content"]) == ["<|im_end|>"]
     assert LITERAL.sub("", message["content"]) == "ab  c"
+
+
+def test_conversations_read_without_their_messages_key_are_warned_of(tmp_path):
+    """Conversations trained without data.messages_key take the loss on every token, the user's turns and
+    the template's markup too: allowed as a baseline, but said, as for prompt/response data."""
+    from megadiff.data.checks import check_training_data
+
+    conversations = [[{"role": "user", "content": " question" * (1 + i % 4)},
+                      {"role": "assistant", "content": " answer" * (1 + i % 3)}] for i in range(20)]
+    sources = write_conversations(tmp_path / "src", conversations)
+    prepare(build_config({}, chat_overrides(sources, tmp_path / "chat")).data)
+    training = [f"data.prefix={tmp_path / 'chat'}", "data.bundled_corpus=null", "model.seq_length=16",
+                "model.vocab_size=100288", "data.split=100,0,0"]
+    tokenizer = load_tokenizer("cl100k_base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read with its key: nothing to warn of
+        check_training_data(build_config({}, training + ["data.messages_key=messages", f"data.chat_template={CHATML}"]),
+                            tokenizer)
+    with pytest.warns(UserWarning, match=r"was prepared with data.messages_key=messages, not set here: the loss is "
+                                         "taken on every token"):
+        check_training_data(build_config({}, training), tokenizer)
+
+
+def test_a_special_text_that_begins_another_is_not_cut_from_it():
+    """With special texts "<s>" and "<s>x", a message's "<s>x" is one literal: marking "<s>" alone would
+    leave "x" outside the wrapper, where the template's tokenizer could read "<s>x" back as its special token."""
+    from megadiff.data.conversations import LITERAL, mark_special_texts
+
+    for special in (("<s>", "<s>x"), ("<s>x", "<s>")):
+        (message,) = mark_special_texts([{"role": "user", "content": "a <s>x b <s> c"}], special)
+        assert LITERAL.findall(message["content"]) == ["<s>x", "<s>"], special
+        assert LITERAL.sub(lambda found: found.group(1), message["content"]) == "a <s>x b <s> c"

@@ -6,6 +6,7 @@ called document by document, megatron's own IndexedDataset reading the files bac
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import shutil
 import sys
@@ -677,3 +678,120 @@ def test_a_hub_dataset_updated_upstream_is_prepared_again(tmp_path, monkeypatch,
     commit["sha"] = "3333"
     prepare(config)
     assert reads == ["1111", "2222", "3333"]
+
+
+def test_a_tokenizer_with_other_merges_but_the_same_vocabulary_hashes_otherwise(small_tokenizer_dir, tmp_path,
+                                                                                capsys):
+    """A tokenizer whose merges were edited keeps every id of its vocabulary, yet splits text otherwise: its
+    hash must change, and data prepared with it before must be prepared again, or the old ids mean other text."""
+    from megadiff.data.manifest import tokenizer_digest
+
+    directory = tmp_path / "tok"
+    shutil.copytree(small_tokenizer_dir, directory)
+    source = tmp_path / "c.jsonl"
+    source.write_text(json.dumps({"text": "the quick brown fox jumps over the lazy dog, and sleeps"}) + "\n")
+    overrides = [f"data.sources=[{source}]", f"data.prefix={tmp_path / 'out'}", f"data.tokenizer={directory}"]
+    prepare(data_config(tmp_path, *overrides))
+    before = tokenizer_digest(directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    merges = spec["model"]["merges"]
+    spec["model"]["merges"] = merges[:len(merges) // 4]  # fewer merges: the same vocabulary, longer encodings
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    load_tokenizer.cache_clear()
+    tokenizer = load_tokenizer(str(directory))
+    assert tokenizer.hf.get_vocab() == load_tokenizer(str(small_tokenizer_dir)).hf.get_vocab()
+    assert tokenizer_digest(directory) != before
+
+    capsys.readouterr()
+    prepare(data_config(tmp_path, *overrides))
+    assert "up to date" not in capsys.readouterr().out
+    assert read_back(tmp_path / "out") == [tokenizer.encode(json.loads(source.read_text())["text"]) + [tokenizer.eod]]
+
+
+def test_another_text_key_prepares_the_other_field(tmp_path, capsys):
+    """Records holding a title and a body: preparing the same sources with data.text_key=body after
+    data.text_key=title must tokenize the bodies, not call the titles' data up to date."""
+    source = tmp_path / "records.jsonl"
+    records = [{"title": "Genesis", "body": "In the beginning God created the heaven and the earth."},
+               {"title": "John", "body": "Jesus wept."}]
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))
+    prefix = tmp_path / "out"
+    tokenizer = load_tokenizer("cl100k_base")
+    for key in ("title", "body"):
+        capsys.readouterr()
+        prepare(data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={prefix}", f"data.text_key={key}"))
+        assert "up to date" not in capsys.readouterr().out
+        assert read_back(prefix) == [tokenizer.encode(record[key]) + [tokenizer.eod] for record in records]
+
+
+def test_compressed_sources_read_as_their_uncompressed_texts(tmp_path):
+    """.gz/.bz2/.xz sources (suffixes in any case) are documented as read: a compressed dump must give the
+    tokens its uncompressed files give, not be refused as an unsupported file type."""
+    import bz2
+    import gzip
+    import lzma
+
+    records = "".join(json.dumps({"text": text}) + "\n" for text in ("In the beginning.", "Jesus wept."))
+    book = "And God said, Let there be light: and there was light.\n"
+    files = {"plain": {"a.jsonl": records, "b.txt": book, "c.jsonl": records},
+             "packed": {"a.jsonl.gz": gzip.compress(records.encode()), "b.TXT.XZ": lzma.compress(book.encode()),
+                        "c.jsonl.bz2": bz2.compress(records.encode())}}
+    for folder, contents in files.items():
+        (tmp_path / folder).mkdir()
+        for name, content in contents.items():
+            path = tmp_path / folder / name
+            path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+        sources = ",".join(str(tmp_path / folder / name) for name in contents)
+        prepare(data_config(tmp_path, f"data.sources=[{sources}]", f"data.prefix={tmp_path / folder / 'out'}"))
+    tokenizer = load_tokenizer("cl100k_base")
+    texts = ["In the beginning.", "Jesus wept.", book, "In the beginning.", "Jesus wept."]
+    assert read_back(tmp_path / "plain" / "out") == [tokenizer.encode(t) + [tokenizer.eod] for t in texts]
+    assert read_back(tmp_path / "packed" / "out") == read_back(tmp_path / "plain" / "out")
+
+
+def test_a_source_rewritten_at_the_same_size_is_prepared_again(tmp_path, capsys):
+    """An edited source whose size happens to stay the same (a corrected typo) is told apart by its
+    modification time: it must be prepared again, not served as the old text's tokens."""
+    source = tmp_path / "c.jsonl"
+    first, second = "The quick brown fox.", "The quick brown cat."
+    source.write_text(json.dumps({"text": first}) + "\n")
+    size, stamp = source.stat().st_size, source.stat().st_mtime_ns
+    config = data_config(tmp_path, f"data.sources=[{source}]", f"data.prefix={tmp_path / 'out'}")
+    prepare(config)
+    source.write_text(json.dumps({"text": second}) + "\n")
+    os.utime(source, ns=(stamp + 10**9, stamp + 10**9))  # a second later, whatever the file system's resolution
+    assert source.stat().st_size == size
+    capsys.readouterr()
+    prepare(config)
+    assert "up to date" not in capsys.readouterr().out
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(tmp_path / "out") == [tokenizer.encode(second) + [tokenizer.eod]]
+
+
+def test_many_batches_on_several_workers_keep_the_documents_order(corpus, tmp_path, monkeypatch):
+    """With more batches than the workers keep in flight, results must still come back in input order:
+    two workers must write the bytes one writes, or documents (and a loss mask's alignment) are shuffled."""
+    monkeypatch.setattr(prepare_module, "DOCUMENTS_PER_BATCH", 1)  # 26 records: 26 batches, 8 in flight
+    for workers in (1, 2):
+        prepare(data_config(tmp_path, f"data.sources=[{corpus[0]}]", f"data.prefix={tmp_path / f'w{workers}'}",
+                            f"data.workers={workers}"))
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(tmp_path / "w1") == [tokenizer.encode(d) + [tokenizer.eod] for d in corpus[1]]
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path / 'w2'}{ext}").read_bytes() == Path(f"{tmp_path / 'w1'}{ext}").read_bytes()
+
+
+def test_tokenizer_directories_of_the_same_name_get_their_own_tag(tmp_path):
+    """Two tokenizers both saved as ".../tokenizer" must not share a bundled corpus's prepared prefix: one
+    would be trained on the other's ids."""
+    from megadiff.data.locations import data_prefix, tokenizer_tag
+
+    first, second = tmp_path / "a" / "tok", tmp_path / "b" / "tok"
+    for directory in (first, second):
+        directory.mkdir(parents=True)
+    assert tokenizer_tag(str(first)) != tokenizer_tag(str(second))
+    assert tokenizer_tag(str(first)) == tokenizer_tag(str(tmp_path / "b" / ".." / "a" / "tok"))
+    assert tokenizer_tag(str(first)).startswith("tok-") and tokenizer_tag("cl100k_base") == "cl100k_base"
+    prefixes = {data_prefix(data_config(tmp_path, "data.bundled_corpus=kjv", f"data.tokenizer={directory}"))
+                for directory in (first, second)}
+    assert len(prefixes) == 2

@@ -181,3 +181,19 @@ def test_a_special_tokens_text_in_a_prompt_or_response_is_text(tmp_path, small_t
     ids = tokens[0].tolist()
     assert [i for i, token in enumerate(ids) if token == tokenizer.eod] == [len(ids) - 1]
     assert tokenizer.decode(ids[:-1]) == records[0]["question"] + records[0]["answer"]
+
+
+@pytest.mark.parametrize("change", ["truncated", "appended"])
+def test_a_loss_mask_of_another_size_is_prepared_again(tmp_path, capsys, change):
+    """A loss mask cut short (a full disk, an interrupted copy) or grown would misalign with the tokens:
+    the manifest records its size, so a rerun rewrites it rather than calling the data up to date."""
+    write_records(tmp_path / "src" / "a.jsonl", [{"question": f"q{i}?", "answer": f"answer {i}"} for i in range(20)])
+    data = build_config({}, sft_overrides(tmp_path / "src", tmp_path / "sft")).data
+    prepare(data)
+    mask_bin = Path(f"{loss_mask_prefix(tmp_path / 'sft')}.bin")
+    written = mask_bin.read_bytes()
+    mask_bin.write_bytes(written[:-3] if change == "truncated" else written + b"\x01" * 3)
+    capsys.readouterr()
+    prepare(data)
+    assert "up to date" not in capsys.readouterr().out
+    assert mask_bin.read_bytes() == written
