@@ -130,6 +130,47 @@ def test_diffllama_holds_head_norm_weight_folded_into_o_proj(root, export, refer
         torch.testing.assert_close(back(tokens()), reference("diff", "tp2")(tokens()), rtol=1e-4, atol=2e-5)
 
 
+def test_a_diffllama_export_fine_tuned_since_keeps_its_o_proj(root, export, tmp_path):
+    """The sidecar's pre-fold tensors are restored only while o_proj is still their fold: an export fine-tuned
+    since (o_proj changed, the sidecar left as it was) must come back as its o_proj, not as the stale tensors."""
+    bare = shutil.copytree(export("diff", "tp2"), tmp_path / "tuned")
+    state = load_file(str(bare / "model.safetensors"))
+    tuned = "model.layers.1.self_attn.o_proj.weight"
+    state[tuned] = state[tuned] * 1.5
+    save_file(state, str(bare / "model.safetensors"), metadata={"format": "pt"})
+    restored = load_checkpoint(convert_from_hf(bare, tmp_path / "back")).parameters_by_name()
+    prefix = "decoder.layers.1.self_attention."
+    assert torch.equal(restored[prefix + "linear_proj.weight"], state[tuned])
+    assert torch.equal(restored[prefix + "core_attention.head_norm_weight"], torch.ones(16))
+    untouched = load_checkpoint(root / "tp2" / "diff").parameters_by_name()  # layer 0 still matches its sidecar
+    for name in ("linear_proj.weight", "core_attention.head_norm_weight"):
+        name = "decoder.layers.0.self_attention." + name
+        assert torch.equal(restored[name], untouched[name]), name
+
+
+def test_an_export_whose_config_json_was_edited_converts_as_config_json_says(root, export, tmp_path, capsys):
+    """The export's own run config (the sidecar) is kept only while it describes config.json: a window edited in
+    config.json since (a context extension by hand) must come back, not the sidecar's."""
+    edited = shutil.copytree(export("diff", "tp2"), tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    config["max_position_embeddings"] *= 2
+    (edited / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    back = convert_from_hf(edited, tmp_path / "back")
+    assert "megadiff_config.yaml does not describe config.json" in capsys.readouterr().out
+    assert checkpoint_config(back).model.seq_length == config["max_position_embeddings"]
+    assert checkpoint_config(convert_from_hf(export("diff", "tp2"), tmp_path / "as_exported")).model == \
+        checkpoint_config(root / "tp2" / "diff").model
+
+
+def test_pad_vocab_refuses_rows_the_exports_tensor_parallel_size_does_not_divide(export, tmp_path):
+    """A megadiff export keeps its run's parallel.tensor=2: 171 pads its 512 rows to 513, which two ranks cannot
+    split."""
+    with pytest.raises(ConversionError, match=r"--pad-vocab 171 gives 513 rows, which the export's "
+                                              r"parallel.tensor=2 does not divide: pass a multiple of 2"):
+        convert_from_hf(export("diff", "tp2"), tmp_path / "back", pad_vocab=171, check=False)
+
+
 def test_a_bf16_export_of_an_fp32_run_comes_back_with_its_head_norm_weights(root, tmp_path):
     """The sidecar holds the pre-fold tensors in the export's dtype, o_proj is folded from them: from-hf
     recognises the fold and restores the norm weights (not unit ones with the norm merged into o_proj)."""
@@ -140,6 +181,15 @@ def test_a_bf16_export_of_an_fp32_run_comes_back_with_its_head_norm_weights(root
     for name in ("core_attention.head_norm_weight", "linear_proj.weight"):
         name = "decoder.layers.1.self_attention." + name
         assert torch.equal(restored[name], source[name].to(torch.bfloat16)), name
+    # lambda's vectors stay fp32 (exp of their dot products is sensitive), as trained; the rest is bf16
+    state = load_file(str(hf_dir / "model.safetensors"))
+    lambdas = {name: t for name, t in state.items() if ".lambda_" in name}
+    assert len(lambdas) == 4 * checkpoint_config(checkpoint).model.num_layers
+    assert all(t.dtype == torch.bfloat16 for name, t in state.items() if name not in lambdas)
+    for name, tensor in lambdas.items():
+        layer, vector = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(lambda_[qk][12])", name).groups()
+        original = source[f"decoder.layers.{layer}.self_attention.core_attention.{vector}"]
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, original.float()), name
 
 
 def test_an_export_into_an_earlier_exports_directory_keeps_none_of_its_files(root, tmp_path):

@@ -292,3 +292,31 @@ def test_tokens_added_to_a_tiktoken_export_come_back_with_it(tmp_path):
     back = checkpoint_config(convert_from_hf(export, tmp_path / "back")).data.tokenizer
     assert back == str((tmp_path / "back" / "tokenizer").resolve())
     assert load_tokenizer(back).vocab_size == len(hf_tokenizer) == 100279
+
+
+def test_weights_in_a_precision_megadiff_does_not_train_need_dtype_and_convert_with_it(tmp_path):
+    """float64 weights (a research checkpoint) name the option that converts them, rather than failing as a
+    missing precision deep in the conversion."""
+    from safetensors.torch import save_file
+
+    llama = stock_llama(tmp_path / "llama", tied=False)
+    weights = tmp_path / "llama" / "model.safetensors"
+    save_file({name: t.double() for name, t in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"weights in torch.float64; pass --dtype fp32, bf16 or fp16"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+    assert not (tmp_path / "megadiff").exists()
+    checkpoint = convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="fp32", check=False)
+    assert checkpoint_config(checkpoint).train.precision == "fp32"
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(checkpoint)(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+
+
+def test_from_hf_refuses_a_directory_that_holds_files_and_leaves_them(tmp_path):
+    stock_llama(tmp_path / "llama", tied=False)
+    (tmp_path / "megadiff").mkdir()
+    (tmp_path / "megadiff" / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match=r"megadiff is not empty; from-hf writes a new checkpoint directory"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+    assert [p.name for p in (tmp_path / "megadiff").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "megadiff" / "notes.txt").read_text() == "mine"
