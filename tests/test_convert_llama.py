@@ -320,3 +320,25 @@ def test_from_hf_refuses_a_directory_that_holds_files_and_leaves_them(tmp_path):
         convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
     assert [p.name for p in (tmp_path / "megadiff").iterdir()] == ["notes.txt"]
     assert (tmp_path / "megadiff" / "notes.txt").read_text() == "mine"
+
+
+def test_a_chat_runs_export_stops_generating_at_the_end_of_a_turn(tmp_path):
+    """transformers' generate() stops at the generation config's EOS ids: a chat-tuned export must list its
+    template's end of turn (ChatML's <|im_end|>, one special token here), or a reply runs on into made-up turns."""
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    from megadiff.convert.hf_io import _generation_config
+
+    directory = build_tokenizer(tmp_path / "tok", bos="<|im_end|>")
+    tokenizer = load_tokenizer(str(directory))
+    chatml = Path(__file__).resolve().parents[1] / "configs" / "chat" / "chatml.jinja"
+    plain = build_config({}, [f"data.tokenizer={directory}"])
+    chat = build_config({}, [f"data.tokenizer={directory}", "data.messages_key=messages", f"data.chat_template={chatml}"])
+    end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert end != tokenizer.eod
+    assert _generation_config(GenerationConfig(eos_token_id=tokenizer.eod), tokenizer, chat).eos_token_id == \
+        [tokenizer.eod, end]
+    assert _generation_config(GenerationConfig(eos_token_id=tokenizer.eod), tokenizer, plain).eos_token_id == \
+        tokenizer.eod

@@ -246,6 +246,56 @@ def test_more_sequences_than_the_split_holds_evaluates_each_once(run):
     assert len(set(first)) < len(first)  # what megatron gives when asked for more: repeats among them
 
 
+def test_a_split_of_whole_samples_counts_the_samples_it_can_label(monkeypatch):
+    """A sample reads seq_length + 1 tokens (its last label is the next sample's first token): a split of exactly
+    k x seq_length tokens gives k - 1 distinct samples, one token more gives k. Counting one too many, evaluate
+    asked megatron for a sample the split lacks, which it fills from a second, shuffled epoch: a repeat."""
+    from types import SimpleNamespace
+
+    from megadiff.inference import evaluate as module
+
+    seq, k = 32, 3
+    cfg = build_config({}, ["data.prefix=/nowhere/docs", "data.split=50,50,0", f"model.seq_length={seq}"])
+    for valid_lengths, samples in (([40, k * seq - 40], k - 1), ([40, k * seq - 39], k)):
+        lengths = np.array([25, 35] + valid_lengths)  # 4 documents: the last two are the valid split's
+        monkeypatch.setattr(module, "read_index", lambda prefix, lengths=lengths: SimpleNamespace(
+            sequence_lengths=lengths))
+        assert module.distinct_samples(cfg, "valid") == samples
+    assert module.distinct_samples(cfg, "test") is None
+
+
+def test_a_blend_weighs_its_sources_by_their_weights_not_their_token_counts():
+    """Weights 0.9 and 0.1 over sources of 2 and 6 samples at different loss levels: the blended loss, position
+    by position too, is 0.9 x the first source's mean + 0.1 x the second's, whatever their sizes."""
+    from megadiff.inference.evaluate import blend_summary
+
+    generator = torch.Generator().manual_seed(0)
+    first = torch.rand(2, 8, generator=generator, dtype=torch.float64) + 1.0
+    second = torch.rand(6, 8, generator=generator, dtype=torch.float64) + 4.0
+    report = blend_summary([(first, None, 0.9), (second, None, 0.1)], buckets=2)
+    assert report["loss"] == pytest.approx(0.9 * first.mean().item() + 0.1 * second.mean().item())
+    for row in report["by_position"]:
+        lo, hi = row["positions"]
+        assert row["mean_loss"] == pytest.approx(0.9 * first[:, lo:hi].mean().item() +
+                                                 0.1 * second[:, lo:hi].mean().item())
+    assert (report["sequences"], report["tokens"]) == (8, first.numel() + second.numel())
+
+
+def test_the_test_split_is_evaluated_on_its_own_samples(run):
+    """--split test scores the test split's documents, as megatron cuts them for the run, not the valid split's."""
+    from rich.console import Console
+
+    from megadiff.inference.evaluate import evaluation_config, held_out_dataset
+
+    run_dir, _ = run
+    model = load_checkpoint(run_dir)
+    cfg = evaluation_config(model.cfg, None, ["data.split=60,20,20"])
+    dataset = held_out_dataset(cfg, model.tokenizer, "test", 3, Console(quiet=True))
+    splits = build_datasets(cfg, model.tokenizer, (0, 3, 3), seed=cfg.train.seed)
+    rows = [[np.asarray(split[i]["tokens"]).tolist() for i in range(3)] for split in (dataset, splits[2], splits[1])]
+    assert rows[0] == rows[1] != rows[2]
+
+
 def training_tokens(cfg) -> np.ndarray:
     """The training split's tokens, read document by document through megatron's IndexedDataset."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset

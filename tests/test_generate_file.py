@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
 from megadiff.cli import main
@@ -79,6 +80,22 @@ def test_a_prompt_longer_than_the_window_keeps_its_end(root, tmp_path):
     (row,) = completions(tmp_path / "out.jsonl")
     assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(
         [token for token in new if token != tokenizer.eod])
+
+
+def test_a_completion_ended_by_the_eod_is_recorded_as_stopped(root, tmp_path, monkeypatch):
+    """A model that draws the EOD has finished: the record says "stop" (not "length", which tells a user the
+    budget cut the text short), counts the EOD among its new tokens, and its text leaves the EOD's out."""
+    import megadiff.inference.generate as generate_module
+
+    tokenizer = load_checkpoint(root / "run").tokenizer
+    before = tokenizer.encode(" and the earth")
+    script = iter(before + [tokenizer.eod])
+    monkeypatch.setattr(generate_module, "next_tokens", lambda logits, *args: [next(script)] * logits.shape[0])
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "In the beginning God created the heaven"}) + "\n")
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "prompts.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(len(before) + 3)]) == 0
+    (row,) = completions(tmp_path / "out.jsonl")
+    assert row == {"id": "1", "completion": tokenizer.decode(before), "new_tokens": len(before) + 1, "finish": "stop"}
 
 
 def test_chat_prompts_are_the_templates_and_stop_at_the_turns_end(root, tmp_path, monkeypatch):
@@ -163,6 +180,11 @@ def test_a_rerun_asking_otherwise_is_refused(root, tmp_path, capsys):
     assert main(["generate", "--load", str(root / "run"), "--prompts", str(changed), "--output",
                  str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), "--batch-size", "3"]) == 2
     assert "prompt 'last' is not the one" in capsys.readouterr().err
+    # other decoding settings draw other completions
+    for option, value in (("--top-k", "5"), ("--temperature", "0.5"), ("--seed", "1")):
+        assert main(["generate", "--load", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--output",
+                     str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW), option, value]) == 2
+        assert "another request" in capsys.readouterr().err, option
     # weights in another dtype generate otherwise; --dtype naming their own (fp32) asks what omitting it asks
     for dtype, refused in (("bf16", True), ("fp32", False)):
         assert main(["generate", "--load", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--output",
@@ -208,6 +230,7 @@ def test_two_ranks_write_what_one_process_writes(root, tmp_path):
     ('{"prompt": "a", "id": 1}\n{"prompt": "b", "id": 1}\n', (), "id '1' comes twice"),
     ('{"messages": "hi"}\n', ("--chat",), "messages"),
     ("\n", (), "holds no prompts"),
+    ('{"prompt": "a"}\n', ("--batch-size", "0"), "--batch-size must be >= 1"),
 ])
 def test_mistakes_are_refused_before_the_checkpoint_is_read(tmp_path, capsys, content, extra, message):
     (tmp_path / "prompts.jsonl").write_text(content)
@@ -238,3 +261,47 @@ def test_output_and_prompts_go_together(tmp_path, capsys):
     assert "needs --output" in capsys.readouterr().err
     assert main(["generate", "--load", str(tmp_path), "--prompt", "x", "--output", str(tmp_path / "o")]) == 2
     assert "--prompts FILE" in capsys.readouterr().err
+
+
+def test_a_budget_filling_the_window_is_refused(root, tmp_path, capsys):
+    """--max-new-tokens as long as the window leaves no token of the prompt in view: refused, not a completion
+    of nothing."""
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "In the beginning"}) + "\n")
+    assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "prompts.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", str(WINDOW)]) == 2
+    assert f"leaves no room for a prompt in the window of {WINDOW}" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_record_after_a_line_cut_short_is_kept(tmp_path):
+    """A crash mid-write leaves a half line: the next record goes on a line of its own, so it is read back
+    (glued onto the half line, it would be dropped with it, and its completion generated again forever)."""
+    from megadiff.inference.records import append_record, read_records
+
+    path = tmp_path / "out.jsonl_rank0.jsonl"
+    whole = {"id": "1", "completion": "God"}
+    path.write_text(json.dumps(whole) + "\n" + json.dumps({"id": "2", "completion": "light"})[:12])
+    append_record(path, {"id": "3", "completion": "waters"})
+    assert read_records(path) == [whole, {"id": "3", "completion": "waters"}]
+
+
+def test_each_rank_samples_with_a_generator_of_its_own(root, tmp_path, monkeypatch):
+    """Ranks seed their generator with --seed plus their rank: with one seed for all, every rank would draw the
+    same random stream (and equal prompts on two ranks the same completion)."""
+    from megadiff.inference import generate_file as module
+
+    model = load_checkpoint(root / "run")
+    states = {}
+
+    def watched(model, prompts, *args, generator, **kwargs):
+        states[module.rank_and_world()[0]] = generator.get_state()
+        return [[model.tokenizer.eod]] * len(prompts)
+
+    monkeypatch.setattr(module, "generate_batch", watched)
+    for rank in (0, 1):
+        monkeypatch.setattr(module, "rank_and_world", lambda rank=rank: (rank, 2))
+        module.generate_file(model, [("1", "In the beginning")], str(tmp_path / f"out{rank}.jsonl"), seed=11,
+                             temperature=1.0, max_new_tokens=NEW)
+    for rank, state in states.items():
+        assert torch.equal(state, torch.Generator().manual_seed(11 + rank).get_state())
+    assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])

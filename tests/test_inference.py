@@ -662,6 +662,72 @@ def test_nucleus_sampling_draws_from_the_likeliest_ids_reaching_top_p():
     assert set(next_tokens(logits, 1.0, 0, generator)) == {0, 1, 2}
 
 
+def test_a_tiny_temperature_draws_the_argmax_and_a_high_one_spreads_the_draws():
+    """Temperature divides the logits: near 0 sampling is as good as greedy, far above 1 it flattens the
+    distribution toward uniform (multiplying would turn both the other way round)."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5]]).expand(400, 4)
+    greedy = int(logits[0].argmax())
+    generator = torch.Generator().manual_seed(0)
+    assert set(next_tokens(logits, 1e-4, 0, generator)) == {greedy}
+    assert set(next_tokens(logits, 100.0, 0, generator)) == set(range(logits.shape[1]))
+
+
+def test_top_k_keeps_exactly_the_k_likeliest_ids():
+    """top_k 1 at temperature 1 is greedy (no row loses every id), and top_k 2 draws both of the two likeliest
+    ids and nothing else."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 6, generator=generator)
+    assert next_tokens(logits, 1.0, 1, generator) == logits.argmax(dim=-1).tolist()
+    row = torch.tensor([[0.3, 1.2, -0.4, 1.0, 0.1]]).expand(400, 5)
+    assert set(next_tokens(row, 1.0, 2, generator)) == set(torch.topk(row[0], 2).indices.tolist())
+
+
+def test_a_top_k_beyond_the_vocabulary_draws_from_every_id():
+    """--top-k larger than the vocabulary (a setting carried over from a bigger model) means every id."""
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(400, 3)
+    assert set(next_tokens(logits, 1.0, 10, torch.Generator().manual_seed(0))) == set(range(logits.shape[1]))
+
+
+def scripted_draws(monkeypatch, script: list[int]) -> None:
+    """next_token() "draws" `script`'s ids in turn, afresh at each generation (whose first call is the prompt's)."""
+    state = {"drawn": iter(())}
+    real_decoder = generate_module.Decoder
+
+    class Restarting(real_decoder):
+        def __init__(self, *args, **kwargs):
+            state["drawn"] = iter(script)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "Decoder", Restarting)
+    monkeypatch.setattr(generate_module, "next_token", lambda *args: next(state["drawn"]))
+
+
+def test_generation_ends_at_the_eod_and_never_shows_its_text(run, capsys, monkeypatch):
+    """A drawn EOD ends the document: generation stops right after it (the budget not spent on text past
+    the end), and `megadiff generate` prints the text before it, not the EOD's own text."""
+    output_dir, reference = run
+    tokenizer = load_tokenizer(reference.cfg.data.tokenizer)
+    before, after = tokenizer.encode(" God said"), tokenizer.encode(" Let there be light")
+    script = before + [tokenizer.eod] + after
+    scripted_draws(monkeypatch, script)
+    assert generate(reference, [5, 6, 7], max_new_tokens=len(script), stop_id=tokenizer.eod) == before + [tokenizer.eod]
+    assert main(["generate", "--load", str(output_dir), "--prompt", PROMPT, "--max-new-tokens", str(len(script))]) == 0
+    out = capsys.readouterr().out
+    assert out == PROMPT + tokenizer.decode(before) + "\n"
+    assert tokenizer.decode([tokenizer.eod]) not in out
+
+
+def test_a_batch_row_ends_at_its_eod_while_the_others_go_on(run, monkeypatch):
+    """Side by side, the row that draws the EOD stops there; the other row spends its whole budget."""
+    _, reference = run
+    eod = reference.tokenizer.eod
+    steps = [[20, 30], [21, 31], [eod, 32], [22, 33], [23, 34]]
+    drawn = iter(steps)
+    monkeypatch.setattr(generate_module, "next_tokens", lambda *args: next(drawn))
+    answers = generate_batch(reference, [[5, 6, 7], [8, 9, 10]], len(steps), stop_id=eod)
+    assert answers == [[step[0] for step in steps[:3]], [step[1] for step in steps]]
+
+
 def test_generation_draws_only_ids_the_tokenizer_decodes(run):
     """cl100k_base has ids no token has (100256, 100261-100275): generation never draws them nor the
     embedding's padding, and decoding one is no error."""
@@ -685,7 +751,8 @@ def test_a_budget_below_one_new_token_is_refused_before_the_checkpoint_is_read(r
             (["generate", "--prompts", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "out")],
              "--max-new-tokens", "-1", "max_new_tokens"),
             (["chat"], "--max-new-tokens", "0", "max_new_tokens"),
-            (["generate", "--prompt", "Hi"], "--top-p", "0", "top_p")]:
+            (["generate", "--prompt", "Hi"], "--top-p", "0", "top_p"),
+            (["generate", "--prompt", "Hi"], "--top-k", "-1", "top_k")]:
         assert main([command[0], "--load", missing, *command[1:], option, value]) == 2
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_new_tokens >= 1"):
