@@ -308,17 +308,18 @@ def test_the_token_count_from_the_header_is_the_index_s(tmp_path, dtype):
     assert token_count(tmp_path / "docs") == read_index(tmp_path / "docs").tokens
 
 
-def test_a_split_built_shorter_than_asked_is_refused_before_training(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("built", [5, 9])  # 9: one sample short
+def test_a_split_built_shorter_than_asked_is_refused_before_training(corpus, tmp_path, monkeypatch, built):
     class ShortBuilder:
         def __init__(self, *args):
             pass
 
         def build(self):
-            return [list(range(5)), None, None]
+            return [list(range(built)), None, None]
 
     monkeypatch.setattr("megadiff.data.datasets.BlendedMegatronDatasetBuilder", ShortBuilder)
-    with pytest.raises(DataError, match="data.prefix: the train split was built with 5 samples, fewer than the 10 "
-                                        "asked for"):
+    with pytest.raises(DataError, match=f"data.prefix: the train split was built with {built} samples, fewer than "
+                                        "the 10 asked for"):
         build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=1,0,0"), TOKENIZER, (10, 0, 0), 0)
 
 
@@ -543,19 +544,6 @@ def test_the_checks_split_the_documents_as_megatrons_builder_does(tmp_path, coun
         begin, end, tokens = ranges[name]
         assert (begin, end) == (int(dataset.indices[0]), int(dataset.indices[-1]) + 1), name
         assert tokens == 41 * (end - begin)
-
-
-def test_a_split_built_one_sample_short_is_refused(corpus, tmp_path, monkeypatch):
-    class OneShortBuilder:
-        def __init__(self, *args):
-            pass
-
-        def build(self):
-            return [list(range(9)), None, None]
-
-    monkeypatch.setattr("megadiff.data.datasets.BlendedMegatronDatasetBuilder", OneShortBuilder)
-    with pytest.raises(DataError, match="the train split was built with 9 samples, fewer than the 10 asked for"):
-        build_datasets(config(tmp_path, f"data.prefix={corpus[0]}", "data.split=1,0,0"), TOKENIZER, (10, 0, 0), 0)
 
 
 def test_blend_prefixes_sharing_a_file_name_get_a_metric_name_each():

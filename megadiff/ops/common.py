@@ -32,9 +32,9 @@ _failed_to_compile: set = set()
 
 
 def compiled_on(device: torch.device, function):
-    """`function` compiled for CUDA, as it is elsewhere (the CPU has no use for the compile's seconds). A compile
-    that fails (a bug of some torch or Triton version) warns once and leaves the function eager: slower, the
-    same math."""
+    """`function` compiled for CUDA, as it is elsewhere (the CPU has no use for the compile's seconds). A call
+    whose compile fails (a bug of some torch or Triton version) warns once and leaves the function eager: slower,
+    the same math. (A backward graph compiles at its first backward, where no fallback can take over.)"""
     if device.type != "cuda" or function in _failed_to_compile:
         return function
     return functools.partial(_run_compiled, function)
