@@ -472,3 +472,52 @@ def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeyp
     assert again.config.adaptation["step"] == 9
     with torch.no_grad():
         assert torch.equal(again(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("bad_row", [[], [1, 1], [-1]], ids=["empty", "repeated", "negative"])
+def test_given_heads_refuse_empty_repeated_or_negative_rows(bad_row):
+    """selected_heads is the user's own choice of heads: a layer given no head, a head twice, or a negative
+    index (which Python would read from the end) must be refused by name, not adapted as something else."""
+    with pytest.raises(AdaptationError, match=r"selected_heads\[1\]"):
+        apply_dex(tiny_model("llama"), {"selected_heads": [[0], bad_row]})
+
+
+def test_configured_lambda_settings_reach_every_adapted_layer():
+    """A constant lambda_init, lambda_learn_init and anneal_steps T set in the config are the ones each
+    adapted layer starts from: lambda(t) follows the user's schedule, not the defaults."""
+    config = {"selection": "all", "lambda_init": 0.3, "lambda_learn_init": 0.25, "anneal_steps": 7}
+    for apply, method in ((apply_dex, "dex"), (apply_daa, "daa")):
+        model = apply(tiny_model("llama"), {**config, "method": method})
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            assert attn.lambda_init == pytest.approx(config["lambda_init"])
+            assert attn.anneal_steps == config["anneal_steps"]
+            assert attn.lambda_learn.item() == pytest.approx(config["lambda_learn_init"])
+        half = config["anneal_steps"] // 2
+        set_step(model, half)
+        expected = naive_lambda(half, config["anneal_steps"], config["lambda_init"], config["lambda_learn_init"])
+        assert current_lambdas(model) == {f"layer_{i}": pytest.approx(expected) for i in range(LAYERS)}
+
+
+def test_a_share_too_small_for_one_head_still_adapts_one_per_layer():
+    """heads_fraction x heads below 1 (0.1 of 4 heads) adapts at least one head of each layer
+    (k = max(1, floor(fraction x heads))): a layer silently left unadapted would train nothing of Dex's."""
+    plan = plan_adaptation(tiny_model("llama", init=0.3), AdaptationConfig(heads_fraction=0.1), [tokens()])
+    assert [len(layer["heads"]) for layer in plan["layers"]] == [1] * LAYERS
+
+
+def test_without_calibration_data_the_configured_count_of_random_batches_is_measured(monkeypatch):
+    """With no calibration batches given, head selection falls back to random tokens (with a warning), as many
+    batches as calibration_batches asks: the user's count sets how much the measurement averages over."""
+    import megadiff.adapt.apply as apply_module
+
+    measured = []
+
+    def select(model, selection, fraction, batches, document_eos=None):
+        measured.extend(batches)
+        return [list(range(HEADS // 2)) for _ in range(LAYERS)]
+
+    monkeypatch.setattr(apply_module, "select_heads", select)
+    with pytest.warns(UserWarning, match="random tokens"):
+        apply_dex(tiny_model("llama"), {"calibration_batches": 3})
+    assert len(measured) == 3 and all(int(batch.max()) < VOCAB for batch in measured)

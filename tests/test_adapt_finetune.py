@@ -1144,3 +1144,165 @@ def test_zero3_head_selection_holds_one_block_at_a_time(selection, workspace, tm
     assert len(held["backward"]) == (2 * (2 + 2) if selection == "importance" else 0)
     assert 0 < max(held["forward"] + held["backward"]) <= result["largest_block"] < result["total"]
     assert result["released"] == 0
+
+
+def test_adam_and_clipping_settings_fill_a_deepspeed_json_that_leaves_them_out(workspace, tmp_path):
+    """A DeepSpeed JSON naming only its optimizer's type gets train.adam_betas, adam_eps, weight_decay and
+    grad_clip from the adapt config: left out, DeepSpeed's own defaults (AdamW's weight decay of 0.01, no
+    clipping) trained silently instead of the config's."""
+    minimal = tmp_path / "ds.json"
+    minimal.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [
+        f"deepspeed={minimal}", "train.adam_betas=[0.8,0.95]", "train.adam_eps=1e-6", "train.weight_decay=0.05",
+        "train.grad_clip=0.5"])
+    ds = deepspeed_config(cfg, world_size=2)
+    assert ds["optimizer"]["params"] == {"lr": cfg.train.lr, "betas": list(cfg.train.adam_betas),
+                                         "eps": cfg.train.adam_eps, "weight_decay": cfg.train.weight_decay}
+    assert ds["gradient_clipping"] == cfg.train.grad_clip
+
+
+def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
+    """DeepSpeed's own scheduler would replace megadiff's warmup/cosine schedule (train.lr, warmup_ratio,
+    min_lr_ratio) without a word: refused before anything runs."""
+    with_scheduler = tmp_path / "ds.json"
+    with_scheduler.write_text(json.dumps({"zero_optimization": {"stage": 2},
+                                          "scheduler": {"type": "WarmupLR", "params": {}}}))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={with_scheduler}"])
+    with pytest.raises(ConfigError, match="deepspeed: .* has a scheduler section"):
+        deepspeed_config(cfg, world_size=2)
+
+
+def test_a_rerun_with_another_data_seed_is_refused(workspace, tmp_path):
+    """data.seed orders the samples: a rerun with another one resumed at its checkpoint's count of samples
+    read, in an order it never read."""
+    from megadiff.adapt.plan import check_planned_data, planned_data
+
+    config = str(workspace / "adapt.yaml")
+    first = load_finetune_config(config, [f"output_dir={tmp_path}"])
+    plan = {"data": planned_data(first)}
+    check_planned_data(plan, first)
+    with pytest.raises(ConfigError, match=f"data.seed: {first.data.seed + 1}, but .* was trained on {first.data.seed}"):
+        check_planned_data(plan, load_finetune_config(config, [f"output_dir={tmp_path}",
+                                                               f"data.seed={first.data.seed + 1}"]))
+
+
+@pytest.mark.parametrize("override", ["adaptation.calibration_batches=3", "adaptation.selected_heads=[[0],[1]]"])
+def test_a_rerun_asking_for_other_calibration_or_given_heads_is_refused(workspace, override):
+    """The heads a plan adapts were measured on its calibration batches (or given): a rerun asking for
+    another count of batches, or other heads, is refused by name rather than held to the saved plan."""
+    from megadiff.adapt.plan import _planned_settings, check_planned_settings
+
+    config = str(workspace / "adapt.yaml")
+    plan = {"method": "dex", "anneal_steps": 3, "lambda_learn_init": 0.0,
+            "settings": json.loads(json.dumps(_planned_settings(load_finetune_config(config, []))))}
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}: .* was planned with"):
+        check_planned_settings(plan, load_finetune_config(config, [override]))
+
+
+def test_each_epoch_reads_its_own_permutation_of_the_sequences():
+    """The sample order is one seeded permutation per epoch (seed + epoch): a second epoch reads every
+    sequence once again, in another order, not the first epoch's order repeated."""
+    from megadiff.adapt.data import SampleOrder
+
+    rows, order = 50, SampleOrder(num_rows=50, seed=3)
+    first, second = ([order.row(epoch * rows + i) for i in range(rows)] for epoch in (0, 1))
+    assert sorted(first) == sorted(second) == list(range(rows)) and first != second
+
+
+def test_calibration_batches_are_the_first_micro_batches_of_the_order():
+    """Head selection measures the first `calibration_batches` micro-batches of the training order: that many
+    distinct sequences x micro_batch_size, the same on every rank, none measured twice."""
+    from megadiff.adapt.data import BatchReader, SampleOrder
+
+    dataset = [{"input_ids": torch.full((4,), i)} for i in range(20)]
+    micro_batch, count = 2, 3
+    order = SampleOrder(len(dataset), seed=5)
+    expected = [order.row(sample) for sample in range(count * micro_batch)]
+    for rank in (0, 1):
+        reader = BatchReader(dataset, seed=5, micro_batch=micro_batch, grad_accum=2, rank=rank, world=2)
+        measured = [int(row[0]) for batch in reader.calibration_batches(count) for row in batch]
+        assert measured == expected
+
+
+def test_head_selection_needs_at_least_one_calibration_batch(workspace):
+    """calibration_batches=0 would measure entropy or importance on nothing (a division by zero rows):
+    refused by name with the config."""
+    with pytest.raises(ConfigError, match="adaptation.calibration_batches"):
+        load_finetune_config(str(workspace / "adapt.yaml"), ["adaptation.calibration_batches=0"])
+
+
+def test_the_schedule_warms_up_for_the_rounded_share_and_a_resume_follows_the_reruns_schedule():
+    """warmup_ratio x iters is rounded to whole warmup steps (1.8 -> 2), and a run resumed from a checkpoint with
+    another lr and iters continues on the rerun's schedule at the step the loaded state reached, not the saving
+    run's peak or a step behind."""
+    from megadiff.adapt.schedule import resume_schedule, warmup_cosine
+    from megadiff.adapt.settings import TrainSection
+
+    first = TrainSection(iters=20, warmup_ratio=0.09, lr=1e-3)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=first.lr)
+    scheduler = warmup_cosine(first)(optimizer)
+    warmup, steps = round(first.warmup_ratio * first.iters), 5
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert warmup == 2 and lrs == pytest.approx(
+        [first.lr * lr_multiplier(step, warmup, first.iters, first.min_lr_ratio) for step in range(steps)])
+    rerun = TrainSection(iters=40, warmup_ratio=0.09, lr=5e-4)
+    resumed = warmup_cosine(rerun)(optimizer)
+    resumed.load_state_dict(scheduler.state_dict())  # as DeepSpeed's load_checkpoint restores it
+    resume_schedule(resumed, rerun)
+    rerun_warmup = round(rerun.warmup_ratio * rerun.iters)
+    for step in (steps, steps + 1):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            rerun.lr * lr_multiplier(step, rerun_warmup, rerun.iters, rerun.min_lr_ratio))
+        optimizer.step()
+        resumed.step()
+
+
+def test_a_rerun_leaving_out_a_planned_setting_is_held_to_the_plan(workspace):
+    """Only the settings a rerun gives are compared with its plan: the same command without the overrides the
+    first run was given (heads_fraction, lambda_init) resumes on the saved plan rather than being refused."""
+    from megadiff.adapt.plan import _planned_settings, check_planned_settings
+
+    config = str(workspace / "adapt.yaml")
+    first = load_finetune_config(config, ["adaptation.heads_fraction=0.25", "adaptation.lambda_init=0.3"])
+    plan = {"method": "dex", "anneal_steps": first.adaptation.anneal_steps, "lambda_learn_init": 0.0,
+            "settings": json.loads(json.dumps(_planned_settings(first)))}
+    rerun = load_finetune_config(config, [])
+    assert rerun.adaptation.heads_fraction != first.adaptation.heads_fraction
+    check_planned_settings(plan, rerun)
+
+
+def test_ranks_and_micro_steps_read_disjoint_samples_in_the_documented_order():
+    """Micro-batch (iteration i, micro-step m) on rank r holds the samples ((i * grad_accum + m) * world + r)
+    * micro_batch + j of the order: each rank reads its own sequences (two ranks reading the same ones trained
+    a global batch of half the data, twice), and a resume at any iteration reads what an uninterrupted run would."""
+    from megadiff.adapt.data import BatchReader, SampleOrder
+
+    dataset = [{"input_ids": torch.full((3,), i)} for i in range(64)]
+    micro_batch, grad_accum, world, seed = 2, 2, 2, 9
+    order = SampleOrder(len(dataset), seed)
+    readers = [BatchReader(dataset, seed, micro_batch, grad_accum, rank, world) for rank in range(world)]
+    read = []
+    for iteration in range(3):
+        for micro_step in range(grad_accum):
+            for rank, reader in enumerate(readers):
+                ids, labels = reader.micro_batch_at(iteration, micro_step)
+                first = ((iteration * grad_accum + micro_step) * world + rank) * micro_batch
+                assert ids[:, 0].tolist() == [order.row(first + j) for j in range(micro_batch)]
+                assert torch.equal(labels, ids)
+                read += ids[:, 0].tolist()
+    assert len(set(read)) == len(read) == 3 * grad_accum * world * micro_batch
+
+
+def test_a_tokenizer_directory_without_tokenizer_files_is_refused_with_the_config(workspace, tmp_path):
+    """model.tokenizer naming a directory that holds no tokenizer is refused by name before any rank starts,
+    rather than by transformers once the process group has formed."""
+    empty = tmp_path / "no_tokenizer"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=f"model.tokenizer: no tokenizer files in {empty}"):
+        load_finetune_config(str(workspace / "adapt.yaml"), [f"model.tokenizer={empty}"])
+    assert load_finetune_config(str(workspace / "adapt.yaml"), [f"model.tokenizer={workspace / 'model'}"])
