@@ -268,3 +268,21 @@ def test_commands_write_their_output_where_the_gpu_runner_asks(tmp_path, monkeyp
     assert proc.returncode == 2 and "'nine' is not a whole number" in proc.stderr
     (out,) = (tmp_path / "commands").glob("*-params.out")
     assert out.read_text() == proc.stdout and out.with_suffix(".err").read_text() == proc.stderr
+
+
+def test_throughput_counts_every_token_and_divides_the_flops_among_the_devices():
+    """tokens/s, TFLOP/s per device and MFU as the formula gives them: global batch x window tokens an
+    iteration, the model's FLOPs at its tensor-parallel size (its padded vocabulary), shared by every device,
+    against the configured peak (not the built-in table's, nor none off a GPU)."""
+    from megadiff.models.param_count import training_flops_per_token
+    from megadiff.training.throughput import Throughput
+
+    cfg = build_config({}, ["model.vocab_size=300", "parallel.tensor=2", "train.global_batch_size=8",
+                            "model.seq_length=64", "logging.peak_tflops=0.5"], 4)
+    per_token = training_flops_per_token(cfg.model, tensor_parallel=2)
+    assert per_token != training_flops_per_token(cfg.model, tensor_parallel=1)  # 384 rows at TP 1, 512 at TP 2
+    record = Throughput(cfg, world_size=4).metrics(seconds=2.0)
+    tokens = 8 * 64
+    assert record["tokens_per_s"] == pytest.approx(tokens / 2.0)
+    assert record["tflops_per_device"] == pytest.approx(per_token * tokens / 2.0 / 4 / 1e12)
+    assert record["mfu"] == pytest.approx(record["tflops_per_device"] / 0.5)
