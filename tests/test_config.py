@@ -83,6 +83,9 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.eval_interval=5", "data.split=100,0,0"], "train.eval_interval: data.split '100,0,0' leaves no valid"),
     (["train.eval_interval=5", "data.split=100,0"], "train.eval_interval"),
     (["train.eval_interval=null", "train.eval_each_source=true"], "train.eval_each_source: needs"),
+    (["data.bundled_corpus=kjv", "data.sources=[a.txt]"], "data.bundled_corpus: set either"),
+    (["model.num_attention_heads=4", "parallel.context=2", "model.seq_length=18"],
+     "parallel.context: sequence length 18 is not divisible by 2 x parallel.context \\(4\\)"),
 ])
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
@@ -127,6 +130,25 @@ def test_world_size_checks():
         build_config({}, ["train.global_batch_size=3", "train.micro_batch_size=1"], world_size=2)
     with pytest.raises(ConfigError, match=r"logging.profile_ranks: \[2\] are not ranks"):
         build_config({}, ["logging.profile_ranks=[0,2]", "train.global_batch_size=2"], world_size=2)
+
+
+def test_the_interleaved_schedule_needs_micro_batches_in_multiples_of_the_pipeline():
+    interleaved = ["model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                   "train.micro_batch_size=1"]
+    build_config({}, interleaved + ["train.global_batch_size=4"], world_size=2)  # one data rank: 4 micro-batches
+    with pytest.raises(ConfigError, match=r"train.global_batch_size: the interleaved schedule needs the number of "
+                                          r"micro-batches \(3\) to be a multiple of parallel.pipeline \(2\)"):
+        build_config({}, interleaved + ["train.global_batch_size=3"], world_size=2)
+    with pytest.raises(ConfigError, match=r"micro-batches \(3\)"):  # two data ranks share 6 samples
+        build_config({}, interleaved + ["train.global_batch_size=6"], world_size=4)
+
+
+def test_the_bounds_of_the_checks_are_accepted():
+    build_config({}, ["train.min_lr=1e-3", "train.lr=1e-3"])
+    build_config({}, ["train.lr_decay_style=wsd", "train.iters=100", "train.lr_warmup_iters=10",
+                      "train.lr_wsd_decay_iters=90"])
+    build_config({}, ["model.num_attention_heads=4", "parallel.context=2", "model.seq_length=20"])
+    build_config({}, ["data.bundled_corpus=null", "data.sources=[a.txt]"])
 
 
 def test_override_without_equals_is_refused():

@@ -63,6 +63,32 @@ def test_schedule_follows_the_papers_formula(style, wsd_style):
             paper_lr(it, 3e-4, 1e-5, 10, 100, style, wsd_decay=30, wsd_style=wsd_style))
 
 
+@pytest.mark.parametrize("overrides, decay", [
+    (["train.min_lr=3e-4"], "linear"),  # min_lr == lr: a constant lr after the warmup
+    (["train.lr_decay_style=wsd", "train.lr_wsd_decay_iters=90"], "wsd"),  # the decay fills all after the warmup
+])
+def test_schedules_at_the_bounds_the_config_check_accepts(overrides, decay):
+    cfg = build_config({}, ["train.lr=3e-4", "train.min_lr=1e-5", "train.lr_warmup_iters=10", "train.iters=100",
+                            *overrides])
+    optimizer = SimpleNamespace(param_groups=[{}])
+    scheduler = build_scheduler(cfg, optimizer)
+    for it in range(1, 101):
+        scheduler.step(1)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            paper_lr(it, 3e-4, cfg.train.min_lr, 10, 100, decay, wsd_decay=90, wsd_style="linear"))
+
+
+def test_a_run_shorter_than_its_warmup_only_warms_up():
+    """A recipe shortened for a trial (train.iters=3 of a 1000-iteration warmup) still builds megatron's
+    schedule, which needs its decay to end after the warmup."""
+    cfg = build_config({}, ["train.lr=3e-4", "train.lr_warmup_iters=1000", "train.iters=3"])
+    optimizer = SimpleNamespace(param_groups=[{}])
+    scheduler = build_scheduler(cfg, optimizer)
+    for it in range(1, 4):
+        scheduler.step(1)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-4 * it / 1000)
+
+
 @pytest.mark.slow
 def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base, tmp_path):
     """The WSD workflow: a run stopped at the peak lr is rerun with more iterations; the stable
