@@ -127,3 +127,22 @@ def disk_full_while_saving(rank: int, world_size: int, overrides: list[str], doo
 
     training_checkpoint.dist_checkpointing.save, filesystem_async._write_item = save, write_item
     _report_pretrain(rank, overrides, report)
+
+
+def crashing_at_step(crash_step: int, overrides: list[str]) -> None:
+    """`megadiff pretrain` in this interpreter whose step `crash_step` raises an unexpected error (a CUDA or NCCL
+    error's stand-in), left to reach the interpreter's top as a real one does."""
+    import sys
+
+    from megadiff.cli import entry_point
+
+    original_step, steps = pretrain.train_step, []
+
+    def train_step(*args, **kwargs):
+        steps.append(None)
+        if len(steps) == crash_step:
+            raise RuntimeError(f"an unexpected failure at step {crash_step}")
+        return original_step(*args, **kwargs)
+
+    pretrain.train_step = train_step
+    sys.exit(entry_point(["pretrain", str(DEMO_CONFIG), *overrides]))

@@ -6,6 +6,7 @@ import math
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -105,6 +106,18 @@ def test_preemption_reaching_every_process_of_the_step_checkpoints(base, tmp_pat
     stopped = _stopped_at(launcher, out)
     assert launcher.returncode == REQUEUE_EXIT_CODE and stopped >= 2
     assert not list((out / CHECKPOINTS_DIR).glob("*.partial"))
+
+
+def test_a_run_failing_with_loader_workers_exits(base, tmp_path):
+    """An unexpected error (a CUDA or NCCL error) ends the process with its traceback. The loader's workers
+    ignore SIGTERM (preemption reaches them too), and multiprocessing's exit handler, which terminates them and
+    then joins them, waited forever on a loader the error's traceback still held: the job hung until its time
+    limit."""
+    overrides = base + ["train.iters=5", "train.dataloader_workers=1", f"output_dir={tmp_path / 'crashed'}"]
+    crash = f"from tests.pretrain_faults import crashing_at_step; crashing_at_step(2, {overrides!r})"
+    proc = subprocess.run([sys.executable, "-c", crash], env=environment(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "RuntimeError: an unexpected failure at step 2" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):

@@ -87,6 +87,20 @@ class IterationBatches:
         self._source = iter(loader)
         self.num_microbatches, self.num_chunks, self.vocab_size = num_microbatches, num_chunks, vocab_size
 
+    def close(self) -> None:
+        """Stops the loader's workers. They ignore SIGTERM (preemption signals reach them too), and at the
+        interpreter's exit multiprocessing terminates its children, then joins them: a loader still held there
+        (by an error's traceback) hung the process forever. torch has no public call for it."""
+        shutdown = getattr(self._source, "_shutdown_workers", None)  # absent without workers
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> "IterationBatches":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
     def next_iteration(self):
         batches = [next(self._source) for _ in range(self.num_microbatches)]
         for batch in batches:

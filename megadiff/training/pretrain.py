@@ -182,9 +182,9 @@ class Pretraining:
             chunk.eval()
         results = {}
         for metric, dataset in self.valid_sets.items():
-            batches = self._loader(dataset, 0, t.eval_iters * t.global_batch_size)
-            losses = [run_forward_backward(self.engine, batches.next_iteration(), self.num_microbatches,
-                                           forward_only=True) for _ in range(t.eval_iters)]
+            with self._loader(dataset, 0, t.eval_iters * t.global_batch_size) as batches:
+                losses = [run_forward_backward(self.engine, batches.next_iteration(), self.num_microbatches,
+                                               forward_only=True) for _ in range(t.eval_iters)]
             results[metric] = sum(losses) / len(losses)
         for chunk in self.engine.model:
             chunk.train()
@@ -273,6 +273,7 @@ class Pretraining:
             self.checkpoints.close()  # every rank stops at this step: a background save still commits
             raise
         finally:
+            batches.close()
             watchdog.close()
             if self.metrics is not None:
                 self.metrics.close(failed=failed)
