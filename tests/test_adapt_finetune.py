@@ -235,19 +235,25 @@ def test_resume_is_exact(stage_runs, workspace):
 def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, tmp_path):
     """Stopped after iteration 2 of 4, rerun with train.iters=6 and another peak lr: from iteration 3
     on, the lr is the rerun's schedule's (the loaded state held the first run's peak and last lr). The
-    rerun of a plan that recorded no base model records it."""
+    rerun of a plan that recorded neither its base model nor its data records them."""
     output, rerun = tmp_path / "longer", ["train.iters=6", "train.lr=1e-3"]
     adapt_in_ranks(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
     plan_file = output / "adaptation.json"
     plan = json.loads(plan_file.read_text())
-    fingerprint = plan.pop("base_model")  # as a plan from before plans recorded the base model
+    # as a plan from before plans recorded the base model and the data
+    fingerprint, data = plan.pop("base_model"), plan.pop("data")
     plan_file.write_text(json.dumps(plan))
     adapt_in_ranks(workspace, f"output_dir={output}", *rerun)
-    assert json.loads(plan_file.read_text())["base_model"] == fingerprint  # recorded by the rerun
+    recorded = json.loads(plan_file.read_text())
+    assert (recorded["base_model"], recorded["data"]) == (fingerprint, data)  # recorded by the rerun
     train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
     warmup = round(train.warmup_ratio * train.iters)
     expected = [train.lr * lr_multiplier(step, warmup, train.iters, train.min_lr_ratio) for step in range(2, 6)]
     assert [r["lr"] for r in read_metrics(output)][2:] == pytest.approx(expected)
+    recorded.pop("data")  # a plan from the versions that recorded the base model alone
+    plan_file.write_text(json.dumps(recorded))
+    adapt_in_ranks(workspace, f"output_dir={output}", *rerun)  # nothing left to train, the plan read all the same
+    assert json.loads(plan_file.read_text())["data"] == data
 
 
 @pytest.mark.slow
