@@ -84,6 +84,10 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.eval_interval=5", "data.split=100,0"], "train.eval_interval"),
     (["train.eval_interval=null", "train.eval_each_source=true"], "train.eval_each_source: needs"),
     (["data.bundled_corpus=kjv", "data.sources=[a.txt]"], "data.bundled_corpus: set either"),
+    (["data.length_upsampling_unit=4096"], "data.length_upsampling_unit: only used with data.length_upsampling"),
+    (["data.response_key=response", "data.messages_key=messages"], "data.messages_key: set either"),
+    (["data.response_key=response", "data.length_upsampling=true"], "are not up-sampled by length"),
+    (["data.messages_key=messages", "data.length_upsampling=true"], "are not up-sampled by length"),
     (["model.num_attention_heads=4", "parallel.context=2", "model.seq_length=18"],
      "parallel.context: sequence length 18 is not divisible by 2 x parallel.context \\(4\\)"),
 ])
