@@ -16,6 +16,14 @@ def test_yaml_base_inheritance_and_overrides(tmp_path):
     assert resolved_head_dim(cfg.model) == 16  # DIFF: hidden / (2 heads-maps x 4 heads)
 
 
+def test_files_inheriting_from_each_other_are_refused(tmp_path):
+    """Followed without a check, a loop of bases recursed until Python's stack overflowed."""
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: sub/../a.yaml\n")
+    with pytest.raises(ConfigError, match=f"base: circular inheritance through {tmp_path / 'a.yaml'}"):
+        load_config(tmp_path / "a.yaml")
+
+
 def test_softmax_head_dim_uses_all_heads():
     cfg = build_config({}, ["model.variant=softmax", "model.hidden_size=128", "model.num_attention_heads=4"])
     assert resolved_head_dim(cfg.model) == 32
