@@ -69,8 +69,11 @@ def test_a_config_saved_before_yaml_12_numbers_loads_as_it_was_written(tmp_path)
     ("data:\n  sources: !!set {a, b}\n", "data.sources: Value 'set' is not a supported primitive type"),
     ("train:\n  ~: 1\n", "train: Incompatible key type 'NoneType'"),
     ("base: 5\n", "base must name a config file, got 5"),
+    ("- model\n- train\n", "bad.yaml: the top level must be a mapping"),
+    ("base: base.yaml\nmodel: [1, 2]\n", "bad.yaml: Cannot merge incompatible container types"),
 ])
 def test_a_file_omegaconf_cannot_hold_is_a_config_error(tmp_path, text, message):
+    (tmp_path / "base.yaml").write_text("model:\n  hidden_size: 128\n")
     (tmp_path / "bad.yaml").write_text(text)
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(tmp_path / "bad.yaml")
@@ -115,9 +118,9 @@ def test_bad_yaml_in_a_file_is_a_config_error_and_exit_code_2(tmp_path, capsys):
     assert "megadiff: config error: " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["inf", "1e999"])
-def test_an_infinite_rope_theta_is_a_config_error(value):
-    with pytest.raises(ConfigError, match="model.rope_theta"):
+@pytest.mark.parametrize("value, message", [("inf", ""), ("1e999", ""), ("10000.5", ": 10000.5 must be an integer")])
+def test_a_rope_theta_megatron_cannot_take_is_a_config_error(value, message):
+    with pytest.raises(ConfigError, match=f"model.rope_theta{message}"):
         build_config({}, [f"model.rope_theta={value}"])
 
 
