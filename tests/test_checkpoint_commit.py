@@ -2,6 +2,8 @@
 beyond checkpoint.keep_last removed, never the one just committed; and the checkpoint a rerun finds."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megadiff.checkpoint.format import (
@@ -138,3 +140,115 @@ def test_a_writer_s_commit_carries_the_run_s_config_and_applies_its_keep_last(tm
         writer._commit_fn(iteration)()
     assert _saved(tmp_path) == ["iter_0000004"] and read_latest_iteration(tmp_path) == 4
     assert checkpoint_config(iteration_dir(tmp_path, 4)).model.num_layers == 3
+
+
+def test_a_missing_path_is_refused_as_missing(tmp_path):
+    """A mistyped --load must say the path does not exist, not that some directory is no checkpoint."""
+    with pytest.raises(CheckpointError, match=f"checkpoint path does not exist: {tmp_path / 'no_such_run'}"):
+        resolve_checkpoint_dir(tmp_path / "no_such_run")
+
+
+class _FakeWrites:
+    """dist_checkpointing.save as each rank's writes: a shard and the metadata into the directory given, noting
+    the marker as it stood then; `async_sharded_save` returns a request whose finalize functions (the commit) a
+    _FakeQueue runs."""
+
+    def __init__(self, checkpoints):
+        self.checkpoints, self.marker_while_writing = checkpoints, []
+
+    def save(self, state, directory, async_sharded_save=False):
+        if async_sharded_save:
+            return _FakeRequest(lambda: self.save(state, directory))
+        self.marker_while_writing.append(read_latest_iteration(self.checkpoints))
+        for name in ("__0_0.distcp", "metadata.json"):
+            (Path(directory) / name).write_text(str(state["train_state"]))
+
+
+class _FakeRequest:
+    def __init__(self, write):
+        self.write, self.finalize_fns = write, []
+
+    def add_finalize_fn(self, fn):
+        self.finalize_fns.append(fn)
+
+
+class _FakeQueue:
+    """megatron's AsyncCallsQueue: the writes run in the background, finalized when asked to block."""
+
+    def __init__(self):
+        self.pending = []
+
+    def schedule_async_request(self, request):
+        self.pending.append(request)
+
+    def maybe_finalize_async_calls(self, blocking):
+        done = self.pending if blocking else []
+        for request in done:
+            request.write()
+            for fn in request.finalize_fns:
+                fn()
+        self.pending = [request for request in self.pending if request not in done]
+        return bool(done)
+
+    def close(self):
+        assert not self.pending
+
+
+def _saving_writer(monkeypatch, directory, async_save: bool):
+    """A CheckpointWriter whose model, optimizer and RNG states are placeholders and whose files come from
+    _FakeWrites: what is left to check is the order of its staging, writes and commit."""
+    from megadiff.checkpoint import training_checkpoint
+    from megadiff.config.loader import build_config
+
+    writes = _FakeWrites(directory)
+    monkeypatch.setattr(training_checkpoint, "dist_checkpointing", writes)
+    monkeypatch.setattr(training_checkpoint, "model_sharded_state", lambda chunks: {"model": {}})
+    monkeypatch.setattr(training_checkpoint, "optimizer_sharded_state", lambda *args, **kwargs: {})
+    monkeypatch.setattr(training_checkpoint, "_rng_sharded_object", lambda states: None)
+    writer = _writer(monkeypatch, directory)
+    writer.cfg = build_config({}, [])
+    if async_save:
+        writer.queue = _FakeQueue()
+    return writer, writes
+
+
+def test_a_save_writes_while_the_previous_checkpoint_is_latest_and_removes_killed_saves_leftovers(
+        tmp_path, monkeypatch):
+    """The marker may name the new checkpoint only once its files are all written (a kill while writing must
+    leave the previous one for the rerun), and the staged files of a save killed earlier, which nothing else
+    removes, take no disk after the next save."""
+    writer, writes = _saving_writer(monkeypatch, tmp_path, async_save=False)
+    _commit_staged(tmp_path, 2, keep_last=None)
+    _staging_dir(tmp_path, 3).mkdir()  # a save killed before its commit
+    (_staging_dir(tmp_path, 3) / "half_written.distcp").write_text("x")
+    writer.save(4, [], None, {"iteration": 4})
+    writer.close()
+    assert writes.marker_while_writing == [2]
+    assert _saved(tmp_path) == ["iter_0000002", "iter_0000004"] and read_latest_iteration(tmp_path) == 4
+    assert (iteration_dir(tmp_path, 4) / "metadata.json").read_text() == str({"iteration": 4})
+
+
+def test_an_async_save_is_committed_before_the_next_save_starts(tmp_path, monkeypatch):
+    """The next save's start removes staged directories as a killed save's leftovers: the one still in flight
+    must have been committed first, else its checkpoint is lost."""
+    writer, writes = _saving_writer(monkeypatch, tmp_path, async_save=True)
+    for iteration in (2, 4):
+        writer.save(iteration, [], None, {"iteration": iteration})
+    assert read_latest_iteration(tmp_path) == 2  # the first committed, the second still in flight
+    writer.close()
+    assert writes.marker_while_writing == [None, 2]
+    assert _saved(tmp_path) == ["iter_0000002", "iter_0000004"] and read_latest_iteration(tmp_path) == 4
+
+
+def test_a_failed_write_names_what_came_of_it_and_on_which_rank(tmp_path):
+    """megatron gives the failures to its coordinator rank only; the other ranks must still say something,
+    not fail on an empty failures mapping."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megadiff.checkpoint.weights import write_failure
+
+    full = OSError(28, "No space left on device")
+    failed = CheckpointException("writes failed", {1: (RuntimeError(f"Worker failure: {full}"), None)})
+    assert write_failure(failed) == f"{full}, on rank 1"
+    assert "rank 0's message names the rank" in write_failure(CheckpointException("writes failed", {}))
+    assert write_failure(full) == str(full)

@@ -75,3 +75,42 @@ def test_layers_with_extra_state_load_a_checkpoint_without_it(result):
 def test_saved_extra_state_is_restored(result):
     # each layer's own: its depth-dependent lambda_init
     assert result["from_extra"]["restored"] == pytest.approx([depth_lambda_init(0), depth_lambda_init(1)])
+
+
+def test_a_checkpoint_lacking_a_tensor_other_than_extra_state_is_refused_naming_it(tmp_path, monkeypatch):
+    """dist_checkpointing returns the requested keys a checkpoint lacks instead of failing: a weight left out
+    would keep its fresh initialisation, silently; only TE's `_extra_state` may be absent."""
+    from megadiff.checkpoint import weights
+    from megadiff.checkpoint.format import CheckpointError
+
+    absent = {"decoder.layers.self_attention.core_attention._extra_state", "decoder.final_layernorm.weight"}
+    monkeypatch.setattr(weights.dist_checkpointing, "load", lambda request, path, strict: (request, None, absent))
+    with pytest.raises(CheckpointError, match=r"lacks 1 saved tensors this run needs: decoder\.final_layernorm\."
+                                              r"weight$"):
+        weights.load_sharded({}, tmp_path)
+    absent.discard("decoder.final_layernorm.weight")
+    assert weights.load_sharded({"model": {}}, tmp_path) == {"model": {}}
+
+
+def test_loaded_state_with_weights_the_model_lacks_or_lacking_its_weights_is_refused_naming_them():
+    """load_state_dict(strict=False), as `_extra_state` needs: every other key it leaves out or cannot place
+    must be refused by name (a layout or variant other than the model's)."""
+    from megadiff.checkpoint.format import CheckpointError
+    from megadiff.checkpoint.weights import load_into_chunks
+
+    layer = torch.nn.Linear(2, 2)
+    whole = {key: torch.zeros_like(value) for key, value in layer.state_dict().items()}
+    load_into_chunks([layer], {"model": dict(whole)})
+    assert all(torch.count_nonzero(p) == 0 for p in layer.parameters())
+    with pytest.raises(CheckpointError, match="model does not match the checkpoint: extra"):
+        load_into_chunks([layer], {"model": {**whole, "extra": torch.zeros(1)}})
+    with pytest.raises(CheckpointError, match="model1 does not match the checkpoint: bias"):
+        load_into_chunks([layer, layer], {"model0": whole, "model1": {"weight": whole["weight"]}})
+
+
+def test_many_keys_are_named_five_and_counted():
+    from megadiff.checkpoint.weights import _named
+
+    keys = [f"decoder.layers.{i}.weight" for i in range(8)]
+    assert _named(keys) == ", ".join(keys[:5]) + f" and {len(keys) - 5} more"
+    assert _named(keys[:5]) == ", ".join(keys[:5])

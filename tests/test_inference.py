@@ -148,10 +148,109 @@ def test_a_damaged_checkpoint_names_the_runs_other_checkpoints(run, tmp_path, ca
     assert f"The run's other checkpoints: {iteration_dir(checkpoints, 3)}" in capsys.readouterr().err
 
 
+def test_a_damaged_checkpoint_is_not_offered_as_its_own_alternative(tmp_path):
+    """The alternatives are the run's other whole checkpoints (by their metadata): never the damaged one, nor a
+    directory named like one without metadata."""
+    from megadiff.checkpoint.weights import damage_reported
+
+    checkpoints = tmp_path / CHECKPOINTS_DIR
+    for iteration in (3, 5, 7):
+        iteration_dir(checkpoints, iteration).mkdir(parents=True)
+        if iteration != 5:
+            (iteration_dir(checkpoints, iteration) / "metadata.json").write_text("{}")
+    damaged = iteration_dir(checkpoints, 7)
+    with pytest.raises(CheckpointError) as refused:
+        with damage_reported(damaged):
+            raise EOFError("Ran out of input")
+    assert str(refused.value).endswith(f"(EOFError: Ran out of input). The run's other checkpoints: "
+                                       f"{iteration_dir(checkpoints, 3)}")
+
+
+def test_a_tokenizer_with_as_many_ids_as_the_model_has_rows_is_accepted(run, monkeypatch):
+    """Every id below the padded vocabulary has its embedding row: only ids beyond them fail."""
+    import megadiff.checkpoint.single_process as loader
+    from megadiff.checkpoint.format import checkpoint_config
+    from megadiff.config import padded_vocab_size
+
+    checkpoint = iteration_dir(run[0] / CHECKPOINTS_DIR, 7)
+    cfg = checkpoint_config(checkpoint)
+    rows = padded_vocab_size(cfg.model, cfg.parallel.tensor)
+    for ids, refused in ((rows, False), (rows + 1, True)):
+        monkeypatch.setattr(loader, "load_tokenizer", lambda spec, ids=ids: SimpleNamespace(vocab_size=ids))
+        if refused:
+            with pytest.raises(CheckpointError, match=f"has {ids} ids, but the model embeds {rows}"):
+                loader.checkpoint_tokenizer(checkpoint, cfg)
+        else:
+            assert loader.checkpoint_tokenizer(checkpoint, cfg).vocab_size == ids
+
+
+def test_loading_a_checkpoint_leaves_the_callers_generators_alone(run):
+    """Building the model seeds Python's, NumPy's and torch's generators: a caller sampling with its own seed
+    (generate --seed, an evaluation's subsampling) must draw the same numbers whether it loaded a model or not."""
+    import random
+
+    import numpy as np
+
+    def draws():
+        return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    expected = draws()
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    load_checkpoint(run[0])
+    assert draws() == expected
+
+
+def test_a_checkpoint_trained_in_fp8_loads_in_bf16_unless_another_dtype_is_asked_for():
+    """FP8 runs keep their weights in bf16; a single-process model (megatron's local layers, on any device)
+    built in "fp8" would ask for TE's fp8 recipe or torchao's float8 linears, which need float8 tensor cores."""
+    from megadiff.checkpoint.single_process import single_process_config
+
+    cfg = build_config({}, [])
+    fp8 = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp8"})})
+    assert single_process_config(fp8).train.precision == "bf16"
+    assert single_process_config(fp8, "fp32").train.precision == "fp32"
+    assert single_process_config(cfg).train.precision == cfg.train.precision
+
+
+def test_load_checkpoint_refuses_a_dtype_it_cannot_compute_in(run):
+    with pytest.raises(ValueError, match="dtype must be one of .*got torch.int8"):
+        load_checkpoint(run[0], dtype=torch.int8)
+
+
 def test_a_checkpoints_directory_without_its_marker_loads_its_newest_checkpoint(run, tmp_path):
     """As a rerun of the training resumes from it (a crash between a commit's rename and its marker)."""
     shutil.copytree(run[0] / CHECKPOINTS_DIR, tmp_path / CHECKPOINTS_DIR, ignore=shutil.ignore_patterns(LATEST_FILE))
     assert load_checkpoint(tmp_path / CHECKPOINTS_DIR).checkpoint_dir == iteration_dir(tmp_path / CHECKPOINTS_DIR, 7)
+
+
+@pytest.mark.parametrize("variant", ["softmax", "shared_diff"])
+def test_a_checkpoint_of_another_variant_than_its_config_names_is_refused_naming_the_tensors(run, tmp_path, variant):
+    """A config.yaml copied from another run: the tensors the checkpoint lacks must be named, as must those its
+    model would not take (dist_checkpointing loads only what is asked for: they would be dropped silently)."""
+    import yaml
+
+    from megadiff.checkpoint.format import checkpoint_config
+    from megadiff.checkpoint.gather import model_sharded_tensors
+    from megadiff.checkpoint.single_process import build_single_process_model, single_process_config
+
+    def keys(checkpoint) -> set[str]:
+        model = build_single_process_model(single_process_config(checkpoint_config(checkpoint)))
+        return {shard.key for shard in model_sharded_tensors([model])}
+
+    edited = _copy_of_the_checkpoint(run, tmp_path)
+    saved_keys = keys(edited)
+    config = yaml.safe_load((edited / "config.yaml").read_text())
+    config["model"]["variant"] = variant
+    (edited / "config.yaml").write_text(yaml.safe_dump(config))
+    unknown, missing = sorted(saved_keys - keys(edited)), sorted(keys(edited) - saved_keys)
+    assert unknown or missing
+    with pytest.raises(CheckpointError, match="does not match its config.yaml") as refused:
+        load_checkpoint(edited)
+    assert all(f"unknown tensor {key} " in str(refused.value) for key in unknown)
+    assert all(f"missing tensor {key}\n" in str(refused.value) + "\n" for key in missing)
 
 
 def test_a_tokenizer_with_more_ids_than_the_model_is_refused_before_the_weights(run, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Each mend of megatron-core 0.16.1's distributed-optimizer checkpointing is needed, and enough.
 
 Negative controls: megatron's own calls fail (or silently share one Adam step counter) where
-megadiff.checkpoint.optimizer_state succeeds.
+megadiff.checkpoint.optimizer_state succeeds; loading keeps the loading run's param-group settings.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def _train(engine, cfg) -> None:
         train_step(engine, iter(batches), len(batches))
 
 
+def _settings(optimizer) -> list[dict]:
+    """What of each param group a run configures (loading also adds megatron's bookkeeping, e.g. a `step`)."""
+    keys = ("max_lr", "min_lr", "lr", "betas", "eps", "weight_decay")
+    return [{key: group[key] for key in keys} for group in optimizer.param_groups]
+
+
 def _worker(rank: int, world_size: int, checkpoint: str, out: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -38,6 +44,8 @@ def _worker(rank: int, world_size: int, checkpoint: str, out: str) -> None:
     initialize(cfg.parallel, seed=0)
     trained = build_engine(cfg)
     _train(trained, cfg)
+    for group in trained.optimizer.param_groups:  # a checkpoint of another run's settings (its peak lr)
+        group["max_lr"] *= 10
     state = model_sharded_state(trained.unwrapped())
     state["optimizer"] = optimizer_sharded_state(trained.optimizer, state, is_loading=False)
     dist_checkpointing.save(state, checkpoint)
@@ -62,7 +70,9 @@ def _worker(rank: int, world_size: int, checkpoint: str, out: str) -> None:
     except KeyError as err:
         report["megatron_load"] = f"KeyError {err}"
     engine = build_engine(cfg)
+    configured = _settings(engine.optimizer)
     load_optimizer_state(engine.optimizer, fresh_request(engine, mended=True))
+    report["settings_kept"] = _settings(engine.optimizer) == configured != _settings(trained.optimizer)
     steps = [s["step"] for inner in engine.optimizer.chained_optimizers for s in inner.optimizer.state.values()]
     report["steps"] = [float(s) for s in steps]
     report["distinct_step_tensors"] = len({id(s) for s in steps}) == len(steps)
@@ -86,3 +96,48 @@ def test_distributed_optimizer_round_trip_needs_each_mend(tmp_path):
     assert report["distinct_step_tensors"]                              # mend (c)
     assert report["steps"] and set(report["steps"]) == {STEPS}
     assert report["moments_equal"]
+    assert report["settings_kept"]  # this run's lr, betas and eps, not the saved run's
+
+
+def _weights_only_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    from megadiff.checkpoint.format import iteration_dir
+    from megadiff.checkpoint.training_checkpoint import CheckpointWriter, load_training_checkpoint
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, set_seed, shutdown
+    from megadiff.training.engine import build_engine
+
+    cfg = build_config({}, MODEL + ["model.variant=diff", "train.precision=bf16"], world_size)
+    initialize(cfg.parallel, seed=0)
+    saved = build_engine(cfg)
+    writer = CheckpointWriter(checkpoints, cfg)
+    writer.save(1, saved.unwrapped(), saved.optimizer, {"iteration": 1})
+    writer.close()
+    set_seed(1)  # other initial weights, which the optimizer's fp32 copies start from
+    engine = build_engine(cfg)
+    expected = dict(saved.unwrapped()[0].named_parameters())
+
+    def mismatched() -> list[str]:
+        return [name for name, param in engine.unwrapped()[0].named_parameters()
+                if not torch.equal(param, expected[name])]
+
+    report = {"initially_mismatched": len(mismatched())}
+    load_training_checkpoint(iteration_dir(checkpoints, 1), engine.unwrapped(), engine.optimizer,
+                             load_optimizer=False, restore_rng=False)
+    report["loaded_mismatched"] = mismatched()
+    for inner in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        inner._copy_main_params_to_model_params()  # what every step ends with
+    report["stepped_from_mismatched"] = mismatched()
+    shutdown()
+    with open(out, "w") as handle:
+        json.dump(report, handle)
+
+
+def test_weights_loaded_without_the_optimizer_state_are_what_the_optimizer_steps_from(tmp_path):
+    """checkpoint.load_optimizer=false (a new phase from another run's weights): with bf16 weights the optimizer
+    steps fp32 copies of them and writes those back; copies left at the initial weights would undo the load at
+    the first step."""
+    out = tmp_path / "report.json"
+    run_ranks(1, _weights_only_worker, str(tmp_path / "checkpoints"), str(out))
+    report = json.loads(out.read_text())
+    assert report["initially_mismatched"] > 0  # a real negative: the fresh model's weights are others
+    assert report["loaded_mismatched"] == [] and report["stepped_from_mismatched"] == []

@@ -14,8 +14,13 @@ from tests.parity_worker import MODEL
 
 
 def _draws() -> list[float]:
-    """One number from each generator a run's randomness comes from, in a fixed order."""
-    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+    """One number from each generator a run's randomness comes from, in a fixed order: megatron's tracker is
+    the one its tensor-parallel layers draw dropout from."""
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tracker = float(torch.rand(()))
+    return [random.random(), float(np.random.rand()), float(torch.rand(())), tracker]
 
 
 def _worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
