@@ -140,6 +140,43 @@ def test_a_conversation_is_encoded_as_its_chat_prompt():
             assert ids[:-1] == encode_prompt(tokenizer, prompt, chat=True)
 
 
+class WithoutOffsets:
+    """A tokenizer that gives no character offsets (a slow, Python one): every other call is the wrapped one's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode_with_offsets(self, text, ordinary):
+        raise NotImplementedError("no offsets")
+
+
+def test_a_tokenizer_without_offsets_encodes_the_turns_apart():
+    """Its conversations are encoded a piece at a time (a turn's edge splits a token): the masked tokens are still
+    the assistant's replies, the rest the template's text, and together the rendering. A prompt/response record
+    is encoded as its prompt, then its response."""
+    from megadiff.data.conversations import encode_conversation
+    from megadiff.data.tokenize_workers import _encode_pair
+    from megadiff.inference.chat_prompts import render_chat
+
+    tokenizer = load_tokenizer("cl100k_base")
+    slow = WithoutOffsets(tokenizer)
+    ending_with_eos = MARKED.replace("'<|im_end|>\\n'", "eos_token + '\\n'")  # a special token of cl100k's
+    for messages in CONVERSATIONS[:2]:
+        ids, mask = encode_conversation(messages, ending_with_eos, slow)
+        assert ids[-1] == tokenizer.eod and mask[-1] == int(messages[-1]["role"] == "assistant")
+        ids, mask = ids[:-1], mask[:-1]
+        assert ids.count(tokenizer.eod) == len(messages)  # the template's special text is the special token
+        assert tokenizer.decode(ids) == render_chat(messages, ending_with_eos, tokenizer, generation_prompt=False)
+        replies = "".join(m["content"] for m in messages if m["role"] == "assistant")
+        assert tokenizer.decode([i for i, masked in zip(ids, mask) if masked]) == replies
+    ids, mask = _encode_pair("Who begat Enos?", " Seth.", slow)
+    assert tokenizer.decode([i for i, masked in zip(ids, mask) if masked]) == " Seth."
+    assert tokenizer.decode([i for i, masked in zip(ids, mask) if not masked]) == "Who begat Enos?"
+
+
 def test_the_tulu_template_renders_open_instructs_format(tmp_path, small_tokenizer_dir):
     """configs/chat/tulu.jinja (configs/adapt/daa.yaml's) writes what open-instruct's Tulu 2 encoder
     concatenates (contents stripped), and the loss falls on each assistant's content, its EOS and the
