@@ -2,6 +2,8 @@
 weights) must split text exactly as tiktoken does: the model never saw any other split."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megadiff.data.tokenizers import load_tokenizer
@@ -43,4 +45,27 @@ def test_a_sentencepiece_model_without_its_package_is_named(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x0e\x0a\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>"}')
     with pytest.raises(TokenizerError, match="tokenizer.model is a SentencePiece model: pip install sentencepiece"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_a_tokenizer_named_neither_packaged_nor_a_directory_is_refused():
+    """A hub name (models are read from a directory here, offline): said as such, not as a missing file."""
+    from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, TokenizerError
+
+    with pytest.raises(TokenizerError, match=re.escape(f"data.tokenizer: 'gpt2' is neither one of {PACKAGED_TIKTOKEN} "
+                                                      "nor a directory of Hugging Face tokenizer files")):
+        load_tokenizer("gpt2")
+
+
+def test_a_tokenizer_without_an_eos_token_is_refused(tmp_path):
+    """Documents are separated by the EOS id: a tokenizer naming none gives them no end."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megadiff.data.tokenizers import TokenizerError
+
+    words = Tokenizer(models.WordLevel({"in": 0, "the": 1, "beginning": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path)
+    with pytest.raises(TokenizerError, match=f"tokenizer {tmp_path} has no eos token to use as end-of-document"):
         load_tokenizer(str(tmp_path))
