@@ -252,3 +252,85 @@ def test_a_failed_write_names_what_came_of_it_and_on_which_rank(tmp_path):
     assert write_failure(failed) == f"{full}, on rank 1"
     assert "rank 0's message names the rank" in write_failure(CheckpointException("writes failed", {}))
     assert write_failure(full) == str(full)
+
+
+def test_a_commit_whose_rename_fails_leaves_the_marker_on_the_previous_checkpoint(tmp_path):
+    """The marker moves only once the new checkpoint has its name: a commit that fails (or is killed) at the
+    rename must leave the marker naming the previous checkpoint, not one that does not exist."""
+    _commit_staged(tmp_path, 2, keep_last=None)
+    with pytest.raises(FileNotFoundError):  # iteration 4 never staged: its rename fails
+        commit_iteration(tmp_path, 4, LATEST_FILE, "4\n", keep_last=None)
+    assert read_latest_iteration(tmp_path) == 2 and _saved(tmp_path) == ["iter_0000002"]
+
+
+def test_an_iteration_committed_again_replaces_the_earlier_one_whole(tmp_path):
+    """A checkpoint written twice at one iteration (a signal right after a periodic save) must end up with the
+    second save's files only, and no staged directory left behind."""
+    _staging_dir(tmp_path, 4).mkdir()
+    (_staging_dir(tmp_path, 4) / "first.distcp").write_text("1")
+    commit_iteration(tmp_path, 4, LATEST_FILE, "4\n", keep_last=None)
+    _staging_dir(tmp_path, 4).mkdir()
+    (_staging_dir(tmp_path, 4) / "second.distcp").write_text("2")
+    commit_iteration(tmp_path, 4, LATEST_FILE, "4\n", keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([LATEST_FILE, "iter_0000004"])
+    assert [p.name for p in iteration_dir(tmp_path, 4).iterdir()] == ["second.distcp"]
+
+
+def test_keep_last_counts_only_committed_checkpoint_directories_by_number(tmp_path):
+    """A save still staged (async, in flight), other names under the prefix, or a file that happens to look
+    like a checkpoint are no checkpoints: keep_last must neither fail on them, remove them, nor count them
+    (counting one would remove a real checkpoint in its place). Numbers order by value past 7 digits."""
+    from megadiff.files import numbered_dirs
+
+    _staging_dir(tmp_path, 10**7 + 5).mkdir()  # a later save still being written
+    (tmp_path / "iter_notes").mkdir()
+    (tmp_path / "iter_0000005").write_text("not a checkpoint")
+    for iteration in (9_999_999, 2, 10**7, 4):
+        iteration_dir(tmp_path, iteration).mkdir()
+    assert [number for number, _ in numbered_dirs(tmp_path, "iter_")] == [2, 4, 9_999_999, 10**7]
+    _commit_staged(tmp_path, 10**7 + 1, keep_last=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        LATEST_FILE, "iter_0000004", "iter_0000005", "iter_notes", _staging_dir(tmp_path, 10**7 + 5).name,
+        "iter_9999999", "iter_10000000", "iter_10000001"])
+
+
+def test_write_atomically_syncs_before_renaming_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    """The data must reach the disk before its name does (a power loss after the rename could otherwise leave an
+    empty file under the final name); a write that fails leaves the previous file and no temporary behind, and
+    a missing parent directory is made."""
+    import os
+
+    from megadiff import files
+
+    steps = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(files.os, "fsync", lambda fd: steps.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(files.os, "replace", lambda src, dst: steps.append("replace") or real_replace(src, dst))
+    target = tmp_path / "new" / "dir" / "report.json"
+    files.write_atomically(target, b"first")
+    assert steps == ["fsync", "replace"] and target.read_bytes() == b"first"
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        files.write_atomically(target, b"second")
+    assert [p.name for p in target.parent.iterdir()] == ["report.json"] and target.read_bytes() == b"first"
+
+
+def test_exclusive_lock_excludes_other_holders_until_released(tmp_path):
+    """flock locks belong to an open file: a second open of the lock file (another process's, as far as flock
+    is concerned) must not get even a shared lock while it is held, and gets an exclusive one afterwards."""
+    import fcntl
+
+    from megadiff.files import exclusive_lock
+
+    lock = tmp_path / "sub" / "x.lock"
+    with exclusive_lock(lock):
+        with open(lock) as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    with open(lock) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert lock.exists()  # lock files stay

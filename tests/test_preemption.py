@@ -151,3 +151,15 @@ def test_only_a_signal_requeues_and_leaves_the_marker_a_spent_budget_exits_0(tmp
 def test_the_signal_name_in_the_stop_message_or_another_rank_s_when_none_arrived_here():
     assert signal_name(signal.SIGUSR1) == "SIGUSR1" and signal_name(signal.SIGTERM) == "SIGTERM"
     assert signal_name(None) == "a signal on another rank"
+
+
+def test_the_requeue_exit_code_and_marker_are_the_ones_the_slurm_script_requeues_on():
+    """slurm/job.sh holds its own copies of the exit code and the marker's variable: a code changed on one side
+    only (or one that reads as success or as torchrun's failure, 0 or 1) would end preempted jobs unrequeued."""
+    import re
+    from pathlib import Path
+
+    job = (Path(__file__).resolve().parents[1] / "slurm" / "job.sh").read_text()
+    assert int(re.search(r"^REQUEUE_EXIT_CODE=(\d+)", job, re.MULTILINE).group(1)) == REQUEUE_EXIT_CODE
+    assert REQUEUE_EXIT_CODE == os.EX_TEMPFAIL == 75
+    assert f"export {REQUEUE_MARKER_ENV}=" in job

@@ -142,3 +142,27 @@ def test_many_differing_ranks_are_named_three_and_counted():
     lines = _differences([("h0", {"lr": 1})] + [(f"h{rank}", {"lr": 2}) for rank in range(1, 6)])
     assert lines == ["lr: rank 0 (h0) has 1, rank 1 (h1) has 2, rank 2 (h2) has 2, rank 3 (h3) has 2 "
                      "(and 2 more ranks)"]
+
+
+def test_exactly_three_blind_ranks_are_named_with_no_count_of_more():
+    """The "and N more" tail only where ranks were left out of the message: never "and 0 more"."""
+    import pytest
+
+    from megadiff.config import ConfigError
+    from megadiff.rank_agreement import _refuse_unshared
+
+    views = [("h0", "/shared", True, None)] + [(f"h{rank}", "/shared", False, None) for rank in range(1, 4)]
+    with pytest.raises(ConfigError, match=r"rank 1 \(h1\), 2 \(h2\), 3 \(h3\) did not see") as refused:
+        _refuse_unshared("output_dir", views)
+    assert "more" not in str(refused.value)
+
+
+def test_a_config_is_compared_without_its_node_local_keys_and_left_unchanged():
+    """Keys naming a node's own copy of an input (dotted, in sections) differ between nodes by design: comparing
+    them would refuse ranks started alike. The config itself must keep them."""
+    from megadiff.rank_agreement import comparable
+
+    settings = {"data": {"tokenizer": "/node1/tok", "seq_length": 64}, "cache": "/local", "train": {"lr": 1e-3}}
+    assert comparable(settings, ("data.tokenizer", "cache", "train.absent")) == {
+        "data": {"seq_length": 64}, "train": {"lr": 1e-3}}
+    assert settings["data"]["tokenizer"] == "/node1/tok" and settings["cache"] == "/local"

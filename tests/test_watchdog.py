@@ -34,6 +34,7 @@ def test_a_step_that_outlasts_most_of_the_timeout_writes_the_ranks_stacks_to_its
     assert run.returncode == 0, run.stderr
     stacks = (tmp_path / "stalls" / f"rank3-{socket.gethostname()}.txt").read_text()
     assert stacks.startswith("Timeout (0:00:00.900000)!") and "in stuck_reading_data" in stacks
+    assert stacks.count("Timeout (") == 1  # one dump a stall (3 s stuck): not one every 0.9 s, filling the file
     assert not (tmp_path / "quiet").exists()  # a file left empty is removed, and then its directory
 
 
