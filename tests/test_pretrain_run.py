@@ -49,18 +49,25 @@ def paper_lr(it: int, peak: float, low: float, warmup: int, total: int, style: s
     return low + (peak - low) * factor
 
 
+def scheduled_lrs(cfg, iterations: int) -> list[float]:
+    """The lr of each of the first `iterations` iterations, as the run's scheduler sets it."""
+    optimizer = SimpleNamespace(param_groups=[{}])
+    scheduler = build_scheduler(cfg, optimizer)
+    lrs = []
+    for _ in range(iterations):
+        scheduler.step(1)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
 @pytest.mark.parametrize("style, wsd_style", [("linear", None), ("cosine", None), ("wsd", "linear"),
                                               ("wsd", "cosine"), ("wsd", "exponential"), ("wsd", "minus_sqrt")])
 def test_schedule_follows_the_papers_formula(style, wsd_style):
     wsd = ["train.lr_wsd_decay_iters=30", f"train.lr_wsd_decay_style={wsd_style}"] if style == "wsd" else []
     cfg = build_config({}, ["train.lr=3e-4", "train.min_lr=1e-5", "train.lr_warmup_iters=10", "train.iters=100",
                             f"train.lr_decay_style={style}", *wsd])
-    optimizer = SimpleNamespace(param_groups=[{}])
-    scheduler = build_scheduler(cfg, optimizer)
-    for it in range(1, 101):
-        scheduler.step(1)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(
-            paper_lr(it, 3e-4, 1e-5, 10, 100, style, wsd_decay=30, wsd_style=wsd_style))
+    assert scheduled_lrs(cfg, 100) == pytest.approx(
+        [paper_lr(it, 3e-4, 1e-5, 10, 100, style, wsd_decay=30, wsd_style=wsd_style) for it in range(1, 101)])
 
 
 @pytest.mark.parametrize("overrides, decay", [
@@ -70,23 +77,16 @@ def test_schedule_follows_the_papers_formula(style, wsd_style):
 def test_schedules_at_the_bounds_the_config_check_accepts(overrides, decay):
     cfg = build_config({}, ["train.lr=3e-4", "train.min_lr=1e-5", "train.lr_warmup_iters=10", "train.iters=100",
                             *overrides])
-    optimizer = SimpleNamespace(param_groups=[{}])
-    scheduler = build_scheduler(cfg, optimizer)
-    for it in range(1, 101):
-        scheduler.step(1)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(
-            paper_lr(it, 3e-4, cfg.train.min_lr, 10, 100, decay, wsd_decay=90, wsd_style="linear"))
+    assert scheduled_lrs(cfg, 100) == pytest.approx(
+        [paper_lr(it, 3e-4, cfg.train.min_lr, 10, 100, decay, wsd_decay=90, wsd_style="linear")
+         for it in range(1, 101)])
 
 
 def test_a_run_shorter_than_its_warmup_only_warms_up():
     """A recipe shortened for a trial (train.iters=3 of a 1000-iteration warmup) still builds megatron's
     schedule, which needs its decay to end after the warmup."""
     cfg = build_config({}, ["train.lr=3e-4", "train.lr_warmup_iters=1000", "train.iters=3"])
-    optimizer = SimpleNamespace(param_groups=[{}])
-    scheduler = build_scheduler(cfg, optimizer)
-    for it in range(1, 4):
-        scheduler.step(1)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-4 * it / 1000)
+    assert scheduled_lrs(cfg, 3) == pytest.approx([3e-4 * it / 1000 for it in range(1, 4)])
 
 
 @pytest.mark.slow
