@@ -533,6 +533,41 @@ def test_an_unreachable_hub_reads_task_data_from_the_cache_without_retrying(task
     assert ("does not answer" in capsys.readouterr().err) is offline
 
 
+def _ranks_probe_the_hub(rank: int, world_size: int, endpoints: list[str], out_dir: str) -> None:
+    from datetime import timedelta
+
+    import datasets
+    import huggingface_hub
+    from megadiff.inference import harness
+    from megadiff.parallel import init_process_group
+
+    huggingface_hub.constants.ENDPOINT = endpoints[rank]
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = False
+    init_process_group(timedelta(minutes=2))
+    harness.read_hub_data_from_cache_if_unreachable()
+    Path(out_dir, f"offline{rank}.json").write_text(
+        json.dumps([datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE]))
+
+
+@pytest.mark.parametrize("answering_rank", [0, 1])
+def test_every_rank_takes_rank_0s_answer_from_the_hub(answering_rank, tmp_path, capfd):
+    """Ranks that decided apart could read different revisions of a task's data: where the hub answers rank 0
+    alone, no rank goes offline; where it answers rank 1 alone, every rank does."""
+    with socketserver.TCPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as server, \
+            socketserver.TCPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as silent:
+        silent.server_close()  # nothing listens there: the connection is refused
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        endpoints = [f"http://127.0.0.1:{s.server_address[1]}" for s in (silent, silent)]
+        endpoints[answering_rank] = f"http://127.0.0.1:{server.server_address[1]}"
+        run_ranks(2, _ranks_probe_the_hub, endpoints, str(tmp_path))
+        server.shutdown()
+    offline = answering_rank != 0
+    for rank in range(2):
+        assert json.loads((tmp_path / f"offline{rank}.json").read_text()) == [offline, offline], rank
+    rank0, _, rank1 = capfd.readouterr().err.partition("----- rank 1 -----")
+    assert ("does not answer" in rank0) is offline and "does not answer" not in rank1
+
+
 def document_masked(run: Path):
     from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -50,7 +51,7 @@ from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, reports
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
-from megadiff.parallel import rank_and_world, wait_for_ranks
+from megadiff.parallel import init_process_group, rank_and_world, wait_for_ranks
 
 try:
     from lm_eval import simple_evaluate
@@ -320,23 +321,36 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
 def read_hub_data_from_cache_if_unreachable() -> None:
     """Without a network, and without HF_HUB_OFFLINE=1 (or HF_DATASETS_OFFLINE=1), the datasets library
     retries the hub for some 20 s a task before reading its cache: one request that gets no answer turns
-    both libraries' offline mode on instead, for this process (any HTTP status is an answer)."""
+    both libraries' offline mode on instead, for this process (any HTTP status is an answer). Rank 0 asks
+    for all the ranks of a joined group: ranks deciding apart could read different revisions of a task's data
+    (the hub's newest, the cache's), and each rank scores its share of the requests."""
     import datasets
     import huggingface_hub
 
     if datasets.config.HF_HUB_OFFLINE:
         return
     endpoint = huggingface_hub.constants.ENDPOINT
+    joined = dist.is_initialized() and dist.get_world_size() > 1
+    unanswered = [_why_unanswered(endpoint) if not joined or dist.get_rank() == 0 else None]
+    if joined:
+        dist.broadcast_object_list(unanswered, src=0)
+    if unanswered[0] is None:
+        return
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    plain_console(stderr=True, quiet=os.environ.get("RANK", "0") != "0").print(
+        f"the hub ({endpoint}) does not answer ({unanswered[0]}): the tasks' data is read from the datasets "
+        "cache only (HF_HUB_OFFLINE=1 says so without asking)")
+
+
+def _why_unanswered(endpoint: str) -> str | None:
+    """Why a HEAD request to `endpoint` got no answer; None where it got one, whatever its status."""
     try:
         urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S).close()
     except urllib.error.HTTPError:
         pass
     except OSError as error:  # DNS, refused, a timeout, a proxy that cannot connect
-        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
-        # before the ranks join (the checkpoint's loading joins them): the launcher's rank 0 prints
-        plain_console(stderr=True, quiet=os.environ.get("RANK", "0") != "0").print(
-            f"the hub ({endpoint}) does not answer ({getattr(error, 'reason', error)}): the tasks' data is read "
-            "from the datasets cache only (HF_HUB_OFFLINE=1 says so without asking)")
+        return str(getattr(error, "reason", error))
+    return None
 
 
 def check_task_data(manager: TaskManager, names: list[str]) -> None:
@@ -410,6 +424,7 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
     if log_samples and not output:
         raise ConfigError("--log-samples writes every request's answer into --output: give one")
     manager, names = known_tasks(tasks, include_path)
+    init_process_group(timedelta(minutes=30))  # under torchrun: the ranks join, so that they read the same data
     check_task_data(manager, names)
     if gen_kwargs:  # before any request runs (a task's own settings are checked as its requests come)
         window = checkpoint_config(resolve_checkpoint_dir(load)).model.seq_length
