@@ -258,7 +258,7 @@ def test_dispatcher_gives_cuda_tensors_the_kernel_only_where_it_runs():
 
 @pytest.mark.parametrize("bad,match", [
     (dict(heads=3, kv_heads=2), "multiple of key/value heads"),
-    (dict(n=5, n_k=3), "more queries"),
+    (dict(n=4, n_k=3), "more queries"),  # one query more than the keys: the boundary
 ])
 def test_shape_errors(bad, match):
     with pytest.raises(ValueError, match=match):
