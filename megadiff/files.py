@@ -10,8 +10,9 @@ import fcntl
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 
 def temporary_name(path: str | Path) -> Path:
@@ -103,3 +104,30 @@ def exclusive_lock(path: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class HeldElsewhere(Exception):
+    """Another process holds the lock: its host and pid, as it wrote them."""
+
+
+def hold_lock(path: str | Path) -> IO | None:
+    """An exclusive lock on `path` (created if needed), held until the returned handle is closed or the process
+    ends, with this process's host and pid written in it; HeldElsewhere where another process holds it. None
+    where the filesystem takes no locks (Lustre mounted without `flock`): nothing to hold then."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that wrote nothing yet"
+        handle.close()
+        raise HeldElsewhere(holder) from None
+    except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+        handle.close()
+        return None
+    handle.truncate(0)
+    handle.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+    handle.flush()
+    return handle

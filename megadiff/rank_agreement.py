@@ -17,8 +17,13 @@ import socket
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megadiff.config import ConfigError
 from megadiff.errors import first_line, refused_together
+from megadiff.files import HeldElsewhere, hold_lock
+
+RUN_LOCK = "run.lock"  # in a run's output_dir, held by rank 0 while the run lasts
 
 PROBE_PREFIX = ".rank0-probe-"
 # a shared filesystem may show another node's new file a moment late (attribute caches)
@@ -29,8 +34,6 @@ def check_ranks_agree(shared: dict[str, str | Path], facts: dict[str, object]) -
     """Every rank sees the files rank 0 writes into the `shared` directories (by config key) and holds rank 0's
     `facts` (JSON values; nested dicts are compared key by key). Collective; refused on every rank, naming the
     ranks and hosts that differ."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank = dist.get_rank()
@@ -136,3 +139,25 @@ def _differences(ranks: list[tuple[str, dict[str, object]]]) -> list[str]:
             lines.append(f"{name}: rank 0 ({first_host}) has {first.get(name)!r}, {', '.join(others[:3])}"
                          + (f" (and {len(others) - 3} more ranks)" if len(others) > 3 else ""))
     return lines
+
+
+@contextlib.contextmanager
+def claimed_run_directory(output_dir: str):
+    """Rank 0 holds output_dir's run lock while the run lasts: a second run started on the same directory (launched
+    twice, a requeued job whose predecessor still runs) is refused, rather than writing its checkpoints and metrics
+    among the first's and resuming from them."""
+    def claim():
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        try:
+            return hold_lock(Path(output_dir) / RUN_LOCK)
+        except HeldElsewhere as holder:
+            raise ConfigError(f"output_dir {output_dir} is in use by another run ({holder}): wait for it to end, "
+                              "or give this one another output_dir") from None
+
+    lock = refused_together(claim)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()

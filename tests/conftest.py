@@ -1,12 +1,16 @@
 """Fixtures shared across the suite."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import random
+import subprocess
+import sys
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -58,3 +62,19 @@ def small_tokenizer_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("kjv-bpe-512")
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(str(directory))
     return directory
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: Path) -> Iterator[int]:
+    """`path`'s lock (megadiff.files.hold_lock) held by another process while the block runs; yields its pid."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megadiff.files import hold_lock; "
+         "lock = hold_lock(sys.argv[1]); print('held', flush=True); time.sleep(600)", str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()

@@ -738,6 +738,21 @@ def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_conf
     assert (run / "config.yaml").read_text() == "the dex run's\n"
 
 
+def test_a_second_adaptation_on_a_directory_in_use_is_refused(workspace, tmp_path, capsys):
+    """As pre-training's: an adaptation started on the output_dir of one still running is refused before it
+    writes anything there."""
+    from megadiff.cli import main
+    from megadiff.rank_agreement import RUN_LOCK
+    from tests.conftest import lock_held_elsewhere
+
+    run = tmp_path / "run"
+    with lock_held_elsewhere(run / RUN_LOCK) as pid:
+        assert main(["adapt", str(workspace / "adapt.yaml"), f"output_dir={run}"]) == 2
+    refusal = capsys.readouterr().err
+    assert f"output_dir {run} is in use by another run (host " in refusal and f", pid {pid})" in refusal
+    assert [path.name for path in run.iterdir()] == [RUN_LOCK]
+
+
 def test_a_rerun_reading_other_data_is_refused(workspace, tmp_path, capsys):
     """Another seq_length packs other samples: the rerun resumed at its checkpoint's count of samples read, in an
     order it never read, without a word."""

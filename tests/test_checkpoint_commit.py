@@ -334,3 +334,32 @@ def test_exclusive_lock_excludes_other_holders_until_released(tmp_path):
     with open(lock) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert lock.exists()  # lock files stay
+
+
+def test_a_held_lock_names_its_holder_and_is_free_once_it_ends(tmp_path, monkeypatch):
+    """hold_lock: another process's lock is refused with the host and pid it wrote, taken once that process
+    has ended, and held until its handle closes; a filesystem that takes no locks gives no handle."""
+    import errno
+    import fcntl
+    import os
+    import socket
+
+    from megadiff import files
+    from tests.conftest import lock_held_elsewhere
+
+    lock = tmp_path / "run" / "run.lock"
+    with lock_held_elsewhere(lock) as pid:
+        with pytest.raises(files.HeldElsewhere, match=f"host {socket.gethostname()}, pid {pid}$"):
+            files.hold_lock(lock)
+    handle = files.hold_lock(lock)
+    assert lock.read_text() == f"host {socket.gethostname()}, pid {os.getpid()}\n"  # the last holder's words gone
+    with pytest.raises(files.HeldElsewhere):
+        files.hold_lock(lock)
+    handle.close()
+    files.hold_lock(lock).close()
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert files.hold_lock(lock) is None

@@ -19,7 +19,9 @@ from tests.distributed import run_ranks
 from tests.pretrain_faults import (
     disk_full_while_saving, killed_while_saving, poisoned_run, signalled_while_starting,
 )
-from tests.pretrain_runs import ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides
+from tests.pretrain_runs import (
+    DEMO_CONFIG, ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
+)
 from tests.wandb_log import exit_codes
 
 LONG = 10_000  # iterations: far more than a test runs before its signal arrives
@@ -118,6 +120,47 @@ def test_a_run_failing_with_loader_workers_exits(base, tmp_path):
     proc = subprocess.run([sys.executable, "-c", crash], env=environment(), cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1 and "RuntimeError: an unexpected failure at step 2" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(base, tmp_path, capsys):
+    """Two runs on one output_dir (launched twice, a requeued job whose predecessor still runs) wrote their
+    checkpoints and metrics among each other's, and the second resumed from the first's: rank 0 holds the
+    directory's lock while a run lasts, and a run started meanwhile is refused before it writes anything."""
+    from megadiff.cli import main
+    from megadiff.rank_agreement import RUN_LOCK
+    from tests.conftest import lock_held_elsewhere
+
+    run = tmp_path / "run"
+    with lock_held_elsewhere(run / RUN_LOCK) as pid:
+        assert main(["pretrain", str(DEMO_CONFIG), *base, "train.iters=1", f"output_dir={run}"]) == 2
+        refusal = capsys.readouterr().err
+        assert f"output_dir {run} is in use by another run (host " in refusal and f", pid {pid})" in refusal
+        assert [path.name for path in run.iterdir()] == [RUN_LOCK]
+    assert main(["pretrain", str(DEMO_CONFIG), *base, "train.iters=1", f"output_dir={run}"]) == 0
+    assert len(read_metrics(run / "metrics.jsonl")) == 1
+
+
+def test_a_resumed_run_says_its_data_was_prepared_again(base, tmp_path, capsys):
+    """Data prepared again under its prefix (files added to its sources) is another data order, which a resumed
+    run read on in without a word, where changing the keys that draw the order is said."""
+    from megadiff.cli import main
+    from tests.conftest import kjv_verses
+
+    corpus, prefix = tmp_path / "corpus", tmp_path / "prepared" / "kjv"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": verse}) + "\n" for verse in kjv_verses()[:150]))
+    data = ["data.bundled_corpus=null", f"data.sources=[{corpus}]", f"data.prefix={prefix}"]
+    run = base + data + [f"output_dir={tmp_path / 'run'}"]
+    said = "the data differs from what the checkpoint trained on"
+    assert main(["prepare-data", str(DEMO_CONFIG), *base, *data]) == 0
+    for iters in (1, 2):
+        assert main(["pretrain", str(DEMO_CONFIG), *run, f"train.iters={iters}"]) == 0
+        assert said not in "".join(capsys.readouterr())
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": verse}) + "\n" for verse in kjv_verses()[150:300]))
+    assert main(["prepare-data", str(DEMO_CONFIG), *base, *data]) == 0
+    capsys.readouterr()
+    assert main(["pretrain", str(DEMO_CONFIG), *run, "train.iters=3"]) == 0
+    assert f"{said} ({prefix}: prepared again since): this run reads on from sample 16 " in capsys.readouterr().out
 
 
 def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ from megadiff.errors import refused_together
 from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
-from megadiff.rank_agreement import check_ranks_agree, comparable
+from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, comparable
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
@@ -178,87 +178,88 @@ def finetune(cfg: FinetuneConfig) -> int:
     check_ranks_agree({"output_dir": output_dir}, {"config": comparable(cfg.model_dump(mode="json"), NODE_LOCAL_KEYS),
                                                    "deepspeed": ds_config,
                                                    "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
+    with claimed_run_directory(output_dir):  # before the run writes anything there
 
-    def started_on_rank_0():
-        resolved = cfg.model_dump(mode="json")
-        # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
-        (output_dir / "config.yaml").write_text(config_yaml(resolved))
-        # before the model loads: a W&B login or project problem stops the run at once, on every rank
-        return wandb_sink(output_dir, cfg.logging, resolved)
+        def started_on_rank_0():
+            resolved = cfg.model_dump(mode="json")
+            # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
+            (output_dir / "config.yaml").write_text(config_yaml(resolved))
+            # before the model loads: a W&B login or project problem stops the run at once, on every rank
+            return wandb_sink(output_dir, cfg.logging, resolved)
 
-    wandb = refused_together(lambda: started_on_rank_0() if rank == 0 else None)
-    writer = None
-    watchdog = StallWatchdog(cfg.train.timeout_minutes, output_dir / STALLS_DIR, rank)
-    failed = True  # until the run ends as planned: an error on its way out (from here on) fails the W&B run
-    try:
-        torch.manual_seed(cfg.train.seed)
-        tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
+        wandb = refused_together(lambda: started_on_rank_0() if rank == 0 else None)
+        writer = None
+        watchdog = StallWatchdog(cfg.train.timeout_minutes, output_dir / STALLS_DIR, rank)
+        failed = True  # until the run ends as planned: an error on its way out (from here on) fails the W&B run
+        try:
+            torch.manual_seed(cfg.train.seed)
+            tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
 
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
-                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
-        leave_out_frozen_aliases(engine)
-        # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
-        # turns on its dropout and gradient checkpointing
-        engine.train()
-        checkpoint_dir = output_dir / CHECKPOINT_DIR
-        start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
-        if (checkpoint_dir / LATEST_FILE).is_file():
-            # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
-            _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
-            start = client_state["iteration"]
-            unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
-            resume_schedule(engine.lr_scheduler, cfg.train)
-        if rank == 0:
-            writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
-                                   total_iterations=cfg.train.iters,
-                                   console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
-                                   wandb=wandb)
-            writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
-                         f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
-                         + (f"resuming after iteration {start}" if start else "starting"))
-        tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
-        iteration, exit_code = start, 0
-        while iteration < cfg.train.iters:
-            iteration += 1
-            set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
-            torch.manual_seed(cfg.train.seed + iteration)
-            began = time.perf_counter()
-            with watchdog:
-                loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
-            # on every rank (the loss is the global batch's): each saves them with its checkpoint
-            unrecorded.add(loss, time.perf_counter() - began)
-            if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
-                loss, seconds = unrecorded.take()
-                if writer is not None:
-                    grad_norm = engine.get_global_grad_norm()
-                    writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
-                                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                                "tokens_per_s": tokens_per_iteration / seconds,
-                                "lambda": current_lambdas(engine.module)})
-            exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
-                                                      and iteration % cfg.checkpoint.exit_interval == 0)
-            if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
-                _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
-                      {"iteration": iteration, "unrecorded": unrecorded.state()})
-            if exit_now and iteration < cfg.train.iters:
-                exit_code = stop.exit_after_checkpoint(rank)
-                if writer is not None:
-                    reason = (signal_name(stop.received) if stop.signalled else
-                              "checkpoint.exit_duration_minutes" if stop.out_of_time else "checkpoint.exit_interval")
-                    writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; rerun the same "
-                                 "command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
-                break
-        else:
-            set_step(engine.module, iteration)
-            _export(cfg, engine, tokenizer, stage, rank)
-        failed = False
-    finally:  # an error leaves no empty stalls file, and the metrics closed
-        watchdog.close()
-        if writer is not None:
-            writer.close(failed=failed)
-        elif wandb is not None:  # failed before the metrics writer took the W&B run over
-            wandb.close(failed=failed)
-    return exit_code
+            engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
+                                              model_parameters=[p for p in model.parameters() if p.requires_grad])
+            leave_out_frozen_aliases(engine)
+            # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
+            # turns on its dropout and gradient checkpointing
+            engine.train()
+            checkpoint_dir = output_dir / CHECKPOINT_DIR
+            start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
+            if (checkpoint_dir / LATEST_FILE).is_file():
+                # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
+                _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
+                start = client_state["iteration"]
+                unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
+                resume_schedule(engine.lr_scheduler, cfg.train)
+            if rank == 0:
+                writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
+                                       total_iterations=cfg.train.iters,
+                                       console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
+                                       wandb=wandb)
+                writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
+                             f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
+                             + (f"resuming after iteration {start}" if start else "starting"))
+            tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
+            iteration, exit_code = start, 0
+            while iteration < cfg.train.iters:
+                iteration += 1
+                set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
+                torch.manual_seed(cfg.train.seed + iteration)
+                began = time.perf_counter()
+                with watchdog:
+                    loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
+                # on every rank (the loss is the global batch's): each saves them with its checkpoint
+                unrecorded.add(loss, time.perf_counter() - began)
+                if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
+                    loss, seconds = unrecorded.take()
+                    if writer is not None:
+                        grad_norm = engine.get_global_grad_norm()
+                        writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
+                                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                                    "tokens_per_s": tokens_per_iteration / seconds,
+                                    "lambda": current_lambdas(engine.module)})
+                exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
+                                                          and iteration % cfg.checkpoint.exit_interval == 0)
+                if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
+                    _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
+                          {"iteration": iteration, "unrecorded": unrecorded.state()})
+                if exit_now and iteration < cfg.train.iters:
+                    exit_code = stop.exit_after_checkpoint(rank)
+                    if writer is not None:
+                        reason = (signal_name(stop.received) if stop.signalled else "checkpoint.exit_duration_minutes"
+                                  if stop.out_of_time else "checkpoint.exit_interval")
+                        writer.print(f"stopped after iteration {iteration} ({reason}) with a checkpoint; rerun the "
+                                     "same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
+                    break
+            else:
+                set_step(engine.module, iteration)
+                _export(cfg, engine, tokenizer, stage, rank)
+            failed = False
+        finally:  # an error leaves no empty stalls file, and the metrics closed
+            watchdog.close()
+            if writer is not None:
+                writer.close(failed=failed)
+            elif wandb is not None:  # failed before the metrics writer took the W&B run over
+                wandb.close(failed=failed)
+        return exit_code
 
 
 def leave_out_frozen_aliases(engine) -> None:

@@ -39,11 +39,11 @@ from megadiff.parallel import (
 )
 from megadiff.parallel.initialize import local_device
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
-from megadiff.rank_agreement import check_ranks_agree, comparable
+from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, comparable
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
-from megadiff.training.state import plan_start, restore
+from megadiff.training.state import plan_start, prepared_again, restore, training_data_digests
 from megadiff.training.step import run_forward_backward, train_step
 from megadiff.training.throughput import Throughput, layer_lambdas
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
@@ -107,6 +107,8 @@ class Pretraining:
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, start, self.engine, self.scheduler)
         self.state.data_samples = self.train_samples
+        data_now = training_data_digests(cfg)
+        changed_data, self.state.data = prepared_again(self.state.data, data_now), data_now
         self.unrecorded = StepMeans(self.state.unrecorded)  # the steps since the last record
         self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
                             if t.skip_spike_sigma else None)
@@ -123,10 +125,11 @@ class Pretraining:
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
                                          wandb=self._wandb)
-            for line in self._start_report(activations, memory_warning, how, start, drawn_for):
+            for line in self._start_report(activations, memory_warning, how, start, drawn_for, changed_data):
                 self.metrics.print(line)
 
-    def _start_report(self, activations, memory_warning: str | None, how: str, start, drawn_for: int) -> list[str]:
+    def _start_report(self, activations, memory_warning: str | None, how: str, start, drawn_for: int,
+                      changed_data: list[str]) -> list[str]:
         """What rank 0 says as the run starts: its layout, memory and start, then what differs from the run it
         continues."""
         cfg, t = self.cfg, self.cfg.train
@@ -144,6 +147,9 @@ class Pretraining:
         if start.data_changes:
             lines.append(f"the data order differs from the checkpoint's ({'; '.join(start.data_changes)}): "
                          f"this run reads on from sample {start.position()[1]:,} of its own order")
+        if changed_data:
+            lines.append(f"the data differs from what the checkpoint trained on ({', '.join(changed_data)}: prepared "
+                         f"again since): this run reads on from sample {start.position()[1]:,} of the new data's order")
         if 0 < drawn_for < self.train_samples:
             lines.append(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
                          f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "
@@ -339,8 +345,9 @@ def pretrain(cfg: Config) -> int:
             # before the model-parallel groups: ranks of another layout would wait in forming them until the timeout
             check_ranks_agree({"output_dir": cfg.output_dir, "data.cache_dir": cfg.data.cache_dir},
                               {"config": comparable(cfg.model_dump(mode="json"), NODE_LOCAL_KEYS)})
-            initialize(cfg.parallel, cfg.train.seed)
-            return Pretraining(cfg, preemption).train()
+            with claimed_run_directory(cfg.output_dir):
+                initialize(cfg.parallel, cfg.train.seed)
+                return Pretraining(cfg, preemption).train()
         finally:
             shutdown()
     finally:

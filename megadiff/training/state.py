@@ -16,7 +16,9 @@ from megadiff.checkpoint.format import (
 )
 from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
 from megadiff.config import Config, ConfigError, padded_vocab_size, resolved_architecture
+from megadiff.data.locations import training_blend
 from megadiff.data.manifest import tokenizer_identity
+from megadiff.data.prepared_dataset import prepared_files_digest
 
 # what megatron's sample order is made from: a continued run changing one reads on from its position
 # in another order
@@ -47,6 +49,7 @@ class TrainState:
     # a run stopped between two records records the same means once resumed
     unrecorded: dict = field(default_factory=dict)
     tokenizer: str | None = None  # tokenizer_identity of data.tokenizer: what the embeddings' rows stand for
+    data: dict = field(default_factory=dict)  # each training prefix's prepared_files_digest: data prepared again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,6 +154,17 @@ def _check_known_state(saved: dict | None, where: Path) -> None:
 def _changes(pairs: list[tuple[str, object, object]]) -> list[str]:
     """Each (name, before, now) that differs, as "name: before -> now"."""
     return [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
+
+
+def training_data_digests(cfg: Config) -> dict[str, str]:
+    """{prefix: prepared_files_digest} of the data the run trains on (prepared)."""
+    return {prefix: prepared_files_digest(prefix) for prefix in training_blend(cfg.data)[0]}
+
+
+def prepared_again(before: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The prefixes a continued run trains on whose files differ from those its checkpoint trained on (data
+    prepared again under the same name: other sources, another tokenizer, files added)."""
+    return [prefix for prefix, digest in now.items() if before.get(prefix, digest) != digest]
 
 
 def plan_start(cfg: Config) -> Start:
