@@ -24,7 +24,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -330,14 +329,14 @@ def read_hub_data_from_cache_if_unreachable() -> None:
     if datasets.config.HF_HUB_OFFLINE:
         return
     endpoint = huggingface_hub.constants.ENDPOINT
-    joined = dist.is_initialized() and dist.get_world_size() > 1
-    unanswered = [_why_unanswered(endpoint) if not joined or dist.get_rank() == 0 else None]
-    if joined:
+    rank, world = rank_and_world()
+    unanswered = [_why_unanswered(endpoint) if rank == 0 else None]
+    if world > 1:
         dist.broadcast_object_list(unanswered, src=0)
     if unanswered[0] is None:
         return
     datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
-    plain_console(stderr=True, quiet=os.environ.get("RANK", "0") != "0").print(
+    plain_console(stderr=True, quiet=rank != 0).print(
         f"the hub ({endpoint}) does not answer ({unanswered[0]}): the tasks' data is read from the datasets "
         "cache only (HF_HUB_OFFLINE=1 says so without asking)")
 
