@@ -34,6 +34,9 @@ fi
 # Slurm's too: sbatch hands the job the submitting shell's environment, NNODES and NODE_RANK with it.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
+# One left exported in the submitting shell is taken too, and named in the log: two jobs sharing a node
+# on one port would have the second's ranks wait on the first's rendezvous
+_megadiff_port_origin=${MASTER_PORT:+" (MASTER_PORT, set where the job was submitted)"}
 export MASTER_PORT=${MASTER_PORT:-$(( 10000 + SLURM_JOB_ID % 20000 ))}
 export NNODES=$SLURM_JOB_NUM_NODES
 unset NODE_RANK
@@ -46,7 +49,7 @@ rm -f "$MEGADIFF_REQUEUE_MARKER"
 UNCOMMITTED_REQUEUES="${SLURM_SUBMIT_DIR:-.}/.megadiff-uncommitted-requeues-${SLURM_JOB_ID}"
 MAX_UNCOMMITTED_REQUEUES=${MEGADIFF_MAX_UNCOMMITTED_REQUEUES:-3}
 say "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} nodes ($SLURM_JOB_NODELIST), rendezvous at" \
-    "$MASTER_ADDR:$MASTER_PORT, arguments: $*"
+    "$MASTER_ADDR:$MASTER_PORT$_megadiff_port_origin, arguments: $*"
 
 _megadiff_preempted=0
 _megadiff_terminated=0

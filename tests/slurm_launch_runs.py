@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import RENDEZVOUS_VARIABLES
 from tests.pretrain_runs import DEMO_CONFIG, ROOT, losses, tiny_overrides
 
 LAUNCH = ROOT / "launch"
@@ -28,7 +29,8 @@ def run_overrides(tokenizer_dir: Path, cache_dir: Path, output_dir: Path) -> lis
 
 def launch_environment(**extra: str) -> dict:
     """The caller's environment as a user's shell has it; what torchrun needs is the launcher's job."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
+    env = {key: value for key, value in os.environ.items()
+           if key not in RENDEZVOUS_VARIABLES and not key.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
     return {**env, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
             "PYTHONWARNINGS": "ignore", **extra}
 

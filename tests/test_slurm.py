@@ -38,6 +38,18 @@ PREEMPTIONS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_job_left_running(slurm_cluster):  # noqa: F811
+    yield
+    slurm_cluster.cancel_all()
+
+
+def described(job: dict, log: str) -> str:
+    """What a test says of a job that did not get where it should: Slurm's view of it, then its log's end."""
+    fields = ("JobState", "Reason", "Restarts", "ExitCode", "NodeList")
+    return f"job {' '.join(f'{key}={job.get(key)}' for key in fields)}\nlog (end):\n{log[-5000:]}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", PREEMPTIONS)
 def test_preempted_job_is_requeued_and_resumes_the_uninterrupted_curve(case, slurm_cluster, tmp_path,  # noqa: F811
@@ -62,13 +74,16 @@ def test_preempted_job_is_requeued_and_resumes_the_uninterrupted_curve(case, slu
         assert state()["JobState"] not in ENDED, f"job ended before iteration {count}:\n{log()[-5000:]}"
         return (output_dir / "metrics.jsonl").exists() and len(read_metrics(output_dir)) >= count
 
-    slurm_cluster.wait_for(lambda: trained(2), 300, "iteration 2", poll=0.2)
+    def details() -> str:
+        return described(state(), log())
+
+    slurm_cluster.wait_for(lambda: trained(2), 300, "iteration 2", poll=0.2, details=details)
     slurm_cluster.command("scancel", *scancel_options, "--signal=USR1", job)
-    slurm_cluster.wait_for(lambda: state()["Restarts"] == "1", 120, f"the requeue ({log()[-3000:]})")
-    slurm_cluster.wait_for(lambda: state()["JobState"] in ENDED, 300, f"the job's end ({log()[-3000:]})")
+    slurm_cluster.wait_for(lambda: state()["Restarts"] == "1", 120, "the requeue", details=details)
+    slurm_cluster.wait_for(lambda: state()["JobState"] in ENDED, 300, "the job's end", details=details)
 
     final, text = state(), log()
-    context = f"job {final}\nlog (end):\n{text[-6000:]}"
+    context = described(final, text)
     assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), context
     assert preemption_message in text, context
     assert "requeueing (restart 1)" in text and "the job is not requeued" not in text, context
@@ -99,9 +114,17 @@ def test_an_array_job_shares_the_files_and_a_dependent_job_merges(slurm_cluster,
     script = (str(SLURM / "prepare_data.sbatch"), str(config))
     array = slurm_cluster.sbatch("--array=0-1", *common, *script, env=launch_environment())
     merge = slurm_cluster.sbatch(f"--dependency=afterok:{array}", *common, *script, env=launch_environment())
-    slurm_cluster.wait_for(lambda: slurm_cluster.job(merge)["JobState"] in ENDED, 300, "the merge job's end")
-    logs = "\n".join(path.read_text() for path in sorted(tmp_path.glob("megadiff-prepare-*.out")))
-    assert slurm_cluster.job(merge)["JobState"] == "COMPLETED", logs[-5000:]
-    assert "parts 0/2 of" in logs and "parts 1/2 of" in logs, logs[-5000:]
+
+    def logs() -> str:
+        return "\n".join(path.read_text() for path in sorted(tmp_path.glob("megadiff-prepare-*.out")))
+
+    def details() -> str:
+        return "\n".join(described(slurm_cluster.job(job), "") for job in (array, merge)) + logs()[-5000:]
+
+    slurm_cluster.wait_for(lambda: slurm_cluster.job(merge)["JobState"] in ENDED, 300, "the merge job's end",
+                           details=details)
+    assert slurm_cluster.job(merge)["JobState"] == "COMPLETED", details()
+    text = logs()
+    assert "parts 0/2 of" in text and "parts 1/2 of" in text, text[-5000:]
     for ext in (".bin", ".idx"):
         assert Path(f"{tmp_path / 'slurm' / 'kjv'}{ext}").read_bytes() == Path(f"{reference}{ext}").read_bytes()

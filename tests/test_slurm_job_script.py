@@ -120,3 +120,17 @@ def test_a_gpus_per_node_the_submitting_shell_set_is_said_when_it_differs_from_t
     assert "GPUS_PER_NODE=4 (set where the job was submitted) runs 4 processes per node, not one per GPU of " \
            "--gpus-per-node=8" in proc.stdout, proc.stdout + proc.stderr
     assert "srun --label --ntasks-per-node=1" in (tmp_path / "calls").read_text()  # said, and run as asked
+
+
+@pytest.mark.parametrize("variables, rendezvous", [
+    ({}, "rendezvous at node1:14242, arguments"),  # 10000 + the job id
+    ({"MASTER_PORT": "29500"}, "rendezvous at node1:29500 (MASTER_PORT, set where the job was submitted), arguments"),
+])
+def test_the_rendezvous_port_comes_from_the_job_id_unless_the_submitting_shell_set_one(tmp_path, variables, rendezvous):
+    """A port exported where the job was submitted is taken, and said: jobs sharing a node on one port hang."""
+    (tmp_path / "config.yaml").touch()
+    env = {key: value for key, value in _slurm_environment(tmp_path, **variables).items()
+           if key != "MASTER_PORT" or "MASTER_PORT" in variables}
+    proc = subprocess.run(["bash", "-c", f"source {ROOT / 'slurm/job.sh'} config.yaml"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert rendezvous in proc.stdout, proc.stdout + proc.stderr
