@@ -3,7 +3,6 @@
 each other, exact resume against an uninterrupted run, the exported HF directory, config errors."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -739,20 +738,6 @@ def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_conf
     assert (run / "config.yaml").read_text() == "the dex run's\n"
 
 
-@contextlib.contextmanager
-def world_of_one_in_this_process():
-    """For an adaptation refused in the test's own process after it joined its world of one: the process group
-    and the rendezvous variables it set are gone afterwards (tests/conftest.py fails a test that leaves them)."""
-    import torch.distributed as dist
-
-    with mock.patch.dict(os.environ):
-        try:
-            yield
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
 def test_a_second_adaptation_on_a_directory_in_use_is_refused(workspace, tmp_path, capsys):
     """As pre-training's: an adaptation started on the output_dir of one still running is refused before it
     writes anything there."""
@@ -761,7 +746,8 @@ def test_a_second_adaptation_on_a_directory_in_use_is_refused(workspace, tmp_pat
     from tests.conftest import lock_held_elsewhere
 
     run = tmp_path / "run"
-    with lock_held_elsewhere(run / RUN_LOCK) as pid, world_of_one_in_this_process():
+    # the adaptation's world of one sets MASTER_PORT and RANK in this process (tests/conftest.py)
+    with lock_held_elsewhere(run / RUN_LOCK) as pid, mock.patch.dict(os.environ):
         assert main(["adapt", str(workspace / "adapt.yaml"), f"output_dir={run}"]) == 2
     refusal = capsys.readouterr().err
     assert f"output_dir {run} is in use by another run (host " in refusal and f", pid {pid})" in refusal

@@ -81,3 +81,10 @@ def test_the_logits_check_fails_past_either_threshold():
         compare_logits(tied, swapped, EXACT)
     with pytest.raises(ConversionError, match="megadiff logits \\(2, 16, 50\\) vs Hugging Face \\(2, 16, 49\\)"):
         compare_logits(tied, tied[..., :49], CAST)
+    # NaN compares false with any bound: a model whose weights overflowed would pass on the difference
+    for side in ("megadiff", "Hugging Face"):
+        broken = ours.clone()
+        broken[1, 3, 2] = float("nan")
+        pair = (broken, ours) if side == "megadiff" else (ours, broken)
+        with pytest.raises(ConversionError, match=f"check failed: the {side} logits are not finite"):
+            compare_logits(*pair, CAST)

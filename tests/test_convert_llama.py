@@ -312,6 +312,38 @@ def test_weights_in_a_precision_megadiff_does_not_train_need_dtype_and_convert_w
         torch.testing.assert_close(load_checkpoint(checkpoint)(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
 
 
+def _edit_weights(directory, edit) -> None:
+    from safetensors.torch import save_file
+
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    edit(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_weight_the_dtype_cannot_hold_is_named_and_nothing_is_written(tmp_path, check):
+    """fp16 holds at most 65,504: a larger weight became inf, and the checkpoint's logits NaN."""
+    stock_llama(tmp_path / "llama", tied=False)
+    _edit_weights(tmp_path / "llama", lambda tensors: tensors["model.embed_tokens.weight"][7].fill_(1e5))
+    with pytest.raises(ConversionError, match=r"embedding.word_embeddings.weight: values up to 1e\+05 overflow "
+                                              r"torch.float16 \(whose largest is 6.55e\+04\): convert with --dtype"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="fp16", check=check)
+    assert not (tmp_path / "megadiff").exists()
+    convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="bf16", check=check)
+
+
+def test_the_check_runs_on_the_weights_the_dtype_rounded(tmp_path):
+    """The check compares the model the checkpoint holds: final-norm weights of 1e-9, fp16's zero, leave every
+    logit 0 and every argmax the first id. Checked before the rounding, the conversion passed."""
+    stock_llama(tmp_path / "llama", tied=False)
+    _edit_weights(tmp_path / "llama", lambda tensors: tensors["model.norm.weight"].fill_(1e-9))
+    with pytest.raises(ConversionError, match=r"check failed: .* top-1 agreement \d"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="fp16")
+    assert not (tmp_path / "megadiff").exists()
+    convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="bf16")  # bf16 keeps 1e-9
+
+
 def test_from_hf_refuses_a_directory_that_holds_files_and_leaves_them(tmp_path):
     stock_llama(tmp_path / "llama", tied=False)
     (tmp_path / "megadiff").mkdir()
@@ -320,6 +352,10 @@ def test_from_hf_refuses_a_directory_that_holds_files_and_leaves_them(tmp_path):
         convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
     assert [p.name for p in (tmp_path / "megadiff").iterdir()] == ["notes.txt"]
     assert (tmp_path / "megadiff" / "notes.txt").read_text() == "mine"
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match=r"notes.txt is a file; from-hf writes a new checkpoint directory"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "notes.txt", check=False)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_a_chat_runs_export_stops_generating_at_the_end_of_a_turn(tmp_path):

@@ -68,6 +68,9 @@ def compare_logits(ours: torch.Tensor, theirs: torch.Tensor, thresholds: Thresho
     if ours.shape != theirs.shape:
         raise ConversionError(f"check failed: megadiff logits {tuple(ours.shape)} vs Hugging Face "
                               f"{tuple(theirs.shape)}")
+    for side, logits in (("megadiff", ours), ("Hugging Face", theirs)):
+        if not logits.isfinite().all():  # NaN compares false with any bound: it would pass
+            raise ConversionError(f"check failed: the {side} logits are not finite (NaN or inf)")
     scale = max(1.0, float(ours.abs().max()))
     result = CheckResult(max_abs_diff=float((ours - theirs).abs().max()), scale=scale,
                          top1_agreement=float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()))

@@ -72,7 +72,12 @@ def _load_parts(model, parts: Iterable[dict[str, torch.Tensor]]) -> int:
         for part in parts:
             while part:
                 name, tensor = part.popitem()
-                own.pop(name).copy_(tensor)
+                parameter = own.pop(name)
+                parameter.copy_(tensor)
+                if not parameter.isfinite().all() and tensor.isfinite().all():
+                    raise ConversionError(
+                        f"{name}: values up to {float(tensor.abs().max()):.4g} overflow {parameter.dtype} (whose "
+                        f"largest is {torch.finfo(parameter.dtype).max:.4g}): convert with --dtype bf16 or fp32")
                 copied += tensor.numel()
                 del tensor
     if own:
@@ -128,6 +133,8 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     if pad_vocab is not None and pad_vocab < 1:
         raise ConversionError(f"--pad-vocab must be >= 1, not {pad_vocab}")
     out = Path(save)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out} is a file; from-hf writes a new checkpoint directory")
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
     hf_dir = read_hf_dir(load)
@@ -163,16 +170,19 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     if rows > hf_config.vocab_size:
         console.print(f"megadiff convert: the vocabulary padded from {hf_config.vocab_size:,} to {rows:,} rows "
                       "(--pad-vocab), the new rows the mean of the old")
-    model = checked
+    model, rounded_to = checked, hf_dtype
     if check and precision != "fp32":
         model = build_single_process_model(single_process_config(cfg))
         _load_parts(model, [dict(checked.named_parameters())])  # rounded as from the read tensors
+        # and back: the check runs (in fp32) on the weights the checkpoint holds, --dtype's rounding with them
+        _load_parts(checked, [dict(model.named_parameters())])
+        rounded_to = next(model.parameters()).dtype
     if check:  # before anything is written
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
             ours = megadiff_logits(CausalLM(checked, cfg), vocab_in_use)[..., :hf_config.vocab_size]  # not the padding
             del checked  # before the Hugging Face model is loaded
             theirs = hf_logits(load_hf_model(hf_dir.path, family), vocab_in_use)
-            result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, hf_dtype))
+            result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, rounded_to))
         console.print(f"megadiff convert: check passed: {result.summary()}")
     # written aside and named when whole: killed before its tokenizer, it loaded, naming a tokenizer it lacked
     staged = staging_dir(out)
