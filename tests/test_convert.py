@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config
-from megadiff.config import build_config
+from megadiff.config import Config, build_config
 from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf, from_hf, to_hf
 from megadiff.convert.hf_io import CODE_FILES, EXPORT_STAGING, SAFETENSORS_INDEX, HFWeights, read_hf_dir
 from megadiff.inference import load_checkpoint
@@ -108,6 +108,18 @@ def test_round_trip_gives_identical_tensors(root, export, tmp_path, variant, lay
     for name, tensor in original.items():
         assert tensor.dtype == restored[name].dtype and torch.equal(tensor, restored[name]), name
     assert checkpoint_config(back).model == checkpoint_config(root / layout / variant).model
+
+
+def test_a_converted_export_does_not_name_its_run_s_output_dir_or_initial_checkpoint(export, tmp_path):
+    """Trained from without output_dir=, the converted checkpoint resumed the exported run in that run's
+    output_dir (and wrote into it) instead of loading the converted weights."""
+    hf_dir = shutil.copytree(export("diff", "tp2"), tmp_path / "hf")
+    sidecar = yaml.safe_load((hf_dir / "megadiff_config.yaml").read_text())
+    sidecar["output_dir"], sidecar["checkpoint"]["load"] = str(tmp_path / "the-run"), str(tmp_path / "its-start")
+    (hf_dir / "megadiff_config.yaml").write_text(yaml.safe_dump(sidecar))
+    converted = checkpoint_config(convert_from_hf(hf_dir, tmp_path / "back", check=False))
+    assert (converted.output_dir, converted.checkpoint.load) == (Config().output_dir, None)
+    assert converted.model.variant == "diff" and converted.train.lr == sidecar["train"]["lr"]  # the sidecar's
 
 
 def test_diffllama_holds_head_norm_weight_folded_into_o_proj(root, export, reference, tmp_path):
@@ -370,6 +382,22 @@ def test_an_export_interrupted_while_writing_leaves_no_staging_directory(root, t
     for save in (hf_dir, tmp_path / "new"):
         with pytest.raises(KeyboardInterrupt):
             convert_to_hf(root / "tp2" / "shared_diff", save, check=False)
+    assert _files(hf_dir) == before and not (hf_dir / EXPORT_STAGING).exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+
+
+def test_an_export_failing_its_check_leaves_the_earlier_one_as_it_was(root, tmp_path, monkeypatch):
+    """The check reads the export where it was staged: failing, it left the new files in --save in place of a
+    good export's. A new directory is removed as on any failure."""
+    from megadiff.convert import to_hf
+    from megadiff.convert.check import Thresholds
+
+    hf_dir = convert_to_hf(root / "tp2" / "diff", tmp_path / "hf", check=False)
+    before = _files(hf_dir)
+    monkeypatch.setattr(to_hf, "thresholds_for", lambda *dtypes: Thresholds(max_abs_diff=0.0, top1_agreement=2.0))
+    for save in (hf_dir, tmp_path / "new"):
+        with pytest.raises(ConversionError, match="check failed"):
+            convert_to_hf(root / "tp2" / "shared_diff", save)
     assert _files(hf_dir) == before and not (hf_dir / EXPORT_STAGING).exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
 

@@ -851,7 +851,12 @@ def test_a_budget_below_one_new_token_is_refused_before_the_checkpoint_is_read(r
              "--max-new-tokens", "-1", "max_new_tokens"),
             (["chat"], "--max-new-tokens", "0", "max_new_tokens"),
             (["generate", "--prompt", "Hi"], "--top-p", "0", "top_p"),
-            (["generate", "--prompt", "Hi"], "--top-k", "-1", "top_k")]:
+            (["generate", "--prompt", "Hi"], "--top-k", "-1", "top_k"),
+            # a negative temperature read as greedy; NaN and inf failed in torch once the checkpoint was read
+            (["generate", "--prompt", "Hi"], "--temperature", "-1", "temperature (--temperature) must be"),
+            (["generate", "--prompts", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "out")],
+             "--temperature", "nan", "temperature (--temperature) must be"),
+            (["chat"], "--temperature", "inf", "temperature (--temperature) must be")]:
         assert main([command[0], "--load", missing, *command[1:], option, value]) == 2
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_new_tokens >= 1"):

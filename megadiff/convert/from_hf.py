@@ -57,7 +57,10 @@ def _megadiff_config(hf_dir: HFDirectory, fields: dict, vocab_size: int, precisi
         base = Config()
         model = ModelConfig(**fields, vocab_size=vocab_size,
                             make_vocab_size_divisible_by=pad_vocab or vocab_padding_multiple(vocab_size))
-    cfg = base.model_copy(update={"model": model,
+    # not the exported run's output_dir or initial checkpoint: trained from without output_dir=, the
+    # converted checkpoint resumed (and wrote into) that run instead of loading the converted weights
+    cfg = base.model_copy(update={"model": model, "output_dir": Config().output_dir,
+                                  "checkpoint": base.checkpoint.model_copy(update={"load": None}),
                                   "data": base.data.model_copy(update={"tokenizer": tokenizer}),
                                   "train": base.train.model_copy(update={"precision": precision})})
     validate_config(cfg)

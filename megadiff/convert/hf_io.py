@@ -61,26 +61,33 @@ def _save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
 EXPORT_STAGING = ".megadiff-export.partial"  # inside the export's directory: its files' own disk
 
 
-def write_hf_dir(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
-                 tokenizer, source_cfg: Config) -> None:
-    """The export, written into <directory>/.megadiff-export.partial and moved in, file by file, when whole:
-    killed or out of disk space while writing, it leaves an earlier export there as it was (writing in place
-    deleted its shards first); failing, it gives the space back (killed, the next export does). Staged
-    inside the directory, it is written on the directory's own disk (a mount point or a link to another
-    disk too), and each file moves by a rename. Files no export writes stay."""
-    created = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
-    staged = directory / EXPORT_STAGING
-    _remove(staged)  # a killed export's
-    staged.mkdir()
-    try:
-        _write_export(staged, config, state, extras, tokenizer, source_cfg)
-    except BaseException:
-        _remove(staged)
-        if created and not any(directory.iterdir()):
-            directory.rmdir()
-        raise
-    _move_in(staged, directory)
+class StagedExport:
+    """An export written into <directory>/.megadiff-export.partial, checked there, and moved in, file by file,
+    when whole and checked: killed or out of disk space while writing, or failing its check, it leaves an
+    earlier export there as it was (writing in place deleted its shards first); failing, it gives the space
+    back (killed, the next export does). Staged inside the directory, it is written on the directory's own
+    disk (a mount point or a link to another disk too), and each file moves by a rename. Files no export
+    writes stay."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.created = not directory.exists()
+        directory.mkdir(parents=True, exist_ok=True)
+        self.staged = directory / EXPORT_STAGING
+        _remove(self.staged)  # a killed export's
+        self.staged.mkdir()
+
+    def write(self, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], tokenizer,
+              source_cfg: Config) -> None:
+        _write_export(self.staged, config, state, extras, tokenizer, source_cfg)
+
+    def discard(self) -> None:
+        _remove(self.staged)
+        if self.created and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
+    def publish(self) -> None:
+        _move_in(self.staged, self.directory)
 
 
 def _remove(path: Path) -> None:

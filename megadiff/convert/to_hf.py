@@ -16,7 +16,7 @@ from megadiff.config import padded_vocab_size
 from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
-from megadiff.convert.hf_io import load_hf_model, write_hf_dir
+from megadiff.convert.hf_io import StagedExport, load_hf_model
 from megadiff.convert.hf_layout import ConversionError, Dims, megatron_to_hf
 from megadiff.convert.steps import step
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -48,21 +48,27 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     # cast before DiffLlama's head-norm fold: from-hf refolds the sidecar's tensors to recognise o_proj
     state, extras = megatron_to_hf(cast_weights(source.parameters_by_name(), target_dtype),
                                    Dims.of(cfg.model, family))
-    with step(console, f"writing {sum(t.numel() for t in state.values()):,} parameters to {out}"):
-        write_hf_dir(out, hf_config, state, extras, tokenizer, cfg)
-    # views of the source's weights (or casts of them): kept, they would hold a third model (26 GB for 13B
-    # in bf16) beside the check's two fp32 ones, and keep `del source` below from freeing anything
-    del state, extras
+    export = StagedExport(out)
+    try:
+        with step(console, f"writing {sum(t.numel() for t in state.values()):,} parameters to {out}"):
+            export.write(hf_config, state, extras, tokenizer, cfg)
+        # views of the source's weights (or casts of them): kept, they would hold a third model (26 GB for 13B
+        # in bf16) beside the check's two fp32 ones, and keep `del source` below from freeing anything
+        del state, extras
+        if check:  # before the export replaces an earlier one: failing, it leaves that as it was
+            with step(console, "checking the export's logits against the checkpoint's"):
+                if source_dtype != torch.float32:
+                    del source  # free its (GPU) memory before the check's fp32 copy is loaded
+                    source = load_checkpoint(checkpoint_dir, dtype=torch.float32)
+                ours = megadiff_logits(source, tokenizer.vocab_size)
+                del source  # before the Hugging Face model is loaded
+                theirs = hf_logits(load_hf_model(export.staged, hf_config.model_type), tokenizer.vocab_size)
+                result = compare_logits(ours, theirs, thresholds_for(family, source_dtype, target_dtype))
+            console.print(f"megadiff convert: check passed: {result.summary()}")
+    except BaseException:
+        export.discard()
+        raise
+    export.publish()
     console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "
                   f"({hf_config.architectures[0]}, {str(target_dtype).removeprefix('torch.')})")
-    if check:
-        with step(console, "checking the export's logits against the checkpoint's"):
-            if source_dtype != torch.float32:
-                del source  # free its (GPU) memory before the check's fp32 copy is loaded
-                source = load_checkpoint(checkpoint_dir, dtype=torch.float32)
-            ours = megadiff_logits(source, tokenizer.vocab_size)
-            del source  # before the Hugging Face model is loaded
-            theirs = hf_logits(load_hf_model(out, hf_config.model_type), tokenizer.vocab_size)
-            result = compare_logits(ours, theirs, thresholds_for(family, source_dtype, target_dtype))
-        console.print(f"megadiff convert: check passed: {result.summary()}")
     return out

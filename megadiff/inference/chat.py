@@ -18,7 +18,7 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 
 def chat_cli(load: str, system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, dtype: str | None = None, top_p: float = 1.0) -> int:
-    check_generation(max_new_tokens, top_k, top_p)
+    check_generation(max_new_tokens, top_k, top_p, temperature)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)
     render, reply_end = chat_renderer(model, "chat")  # no template: refused before any input
     messages = system_turns(system)

@@ -13,6 +13,7 @@ Only ids the tokenizer can decode are drawn (not the embedding's padding, nor a 
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,10 +31,12 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 INCOMPLETE_CHARACTER = "\ufffd"
 
 
-def check_generation(max_new_tokens: int, top_k: int = 0, top_p: float = 1.0) -> None:
+def check_generation(max_new_tokens: int, top_k: int = 0, top_p: float = 1.0, temperature: float = 0.0) -> None:
     """Refuse a budget or sampling that generation cannot honour (before any checkpoint is read)."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens (--max-new-tokens) must be >= 1, got {max_new_tokens}")
+    if not 0 <= temperature < math.inf:  # NaN too: a negative one read as greedy, NaN and inf failed in torch
+        raise ConfigError(f"temperature (--temperature) must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k < 0:
         raise ConfigError(f"top_k (--top-k) must be >= 0 (0: every id), got {top_k}")
     if not 0 < top_p <= 1:
@@ -367,7 +370,7 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     checkpoint's training precision). With `chat`, the prompt is the user's message to a chat-tuned
     checkpoint (after `system`'s turn) and the assistant's reply alone is printed, up to the end of
     its turn. (`--prompts FILE`: inference/generate_file.py.)"""
-    check_generation(max_new_tokens, top_k, top_p)
+    check_generation(max_new_tokens, top_k, top_p, temperature)
     opening = system_turns(system, chat)
     if output is not None:
         raise ConfigError("--output is where the completions of --prompts FILE go")

@@ -164,7 +164,7 @@ def generate_file_cli(load: str, prompts: str, output: str | None, chat: bool = 
     """`megadiff generate --prompts FILE --output OUT`: everything is checked before the checkpoint is read."""
     if output is None:
         raise ConfigError("--prompts FILE needs --output OUT, where the completions go")
-    check_generation(max_new_tokens, top_k, top_p)
+    check_generation(max_new_tokens, top_k, top_p, temperature)
     system_turns(system, chat)
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
