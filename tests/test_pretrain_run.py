@@ -236,6 +236,21 @@ def test_checkpoints_rotate_and_carry_their_config(logged_run):
 
 
 @pytest.mark.slow
+def test_checkpoints_carry_a_tokenizer_of_files(logged_run, small_tokenizer_dir, tmp_path):
+    """generate and to-hf read the checkpoint's copy: the directory data.tokenizer names may be gone (a from-hf
+    checkpoint, deleted once the run continuing it had begun)."""
+    from megadiff.checkpoint.single_process import checkpoint_tokenizer
+    from megadiff.data.manifest import tokenizer_identity
+
+    checkpoint = logged_run[0] / CHECKPOINTS_DIR / "iter_0000006"
+    assert tokenizer_identity(str(checkpoint / "tokenizer")) == tokenizer_identity(str(small_tokenizer_dir))
+    cfg = checkpoint_config(checkpoint)
+    gone = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer": str(tmp_path / "gone")})})
+    assert checkpoint_tokenizer(checkpoint, gone).encode("And God said") == \
+        checkpoint_tokenizer(checkpoint, cfg).encode("And God said")
+
+
+@pytest.mark.slow
 def test_64k_style_extension_from_a_shorter_run(base, logged_run, tmp_path):
     """The extension recipe's mechanics at toy scale: load the short run, then longer sequences,
     RoPE theta 640,000, length up-sampled data and context parallelism, with a fresh schedule."""

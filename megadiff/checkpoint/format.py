@@ -23,6 +23,8 @@ from megadiff.files import ITERATION_PREFIX, iteration_dir, numbered_dirs
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "config.yaml"
+# a checkpoint may carry its own Hugging Face tokenizer files here (from-hf and pre-training write them)
+TOKENIZER_DIR = "tokenizer"
 
 
 class CheckpointError(MegadiffError, RuntimeError):

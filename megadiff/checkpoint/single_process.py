@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megadiff.checkpoint.format import CheckpointError, checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.format import TOKENIZER_DIR, CheckpointError, checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.gather import model_sharded_tensors
 from megadiff.checkpoint.weights import damage_reported, load_model_weights
 from megadiff.config import Config, ParallelConfig, padded_vocab_size
@@ -25,8 +25,6 @@ from megadiff.models.documents import document_cu_seqlens, document_packing
 from megadiff.models.kv_cache import KVCache
 from megadiff.parallel import initialize
 
-# a checkpoint may carry its own Hugging Face tokenizer files here (from-hf writes them)
-TOKENIZER_DIR = "tokenizer"
 PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 # tokens whose logits a loss computation holds at once: V x 4096 fp32 is 1.6 GB for a 100K vocabulary

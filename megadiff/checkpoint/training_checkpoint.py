@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import (
-    CONFIG_FILE, LATEST_FILE, CheckpointError, iteration_dir, model_sharded_state,
+    CONFIG_FILE, LATEST_FILE, TOKENIZER_DIR, CheckpointError, iteration_dir, model_sharded_state,
     read_latest_iteration,
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
@@ -33,6 +33,7 @@ from megadiff.checkpoint.weights import (
     damage_reported, load_into_chunks, load_sharded, start_write_results_queue, write_failure,
 )
 from megadiff.config import Config, dump_config
+from megadiff.data.tokenizers import Tokenizer
 from megadiff.files import commit_iteration, remove_staging_leftovers, staging_dir
 from megadiff.parallel import rank_and_world, wait_for_ranks
 
@@ -71,9 +72,13 @@ class CheckpointWriter:
     """Saves training checkpoints of one run; `async_save` overlaps the file writes with training."""
 
     def __init__(self, checkpoints_dir: str | Path, cfg: Config, keep_last: int | None = None,
-                 async_save: bool = False):
+                 async_save: bool = False, tokenizer: Tokenizer | None = None):
+        """`tokenizer`: the run's, copied into each checkpoint where it is files (a directory; a packaged
+        encoding is named): generate and to-hf read the checkpoint's copy, where the directory that
+        data.tokenizer names may be gone (a from-hf checkpoint deleted once a continued run had begun)."""
         self.dir = Path(checkpoints_dir)
         self.cfg = cfg
+        self.tokenizer = tokenizer if tokenizer is not None and Path(cfg.data.tokenizer).is_dir() else None
         self.keep_last = keep_last
         start_write_results_queue()
         self.queue = AsyncCallsQueue() if async_save else None
@@ -123,6 +128,8 @@ class CheckpointWriter:
         def commit() -> None:
             if rank_and_world()[0] == 0:
                 dump_config(self.cfg, _staging_dir(self.dir, iteration) / CONFIG_FILE)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_hf(_staging_dir(self.dir, iteration) / TOKENIZER_DIR)
                 commit_iteration(self.dir, iteration, LATEST_FILE, f"{iteration}\n", self.keep_last)
         return commit
 

@@ -113,7 +113,7 @@ class Pretraining:
         self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
                             if t.skip_spike_sigma else None)
         self.checkpoints = CheckpointWriter(self.output / CHECKPOINTS_DIR, cfg, cfg.checkpoint.keep_last,
-                                            cfg.checkpoint.async_save)
+                                            cfg.checkpoint.async_save, tokenizer)
         self.throughput = Throughput(cfg, self.world)
         self.profiler = IterationProfiler(self.output, self.rank, cfg.logging.profile_iterations,
                                           cfg.logging.profile_ranks, cfg.logging.profile_memory)
