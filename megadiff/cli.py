@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     except MegadiffError as err:  # a checkpoint, conversion or run that cannot go on, explained
         print(f"megadiff {args.command}: {err}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C: the user knows where; a traceback into torch or transformers says nothing
+        print(f"megadiff {args.command}: interrupted", file=sys.stderr)
+        return 130  # the shell's code for a command SIGINT ended
     except OSError as err:
         if err.errno not in STORAGE_ERRORS:  # anything else is a bug, whose traceback says where
             raise

@@ -128,6 +128,16 @@ def test_a_full_disk_met_while_writing_is_said_without_a_file_name(monkeypatch, 
     assert capsys.readouterr().err == "megadiff prepare-data: No space left on device (writing its output)\n"
 
 
+def test_ctrl_c_is_said_in_a_line_with_the_shell_s_code(monkeypatch, capsys):
+    from megadiff import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_target", lambda path: interrupted)
+    assert main(["convert", "to-hf", "--load", "run", "--save", "hf"]) == 130
+    assert capsys.readouterr().err == "megadiff convert: interrupted\n"
+
+
 def test_an_error_of_megadiff_itself_keeps_its_traceback(monkeypatch):
     from megadiff import cli
 

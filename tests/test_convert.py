@@ -469,6 +469,14 @@ def test_a_sharded_export_copies_one_shard_at_a_time_and_replaces_an_earlier_exp
     assert sorted(path.name for path in hf_dir.glob("model*.safetensors*")) == ["model.safetensors"]
 
 
+def test_remote_code_asked_for_a_softmax_model_is_said_to_export_stock_llama(root, tmp_path, capsys):
+    capsys.readouterr()
+    hf_dir = convert_to_hf(root / "tp2" / "softmax", tmp_path / "hf", check=False, remote_code=True)
+    assert "--remote-code: a softmax model exports as the stock LlamaForCausalLM" in capsys.readouterr().out
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert not any(hf_dir.glob("*.py"))
+
+
 def test_constant_lambda_diff_is_refused_as_diffllama_and_exports_with_remote_code(root, reference, tmp_path):
     checkpoint = root / "tp2" / "diff_constant_lambda"
     with pytest.raises(ConversionError, match="constant 0.8.*DiffLlama.*--remote-code"):

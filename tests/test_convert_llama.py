@@ -344,6 +344,16 @@ def test_the_check_runs_on_the_weights_the_dtype_rounded(tmp_path):
     convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="bf16")  # bf16 keeps 1e-9
 
 
+def test_a_model_saved_without_its_tokenizer_is_refused_in_those_words(tmp_path):
+    stock_llama(tmp_path / "llama", tied=False)
+    for path in (tmp_path / "llama").iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            path.unlink()
+    with pytest.raises(ConversionError, match=r"llama: no usable tokenizer files \(it holds none of tokenizer.json, "
+                                              r".*save the model's tokenizer there"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", check=False)
+
+
 def test_from_hf_refuses_a_directory_that_holds_files_and_leaves_them(tmp_path):
     stock_llama(tmp_path / "llama", tied=False)
     (tmp_path / "megadiff").mkdir()

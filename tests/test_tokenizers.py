@@ -48,6 +48,17 @@ def test_a_sentencepiece_model_without_its_package_is_named(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+def test_a_directory_without_tokenizer_files_is_said_to_hold_none(tmp_path):
+    """transformers' error for it speaks of converting a slow tokenizer with sentencepiece or tiktoken; a model's
+    directory saved without its tokenizer (config.json and weights alone) is the usual case."""
+    from megadiff.data.tokenizers import TokenizerError
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(TokenizerError, match=r"no usable Hugging Face tokenizer files \(it holds none of "
+                                             r"tokenizer.json, tokenizer.model, "):
+        load_tokenizer(str(tmp_path))
+
+
 def test_a_tokenizer_named_neither_packaged_nor_a_directory_is_refused():
     """A hub name (models are read from a directory here, offline): said as such, not as a missing file."""
     from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, TokenizerError

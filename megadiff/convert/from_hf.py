@@ -29,7 +29,7 @@ from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, sam
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step
-from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer
+from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
 from megadiff.files import publish_staged, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -121,8 +121,8 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
     except (OSError, ValueError) as err:
         if packaged is not None:
             return source.data.tokenizer, packaged.vocab_size, None
-        raise ConversionError(f"{hf_dir.path}: no usable tokenizer files ({err}); a megadiff checkpoint carries "
-                              "its tokenizer") from None
+        raise ConversionError(f"{hf_dir.path}: no usable tokenizer files ({why_unreadable(hf_dir.path, err)}); a "
+                              "megadiff checkpoint carries its tokenizer: save the model's tokenizer there") from None
     if packaged is not None and len(hf_tokenizer) == packaged.vocab_size:
         return source.data.tokenizer, packaged.vocab_size, None
     return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer

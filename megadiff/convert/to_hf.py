@@ -38,6 +38,9 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     checkpoint_dir = resolve_checkpoint_dir(load)
     cfg = checkpoint_config(checkpoint_dir)
     family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read
+    if remote_code and family == "llama":
+        console.print("megadiff convert: --remote-code: a softmax model exports as the stock LlamaForCausalLM, "
+                      "with no code of its own")
     tokenizer = checkpoint_tokenizer(checkpoint_dir, cfg)
     vocab_size = padded_vocab_size(cfg.model, cfg.parallel.tensor)
     source_dtype = PRECISION_DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds

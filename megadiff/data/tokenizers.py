@@ -148,7 +148,7 @@ class HFTokenizer:
             self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
             raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
-                                 f"({first_line(err)}){_sentencepiece_hint(path)}") from None
+                                 f"({why_unreadable(path, err)}){_sentencepiece_hint(path)}") from None
         self.vocab_size = len(self.hf)
         eod = self.hf.eos_token_id
         if eod is None:
@@ -218,6 +218,19 @@ def _reading_special_texts_as_text(hf, special_texts: tuple[str, ...]):
 
 # a Unigram piece's log probability that no split of a text into other pieces (even <unk>'s) falls below
 UNREACHABLE_SCORE = -1e9
+
+
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                        "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def why_unreadable(directory: str | Path, err: Exception) -> str:
+    """Why transformers read no tokenizer from a directory: where it holds no tokenizer file at all, that, not
+    transformers' error, which then speaks of converting a slow tokenizer with sentencepiece or tiktoken."""
+    directory = Path(directory)
+    if any((directory / name).is_file() for name in TOKENIZER_FILE_NAMES) or any(directory.glob("*.tiktoken")):
+        return first_line(err)
+    return f"it holds none of {', '.join(TOKENIZER_FILE_NAMES)}"
 
 
 def _sentencepiece_hint(path: str) -> str:
