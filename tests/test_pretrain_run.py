@@ -285,6 +285,8 @@ def test_demo_end_to_end_from_nothing(tmp_path):
                           env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert read_latest_iteration(out / CHECKPOINTS_DIR) == 2
+    # a packaged encoding is named, not copied (an HF conversion of it would be read in its place)
+    assert not (out / CHECKPOINTS_DIR / "iter_0000002" / "tokenizer").exists()
     assert list((tmp_path / "cache").rglob("*.bin"))
     assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "diffllama"
     sample = proc.stdout.split("a sample from the Hugging Face model")[1]
