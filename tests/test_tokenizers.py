@@ -59,6 +59,16 @@ def test_a_directory_without_tokenizer_files_is_said_to_hold_none(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+def test_an_absolute_tokenizer_path_that_is_gone_is_said_to_be_gone(tmp_path):
+    """A from-hf checkpoint's config names its tokenizer/ by absolute path: moved, the checkpoint's config names
+    a directory that no longer exists, which is no hub name."""
+    from megadiff.data.tokenizers import TokenizerError
+
+    with pytest.raises(TokenizerError, match=re.escape(f"data.tokenizer: {tmp_path / 'moved'} does not exist (moved "
+                                                       "or deleted?): give data.tokenizer= its path now")):
+        load_tokenizer(str(tmp_path / "moved"))
+
+
 def test_a_tokenizer_named_neither_packaged_nor_a_directory_is_refused():
     """A hub name (models are read from a directory here, offline): said as such, not as a missing file."""
     from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, TokenizerError
