@@ -173,17 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "--chat {\"messages\": [...]}); completions go to --output, in batches, resumable")
     gen.add_argument("--output", type=_output_file, default=None, metavar="OUT",
                      help="with --prompts: the completions, as JSON lines")
-    gen.add_argument("--batch-size", type=int, default=8, help="with --prompts: prompts decoded side by side")
+    gen.add_argument("--batch-size", type=int, default=None,
+                     help="with --prompts: prompts decoded side by side (default: 8)")
     _sampling_options(gen, max_new_tokens=32)
     gen.add_argument("--chat", action="store_true", help="the prompt is a user's message to a chat-tuned checkpoint, "
                      "rendered by its chat template; prints the assistant's reply")
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn first")
     gen.set_defaults(run=lambda a: _target("megadiff.inference.generate_file:generate_file_cli")(
         a.load, a.prompts, a.output, chat=a.chat, system=a.system, max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, batch_size=a.batch_size)
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype,
+        batch_size=8 if a.batch_size is None else a.batch_size)
         if a.prompts else _target("megadiff.inference.generate:generate_cli")(
         a.load, a.prompt, prompt_file=a.prompt_file, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-        top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system, output=a.output))
+        top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, chat=a.chat, system=a.system, output=a.output,
+        batch_size=a.batch_size))
 
     chat = sub.add_parser("chat", help="talk to a chat-tuned checkpoint: a message per line of standard input")
     chat.add_argument("--load", required=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -261,6 +262,17 @@ def test_output_and_prompts_go_together(tmp_path, capsys):
     assert "needs --output" in capsys.readouterr().err
     assert main(["generate", "--load", str(tmp_path), "--prompt", "x", "--output", str(tmp_path / "o")]) == 2
     assert "--prompts FILE" in capsys.readouterr().err
+
+
+def test_batch_size_goes_with_prompts(tmp_path, capsys):
+    """A single prompt has nothing to batch: --batch-size with it is refused rather than ignored, and --prompts
+    without it decodes 8 side by side."""
+    for prompt in (["--prompt", "x"], ["--prompt-file", str(tmp_path / "p.txt")]):
+        assert main(["generate", "--load", str(tmp_path), *prompt, "--batch-size", "4"]) == 2
+        assert "--batch-size is how many prompts of --prompts FILE" in capsys.readouterr().err
+    with mock.patch("megadiff.inference.generate_file.generate_file_cli", return_value=0) as generate_file:
+        assert main(["generate", "--load", str(tmp_path), "--prompts", "p.jsonl", "--output", "o.jsonl"]) == 0
+    assert generate_file.call_args.kwargs["batch_size"] == 8
 
 
 def test_a_budget_filling_the_window_is_refused(root, tmp_path, capsys):

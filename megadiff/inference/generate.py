@@ -364,7 +364,8 @@ def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = Non
 
 def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0, dtype: str | None = None, prompt_file: str | None = None, chat: bool = False,
-                 system: str | None = None, output: str | None = None, top_p: float = 1.0) -> int:
+                 system: str | None = None, output: str | None = None, top_p: float = 1.0,
+                 batch_size: int | None = None) -> int:
     """`megadiff generate`: print the prompt (or `prompt_file`'s text; '-': standard input), then
     its continuation as it is generated (the rate on stderr); the weights in `dtype` (default: the
     checkpoint's training precision). With `chat`, the prompt is the user's message to a chat-tuned
@@ -374,6 +375,8 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     opening = system_turns(system, chat)
     if output is not None:
         raise ConfigError("--output is where the completions of --prompts FILE go")
+    if batch_size is not None:  # a single prompt has nothing to batch: the option would be silently ignored
+        raise ConfigError("--batch-size is how many prompts of --prompts FILE decode side by side")
     if prompt is None:
         if prompt_file != "-" and not Path(prompt_file).is_file():
             raise ConfigError(f"--prompt-file {prompt_file} is not a file")
