@@ -242,7 +242,7 @@ def test_shares_of_the_parts_then_a_plain_run_that_only_merges(corpus, prepared,
     calls = _count_encodings(monkeypatch)
     assert cli_main(["prepare-data", str(config), "--part", "1/2"]) == 0
     assert len(calls) == 1 and not Path(f"{tmp_path / 'out' / 'x'}.bin").exists()
-    assert "parts 1/2 of" in capsys.readouterr().out
+    assert "--part 1/2 of" in (out := capsys.readouterr().out) and "(1 of its 3 parts)" in out
     assert cli_main(["prepare-data", str(config), "--part", "0/2"]) == 0
     assert len(calls) == 3
     # what a merge killed before its renames leaves: a corpus-sized temporary file each time, never read

@@ -193,7 +193,7 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
         return
     mine = range(index, len(plan.parts), count)
     _prepare_parts(plan, mine)
-    console.print(f"prepare-data: parts {index}/{count} of {plan.prefix} done ({len(mine)} of {len(plan.parts)} "
+    console.print(f"prepare-data: --part {index}/{count} of {plan.prefix} done ({len(mine)} of its {len(plan.parts)} "
                   "parts); once every share is done, run prepare-data without --part to merge them", soft_wrap=True)
 
 
