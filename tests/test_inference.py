@@ -121,7 +121,9 @@ def _copy_of_the_checkpoint(run, tmp_path) -> Path:
     (lambda checkpoint: (checkpoint / "metadata.json").write_text("{not json"), "is damaged: a file of it cannot"),
     (lambda checkpoint: _cut_short(checkpoint / "common.pt"), "is damaged: .*RuntimeError"),
     (lambda checkpoint: (checkpoint / ".metadata").unlink(), "cannot be read whole .*No such file"),
-], ids=["shard cut short", "metadata overwritten", "common.pt cut short", ".metadata removed"])
+    # megatron's own report of it failed (an AttributeError building its message from a str path)
+    (lambda checkpoint: (checkpoint / "common.pt").unlink(), "cannot be read whole .*No such file .*common.pt"),
+], ids=["shard cut short", "metadata overwritten", "common.pt cut short", ".metadata removed", "common.pt removed"])
 def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, damage, message):
     damaged = _copy_of_the_checkpoint(run, tmp_path)
     damage(damaged)
@@ -164,6 +166,10 @@ def test_a_damaged_checkpoint_is_not_offered_as_its_own_alternative(tmp_path):
             raise EOFError("Ran out of input")
     assert str(refused.value).endswith(f"(EOFError: Ran out of input). The run's other checkpoints: "
                                        f"{iteration_dir(checkpoints, 3)}")
+    with pytest.raises(CheckpointError) as refused:
+        with damage_reported(damaged):
+            raise FileNotFoundError(2, "No such file or directory", str(damaged / "common.pt"))
+    assert str(refused.value).endswith(f"written in part? The run's other checkpoints: {iteration_dir(checkpoints, 3)}")
 
 
 def test_a_tokenizer_with_as_many_ids_as_the_model_has_rows_is_accepted(run, monkeypatch):
@@ -273,13 +279,15 @@ def test_a_checkpoint_whose_config_is_not_yaml_is_refused_by_name(run, tmp_path,
     assert f"{damaged / 'config.yaml'}, line 2" in capsys.readouterr().err
 
 
-def test_a_checkpoint_whose_training_state_cannot_be_read_is_refused_by_name(run, tmp_path):
-    """What a rerun reads first, before its data and model: common.pt cut short."""
+@pytest.mark.parametrize("damage,message", [
+    (_cut_short, "is damaged: .*RuntimeError"), (Path.unlink, "cannot be read whole .*No such file .*common.pt")])
+def test_a_checkpoint_whose_training_state_cannot_be_read_is_refused_by_name(run, tmp_path, damage, message):
+    """What a rerun reads first, before its data and model: common.pt cut short or missing."""
     from megadiff.checkpoint.training_checkpoint import read_train_state
 
     damaged = _copy_of_the_checkpoint(run, tmp_path)
-    _cut_short(damaged / "common.pt")
-    with pytest.raises(CheckpointError, match=f"{damaged} is damaged: .*RuntimeError"):
+    damage(damaged / "common.pt")
+    with pytest.raises(CheckpointError, match=f"{damaged} {message}"):
         read_train_state(damaged)
 
 

@@ -30,7 +30,7 @@ from megadiff.checkpoint.format import (
 )
 from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from megadiff.checkpoint.weights import (
-    damage_reported, load_into_chunks, load_sharded, start_write_results_queue, write_failure,
+    damage_reported, load_into_chunks, load_sharded, require_common_file, start_write_results_queue, write_failure,
 )
 from megadiff.config import Config, dump_config
 from megadiff.data.tokenizers import Tokenizer
@@ -157,6 +157,7 @@ class CheckpointWriter:
 def read_train_state(checkpoint_dir: str | Path) -> dict | None:
     """The training state saved with a checkpoint (None for a model-only one), weights untouched."""
     with damage_reported(checkpoint_dir, also=(RuntimeError,)):  # torch.load of a common.pt cut short
+        require_common_file(checkpoint_dir)
         return dist_checkpointing.load_common_state_dict(str(checkpoint_dir)).get(TRAIN_STATE_KEY)
 
 

@@ -1,6 +1,7 @@
 """Model-only save/load in the run checkpoint format (conversion, inference, initial loads)."""
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -62,7 +64,7 @@ def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...
         failure = first_failure(error)
         if isinstance(failure, OSError):
             raise CheckpointError(f"{checkpoint_dir} cannot be read whole ({failure}): a checkpoint copied or "
-                                  f"written in part? Its metadata names files it lacks{_others(checkpoint_dir)}"
+                                  f"written in part? Its metadata names files it lacks.{_others(checkpoint_dir)}"
                                   ) from None
         raise _damaged(checkpoint_dir, failure) from error
     except OSError as error:  # its metadata itself (.metadata) missing or unreadable
@@ -74,7 +76,7 @@ def damage_reported(checkpoint_dir: str | Path, also: tuple[type[Exception], ...
 
 def _damaged(checkpoint_dir: str | Path, error: BaseException) -> CheckpointError:
     return CheckpointError(f"{checkpoint_dir} is damaged: a file of it cannot be read "
-                           f"({type(error).__name__}: {first_line(error)}){_others(checkpoint_dir)}")
+                           f"({type(error).__name__}: {first_line(error)}).{_others(checkpoint_dir)}")
 
 
 def _others(checkpoint_dir: str | Path) -> str:
@@ -82,12 +84,21 @@ def _others(checkpoint_dir: str | Path) -> str:
     others = [iteration_dir(Path(checkpoint_dir).parent, iteration)
               for iteration in saved_iterations(Path(checkpoint_dir).parent)]
     others = [str(path) for path in others if path.resolve() != Path(checkpoint_dir).resolve()]
-    return f". The run's other checkpoints: {', '.join(others)}" if others else ""
+    return f" The run's other checkpoints: {', '.join(others)}" if others else ""
+
+
+def require_common_file(checkpoint_dir: str | Path) -> None:
+    """Inside damage_reported: megatron's own report of a missing common.pt fails (an AttributeError, calling
+    Path.iterdir on the str path it requires)."""
+    common = Path(checkpoint_dir) / COMMON_STATE_FNAME
+    if not common.is_file():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(common))
 
 
 def load_sharded(request: dict, checkpoint_dir: str | Path) -> dict:
     """dist_checkpointing.load of `request`; only TE's `_extra_state` may be absent from the checkpoint."""
     with damage_reported(checkpoint_dir, also=(RuntimeError,)):  # torch.load of a common.pt cut short
+        require_common_file(checkpoint_dir)
         loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
                                                     strict=StrictHandling.RETURN_UNEXPECTED)
     required = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
