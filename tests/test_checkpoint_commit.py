@@ -65,6 +65,12 @@ def test_a_marker_naming_a_removed_checkpoint_is_refused_with_those_left(tmp_pat
         latest_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="names iteration 9"):
         resolve_checkpoint_dir(tmp_path)
+    # there but damaged since its commit: megatron's "is not a distributed checkpoint" named neither file
+    iteration_dir(tmp_path, 9).mkdir()
+    (iteration_dir(tmp_path, 9) / "common.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"names iteration 9, but .*iter_0000009 is not a whole checkpoint "
+                                              r"\(its metadata.json is gone\): write the iteration to resume from"):
+        latest_checkpoint(tmp_path)
 
 
 def test_a_marker_that_names_no_iteration_is_refused_as_a_checkpoint_error(tmp_path):

@@ -56,11 +56,12 @@ def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     if iteration is None:
         return iteration_dir(checkpoints_dir, saved[-1]) if saved else None
     path = iteration_dir(checkpoints_dir, iteration)
-    if not path.is_dir():
+    if iteration not in saved:  # committed once, since damaged: megatron's error would not name the marker
         fix = (f"write the iteration to resume from ({', '.join(map(str, saved))}) into it" if saved
                else "remove it to start afresh")
+        state = "missing" if not path.is_dir() else "not a whole checkpoint (its metadata.json is gone)"
         raise CheckpointError(f"{Path(checkpoints_dir) / LATEST_FILE} names iteration {iteration}, but {path} is "
-                              f"missing: {fix}, or use a new output_dir")
+                              f"{state}: {fix}, or use a new output_dir")
     return path
 
 
