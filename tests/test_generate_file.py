@@ -4,6 +4,7 @@ rerun, generates only the rest; two gloo ranks write what one process does; mist
 before the checkpoint is read."""
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from unittest import mock
@@ -262,6 +263,22 @@ def test_output_and_prompts_go_together(tmp_path, capsys):
     assert "needs --output" in capsys.readouterr().err
     assert main(["generate", "--load", str(tmp_path), "--prompt", "x", "--output", str(tmp_path / "o")]) == 2
     assert "--prompts FILE" in capsys.readouterr().err
+
+
+def test_prompts_that_are_not_utf8_are_refused_before_the_checkpoint_is_read(tmp_path, capsys, monkeypatch):
+    """A binary file given by mistake: its name and the byte, not the codec's traceback."""
+    (tmp_path / "prompts.jsonl").write_bytes(json.dumps({"prompt": "In the beginning"}).encode() + b"\n\x89PNG\n")
+    (tmp_path / "prompt.txt").write_bytes(b"In the \xff beginning")
+    assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert f"--prompts {tmp_path / 'prompts.jsonl'}: not UTF-8 text (invalid start byte at byte 31)" in \
+        capsys.readouterr().err
+    assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompt-file", str(tmp_path / "prompt.txt")]) == 2
+    assert f"--prompt-file {tmp_path / 'prompt.txt'}: not UTF-8 text (invalid start byte at byte 7)" in \
+        capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff"), encoding="utf-8"))
+    assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompt-file", "-"]) == 2
+    assert "standard input: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_batch_size_goes_with_prompts(tmp_path, capsys):

@@ -510,6 +510,10 @@ def test_chat_keeps_the_conversation_across_messages(run, chat_run, capsys, monk
     # the second turn runs on from the first reply's keys (all but its last token, never run)
     held = len(prompts[0]) + len(tokenizer.encode("Seth.<|im_end|>")) - 1
     assert "(0 of them cached)" in err and f"({held} of them cached)" in err
+    # bytes that are not UTF-8 (a binary file piped in): refused by name (standard input is decoded by the chunk)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Who begat Enos?\n\xff\xfe\n"), encoding="utf-8"))
+    assert main(["chat", "--load", str(run_dir)]) == 2
+    assert "standard input: not UTF-8 text (invalid start byte at byte 16)" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     assert main(["chat", "--load", str(run[0])]) == 2
     assert "chat: " in capsys.readouterr().err

@@ -13,6 +13,7 @@ import sys
 from megadiff.checkpoint.single_process import load_checkpoint
 from megadiff.inference.chat_prompts import chat_renderer, system_turns
 from megadiff.inference.generate import HeldContext, check_generation, print_continuation
+from megadiff.inference.records import utf8_input
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 
@@ -37,7 +38,8 @@ def _messages(interactive: bool):
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        with utf8_input("standard input"):
+            line = sys.stdin.readline()
         if not line:
             return
         if line.strip():

@@ -25,6 +25,7 @@ from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.config import ConfigError
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.chat_prompts import chat_prompt, encode_prompt, system_turns
+from megadiff.inference.records import utf8_input
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 # what a byte-level tokenizer decodes a character's leading bytes to, until its last byte comes
@@ -380,7 +381,8 @@ def generate_cli(load: str, prompt: str | None, max_new_tokens: int = 32, temper
     if prompt is None:
         if prompt_file != "-" and not Path(prompt_file).is_file():
             raise ConfigError(f"--prompt-file {prompt_file} is not a file")
-        prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
+        with utf8_input("standard input" if prompt_file == "-" else f"--prompt-file {prompt_file}"):
+            prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
     if not prompt and not chat:
         raise ConfigError("the prompt is empty: give some text to continue")
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)

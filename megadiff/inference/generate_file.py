@@ -28,7 +28,7 @@ from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system
 from megadiff.inference.generate import check_generation, decodable_ids, generate_batch, stop_texts_check
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share
-from megadiff.inference.records import RankRecords, lines_of, model_settings
+from megadiff.inference.records import RankRecords, lines_of, model_settings, utf8_input
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
 from megadiff.parallel import rank_and_world, wait_for_ranks
@@ -43,7 +43,9 @@ def read_prompts(path: str, chat: bool) -> list[tuple[str, object]]:
     if not Path(path).is_file():
         raise ConfigError(f"--prompts {path} is not a file")
     prompts, ids = [], set()
-    for number, line in enumerate(lines_of(Path(path)), start=1):
+    with utf8_input(f"--prompts {path}"):
+        lines = lines_of(Path(path))
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:

@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from megadiff.config import ConfigError
 from megadiff.parallel import rank_and_world, wait_for_ranks
+
+
+@contextmanager
+def utf8_input(what: str):
+    """A user's file or standard input that is not UTF-8 text (a binary file given by mistake), refused naming
+    it and the byte, not a traceback from the codec."""
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def lines_of(path: Path) -> list[str]:
