@@ -13,6 +13,7 @@ import socketserver
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -444,8 +445,16 @@ def test_a_cache_answers_only_the_request_it_was_kept_for(runs, tasks, tmp_path,
 
 
 def _ranks_lm_eval(rank: int, world_size: int, run: str, tasks: str, out_dir: str) -> None:
-    counts = {}
-    with counting_sequences(counts, "lm-eval"):
+    import torch.distributed as dist
+    from megadiff.inference import harness
+
+    counts, check_task_data = {"group_at_the_data_check": []}, harness.check_task_data
+
+    def in_a_group(*args):  # the ranks read the tasks' data as one group decides (the hub's or the cache's)
+        counts["group_at_the_data_check"].append(dist.get_world_size() if dist.is_initialized() else None)
+        return check_task_data(*args)
+
+    with counting_sequences(counts, "lm-eval"), mock.patch.object(harness, "check_task_data", in_a_group):
         # with a fresh --cache: its request, checked by every rank, is recorded by rank 0 alone
         run_lm_eval(Path(run), Path(tasks), Path(out_dir) / "results.json", batch_size=2,
                     extra=("--cache", str(Path(out_dir) / "cache")))
@@ -473,7 +482,9 @@ def test_two_ranks_share_the_requests_and_report_what_one_process_reports(runs, 
             if isinstance(value, float):
                 assert two["results"][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-7), (task, metric)
     # each rank ran its share of the sequences (the harness pads the shorter share with repeats)
-    shares = [json.loads((tmp_path / "two" / f"counts{rank}.json").read_text())["lm-eval"] for rank in range(2)]
+    counts = [json.loads((tmp_path / "two" / f"counts{rank}.json").read_text()) for rank in range(2)]
+    assert [count["group_at_the_data_check"] for count in counts] == [[2], [2]]
+    shares = [count["lm-eval"] for count in counts]
     alone = json.loads((tmp_path / "one" / "counts0.json").read_text())["lm-eval"]
     assert all(0 < count < alone for count in shares) and sum(shares) >= alone
 
@@ -533,7 +544,8 @@ def test_an_unreachable_hub_reads_task_data_from_the_cache_without_retrying(task
     assert ("does not answer" in capsys.readouterr().err) is offline
 
 
-def _ranks_probe_the_hub(rank: int, world_size: int, endpoints: list[str], out_dir: str) -> None:
+def _ranks_probe_the_hub(rank: int, world_size: int, endpoints: list[str], out_dir: str,
+                         offline_ranks: tuple[int, ...] = ()) -> None:
     from datetime import timedelta
 
     import datasets
@@ -542,7 +554,7 @@ def _ranks_probe_the_hub(rank: int, world_size: int, endpoints: list[str], out_d
     from megadiff.parallel import init_process_group
 
     huggingface_hub.constants.ENDPOINT = endpoints[rank]
-    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = False
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = rank in offline_ranks
     init_process_group(timedelta(minutes=2))
     harness.read_hub_data_from_cache_if_unreachable()
     Path(out_dir, f"offline{rank}.json").write_text(
@@ -566,6 +578,20 @@ def test_every_rank_takes_rank_0s_answer_from_the_hub(answering_rank, tmp_path, 
         assert json.loads((tmp_path / f"offline{rank}.json").read_text()) == [offline, offline], rank
     rank0, _, rank1 = capfd.readouterr().err.partition("----- rank 1 -----")
     assert ("does not answer" in rank0) is offline and "does not answer" not in rank1
+
+
+def test_a_rank_offline_by_its_own_setting_takes_every_rank_offline(tmp_path, capfd):
+    """HF_HUB_OFFLINE=1 on one node only: that rank skipped the collective the others joined (their next
+    collectives then paired with the wrong calls) and read the cache where the others read the hub."""
+    with socketserver.TCPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        run_ranks(2, _ranks_probe_the_hub, [endpoint, endpoint], str(tmp_path), (1,))
+        server.shutdown()
+    for rank in range(2):
+        assert json.loads((tmp_path / f"offline{rank}.json").read_text()) == [True, True], rank
+    assert "HF_HUB_OFFLINE=1 on ranks [1] alone: the tasks' data is read from the datasets cache only" in \
+        capfd.readouterr().err
 
 
 def document_masked(run: Path):

@@ -320,25 +320,32 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
 def read_hub_data_from_cache_if_unreachable() -> None:
     """Without a network, and without HF_HUB_OFFLINE=1 (or HF_DATASETS_OFFLINE=1), the datasets library
     retries the hub for some 20 s a task before reading its cache: one request that gets no answer turns
-    both libraries' offline mode on instead, for this process (any HTTP status is an answer). Rank 0 asks
-    for all the ranks of a joined group: ranks deciding apart could read different revisions of a task's data
-    (the hub's newest, the cache's), and each rank scores its share of the requests."""
+    both libraries' offline mode on instead, for this process (any HTTP status is an answer). The ranks of a
+    joined group decide together, rank 0 asking for all, and all go offline where any rank already is: ranks
+    deciding apart could read different revisions of a task's data (the hub's newest, the cache's), and each
+    rank scores its share of the requests."""
     import datasets
     import huggingface_hub
 
-    if datasets.config.HF_HUB_OFFLINE:
+    rank, world = rank_and_world()
+    offline = [bool(datasets.config.HF_HUB_OFFLINE)] * world
+    if world > 1:  # every rank joins every collective here, whatever its own setting
+        dist.all_gather_object(offline, offline[rank])
+    if all(offline):
         return
     endpoint = huggingface_hub.constants.ENDPOINT
-    rank, world = rank_and_world()
-    unanswered = [_why_unanswered(endpoint) if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(unanswered, src=0)
-    if unanswered[0] is None:
-        return
+    if any(offline):
+        why = f"HF_HUB_OFFLINE=1 on ranks {[r for r, own in enumerate(offline) if own]} alone"
+    else:
+        unanswered = [_why_unanswered(endpoint) if rank == 0 else None]
+        if world > 1:
+            dist.broadcast_object_list(unanswered, src=0)
+        if unanswered[0] is None:
+            return
+        why = f"the hub ({endpoint}) does not answer ({unanswered[0]})"
     datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     plain_console(stderr=True, quiet=rank != 0).print(
-        f"the hub ({endpoint}) does not answer ({unanswered[0]}): the tasks' data is read from the datasets "
-        "cache only (HF_HUB_OFFLINE=1 says so without asking)")
+        f"{why}: the tasks' data is read from the datasets cache only (HF_HUB_OFFLINE=1 says so without asking)")
 
 
 def _why_unanswered(endpoint: str) -> str | None:
