@@ -59,6 +59,20 @@ def test_a_directory_without_tokenizer_files_is_said_to_hold_none(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+@pytest.mark.parametrize("files", [{"tokenizer.json": '{"not": "a tokenizer"'}, {"cl100k.tiktoken": "not base64"}],
+                         ids=["tokenizer.json cut short", "a tiktoken file"])
+def test_a_directory_with_unreadable_tokenizer_files_gets_transformers_reason(tmp_path, files):
+    """Files are there but cannot be read: transformers' own reason, not that the directory holds none."""
+    from megadiff.data.tokenizers import TokenizerError
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(TokenizerError) as refused:
+        load_tokenizer(str(tmp_path))
+    assert "no usable Hugging Face tokenizer files (" in str(refused.value)
+    assert "holds none" not in str(refused.value)
+
+
 def test_an_absolute_tokenizer_path_that_is_gone_is_said_to_be_gone(tmp_path):
     """A from-hf checkpoint's config names its tokenizer/ by absolute path: moved, the checkpoint's config names
     a directory that no longer exists, which is no hub name."""
@@ -69,9 +83,15 @@ def test_an_absolute_tokenizer_path_that_is_gone_is_said_to_be_gone(tmp_path):
         load_tokenizer(str(tmp_path / "moved"))
 
 
-def test_a_tokenizer_named_neither_packaged_nor_a_directory_is_refused():
-    """A hub name (models are read from a directory here, offline): said as such, not as a missing file."""
+def test_a_tokenizer_named_neither_packaged_nor_a_directory_is_refused(tmp_path):
+    """A hub name (models are read from a directory here, offline), or a tokenizer's file rather than its
+    directory: said as such, not as a missing file."""
     from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, TokenizerError
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match=re.escape(f"data.tokenizer: '{tmp_path / 'tokenizer.json'}' is neither "
+                                                       f"one of {PACKAGED_TIKTOKEN} nor a directory")):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
 
     with pytest.raises(TokenizerError, match=re.escape(f"data.tokenizer: 'gpt2' is neither one of {PACKAGED_TIKTOKEN} "
                                                       "nor a directory of Hugging Face tokenizer files")):

@@ -317,7 +317,7 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Tokenizer:
         return TiktokenTokenizer(spec)
     if Path(spec).is_dir():
         return HFTokenizer(spec, trust_remote_code=trust_remote_code)
-    if Path(spec).is_absolute():  # from-hf's checkpoints name their tokenizer/ so: moved with the checkpoint?
+    if Path(spec).is_absolute() and not Path(spec).exists():  # from-hf's checkpoints name their tokenizer/ so: moved?
         raise TokenizerError(f"data.tokenizer: {spec} does not exist (moved or deleted?): give data.tokenizer= its "
                              "path now (a converted checkpoint's tokenizer/ moves with it)")
     raise TokenizerError(f"data.tokenizer: {spec!r} is neither one of {PACKAGED_TIKTOKEN} nor a directory of "
