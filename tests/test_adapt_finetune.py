@@ -128,6 +128,14 @@ def adapt_in_a_rank(workspace: Path, monkeypatch, target, output: Path, report: 
     return report.read_text()
 
 
+@pytest.fixture
+def refused_before_running():
+    """For `main(["adapt", ...])` expected to be refused: an adaptation that ran instead would end pytest itself
+    through finetune_from_config's os._exit, with code 0 and the later tests unrun (a pass without xdist)."""
+    with mock.patch("os._exit", side_effect=AssertionError("the adaptation ran: its os._exit would end pytest")):
+        yield
+
+
 @pytest.fixture(scope="module")
 def stage_runs(workspace):
     """One uninterrupted run per ZeRO stage (stage 1 through the deepspeed launcher), made on demand."""
@@ -526,6 +534,7 @@ def test_a_damaged_model_is_refused_before_any_work(workspace, tmp_path, damage,
         load_finetune_config(str(workspace / "adapt.yaml"), [f"model.path={model}", "adaptation.selected_heads=[[0]]"])
 
 
+@pytest.mark.usefixtures("refused_before_running")
 def test_config_errors_name_their_key(workspace, tmp_path):
     yaml_file = str(workspace / "adapt.yaml")
     with pytest.raises(ConfigError, match="model.attn_implementation: .*unknown attention implementation 'garbage'"):
@@ -726,6 +735,7 @@ def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
         check_planned_settings(earlier, load_finetune_config(config, ["adaptation.anneal_steps=99"]))
 
 
+@pytest.mark.usefixtures("refused_before_running")
 def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_config(workspace, tmp_path, capsys):
     """Refused after tokenizing and loading the weights, the rerun had already written its config.yaml: the
     run's recorded config then described a run that never happened."""
@@ -740,6 +750,7 @@ def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_conf
     assert (run / "config.yaml").read_text() == "the dex run's\n"
 
 
+@pytest.mark.usefixtures("refused_before_running")
 def test_a_second_adaptation_on_a_directory_in_use_is_refused(workspace, tmp_path, capsys):
     """As pre-training's: an adaptation started on the output_dir of one still running is refused before it
     writes anything there."""
@@ -756,6 +767,7 @@ def test_a_second_adaptation_on_a_directory_in_use_is_refused(workspace, tmp_pat
     assert [path.name for path in run.iterdir()] == [RUN_LOCK]
 
 
+@pytest.mark.usefixtures("refused_before_running")
 def test_a_rerun_reading_other_data_is_refused(workspace, tmp_path, capsys):
     """Another seq_length packs other samples: the rerun resumed at its checkpoint's count of samples read, in an
     order it never read, without a word."""
