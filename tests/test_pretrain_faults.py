@@ -140,6 +140,18 @@ def test_a_second_run_on_a_directory_in_use_is_refused(base, tmp_path, capsys):
     assert len(read_metrics(run / "metrics.jsonl")) == 1
 
 
+def test_every_rank_of_a_second_run_is_refused_together(base, tmp_path):
+    """Rank 0 alone holds the lock: the other ranks must hear of the refusal from it and end with its message,
+    not fail apart (or wait for rank 0 in a collective until the timeout)."""
+    from megadiff.rank_agreement import RUN_LOCK
+    from tests.conftest import lock_held_elsewhere
+
+    run = tmp_path / "run"
+    with lock_held_elsewhere(run / RUN_LOCK):
+        proc = run_pretrain_in_ranks(2, [*base, "train.iters=1", f"output_dir={run}"], timeout=120, expect=2)
+    assert proc.stderr.count(f"output_dir {run} is in use by another run") == 2, proc.stderr[-3000:]
+
+
 def test_a_resumed_run_says_its_data_was_prepared_again(base, tmp_path, capsys):
     """Data prepared again under its prefix (files added to its sources) is another data order, which a resumed
     run read on in without a word, where changing the keys that draw the order is said."""
