@@ -129,20 +129,22 @@ def disk_full_while_saving(rank: int, world_size: int, overrides: list[str], doo
     _report_pretrain(rank, overrides, report)
 
 
-def crashing_at_step(crash_step: int, overrides: list[str]) -> None:
-    """`megadiff pretrain` in this interpreter whose step `crash_step` raises an unexpected error (a CUDA or NCCL
-    error's stand-in), left to reach the interpreter's top as a real one does."""
+def crashing_at_step(crash_step: int, overrides: list[str], in_evaluation: bool = False) -> None:
+    """`megadiff pretrain` in this interpreter whose step `crash_step` (or, `in_evaluation`, evaluation
+    `crash_step`'s first forward) raises an unexpected error (a CUDA or NCCL error's stand-in), left to reach the
+    interpreter's top as a real one does."""
     import sys
 
     from megadiff.cli import entry_point
 
-    original_step, steps = pretrain.train_step, []
+    name = "run_forward_backward" if in_evaluation else "train_step"
+    original, calls = getattr(pretrain, name), []
 
-    def train_step(*args, **kwargs):
-        steps.append(None)
-        if len(steps) == crash_step:
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == crash_step:
             raise RuntimeError(f"an unexpected failure at step {crash_step}")
-        return original_step(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    pretrain.train_step = train_step
+    setattr(pretrain, name, failing)
     sys.exit(entry_point(["pretrain", str(DEMO_CONFIG), *overrides]))

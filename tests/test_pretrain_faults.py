@@ -110,13 +110,15 @@ def test_preemption_reaching_every_process_of_the_step_checkpoints(base, tmp_pat
     assert not list((out / CHECKPOINTS_DIR).glob("*.partial"))
 
 
-def test_a_run_failing_with_loader_workers_exits(base, tmp_path):
+@pytest.mark.parametrize("in_evaluation", [False, True], ids=["training", "evaluation"])
+def test_a_run_failing_with_loader_workers_exits(base, tmp_path, in_evaluation):
     """An unexpected error (a CUDA or NCCL error) ends the process with its traceback. The loader's workers
     ignore SIGTERM (preemption reaches them too), and multiprocessing's exit handler, which terminates them and
     then joins them, waited forever on a loader the error's traceback still held: the job hung until its time
-    limit."""
-    overrides = base + ["train.iters=5", "train.dataloader_workers=1", f"output_dir={tmp_path / 'crashed'}"]
-    crash = f"from tests.pretrain_faults import crashing_at_step; crashing_at_step(2, {overrides!r})"
+    limit. The same for the validation set's loader, an error while evaluating."""
+    overrides = base + ["train.iters=5", "train.dataloader_workers=1", f"output_dir={tmp_path / 'crashed'}",
+                        "train.eval_interval=1", "train.eval_iters=1"]
+    crash = f"from tests.pretrain_faults import crashing_at_step; crashing_at_step(2, {overrides!r}, {in_evaluation})"
     proc = subprocess.run([sys.executable, "-c", crash], env=environment(), cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1 and "RuntimeError: an unexpected failure at step 2" in proc.stderr, proc.stderr[-3000:]
