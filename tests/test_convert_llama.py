@@ -333,6 +333,15 @@ def test_a_weight_the_dtype_cannot_hold_is_named_and_nothing_is_written(tmp_path
     convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="bf16", check=check)
 
 
+def test_a_source_weight_already_not_finite_is_not_called_an_overflow(tmp_path):
+    """A NaN in the Hugging Face weights is the model's, not the dtype's: --dtype bf16 or fp32 would not help."""
+    stock_llama(tmp_path / "llama", tied=False)
+    _edit_weights(tmp_path / "llama", lambda tensors: tensors["model.norm.weight"][0].fill_(float("nan")))
+    with pytest.raises(ConversionError, match=r"check failed: the \w+ logits are not finite") as refused:
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff", dtype="fp16")
+    assert "overflow" not in str(refused.value)
+
+
 def test_the_check_runs_on_the_weights_the_dtype_rounded(tmp_path):
     """The check compares the model the checkpoint holds: final-norm weights of 1e-9, fp16's zero, leave every
     logit 0 and every argmax the first id. Checked before the rounding, the conversion passed."""

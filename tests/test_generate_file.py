@@ -285,8 +285,9 @@ def test_batch_size_goes_with_prompts(tmp_path, capsys):
     """A single prompt has nothing to batch: --batch-size with it is refused rather than ignored, and --prompts
     without it decodes 8 side by side."""
     for prompt in (["--prompt", "x"], ["--prompt-file", str(tmp_path / "p.txt")]):
-        assert main(["generate", "--load", str(tmp_path), *prompt, "--batch-size", "4"]) == 2
-        assert "--batch-size is how many prompts of --prompts FILE" in capsys.readouterr().err
+        for size in ("4", "0"):
+            assert main(["generate", "--load", str(tmp_path), *prompt, "--batch-size", size]) == 2
+            assert "--batch-size is how many prompts of --prompts FILE" in capsys.readouterr().err
     with mock.patch("megadiff.inference.generate_file.generate_file_cli", return_value=0) as generate_file:
         assert main(["generate", "--load", str(tmp_path), "--prompts", "p.jsonl", "--output", "o.jsonl"]) == 0
     assert generate_file.call_args.kwargs["batch_size"] == 8
