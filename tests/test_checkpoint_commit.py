@@ -363,6 +363,10 @@ def test_a_held_lock_names_its_holder_and_is_free_once_it_ends(tmp_path, monkeyp
         files.hold_lock(lock)
     handle.close()
     files.hold_lock(lock).close()
+    with open(lock, "w") as starting:  # a holder between its lock and its words (or the words of none before it)
+        fcntl.flock(starting, fcntl.LOCK_EX)
+        with pytest.raises(files.HeldElsewhere, match="^a process that wrote nothing yet$"):
+            files.hold_lock(lock)
 
     def no_locks(handle, operation):
         raise OSError(errno.ENOLCK, "No locks available")
