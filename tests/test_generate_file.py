@@ -281,6 +281,18 @@ def test_prompts_that_are_not_utf8_are_refused_before_the_checkpoint_is_read(tmp
     assert "standard input: not UTF-8 text" in capsys.readouterr().err
 
 
+def test_output_that_is_the_prompts_file_is_refused(tmp_path, capsys):
+    """The completions replaced the prompts, which were gone for good."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "In the beginning"}) + "\n")
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    for output in (prompts, tmp_path / "link.jsonl"):
+        assert main(["generate", "--load", str(tmp_path / "no-run"), "--prompts", str(prompts), "--output",
+                     str(output)]) == 2
+        assert f"--output {output} is the --prompts file" in capsys.readouterr().err
+    assert prompts.read_text() == json.dumps({"prompt": "In the beginning"}) + "\n"
+
+
 def test_batch_size_goes_with_prompts(tmp_path, capsys):
     """A single prompt has nothing to batch: --batch-size with it is refused rather than ignored, and --prompts
     without it decodes 8 side by side."""

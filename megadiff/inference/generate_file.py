@@ -170,6 +170,9 @@ def generate_file_cli(load: str, prompts: str, output: str | None, chat: bool = 
     system_turns(system, chat)
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
+    if Path(output).exists() and Path(prompts).exists() and Path(output).samefile(prompts):
+        raise ConfigError(f"--output {output} is the --prompts file: the completions would replace the prompts; "
+                          "give them another file")
     requests = read_prompts(prompts, chat)
     model = load_checkpoint(load, PRECISION_DTYPES[dtype] if dtype else None)  # under torchrun: joins the ranks
     generate_file(model, requests, output, chat=chat, system=system, max_new_tokens=max_new_tokens,
