@@ -384,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     return result if isinstance(result, int) else 0
 
 
-# what the machine refused, not megadiff: a full disk, a quota, a read-only mount, permissions
-STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# what the machine refused, not megadiff: a full disk, a quota, a read-only mount, permissions, and an output
+# path through (or onto) an existing file
+STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST}
 
 
 def entry_point(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from importlib.metadata import version
 import pytest
 
 from megadiff.cli import main
+from tests.pretrain_runs import DEMO_CONFIG
 
 
 def test_version_is_the_installed_distributions(capsys):
@@ -126,6 +127,17 @@ def test_a_full_disk_met_while_writing_is_said_without_a_file_name(monkeypatch, 
     monkeypatch.setattr(cli, "_target", lambda path: writes_to_a_full_disk)
     assert main(["prepare-data", "c.yaml"]) == 3
     assert capsys.readouterr().err == "megadiff prepare-data: No space left on device (writing its output)\n"
+
+
+def test_an_output_path_through_a_file_is_said_in_a_line(tmp_path, capsys):
+    """data.prefix (as output_dir, --save, --output) under a path that is a file: the mkdir's refusal, not its
+    traceback (a bad-input review found it in almost every command)."""
+    (tmp_path / "afile").write_text("")
+    for prefix, said in ((tmp_path / "afile" / "sub" / "x", "Not a directory"), (tmp_path / "afile" / "x", None)):
+        assert main(["prepare-data", str(DEMO_CONFIG), f"data.prefix={prefix}"]) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("megadiff prepare-data: ") and str(tmp_path / "afile") in err and err.count("\n") == 1
+        assert said is None or said in err
 
 
 def test_ctrl_c_is_said_in_a_line_with_the_shell_s_code(monkeypatch, capsys):
