@@ -80,13 +80,26 @@ def test_a_last_line_cut_short_is_left_out_and_the_run_resumes(tmp_path):
     resumed.log({"iteration": 3, "lm_loss": 3.0})
     resumed.close()
     assert [(r["iteration"], r["lm_loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
-    with open(tmp_path / "metrics.jsonl", "r+") as metrics:  # a line cut short in the middle is not a crash's
-        lines = metrics.read().splitlines()
-        metrics.seek(0)
-        metrics.write("\n".join([lines[0][:10], *lines[1:]]) + "\n")
-        metrics.truncate()
-    with pytest.raises(json.JSONDecodeError):
-        read_metrics(tmp_path)
+
+
+
+def test_damaged_lines_are_left_out_and_said_and_the_run_resumes(tmp_path, capsys):
+    """A line cut short in the middle, or bytes that are no UTF-8 (not a crash's: a damaged or edited file):
+    the resume stopped with a traceback, where the checkpoint it resumes holds all the training needs."""
+    first = MetricsWriter(tmp_path, tensorboard=False)
+    for iteration in (1, 2, 3):
+        first.log({"iteration": iteration, "lm_loss": float(iteration)})
+    first.close()
+    lines = (tmp_path / "metrics.jsonl").read_bytes().split(b"\n")
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join([lines[0][:10], lines[1], b"\xff\xfe", lines[2], b""]))
+    capsys.readouterr()
+    resumed = MetricsWriter(tmp_path, resume_from_iteration=2, tensorboard=False)
+    assert f"{tmp_path / 'metrics.jsonl'}: lines [1, 3] are no JSON records (a damaged file?): left out" in \
+        capsys.readouterr().err.replace("\n", "")
+    resumed.log({"iteration": 3, "lm_loss": 3.5})
+    resumed.close()
+    assert [(r["iteration"], r["lm_loss"]) for r in read_metrics(tmp_path)] == [(2, 2.0), (3, 3.5)]
+    assert not capsys.readouterr().err
 
 
 def test_non_finite_values_are_written_as_strict_json_and_read_back_as_nan(tmp_path):

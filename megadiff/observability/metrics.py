@@ -27,16 +27,24 @@ TENSORBOARD_DIR = "tensorboard"
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of metrics.jsonl (or of the one in directory `path`); a last line cut short (a crash or a
-    full disk while it was written) is left out, as the iteration it records is run again on resume."""
+    full disk while it was written) is left out, as the iteration it records is run again on resume. Another
+    line that is no record (the file damaged or edited) is left out too, and said: a resume or a fit goes on
+    without it, where the traceback stopped it."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = [_parse(line) for line in lines[:-1]]
-    try:
-        return records + [_parse(line) for line in lines[-1:]]
-    except json.JSONDecodeError:
-        return records
+    lines = [(number, line) for number, line in enumerate(
+        path.read_bytes().decode("utf-8", errors="replace").split("\n"), start=1) if line.strip()]
+    records, damaged = [], []
+    for number, line in lines:
+        try:
+            records.append(_parse(line))
+        except json.JSONDecodeError:
+            damaged.append(number)
+    if damaged and damaged != [lines[-1][0]]:
+        plain_console(stderr=True).print(f"{path}: lines {[n for n in damaged if n != lines[-1][0]]} are no JSON "
+                                         "records (a damaged file?): left out")
+    return records
 
 
 def _parse(line: str) -> dict:
