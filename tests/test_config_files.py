@@ -64,6 +64,17 @@ def test_a_config_saved_before_yaml_12_numbers_loads_as_it_was_written(tmp_path)
     assert build_config(read_saved_config(saved)) == cfg
 
 
+@pytest.mark.parametrize("text", ["", "# megadiff: a resolved config (read with YAML 1.2 numbers)\n", "train:\n  iters: 4\n"],
+                         ids=["empty", "the header alone", "no model"])
+def test_a_saved_config_without_its_model_is_refused_not_read_as_defaults(tmp_path, text):
+    """Emptied or cut short: read as the schema's defaults, a checkpoint was said to be of another model (64 wide,
+    not its 128) and a run to have stopped at 4 of the default 100 iterations."""
+    (tmp_path / "config.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'config.yaml'}: no model section: not a config megadiff wrote "
+                                          "whole"):
+        read_saved_config(tmp_path / "config.yaml")
+
+
 @pytest.mark.parametrize("text,message", [
     ("output_dir: runs/${oc.env:USER\n", "output_dir: missing BRACE_CLOSE"),
     ("data:\n  sources: !!set {a, b}\n", "data.sources: Value 'set' is not a supported primitive type"),

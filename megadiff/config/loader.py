@@ -239,4 +239,8 @@ def read_saved_config(path: str | Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: {err.strerror}") from None
-    return read_yaml_file(path, ConfigFileLoader if text.startswith(SAVED_HEADER) else yaml.SafeLoader)
+    data = read_yaml_file(path, ConfigFileLoader if text.startswith(SAVED_HEADER) else yaml.SafeLoader)
+    if not isinstance(data.get("model"), dict):  # read as the schema's defaults, it described another model
+        raise ConfigError(f"{path}: no model section: not a config megadiff wrote whole (emptied, or cut short by a "
+                          "copy?)")
+    return data
