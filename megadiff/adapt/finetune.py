@@ -30,6 +30,7 @@ from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
+from megadiff.adapt.resume import LATEST_FILE, damage_named, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
 from megadiff.config.loader import config_yaml
@@ -43,7 +44,6 @@ from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, co
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
-LATEST_FILE = "latest"  # beside the checkpoints: the tag a rerun resumes from (DeepSpeed's name for it)
 
 
 def _load_model(cfg: FinetuneConfig, ds_config: dict):
@@ -179,6 +179,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                                                    "deepspeed": ds_config,
                                                    "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
     with claimed_run_directory(output_dir):  # before the run writes anything there
+        resumed = refused_together(lambda: resume_point(output_dir / CHECKPOINT_DIR, rank))
 
         def started_on_rank_0():
             resolved = cfg.model_dump(mode="json")
@@ -203,9 +204,11 @@ def finetune(cfg: FinetuneConfig) -> int:
             engine.train()
             checkpoint_dir = output_dir / CHECKPOINT_DIR
             start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
-            if (checkpoint_dir / LATEST_FILE).is_file():
+            if resumed is not None:
                 # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
-                _, client_state = engine.load_checkpoint(str(checkpoint_dir), load_module_strict=False)
+                with damage_named(resumed):
+                    _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=resumed.name,
+                                                             load_module_strict=False)
                 start = client_state["iteration"]
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
                 resume_schedule(engine.lr_scheduler, cfg.train)

@@ -1,0 +1,64 @@
+"""The DeepSpeed checkpoint an adaptation rerun resumes from: its marker checked before the minutes of start-up
+(model, head selection, DeepSpeed), its files' damage named when DeepSpeed reads them (a traceback from inside
+torch.load or a bare AssertionError of DeepSpeed's file list, before)."""
+from __future__ import annotations
+
+import contextlib
+import pickle
+from pathlib import Path
+
+import torch
+
+from megadiff.errors import MegadiffError
+from megadiff.files import ITERATION_PREFIX, numbered_dirs
+
+LATEST_FILE = "latest"  # beside the checkpoints: the tag a rerun resumes from (DeepSpeed's name for it)
+MODEL_STATES = "*model_states.pt"  # one at least in every DeepSpeed checkpoint, whatever the ZeRO stage
+OPTIMIZER_STATES = "*optim_states.pt"  # one a data-parallel rank
+
+
+class DamagedCheckpoint(MegadiffError):
+    """A checkpoint of the run that cannot be resumed from."""
+
+
+def whole_checkpoints(checkpoint_dir: Path) -> list[str]:
+    return [path.name for _, path in numbered_dirs(checkpoint_dir, ITERATION_PREFIX) if any(path.glob(MODEL_STATES))]
+
+
+def resume_point(checkpoint_dir: Path, rank: int) -> Path | None:
+    """The checkpoint the marker names (None without a marker: a first run), refused where it is no whole one
+    or lacks this rank's optimizer shard (each rank reads its own: one failing alone would leave the others
+    waiting in DeepSpeed's collectives)."""
+    marker = checkpoint_dir / LATEST_FILE
+    if not marker.is_file():
+        return None
+    tag = marker.read_text(errors="replace").strip()
+    path = checkpoint_dir / tag
+    if not (tag.startswith(ITERATION_PREFIX) and "/" not in tag and any(path.glob(MODEL_STATES))):
+        whole = whole_checkpoints(checkpoint_dir)
+        fix = f"write the one to resume from ({', '.join(whole)}) into it" if whole else "remove it to start afresh"
+        raise DamagedCheckpoint(f"{marker} names {tag!r}, which is no whole checkpoint in {checkpoint_dir}: {fix}, "
+                                "or give a new output_dir")
+    shard = f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # with a bf16_ prefix under DeepSpeed's bf16 optimizer
+    if any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
+        raise DamagedCheckpoint(f"{path} lacks rank {rank}'s optimizer state ({shard}): a checkpoint copied in "
+                                f"part?{_others(path)}")
+    return path
+
+
+@contextlib.contextmanager
+def damage_named(checkpoint: Path):
+    """DeepSpeed's load of `checkpoint`: a file missing or cut short as a DamagedCheckpoint naming it."""
+    try:
+        yield
+    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, AssertionError) as error:
+        if isinstance(error, torch.OutOfMemoryError):  # a RuntimeError too, but the device's, not the files'
+            raise
+        detail = str(error).splitlines()[0] if str(error) else "a file it lists is missing"
+        raise DamagedCheckpoint(f"{checkpoint} cannot be resumed from ({type(error).__name__}: {detail}): a "
+                                f"checkpoint copied or written in part?{_others(checkpoint)}") from error
+
+
+def _others(checkpoint: Path) -> str:
+    others = [name for name in whole_checkpoints(checkpoint.parent) if name != checkpoint.name]
+    return f" The run's other checkpoints: {', '.join(others)} (name one in {LATEST_FILE})" if others else ""

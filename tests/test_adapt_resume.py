@@ -1,0 +1,76 @@
+"""An adaptation rerun resuming from a damaged DeepSpeed checkpoint: refused by name on every rank (a traceback
+from inside torch.load, or DeepSpeed's bare AssertionError, before), the marker's damage before the model loads."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from megadiff.adapt.resume import DamagedCheckpoint, damage_named, resume_point
+from tests.distributed import megadiff_main, run_reporting_ranks
+from tests.test_adapt_finetune import _env, adapt_in_ranks, workspace  # noqa: F401 -- its fixture, used here
+
+
+def _checkpoint(directory: Path, *files: str) -> Path:
+    directory.mkdir(parents=True)
+    for name in files:
+        (directory / name).write_bytes(b"")
+    return directory
+
+
+def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state(tmp_path):
+    assert resume_point(tmp_path, 0) is None  # no marker: a first run
+    whole = _checkpoint(tmp_path / "iter_0000002", "mp_rank_00_model_states.pt",
+                        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    _checkpoint(tmp_path / "iter_0000004")  # written in part: no model states
+    for tag in ("garbage", "iter_0000004", "iter_0000009", "../iter_0000002"):
+        (tmp_path / "latest").write_text(f"{tag}\n")
+        with pytest.raises(DamagedCheckpoint, match=rf"latest names '{tag}', which is no whole checkpoint in .*: write "
+                                                    r"the one to resume from \(iter_0000002\) into it"):
+            resume_point(tmp_path, 0)
+    (tmp_path / "latest").write_text("iter_0000002\n")
+    assert resume_point(tmp_path, 0) == resume_point(tmp_path, 1) == whole
+    with pytest.raises(DamagedCheckpoint, match=r"iter_0000002 lacks rank 2's optimizer state"):
+        resume_point(tmp_path, 2)
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory", "x.pt"), EOFError(),
+                                   RuntimeError("PytorchStreamReader failed reading zip archive"), AssertionError()])
+def test_damage_read_by_deepspeed_is_named(tmp_path, error):
+    checkpoint = _checkpoint(tmp_path / "iter_0000004", "mp_rank_00_model_states.pt")
+    _checkpoint(tmp_path / "iter_0000002", "mp_rank_00_model_states.pt")
+    with pytest.raises(DamagedCheckpoint, match=rf"iter_0000004 cannot be resumed from \({type(error).__name__}: "
+                                                r".*The run's other checkpoints: iter_0000002 \(name one in latest\)"):
+        with damage_named(checkpoint):
+            raise error
+
+
+def test_running_out_of_memory_while_resuming_is_not_called_damage(tmp_path):
+    with pytest.raises(torch.OutOfMemoryError):
+        with damage_named(tmp_path):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_every_rank_of_a_rerun_names_the_damage(workspace, tmp_path):  # noqa: F811 -- the fixture
+    output = tmp_path / "run"
+    adapt_in_ranks(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
+    checkpoints, command = output / "checkpoints", ["adapt", str(workspace / "adapt.yaml"), f"output_dir={output}"]
+    saved = checkpoints / "iter_0000002"
+
+    def refused() -> str:
+        with mock.patch.dict(os.environ, _env(workspace)):
+            return run_reporting_ranks(2, megadiff_main, command, timeout=400, expect=3).stderr
+
+    (checkpoints / "latest").write_text("garbage\n")
+    assert refused().count("latest names 'garbage', which is no whole checkpoint in ") == 2
+    (checkpoints / "latest").write_text("iter_0000002\n")
+    shard = next(saved.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    shard.rename(tmp_path / shard.name)
+    assert refused().count(f"{saved} lacks rank 1's optimizer state") == 2
+    (tmp_path / shard.name).rename(shard)
+    model_states = saved / "mp_rank_00_model_states.pt"  # read by both ranks (ZeRO-2)
+    model_states.write_bytes(model_states.read_bytes()[:1000])
+    assert refused().count(f"{saved} cannot be resumed from (RuntimeError: ") == 2
