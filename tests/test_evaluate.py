@@ -4,6 +4,7 @@ config errors."""
 from __future__ import annotations
 
 import json
+import re
 import math
 from collections import Counter
 from pathlib import Path
@@ -460,6 +461,28 @@ def test_hf_directories_transformers_cannot_load_are_named(tmp_path, capsys):
         assert f"--hf {tmp_path / name} cannot be loaded: " in capsys.readouterr().err
     assert main(["outliers", "--hf", str(tmp_path / "weightless"), "--window", "0"]) == 2
     assert "--window must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_hf_models_cut_short_or_of_another_layout_are_refused(tmp_path, capsys):
+    """Weights cut short by a download, and a causal LM that is not a Llama-like decoder (GPT-2's forward reads
+    its decoder's cross-attentions): a config error naming the directory, not a traceback from inside
+    safetensors or the model's forward."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megadiff.cli import main
+    from tests.convert_worker import build_tokenizer
+    from tests.test_convert_llama import stock_llama
+
+    stock_llama(tmp_path / "cut", tied=False)
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    build_tokenizer(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "gpt2")
+    for name, said in (("cut", "cannot be loaded: .* \\(a weights file cut short by a download or copy\\?\\)"),
+                       ("gpt2", "a GPT2LMHeadModel, whose forward does not run as a Llama-like decoder's")):
+        assert main(["outliers", "--hf", str(tmp_path / name), "--sequences", "1"]) == 2
+        assert re.search(f"--hf {tmp_path / name}:? {said}", capsys.readouterr().err), name
 
 
 def test_hf_reads_the_tokenizer_of_a_directory_with_custom_code_without_asking(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ export, its run's data settings (split and prefix; data.* overrides name others)
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -184,22 +185,40 @@ def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None
     init_process_group(timedelta(minutes=30))
     # a directory without tokenizer files is refused before the weights are read
     tokenizer = load_tokenizer(str(path), trust_remote_code=True)
-    with _refused_by_name(path):  # weights it lacks
+    with _refused_by_name(path):  # weights it lacks, or cut short
         hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
                                                   dtype=PRECISION_DTYPES[dtype] if dtype else "auto")
-    return HFCausalLM(hf.to(compute_device()).eval(), path, window, tokenizer)
+    model = HFCausalLM(hf.to(compute_device()).eval(), path, window, tokenizer)
+    _refuse_another_layout(model, path)
+    return model
+
+
+def _refuse_another_layout(model: HFCausalLM, path: str | Path) -> None:
+    """The commands form logits from the decoder's states, a few positions at a time (a 64K context's whole logits
+    would not fit): a model whose forward reads more of its decoder's output than the states (GPT-2's, an
+    encoder's) is refused here, not failed inside its forward after the data was prepared."""
+    try:
+        model.logits_at(torch.zeros(1, 2, dtype=torch.long), [1])
+    except (AttributeError, TypeError, KeyError, IndexError) as err:
+        raise ConfigError(f"--hf {path}: a {type(model.hf).__name__}, whose forward does not run as a Llama-like "
+                          f"decoder's (its decoder's states, then its head): not supported ({first_line(err)})"
+                          ) from None
 
 
 @contextmanager
 def _refused_by_name(path: str | Path):
     """transformers' loading errors as a ConfigError naming the directory (its first line: the rest points at the
     hub, which is not read)."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError, EOFError, pickle.UnpicklingError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"--hf {path} cannot be loaded: {first_line(err)}") from None
+        damaged = isinstance(err, (SafetensorError, EOFError, pickle.UnpicklingError))
+        raise ConfigError(f"--hf {path} cannot be loaded: {first_line(err)}"
+                          + (" (a weights file cut short by a download or copy?)" if damaged else "")) from None
 
 
 def load_model(load: str | None, hf: str | None, dtype: str | None = None,
