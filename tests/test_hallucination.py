@@ -198,13 +198,24 @@ def test_mistakes_are_refused_before_the_judge_is_asked(logged, tmp_path, capsys
     scored_only.write_text(json.dumps({"samples": {"kjv_choice": choice_samples}}))
     results_only = tmp_path / "results.json"
     results_only.write_text(json.dumps({"results": {}}))
+    binary, listed = tmp_path / "binary.json", tmp_path / "listed.json"
+    binary.write_bytes(b"\xff")
+    listed.write_text(json.dumps({"samples": "kjv_choice"}))
+    other_records = tmp_path / "other.jsonl"
+    other_records.write_text(json.dumps({"task": "kjv_choice"}) + "\n")
     with FakeJudge() as judge:
         for log, extra, message in [(tmp_path / "missing.json", (), "no samples file"),
                                     (results_only, (), "holds no samples: run `megadiff lm-eval"),
                                     (scored_only, (), "no generated outputs"),
                                     ([logged, logged], (), "is logged in"),  # two models' outputs mixed
                                     (logged, ("--workers", "0"), "--workers must be >= 1"),
-                                    (logged, ("--judge-url", "api.openai.com/v1"), "must be an http")]:
+                                    (logged, ("--judge-url", "api.openai.com/v1"), "must be an http"),
+                                    (binary, (), "is not a harness sample log"),
+                                    (listed, (), "its samples are no mapping of tasks to samples"),
+                                    (logged, ("--records", str(logged)), "is a samples file"),
+                                    (logged, ("--records", str(tmp_path)), "is a directory"),
+                                    (logged, ("--records", str(other_records)), "holds lines that are no verdict"),
+                                    (logged, ("--records", str(binary)), "not UTF-8 text")]:
             assert judge_cli(log, judge, tmp_path, *extra) == 2
             assert message in capsys.readouterr().err
         assert judge.headers == []

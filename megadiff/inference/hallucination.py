@@ -33,7 +33,7 @@ from rich.table import Table
 
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
-from megadiff.inference.records import append_record, lines_of, read_records
+from megadiff.inference.records import append_record, lines_of, read_records, utf8_input
 from megadiff.inference.reporting import command_console, write_report
 
 JUDGE_INSTRUCTIONS = """Below are the input a language model was given, the reference answer(s) and the model's output.
@@ -104,9 +104,11 @@ def _logged_tasks(path: Path) -> dict[str, list[dict]]:
             if match is None:
                 raise ConfigError(f"{path}: lm_eval names its sample logs samples_TASK_DATE.jsonl")
             return {match["task"]: [json.loads(line) for line in lines_of(path) if line.strip()]}
-        tasks = json.loads(path.read_text()).get("samples")
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise ConfigError(f"{path} is not a harness sample log: {error}") from error
+        tasks = json.loads(path.read_text(encoding="utf-8")).get("samples")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not a harness sample log: {error}") from None
+    if tasks and not isinstance(tasks, dict):
+        raise ConfigError(f"{path} is not a harness sample log: its samples are no mapping of tasks to samples")
     if not tasks:
         raise ConfigError(f"{path} holds no samples: run `megadiff lm-eval ... --log-samples --output {path}`")
     return tasks
@@ -186,7 +188,14 @@ def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_
                   workers: int, console: Console) -> dict[str, dict]:
     """Every sample's verdict record, asking the judge only for those `records_path` lacks and
     appending each new one there as it arrives."""
-    records = {record["key"]: record for record in read_records(records_path)}
+    if records_path.is_dir():
+        raise ConfigError(f"--records {records_path} is a directory: name the file the verdicts are kept in")
+    with utf8_input(f"--records {records_path}"):
+        read = read_records(records_path)
+    if any(not isinstance(record, dict) or "key" not in record for record in read):
+        raise ConfigError(f"--records {records_path} holds lines that are no verdict records: name another file "
+                          "(the samples are not read from it)")
+    records = {record["key"]: record for record in read}
     todo = [sample for sample in samples if sample.key(judge_model) not in records]
     console.print(f"hallucination: {len(samples) - len(todo)} of {len(samples)} outputs already judged "
                   f"({records_path}), {len(todo)} to ask {judge_model}")
@@ -256,6 +265,8 @@ def hallucination_cli(samples: Sequence[str], judge_url: str, judge_model: str, 
     judge = ChatJudge(judge_url, judge_model, os.environ.get(api_key_env))
     outputs = read_samples(samples)
     records_path = Path(records) if records else Path(samples[0]).with_suffix(".judgments.jsonl")
+    if any(records_path.exists() and records_path.samefile(path) for path in samples):
+        raise ConfigError(f"--records {records_path} is a samples file: the verdicts would be appended to it")
     console = command_console()
     report = summarize(outputs, judge_samples(outputs, judge, judge_model, records_path, workers, console),
                        judge_model)
