@@ -343,6 +343,10 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(root, tmp_path, caps
     assert "61" in capsys.readouterr().err
     assert main(["icl", "--load", missing, "--dataset", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+    # a split's file for the directory: read as a hub name, it spent half a minute on retries
+    assert main(["icl", "--load", missing, "--dataset", str(root / "train.jsonl")]) == 2
+    assert f"--dataset {root / 'train.jsonl'} is a file: give the directory holding train.jsonl" in \
+        capsys.readouterr().err
     for empty_split, text in (("train", ""), ("test", "\n")):
         emptied = tmp_path / f"empty-{empty_split}"
         shutil.copytree(root, emptied)

@@ -60,6 +60,9 @@ def load_examples(dataset: str, config: str | None, split: str, text_key: str, l
     """A split of a Hugging Face dataset (hub name or its cache), or DIR/SPLIT.jsonl; labels by
     name (a ClassLabel's names, else the values as text)."""
     try:
+        if Path(dataset).is_file():  # a hub name has no file: read as one, it spent half a minute on retries
+            raise ConfigError(f"--dataset {dataset} is a file: give the directory holding {split}.jsonl (and the "
+                              "other split's file), or a Hugging Face dataset's name")
         if Path(dataset).is_dir():
             path = Path(dataset) / f"{split}.jsonl"
             with path.open() as lines:  # datasets' JSON reader fails on an empty file with a StopIteration
