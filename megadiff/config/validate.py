@@ -155,7 +155,12 @@ def split_shares(split: str) -> list[float]:
 
 
 def validate_data(data: DataConfig) -> None:
-    parse_blend(data.blend)
+    prefixes, _ = parse_blend(data.blend)
+    for key, prefix in [("data.prefix", data.prefix), *(("data.blend", p) for p in prefixes)]:
+        if prefix is not None and (not prefix.strip() or prefix.endswith("/")):
+            # a directory: prepare-data wrote its hidden files there (dir/.bin, dir/.idx)
+            _fail(key, f"{prefix!r} names no files: a prefix is a path less its extensions (PREFIX.bin, PREFIX.idx), "
+                  "e.g. data/prepared/corpus")
     split_shares(data.split)
     if data.bundled_corpus and data.sources:
         _fail("data.bundled_corpus", "set either data.bundled_corpus or data.sources, not both "
