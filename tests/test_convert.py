@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from megadiff.checkpoint.format import CheckpointError, checkpoint_config
+from megadiff.checkpoint.format import CheckpointError, checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import Config, build_config
 from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf, from_hf, to_hf
 from megadiff.convert.hf_io import CODE_FILES, EXPORT_STAGING, SAFETENSORS_INDEX, HFWeights, read_hf_dir
@@ -422,6 +422,11 @@ def test_to_hf_refuses_a_file_for_save_before_reading_and_takes_the_working_dire
     for save in ("file", "dangling"):
         with pytest.raises(ConversionError, match=f"--save .*{save} is a file; to-hf writes a directory"):
             convert_to_hf(root / "tp2" / "diff", tmp_path / save, check=False)
+    # the run itself, or one of its checkpoints: the export's files among the training files
+    checkpoint = resolve_checkpoint_dir(root / "tp2" / "diff")
+    for save in (root / "tp2" / "diff", checkpoint):
+        with pytest.raises(ConversionError, match="holds a megadiff run or checkpoint: give the export a directory"):
+            convert_to_hf(root / "tp2" / "diff", save, check=False)
     monkeypatch.undo()
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")

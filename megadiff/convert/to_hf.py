@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.single_process import checkpoint_tokenizer, load_checkpoint, single_process_config
 from megadiff.config import padded_vocab_size
 from megadiff.console import plain_console
@@ -36,6 +36,10 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
     if (out.exists() or out.is_symlink()) and not out.is_dir():  # a link to nothing is no directory either
         raise ConversionError(f"--save {out} is a file; to-hf writes a directory")
     checkpoint_dir = resolve_checkpoint_dir(load)
+    if (out / "metadata.json").is_file() or (out / CHECKPOINTS_DIR).is_dir():
+        # its weights and config.json among the training files, the directory then read as an HF model too
+        raise ConversionError(f"--save {out} holds a megadiff run or checkpoint: give the export a directory of "
+                              "its own (e.g. hf/NAME)")
     cfg = checkpoint_config(checkpoint_dir)
     family = choose_family(cfg.model, remote_code)  # refusals come before any weight is read
     if remote_code and family == "llama":
