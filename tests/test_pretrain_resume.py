@@ -136,13 +136,15 @@ def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, o
     assert start.data_samples(cfg) == expected
 
 
-def _planned_from(monkeypatch, saved_overrides: list[str], overrides: list[str], train_state: dict):
-    """plan_start of a run with `overrides` whose output_dir holds a checkpoint of a run with `saved_overrides`."""
+def _planned_from(monkeypatch, saved_overrides: list[str], overrides: list[str], train_state: dict,
+                  own: bool = True):
+    """plan_start of a run with `overrides` whose output_dir holds a checkpoint of a run with `saved_overrides`
+    (or, not `own`, whose checkpoint.load names one)."""
     from megadiff.config import build_config
     from megadiff.training import state
 
     saved_cfg = build_config({}, saved_overrides)
-    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("iter_0000003"), True))
+    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("iter_0000003"), own))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: saved_cfg)
     monkeypatch.setattr(state, "read_train_state", lambda path: dict(train_state))
     cfg = build_config({}, overrides)
@@ -164,9 +166,10 @@ def test_a_derived_model_setting_given_or_left_to_its_default_is_the_same_model(
     explicit = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_dim=8", "model.num_kv_heads=4",
                 "model.ffn_hidden_size=192"]
     _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=4"], state)
-    with pytest.raises(ConfigError, match=r"another model \(model.num_attention_heads: 4 -> 8, model.num_kv_heads: "
-                                          r"4 -> 8, model.head_dim: 8 -> 4\)"):
-        _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=8"], state)
+    for own, fix in ((True, "use a new output_dir"), (False, r"load a checkpoint of this model \(checkpoint.load\)")):
+        with pytest.raises(ConfigError, match=r"another model \(model.num_attention_heads: 4 -> 8, model.num_kv_heads: "
+                                              rf"4 -> 8, model.head_dim: 8 -> 4\); {fix}, or the checkpoint's model"):
+            _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=8"], state, own)
 
 
 def test_a_resumed_layout_keeps_the_vocabulary_rows():

@@ -61,13 +61,15 @@ def current_layout(cfg: Config) -> dict:
             "virtual_pipeline": p.virtual_pipeline, "context": p.context}
 
 
-def _check_same_model(saved: Config, cfg: Config, where: Path) -> None:
+def _check_same_model(saved: Config, cfg: Config, where: Path, own: bool) -> None:
     before, now = resolved_architecture(saved.model), resolved_architecture(cfg.model)
     differing = [key for key, value in now.items() if key not in CHANGEABLE_MODEL_KEYS and before[key] != value]
     if differing:
         details = ", ".join(f"model.{k}: {before[k]!r} -> {now[k]!r}" for k in differing)
+        # the run's own checkpoint: another output_dir starts afresh; checkpoint.load's: another one to start from
+        other = "use a new output_dir" if own else "load a checkpoint of this model (checkpoint.load)"
         raise ConfigError(f"the checkpoint {where} was trained with another model ({details}); "
-                          "use a new output_dir, or the checkpoint's model settings")
+                          f"{other}, or the checkpoint's model settings")
 
 
 def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
@@ -175,7 +177,7 @@ def plan_start(cfg: Config) -> Start:
     if path is None:
         return Start(tokenizer=tokenizer)
     saved_cfg = checkpoint_config(path)
-    _check_same_model(saved_cfg, cfg, path)
+    _check_same_model(saved_cfg, cfg, path, own)
     _check_same_vocabulary(saved_cfg, cfg, path)
     saved = read_train_state(path)  # None for a model-only checkpoint (e.g. converted from HF)
     _check_known_state(saved, path)
@@ -214,7 +216,8 @@ def restore(cfg: Config, start: Start, engine, scheduler) -> tuple[TrainState, s
     if start.path is None:
         return fresh, "starting from scratch"
     load_training_checkpoint(start.path, engine.unwrapped(), engine.optimizer, load_optimizer=start.load_optimizer,
-                             restore_rng=start.own and start.saved is not None and start.saved["layout"] == fresh.layout)
+                             restore_rng=start.own and start.saved is not None
+                             and start.saved["layout"] == fresh.layout)
     if not start.continues:
         return fresh, f"initialised from {start.path} (iteration count, data position and LR schedule start afresh)"
     state = TrainState(**start.saved)
