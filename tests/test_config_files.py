@@ -64,6 +64,11 @@ def test_a_config_saved_before_yaml_12_numbers_loads_as_it_was_written(tmp_path)
     assert build_config(read_saved_config(saved)) == cfg
 
 
+def test_a_directory_given_for_a_config_file_is_said_to_be_one(tmp_path):
+    with pytest.raises(ConfigError, match=f"{tmp_path} is a directory: give a config file"):
+        load_config(str(tmp_path))
+
+
 @pytest.mark.parametrize("text", ["", "# megadiff: a resolved config (read with YAML 1.2 numbers)\n", "train:\n  iters: 4\n"],
                          ids=["empty", "the header alone", "no model"])
 def test_a_saved_config_without_its_model_is_refused_not_read_as_defaults(tmp_path, text):

@@ -493,6 +493,9 @@ def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, cap
     missing = str(tmp_path / "no-run")
     assert main(["lm-eval", "--load", missing, "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
     assert "no_such_task" in capsys.readouterr().err
+    task_file = next(tasks.glob("*.yaml"))  # a task's file, not their directory: the harness ignored it
+    assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice", "--include-path", str(task_file)]) == 2
+    assert f"--include-path {task_file} is no directory" in capsys.readouterr().err
     assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice", "--log-samples"]) == 2
     assert "--output" in capsys.readouterr().err
     assert main(["lm-eval", "--load", missing, "--tasks", "kjv_choice", "--fewshot-as-multiturn"]) == 2

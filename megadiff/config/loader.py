@@ -125,6 +125,9 @@ def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"base: circular inheritance through {path}")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: give a config file (e.g. configs/diff-3b.yaml, or a run's "
+                          "config.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     data = read_yaml_file(path)

@@ -305,6 +305,8 @@ def known_tasks(tasks: Sequence[str], include_path: str | None) -> tuple[TaskMan
     """The harness's task index and the task names that `tasks` (names or glob patterns) match,
     after checking that each matches one (before the checkpoint is read). Tasks all found under
     `include_path` skip indexing the harness's own thousands (some 10 s)."""
+    if include_path and not Path(include_path).is_dir():  # the harness ignores it then, its tasks "unknown"
+        raise ConfigError(f"--include-path {include_path} is no directory: give the directory of the task YAML files")
     if include_path:
         own = TaskManager(include_path=include_path, include_defaults=False)
         if all(own.match_tasks([task]) for task in tasks):
