@@ -57,7 +57,11 @@ def _write_tiny_llama(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapt")
+    return adapt_workspace(tmp_path_factory.mktemp("adapt"))
+
+
+def adapt_workspace(root: Path) -> Path:
+    """A tiny Llama, its training data and an adaptation config (ZeRO-2) adapting it, under `root`."""
     _write_tiny_llama(root)
     zero3 = json.loads((REPO / "configs/deepspeed/zero3.json").read_text())
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny tensors

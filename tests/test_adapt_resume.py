@@ -11,7 +11,12 @@ import torch
 
 from megadiff.adapt.resume import DamagedCheckpoint, damage_named, resume_point
 from tests.distributed import megadiff_main, run_reporting_ranks
-from tests.test_adapt_finetune import _env, adapt_in_ranks, workspace  # noqa: F401 -- its fixture, used here
+from tests.test_adapt_finetune import _env, adapt_in_ranks, adapt_workspace
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return adapt_workspace(tmp_path_factory.mktemp("adapt"))
 
 
 def _checkpoint(directory: Path, *files: str) -> Path:
@@ -54,7 +59,7 @@ def test_running_out_of_memory_while_resuming_is_not_called_damage(tmp_path):
             raise torch.OutOfMemoryError("CUDA out of memory")
 
 
-def test_every_rank_of_a_rerun_names_the_damage(workspace, tmp_path):  # noqa: F811 -- the fixture
+def test_every_rank_of_a_rerun_names_the_damage(workspace, tmp_path):
     output = tmp_path / "run"
     adapt_in_ranks(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
     checkpoints, command = output / "checkpoints", ["adapt", str(workspace / "adapt.yaml"), f"output_dir={output}"]
