@@ -12,7 +12,7 @@ import secrets
 import shutil
 import socket
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 
 def temporary_name(path: str | Path) -> Path:
@@ -35,6 +35,23 @@ def write_atomically(path: str | Path, data: bytes) -> None:
 
 
 STAGING_SUFFIX = ".partial"
+
+
+def file_in_the_way(directory: str | Path) -> Path | None:
+    """`directory` itself, or the nearest of its parents that exists, where that is no directory (a file, a link
+    to nothing): what a command writing into `directory` would fail on at its first write, after its start-up."""
+    path = Path(directory).absolute()
+    for candidate in (path, *path.parents):
+        if candidate.exists() or candidate.is_symlink():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def raise_if_a_file_is_in_the_way(path: str | Path, error: Callable[[str], Exception]) -> None:
+    """`error("<path> is a file")` (or "<path> lies under <file>, a file") where file_in_the_way finds one."""
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise error(f"{path} is a file" if blocker == Path(path).absolute() else f"{path} lies under {blocker}, a file")
 
 
 def staging_dir(final: Path) -> Path:

@@ -253,6 +253,8 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_run_starts(monkeypat
     (tmp_path / "run").write_text("a file where the run would go")
     assert main(["pretrain", str(DEMO_CONFIG), f"output_dir={tmp_path / 'run'}"]) == 2
     assert f"output_dir: {tmp_path / 'run'} is a file" in capsys.readouterr().err
+    assert main(["pretrain", str(DEMO_CONFIG), f"output_dir={tmp_path / 'run' / 'sub'}"]) == 2
+    assert f"output_dir: {tmp_path / 'run' / 'sub'} lies under {tmp_path / 'run'}, a file" in capsys.readouterr().err
 
 
 def test_the_sdpa_kernels_check_asks_for_training_calls_of_the_models_shapes(monkeypatch):

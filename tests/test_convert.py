@@ -422,6 +422,8 @@ def test_to_hf_refuses_a_file_for_save_before_reading_and_takes_the_working_dire
     for save in ("file", "dangling"):
         with pytest.raises(ConversionError, match=f"--save .*{save} is a file; to-hf writes a directory"):
             convert_to_hf(root / "tp2" / "diff", tmp_path / save, check=False)
+    with pytest.raises(ConversionError, match="--save .*file/hf lies under .*file, a file; to-hf writes a directory"):
+        convert_to_hf(root / "tp2" / "diff", tmp_path / "file" / "hf", check=False)
     # the run itself, or one of its checkpoints: the export's files among the training files
     checkpoint = resolve_checkpoint_dir(root / "tp2" / "diff")
     for save in (root / "tp2" / "diff", checkpoint):

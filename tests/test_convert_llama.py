@@ -374,6 +374,8 @@ def test_from_hf_refuses_a_directory_that_holds_files_and_leaves_them(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConversionError, match=r"notes.txt is a file; from-hf writes a new checkpoint directory"):
         convert_from_hf(tmp_path / "llama", tmp_path / "notes.txt", check=False)
+    with pytest.raises(ConversionError, match=r"notes.txt/sub lies under .*notes.txt, a file; from-hf writes"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "notes.txt" / "sub", check=False)  # before the conversion
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 

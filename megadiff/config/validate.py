@@ -10,6 +10,7 @@ from megadiff.config.schema import (
     DIFFERENTIAL_VARIANTS, Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig, WandbFields,
 )
 from megadiff.errors import MegadiffError
+from megadiff.files import raise_if_a_file_is_in_the_way
 
 
 class ConfigError(MegadiffError, ValueError):
@@ -223,9 +224,10 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
 
 
 def refuse_a_file_for_directory(key: str, path: str | Path, writes: str) -> None:
-    """A directory a command writes into: a file there failed at the first write, after the start-up."""
-    if Path(path).exists() and not Path(path).is_dir():
-        raise ConfigError(f"{key}: {path} is a file; {writes}")
+    """A directory a command writes into: a file there (or where a parent of it should be) failed at the first
+    write, after the start-up."""
+    raise_if_a_file_is_in_the_way(path, lambda text: ConfigError(f"{key}: {text}; {writes}"))
+
 
 
 def validate_wandb(logging: WandbFields) -> None:

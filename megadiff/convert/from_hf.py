@@ -30,6 +30,7 @@ from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
+from megadiff.files import raise_if_a_file_is_in_the_way
 from megadiff.files import publish_staged, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -136,8 +137,8 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
     if pad_vocab is not None and pad_vocab < 1:
         raise ConversionError(f"--pad-vocab must be >= 1, not {pad_vocab}")
     out = Path(save)
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"{out} is a file; from-hf writes a new checkpoint directory")
+    raise_if_a_file_is_in_the_way(out, lambda text: ConversionError(f"{text}; from-hf writes a new checkpoint "
+                                                                    "directory"))
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
     hf_dir = read_hf_dir(load)

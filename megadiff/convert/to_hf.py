@@ -19,6 +19,7 @@ from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import StagedExport, load_hf_model
 from megadiff.convert.hf_layout import ConversionError, Dims, megatron_to_hf
 from megadiff.convert.steps import step
+from megadiff.files import raise_if_a_file_is_in_the_way
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
 # lambda's vectors are exported in fp32 whatever --dtype (exp of their dot products is sensitive)
@@ -33,8 +34,8 @@ def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, 
                   remote_code: bool = False) -> Path:
     console = plain_console()
     out = Path(save)
-    if (out.exists() or out.is_symlink()) and not out.is_dir():  # a link to nothing is no directory either
-        raise ConversionError(f"--save {out} is a file; to-hf writes a directory")
+    # a link to nothing is no directory either
+    raise_if_a_file_is_in_the_way(out, lambda text: ConversionError(f"--save {text}; to-hf writes a directory"))
     checkpoint_dir = resolve_checkpoint_dir(load)
     if (out / "metadata.json").is_file() or (out / CHECKPOINTS_DIR).is_dir():
         # its weights and config.json among the training files, the directory then read as an HF model too
