@@ -463,6 +463,19 @@ def test_hf_directories_transformers_cannot_load_are_named(tmp_path, capsys):
     assert "--window must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_an_hf_model_without_held_out_data_is_refused_before_its_weights_load(tmp_path, capsys, monkeypatch):
+    """A Hugging Face model (no megadiff sidecar naming its data) and no data.* overrides: said before the
+    weights are read, not after."""
+    from megadiff.cli import main
+    from megadiff.inference import hf_model
+    from tests.test_convert_llama import stock_llama
+
+    stock_llama(tmp_path / "llama", tied=False)
+    monkeypatch.setattr(hf_model, "load_hf_model", lambda *args, **kwargs: pytest.fail("the weights were read"))
+    assert main(["evaluate", "--hf", str(tmp_path / "llama"), "--sequences", "1", "data.bundled_corpus=null"]) == 2
+    assert "data.prefix: not set" in capsys.readouterr().err
+
+
 def test_hf_models_cut_short_or_of_another_layout_are_refused(tmp_path, capsys):
     """Weights cut short by a download, and a causal LM that is not a Llama-like decoder (GPT-2's forward reads
     its decoder's cross-attentions): a config error naming the directory, not a traceback from inside

@@ -31,9 +31,9 @@ from megadiff.data.checks import split_documents
 from megadiff.data.datasets import build_datasets, megatron_blend, source_config
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
-from megadiff.data.locations import training_blend
+from megadiff.data.locations import data_prefix, training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.inference.hf_model import HFCausalLM, load_model
+from megadiff.inference.hf_model import HFCausalLM, hf_run_config, hf_window, load_model
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import share, share_size, sum_across_ranks
 from megadiff.inference.recall import (
@@ -182,6 +182,8 @@ def evaluate(load: str | None, split: str = "valid", seq_length: int | None = No
     if frequent_bigrams is not None and not frequent_bigrams > 0:
         raise ConfigError(f"--frequent-bigrams must be > 0 (occurrences per million), got {frequent_bigrams}")
     frequent = None if frequent_bigrams is None else FrequentBigrams(frequent_bigrams, sample_tokens)
+    if hf is not None:  # its held-out text is named by the overrides (or its export's data): before its weights load
+        data_prefix(evaluation_config(hf_run_config(hf, hf_window(hf, window)), seq_length, overrides).data)
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model.cfg, seq_length, overrides)
