@@ -125,6 +125,6 @@ def test_an_array_job_shares_the_files_and_a_dependent_job_merges(slurm_cluster,
                            details=details)
     assert slurm_cluster.job(merge)["JobState"] == "COMPLETED", details()
     text = logs()
-    assert "parts 0/2 of" in text and "parts 1/2 of" in text, text[-5000:]
+    assert "--part 0/2 of" in text and "--part 1/2 of" in text, text[-5000:]
     for ext in (".bin", ".idx"):
         assert Path(f"{tmp_path / 'slurm' / 'kjv'}{ext}").read_bytes() == Path(f"{reference}{ext}").read_bytes()
