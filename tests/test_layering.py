@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megadiff"
 # what each part of megadiff may import of megadiff itself (its own modules always)
 ALLOWED = {
     "ops": set(),
-    "config": {"errors"},
+    "files": set(),  # atomic writes, locks, paths: the standard library alone, for any part to use
+    "config": {"errors", "files"},
     "models": {"config", "ops", "errors"},
     # a checkpoint's single-process model is built here, below both convert and inference, which use it
     "checkpoint": {"config", "data", "errors", "files", "helper_processes", "models", "parallel"},
