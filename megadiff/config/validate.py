@@ -229,7 +229,6 @@ def refuse_a_file_for_directory(key: str, path: str | Path, writes: str) -> None
     raise_if_a_file_is_in_the_way(path, lambda text: ConfigError(f"{key}: {text}; {writes}"))
 
 
-
 def validate_wandb(logging: WandbFields) -> None:
     from importlib.util import find_spec
 

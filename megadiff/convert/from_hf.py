@@ -30,8 +30,7 @@ from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
-from megadiff.files import raise_if_a_file_is_in_the_way
-from megadiff.files import publish_staged, staging_dir
+from megadiff.files import publish_staged, raise_if_a_file_is_in_the_way, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 VOCAB_PARAMETERS = {"embedding.word_embeddings.weight", "output_layer.weight"}  # megatron's names of their rows
