@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from megadiff.config.loader import REPO_CONFIGS
+from megadiff.config.bundled import BUNDLED_CONFIGS
 
-DEMO_CONFIG = REPO_CONFIGS / "demo" / "diff-tiny.yaml"
+DEMO_CONFIG = BUNDLED_CONFIGS / "demo" / "diff-tiny.yaml"
 PROMPT = "In the beginning God"
 
 

@@ -363,12 +363,15 @@ def test_a_chat_run_from_conversations_to_a_reply(tmp_path, small_tokenizer_dir,
 
 
 def test_the_chat_recipe_reads_its_shipped_template_from_anywhere(tmp_path, monkeypatch):
-    """configs/diff-3b-chat-sft.yaml names configs/chat/chatml.jinja: found from another directory
-    too (relative paths fall back to the repository), and held in the config as text."""
+    """configs/diff-3b-chat-sft.yaml names chat/chatml.jinja beside it: found from another directory too,
+    and held in the config as text. So is `configs/chat/...` on the command line (megadiff's own configs)."""
     monkeypatch.chdir(tmp_path)
     cfg = load_config(Path(CHATML).parents[1] / "diff-3b-chat-sft.yaml")
     assert cfg.data.chat_template == Path(CHATML).read_text() and cfg.data.messages_key == "messages"
     assert cfg.checkpoint.reset_iteration and cfg.train.per_token_loss
+    overridden = load_config(Path(CHATML).parents[1] / "demo" / "diff-tiny.yaml",
+                             ["data.messages_key=messages", "data.chat_template=configs/chat/chatml.jinja"])
+    assert overridden.data.chat_template == cfg.data.chat_template
 
 
 @pytest.mark.parametrize("kind", ["huggingface", "tiktoken"])

@@ -112,6 +112,18 @@ def test_a_job_that_cannot_run_ends_before_its_step_starts(tmp_path, arguments, 
     assert not (tmp_path / "calls").exists()  # no srun
 
 
+@pytest.mark.parametrize("script", ["pretrain.sbatch", "pretrain_per_gpu.sbatch", "adapt.sbatch"])
+def test_a_job_submitted_from_outside_a_checkout_says_to_name_one(tmp_path, script):
+    """Slurm runs a copy of the script, which finds launch/ and slurm/job.sh through the submit directory
+    or MEGADIFF_ROOT: from elsewhere it said "command not found" of job.sh's functions."""
+    (tmp_path / "config.yaml").touch()
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script), "config.yaml"], env=_slurm_environment(tmp_path),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{tmp_path} is no megadiff checkout: submit from one, or set MEGADIFF_ROOT to it" in proc.stderr
+    assert "command not found" not in proc.stderr and not (tmp_path / "calls").exists()
+
+
 def test_a_gpus_per_node_the_submitting_shell_set_is_said_when_it_differs_from_the_allocation(tmp_path):
     (tmp_path / "config.yaml").touch()
     env = _slurm_environment(tmp_path, GPUS_PER_NODE="4", SLURM_GPUS_PER_NODE="h100:8", SLURM_CPUS_ON_NODE="8")

@@ -21,7 +21,6 @@ from megadiff.config.schema import Config
 from megadiff.config.validate import ConfigError, validate_config
 from megadiff.errors import first_line
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FLOAT_TAG = "tag:yaml.org,2002:float"
 TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 MERGE_TAG = "tag:yaml.org,2002:merge"

@@ -12,8 +12,9 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from megadiff.config.bundled import BUNDLED_CONFIGS
+
 Variant = Literal["softmax", "diff", "shared_diff", "dint"]
-REPOSITORY = Path(__file__).resolve().parents[2]
 DIFFERENTIAL_VARIANTS = ("diff", "shared_diff", "dint")
 
 
@@ -50,12 +51,12 @@ class Section(StrictNumbers):
 
 def read_chat_template(value: Optional[str]) -> Optional[str]:
     """A chat_template setting's template: a file's (a relative path from the working directory, else
-    from the repository, which ships configs/chat/) is read in, so a run's saved config holds the
-    template itself."""
+    megadiff's own: `configs/chat/chatml.jinja` names the one it ships) is read in, so a run's saved
+    config holds the template itself."""
     if value is None or "{{" in value or "{%" in value:
         return value
     path = Path(value).expanduser()
-    for candidate in (path, REPOSITORY / path):
+    for candidate in (path, BUNDLED_CONFIGS.parent / path):
         if candidate.is_file():
             return candidate.read_text()
     raise ValueError(f"{value!r} is neither a file nor a Jinja template")
