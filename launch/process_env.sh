@@ -9,12 +9,13 @@ fi
 
 PYTHON=${PYTHON:-python3}   # the interpreter of the environment megadiff is installed in
 # torch too: run from the repository root, `import megadiff` alone finds the source tree in any interpreter
-if ! _megadiff_import_error=$("$PYTHON" -c 'import megadiff, torch' 2>&1); then
-    echo "$(basename "$0"): $PYTHON cannot import megadiff ($(tail -n 1 <<< "$_megadiff_import_error")):" \
+if ! _megadiff_import=$("$PYTHON" -c 'import megadiff, torch; print(torch.__version__)' 2>&1); then
+    echo "$(basename "$0"): $PYTHON cannot import megadiff ($(tail -n 1 <<< "$_megadiff_import")):" \
          "activate the environment it is installed in (source .venv/bin/activate) or set" \
          "PYTHON=/path/to/that/bin/python" >&2
     exit 2
 fi
+_megadiff_torch_version=$(tail -n 1 <<< "$_megadiff_import")
 
 # export_process_env PROCESSES_ON_THIS_NODE
 export_process_env() {

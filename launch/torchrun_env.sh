@@ -14,6 +14,13 @@ export_process_env "$GPUS_PER_NODE"
 # PET_SIGNALS_TO_HANDLE and overwrites TORCHELASTIC_SIGNALS_TO_HANDLE, which older torch reads.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}}
 export TORCHELASTIC_SIGNALS_TO_HANDLE=$PET_SIGNALS_TO_HANDLE
+# torchrun forwards SIGUSR1 from torch 2.9 on (pytorch#160690): an older one dies of it, and its workers with it,
+# before they checkpoint. Said, not refused: SIGTERM still checkpoints, and a run never preempted needs neither.
+if [[ $_megadiff_torch_version =~ ^2\.[0-8]\. ]]; then
+    echo "megadiff: torchrun of torch $_megadiff_torch_version does not forward SIGUSR1 (torch 2.9 does): a" \
+         "preemption signal by SIGUSR1 (slurm/*.sbatch: --signal=B:USR1) ends the run without its checkpoint;" \
+         "upgrade torch" >&2
+fi
 # After forwarding a signal torchrun SIGKILLs the workers that are still running this many
 # seconds later (torch's default: 30). The preemption checkpoint of a large model takes longer.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}

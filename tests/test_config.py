@@ -213,6 +213,7 @@ def test_a_bad_triton_candidates_limit_is_refused_before_the_run_starts(monkeypa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_the_triton_backend_without_a_gpu_is_refused_before_the_run_starts(monkeypatch, capsys):
     """Not at the first step, after the model and data are built."""
+    pytest.importorskip("triton")  # without it the refusal names the missing package instead
     import megadiff.training.pretrain as pretrain
     from megadiff.cli import main
     from tests.pretrain_runs import DEMO_CONFIG

@@ -46,10 +46,25 @@ def test_a_merge_key_is_no_duplicate_but_a_key_repeated_beside_it_is(tmp_path):
         load_yaml_tree(tmp_path / "merge.yaml")
 
 
-def test_a_nested_merge_of_an_anchor_holding_a_merge_is_no_duplicate(tmp_path):
-    """PyYAML merges an anchored mapping in place: the check reads the mappings as written."""
-    (tmp_path / "merge.yaml").write_text("a: &a {k: 1}\nx:\n  y:\n    b: &b\n      <<: *a\n      k: 2\nc:\n  <<: *b\n")
-    assert load_yaml_tree(tmp_path / "merge.yaml") == {"a": {"k": 1}, "x": {"y": {"b": {"k": 2}}}, "c": {"k": 1}}
+@pytest.mark.parametrize("key", ["k", "lr"])  # PyYAML 6.0.4 told an interned one-letter key from others
+def test_a_nested_merge_of_an_anchor_holding_a_merge_is_no_duplicate(tmp_path, key):
+    """PyYAML merges an anchored mapping in place: the check reads the mappings as written, and a mapping
+    merging *b gets b's values, its own key over the one b merged (YAML's merge rule)."""
+    (tmp_path / "merge.yaml").write_text(f"a: &a {{{key}: 1}}\nx:\n  y:\n    b: &b\n      <<: *a\n      {key}: 2\n"
+                                         "c:\n  <<: *b\n")
+    assert load_yaml_tree(tmp_path / "merge.yaml") == {"a": {key: 1}, "x": {"y": {"b": {key: 2}}}, "c": {key: 2}}
+
+
+@pytest.mark.parametrize("key", ["k", "lr"])
+def test_of_a_list_of_merged_mappings_the_earlier_one_wins(tmp_path, key):
+    """YAML's merge rule, which PyYAML 6.0.0-6.0.3 kept and 6.0.4 reverses for all but one-letter keys."""
+    (tmp_path / "merge.yaml").write_text(f"a: &a {{{key}: 1, x: 3}}\nb: &b {{{key}: 2, y: 4}}\nc:\n  <<: [*a, *b]\n"
+                                         f"d:\n  <<: [*b, *a]\n  y: 5\n")
+    tree = load_yaml_tree(tmp_path / "merge.yaml")
+    assert tree["c"] == {key: 1, "x": 3, "y": 4} and tree["d"] == {key: 2, "x": 3, "y": 5}
+    (tmp_path / "merge.yaml").write_text("c:\n  <<: [3]\n")
+    with pytest.raises(ConfigError, match="merge.yaml, line 2: expected a mapping or list of mappings for merging"):
+        load_yaml_tree(tmp_path / "merge.yaml")
 
 
 def test_a_config_saved_before_yaml_12_numbers_loads_as_it_was_written(tmp_path):
@@ -86,7 +101,7 @@ def test_a_saved_config_without_its_model_is_refused_not_read_as_defaults(tmp_pa
     ("train:\n  ~: 1\n", "train: Incompatible key type 'NoneType'"),
     ("base: 5\n", "base must name a config file, got 5"),
     ("- model\n- train\n", "bad.yaml: the top level must be a mapping"),
-    ("base: base.yaml\nmodel: [1, 2]\n", "bad.yaml: Cannot merge incompatible container types"),
+    ("base: base.yaml\nmodel: [1, 2]\n", "bad.yaml: Cannot merge "),  # OmegaConf 2.3 and 2.4 go on differently
 ])
 def test_a_file_omegaconf_cannot_hold_is_a_config_error(tmp_path, text, message):
     (tmp_path / "base.yaml").write_text("model:\n  hidden_size: 128\n")
@@ -103,7 +118,7 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("output_dir=/a/run #2", r"override 'output_dir=/a/run #2': ' #' starts a YAML comment, which would drop '#2'"),
-    ("data.blend=[0.5,a", r"override 'data.blend=\[0.5,a': did not find expected ',' or '\]'"),
+    ("data.blend=[0.5,a", r"override 'data.blend=\[0.5,a': (did not find )?expected ',' or '\]'"),  # C/Python parser
     ("data.blend=[0.5, a] #b", r"would drop '#b'"),
     ("train=lr: 0.1 #fast", r"would drop '#fast'"),  # a block mapping: its value ends before a BlockEnd
     ("output_dir=${nope}", r"output_dir: Interpolation key 'nope' not found"),

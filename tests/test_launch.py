@@ -112,6 +112,20 @@ def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):
     assert cache_dir(TRITON_CACHE_DIR="/shared/triton") == "/shared/triton"
 
 
+@pytest.mark.parametrize("torch_version, said", [("2.8.0+cu128", True), ("2.9.0", False), ("2.10.1", False)])
+def test_a_torchrun_that_does_not_forward_sigusr1_is_said(tmp_path, torch_version, said):
+    """Before torch 2.9 torchrun dies of the SIGUSR1 the sbatch scripts' preemption sends, and its workers
+    with it, unsaved."""
+    python = tmp_path / "python3"  # the launchers' import check: megadiff imports, torch is this version
+    python.write_text(f"#!/bin/sh\necho {torch_version}\n")
+    python.chmod(0o755)
+    script = f'source {LAUNCH / "torchrun_env.sh"} CONFIG'
+    proc = subprocess.run(["bash", "-c", script], env=launch_environment(PYTHON=str(python), GPUS_PER_NODE="1"),
+                          capture_output=True, text=True, check=True)
+    message = f"megadiff: torchrun of torch {torch_version} does not forward SIGUSR1 (torch 2.9 does)"
+    assert (message in proc.stderr) == said, proc.stderr
+
+
 def test_tensor_parallel_groups_spanning_nodes_are_said(monkeypatch):
     """megatron's tensor-parallel groups are consecutive ranks: with 8 processes per node, TP=16 or TP=3 puts
     a group on two nodes; TP=8, or any TP on one node, does not."""

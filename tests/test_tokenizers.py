@@ -48,6 +48,24 @@ def test_a_sentencepiece_model_without_its_package_is_named(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+def test_a_converter_s_missing_package_is_a_tokenizer_error(tmp_path, monkeypatch):
+    """transformers converts some tokenizer files with a package of their own (tiktoken before 0.12 read
+    a local encoding with blobfile's): its ImportError is said as the directory's, not as a traceback."""
+    import transformers
+
+    from megadiff.data.tokenizers import TokenizerError
+
+    (tmp_path / "tokenizer.model").write_bytes(b"IQ== 0\n")
+
+    def missing_package(*args, **kwargs):
+        raise ImportError("blobfile is not installed. Please install it by running `pip install blobfile`.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", missing_package)
+    with pytest.raises(TokenizerError, match=rf"{re.escape(str(tmp_path))}: no usable Hugging Face tokenizer files "
+                                             r"\(blobfile is not installed"):
+        load_tokenizer(str(tmp_path))
+
+
 def test_a_directory_without_tokenizer_files_is_said_to_hold_none(tmp_path):
     """transformers' error for it speaks of converting a slow tokenizer with sentencepiece or tiktoken; a model's
     directory saved without its tokenizer (config.json and weights alone) is the usual case."""

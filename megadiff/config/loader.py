@@ -58,6 +58,27 @@ class ConfigFileLoader(yaml.SafeLoader):
         self.refuse_duplicate_keys(node)
         return node
 
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """YAML's merge keys, whatever PyYAML's release: a mapping's own keys win over merged ones, and of
+        `<<: [*a, *b]` the earlier mapping's (PyYAML 6.0.4 lets *b win, and a nested merge's overridden value
+        win for a one-letter key). In place, as PyYAML does: an anchored mapping is merged once."""
+        merged, own = [], []
+        for key_node, value_node in node.value:
+            if key_node.tag != MERGE_TAG:
+                own.append((key_node, value_node))
+                continue
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in sources:
+                if not isinstance(source, yaml.MappingNode):
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"expected a mapping or list of mappings for merging, but found {source.id}", source.start_mark)
+                self.flatten_mapping(source)
+                merged.append(source.value)
+        if merged:  # a dict keeps a repeated key's last value
+            node.value = [pair for source in reversed(merged) for pair in source] + own
+        super().flatten_mapping(node)  # the rest of what PyYAML does there: a bare `=` key is the string "="
+
     @staticmethod
     def refuse_duplicate_keys(node: yaml.MappingNode) -> None:
         """PyYAML keeps the last of a repeated key, silently dropping the first (a whole section, say)."""

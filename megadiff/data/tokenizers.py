@@ -146,7 +146,7 @@ class HFTokenizer:
         self.name = path
         try:
             self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, ImportError) as err:  # ImportError: a converter's package is missing
             raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
                                  f"({why_unreadable(path, err)}){_sentencepiece_hint(path)}") from None
         self.vocab_size = len(self.hf)
