@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import importlib
+import locale
 import logging
 import math
 import os
+import select
 import sys
 import warnings
 from typing import Callable
@@ -375,13 +378,41 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the user knows where; a traceback into torch or transformers says nothing
         print(f"megadiff {args.command}: interrupted", file=sys.stderr)
         return 130  # the shell's code for a command SIGINT ended
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # its reader went away (`generate ... | head`): what it printed was all that was wanted; and the
+        # interpreter's last flush of standard output, failing again, would print a traceback of its own
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # the shell's code for a command SIGPIPE ended
     except OSError as err:
         if err.errno not in STORAGE_ERRORS:  # anything else is a bug, whose traceback says where
             raise
-        where = f": {err.filename}" if err.filename else " (writing its output)"  # a write() names no file
+        # a write() names no file
+        where = f": {err.filename}{_named_by(err.filename)}" if err.filename else " (writing its output)"
         print(f"megadiff {args.command}: {err.strerror}{where}", file=sys.stderr)
         return 3
     return result if isinstance(result, int) else 0
+
+
+# where libraries write their caches: a path refused under one of them is the variable's doing
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME",
+                   "TMPDIR")
+
+
+def _named_by(path) -> str:
+    for name in CACHE_VARIABLES:
+        value = os.environ.get(name, "").rstrip("/")
+        if value and (str(path) == value or str(path).startswith(value + "/")):
+            return f" (from ${name}: point it at a directory you can write)"
+    return ""
+
+
+def _stdout_reader_gone() -> bool:
+    """Standard output is a pipe whose reading end is closed."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), 0)  # POLLERR is reported whatever the mask
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 # what the machine refused, not megadiff: a full disk, a quota, a read-only mount, permissions, and an output
@@ -393,11 +424,24 @@ def entry_point(argv: list[str] | None = None) -> int:
     """The `megadiff` program: main(), then the process group a finished command formed released. An
     inference command leaves its group for later calls in the same process (in-process callers of
     main() keep their loaded models); left to the interpreter's exit, NCCL warns of it and may hang there."""
+    if argv is None:
+        _run_in_utf8_mode()
     formed_before = _process_group_formed()
     code = main(argv)
     if code == 0 and _process_group_formed() and not formed_before:
         _target("megadiff.parallel:shutdown")()
     return code
+
+
+def _run_in_utf8_mode() -> None:
+    """megadiff's files, prompts and outputs are UTF-8, and so are torch's own templates: under a locale of another
+    encoding (LC_ALL=C with PYTHONUTF8=0, a Latin-1 locale) Python reads and writes them in that one, and every
+    command failed on the first non-ASCII byte (in torch's import). Then the same command again, in Python's UTF-8
+    mode, as are the processes it starts."""
+    if sys.flags.utf8_mode or codecs.lookup(locale.getpreferredencoding(False)).name == "utf-8":
+        return
+    os.environ["PYTHONUTF8"] = "1"
+    os.execv(sys.executable, [sys.executable, "-X", "utf8", *sys.orig_argv[1:]])
 
 
 def _process_group_formed() -> bool:

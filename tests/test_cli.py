@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from importlib.metadata import version
 
 import pytest
@@ -118,6 +120,19 @@ def test_a_storage_refusal_is_said_in_a_line(monkeypatch, capsys, code, said):
     assert said in os.strerror(code)
 
 
+def test_a_cache_directory_a_variable_names_is_said_to_come_from_it(monkeypatch, capsys, tmp_path):
+    """torch's compile cache (or Triton's, transformers') under a path that is no directory: the variable is named."""
+    from megadiff import cli
+
+    in_the_way = tmp_path / "a-file"
+    in_the_way.touch()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{in_the_way}/inductor/")
+    monkeypatch.setattr(cli, "_target", lambda path: lambda *args, **kwargs: os.makedirs(in_the_way / "inductor"))
+    assert main(["params", "c.yaml"]) == 3
+    assert capsys.readouterr().err == (f"megadiff params: Not a directory: {in_the_way / 'inductor'} (from "
+                                       "$TORCHINDUCTOR_CACHE_DIR: point it at a directory you can write)\n")
+
+
 def test_a_full_disk_met_while_writing_is_said_without_a_file_name(monkeypatch, capsys):
     """A write() on a full disk raises an OSError that names no file (as writing to Linux's /dev/full does)."""
     from megadiff import cli
@@ -158,3 +173,41 @@ def test_an_error_of_megadiff_itself_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_target", lambda path: bug)
     with pytest.raises(FileNotFoundError):
         main(["prepare-data", "c.yaml"])
+
+
+def _megadiff(*args: str, **options) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megadiff", *args], stderr=subprocess.PIPE, **options)
+
+
+def test_a_locale_of_another_encoding_runs_in_utf8_mode(tmp_path):
+    """Under LC_ALL=C with PYTHONUTF8=0 every command ended in torch's import (its templates are UTF-8), and a
+    path or prompt past ASCII in a traceback of megadiff's own."""
+    config = tmp_path / "ünïcödé" / "diff-tiny.yaml"
+    config.parent.mkdir()
+    config.write_bytes(DEMO_CONFIG.read_bytes())
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
+    proc = _megadiff("params", str(config), f"output_dir={tmp_path / 'rün'}", stdout=subprocess.PIPE, env=env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    assert out.decode("utf-8").startswith(f"{config}: variant diff")
+
+
+def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path):
+    """`megadiff generate ... | head`: the exit code SIGPIPE gives, not a traceback (one per rank under torchrun)."""
+    proc = _megadiff("params", str(DEMO_CONFIG), stdout=subprocess.PIPE)
+    proc.stdout.close()  # before it prints its first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err, err[-3000:]
+
+
+def test_a_console_whose_reader_went_away_goes_on_without_printing(capsys):
+    """A training run piped into `head` went on to its end (rich's console exited with 1, unsaved, silent)."""
+    from megadiff.console import plain_console
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as pipe:
+        console = plain_console(file=pipe)
+        for line in range(3):
+            console.print(f"iteration {line}" + " " * 70_000)  # more than a pipe's buffer: written, not held
+    assert capsys.readouterr().err == "megadiff: its output's reader went away: going on without printing\n"

@@ -325,3 +325,40 @@ def test_a_kernel_list_that_refuses_only_one_token_documents_says_so(monkeypatch
     refusal = sdpa_calls.sdpa_kernels_refusal_for(build_config({}, model + ["data.document_masking=true"]),
                                                   torch.device("cpu"))
     assert refusal.startswith("(a one-token document's call) No available kernel"), refusal
+
+
+def test_a_home_directory_in_a_path_setting_is_expanded(monkeypatch, tmp_path):
+    """The shell leaves `data.cache_dir=~/cache` alone (a word with a dot before its `=`): it wrote ./~/cache,
+    while data.sources and data.chat_template were expanded."""
+    from megadiff.adapt.settings import FinetuneConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = build_config({}, ["output_dir=~/run", "data.cache_dir=~/cache", "data.prefix=~/p", "checkpoint.load=~/ck",
+                            "data.tokenizer=~/tok", "data.sources=[~/a.jsonl, owner/name]", "data.blend=[1, ~/x]"])
+    assert (cfg.output_dir, cfg.data.cache_dir, cfg.data.prefix, cfg.checkpoint.load, cfg.data.tokenizer) == tuple(
+        str(tmp_path / name) for name in ("run", "cache", "p", "ck", "tok"))
+    assert cfg.data.sources == [str(tmp_path / "a.jsonl"), "owner/name"] and cfg.data.blend == [1, str(tmp_path / "x")]
+    assert build_config({}, []).data.tokenizer == "cl100k_base"
+    adapt = FinetuneConfig.model_validate({
+        "model": {"path": "~/base", "tokenizer": "~/tok"}, "data": {"files": ["~/f.jsonl"], "cache_dir": "~/c"},
+        "train": {"iters": 1}, "deepspeed": "~/ds.json", "output_dir": "~/out", "export_dir": "~/hf"})
+    assert [adapt.model.path, adapt.model.tokenizer, *adapt.data.files, adapt.data.cache_dir, adapt.deepspeed,
+            adapt.output_dir, adapt.export_dir] == [str(tmp_path / name) for name in
+                                                    ("base", "tok", "f.jsonl", "c", "ds.json", "out", "hf")]
+
+
+def test_a_chat_template_is_utf8_whatever_the_locale(tmp_path):
+    """Read and written as UTF-8 by megadiff's library calls too (the command line runs in UTF-8 mode)."""
+    import os
+    import subprocess
+    import sys
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}«{{ m['content'] }}»{% endfor %}", encoding="utf-8")
+    script = ("import sys; from types import SimpleNamespace\nfrom megadiff.config.schema import read_chat_template\n"
+              "from megadiff.data.conversations import save_chat_template\n"
+              "from megadiff.data.tokenizers import load_tokenizer\ntext = read_chat_template(sys.argv[1])\n"
+              "save_chat_template(SimpleNamespace(chat_template=text), load_tokenizer('cl100k_base'), sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", script, str(template), str(tmp_path)], check=True, capture_output=True,
+                   env={**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"})
+    assert "«{{ m['content'] }}»" in (tmp_path / "chat_template.jinja").read_text(encoding="utf-8")

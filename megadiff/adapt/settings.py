@@ -22,7 +22,7 @@ from megadiff.adapt.apply import validate_given_heads
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.config import ConfigError, WandbFields, refuse_a_file_for_directory, validate_wandb
 from megadiff.config.loader import apply_overrides, format_validation_error, load_yaml_tree
-from megadiff.config.schema import StrictNumbers, read_chat_template
+from megadiff.config.schema import StrictNumbers, expand_home, read_chat_template
 from megadiff.errors import first_line
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -35,6 +35,8 @@ class ModelSection(StrictNumbers):
     tokenizer: Optional[str] = Field(None, description="tokenizer directory; default: model.path")
     attn_implementation: Optional[str] = Field(None, description="transformers attention implementation "
                                                "(sdpa, eager, flash_attention_2, ...); default: transformers'")
+
+    _expand_home = field_validator("path", "tokenizer", mode="before")(expand_home)
 
     @field_validator("attn_implementation")
     @classmethod
@@ -68,6 +70,7 @@ class DataSection(StrictNumbers):
                          "other ranks read its cache); the packed sequences are the same for any number")
 
     _read_chat_template = field_validator("chat_template")(read_chat_template)
+    _expand_home = field_validator("files", "cache_dir", mode="before")(expand_home)
 
 
 class TrainSection(StrictNumbers):
@@ -117,6 +120,8 @@ class FinetuneConfig(StrictNumbers):
                            "else from the directory of the YAML file that sets it")
     output_dir: str
     export_dir: Optional[str] = Field(None, description="the final HF directory; default: <output_dir>/hf")
+
+    _expand_home = field_validator("deepspeed", "output_dir", "export_dir", mode="before")(expand_home)
 
     @property
     def resolved_export_dir(self) -> Path:

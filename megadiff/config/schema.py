@@ -7,6 +7,7 @@ with a message naming the key.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -49,6 +50,14 @@ class Section(StrictNumbers):
     model_config = ConfigDict(validate_assignment=True)
 
 
+def expand_home(value):
+    """`~` at the start of a path setting (or of a list's) is the home directory, as a shell makes it of a word
+    it expands; `key.sub=~/x` it leaves alone (`data.cache_dir=~/cache` wrote ./~/cache)."""
+    if isinstance(value, list):
+        return [expand_home(item) for item in value]
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
 def read_chat_template(value: Optional[str]) -> Optional[str]:
     """A chat_template setting's template: a file's (a relative path from the working directory, else
     megadiff's own: `configs/chat/chatml.jinja` names the one it ships) is read in, so a run's saved
@@ -58,7 +67,7 @@ def read_chat_template(value: Optional[str]) -> Optional[str]:
     path = Path(value).expanduser()
     for candidate in (path, BUNDLED_CONFIGS.parent / path):
         if candidate.is_file():
-            return candidate.read_text()
+            return candidate.read_text(encoding="utf-8")
     raise ValueError(f"{value!r} is neither a file nor a Jinja template")
 
 
@@ -147,6 +156,7 @@ class DataConfig(Section):
                            "sample-index cache; must be visible to every node")
 
     _read_chat_template = field_validator("chat_template")(read_chat_template)
+    _expand_home = field_validator("sources", "prefix", "blend", "tokenizer", "cache_dir", mode="before")(expand_home)
 
     @property
     def masks_loss(self) -> bool:
@@ -215,6 +225,8 @@ class CheckpointConfig(Section):
     load_optimizer: bool = True
     reset_iteration: bool = Field(False, description="with `load`: start counting iterations and data from 0")
 
+    _expand_home = field_validator("load", mode="before")(expand_home)
+
 
 class WandbFields(BaseModel):
     """Weights & Biases, beside metrics.jsonl and TensorBoard (pre-training and adaptation)."""
@@ -245,3 +257,5 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    _expand_home = field_validator("output_dir", mode="before")(expand_home)

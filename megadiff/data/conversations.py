@@ -96,7 +96,7 @@ def save_chat_template(data, tokenizer: Tokenizer, directory: str | Path) -> Non
     (transformers reads chat_template.jinja), so the model is chatted with as it was trained; a tokenizer's
     own template is saved with it."""
     if data.chat_template is not None:
-        (Path(directory) / "chat_template.jinja").write_text(chat_template_of(data, tokenizer))
+        (Path(directory) / "chat_template.jinja").write_text(chat_template_of(data, tokenizer), encoding="utf-8")
 
 
 def render_conversation(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
