@@ -3,6 +3,7 @@ weights) must split text exactly as tiktoken does: the model never saw any other
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -112,7 +113,8 @@ def test_a_tokenizer_named_neither_packaged_nor_a_directory_is_refused(tmp_path)
         load_tokenizer(str(tmp_path / "tokenizer.json"))
 
     with pytest.raises(TokenizerError, match=re.escape(f"data.tokenizer: 'gpt2' is neither one of {PACKAGED_TIKTOKEN} "
-                                                      "nor a directory of Hugging Face tokenizer files")):
+                                                      "nor a directory of Hugging Face tokenizer files (a relative "
+                                                      f"path is read from the current directory, {Path.cwd()})")):
         load_tokenizer("gpt2")
 
 
