@@ -103,11 +103,49 @@ def numbered_dirs(directory: str | Path, prefix: str) -> list[tuple[int, Path]]:
 
 
 def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep: int) -> None:
-    """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`.
-    Later numbers (a run restarted from an earlier checkpoint left them) are not counted, so the one
-    just committed can never be removed."""
+    """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`, and
+    those being read (removed at a later call). Later numbers (a run restarted from an earlier checkpoint left
+    them) are not counted, so the one just committed can never be removed."""
     for _, path in [entry for entry in numbered_dirs(directory, prefix) if entry[0] <= newest][:-keep]:
+        _remove_unless_read(path)
+
+
+# in a directory being read (a checkpoint that generate or convert loads while its run goes on training)
+READERS_LOCK = ".readers.lock"
+
+
+def _remove_unless_read(path: Path) -> None:
+    """Removed holding its readers' lock exclusively: a reader arriving meanwhile waits, then finds it gone."""
+    try:
+        handle = open(path / READERS_LOCK, "a")
+    except OSError:  # already gone, or not ours to write in: rmtree does what it can
         shutil.rmtree(path, ignore_errors=True)
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        except OSError:  # a filesystem without locks
+            pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def reading(directory: str | Path) -> Iterator[None]:
+    """A shared lock on `directory` while the block reads it, which remove_older_numbered respects; read
+    without one where none can be taken (a directory gone, or on storage not ours to write)."""
+    try:
+        handle = open(Path(directory) / READERS_LOCK, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+        except OSError:  # a filesystem without locks
+            pass
+        yield
 
 
 @contextlib.contextmanager
@@ -121,6 +159,34 @@ def exclusive_lock(path: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def claimed(path: str | Path, refused: Callable[[str], Exception]) -> Iterator[None]:
+    """hold_lock(path) while the block runs, its file removed after (nothing left beside a command's output);
+    refused(the holder) raised where another process holds it."""
+    path = Path(path)
+    while True:
+        try:
+            handle = hold_lock(path)
+        except HeldElsewhere as holder:
+            raise refused(str(holder)) from None
+        if handle is None or _names(path, handle):
+            break
+        handle.close()  # locked the file its holder removed as it let go: the one at `path` now is the lock
+    try:
+        yield
+    finally:
+        if handle is not None:
+            path.unlink(missing_ok=True)
+            handle.close()
+
+
+def _names(path: Path, handle: IO) -> bool:
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(handle.fileno()))
+    except FileNotFoundError:
+        return False
 
 
 class HeldElsewhere(Exception):

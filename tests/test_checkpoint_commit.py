@@ -29,6 +29,36 @@ def test_keep_last_removes_the_oldest(tmp_path):
     assert _saved(tmp_path) == ["iter_0000200", "iter_0000300"] and read_latest_iteration(tmp_path) == 300
 
 
+def test_keep_last_leaves_a_checkpoint_being_read_until_a_later_commit(tmp_path):
+    """generate, evaluate or to-hf reading a run's latest checkpoint while the run commits newer ones: the
+    checkpoint they read was removed under them (megatron's 'does not exist', from inside its load)."""
+    from megadiff.files import reading
+
+    _commit_staged(tmp_path, 100, keep_last=1)
+    with reading(iteration_dir(tmp_path, 100)):
+        _commit_staged(tmp_path, 200, keep_last=1)
+        assert _saved(tmp_path) == ["iter_0000100", "iter_0000200"]
+    _commit_staged(tmp_path, 300, keep_last=1)
+    assert _saved(tmp_path) == ["iter_0000300"]
+
+
+def test_a_checkpoint_removed_before_it_is_held_is_read_at_the_run_s_newer_one(tmp_path, monkeypatch):
+    import megadiff.checkpoint.format as checkpoint_format
+
+    removed, committed = tmp_path / "iter_0000100", tmp_path / "iter_0000200"
+    committed.mkdir()
+    (committed / "metadata.json").write_text("{}")
+    resolved = iter([removed, committed])
+    monkeypatch.setattr(checkpoint_format, "resolve_checkpoint_dir", lambda path: next(resolved))
+    with checkpoint_format.reading_checkpoint(tmp_path) as checkpoint_dir:
+        assert checkpoint_dir == committed
+    monkeypatch.setattr(checkpoint_format, "resolve_checkpoint_dir", lambda path: removed)
+    with pytest.raises(CheckpointError, match="its latest checkpoint was removed three times as it was about to "
+                                              "be read"):
+        with checkpoint_format.reading_checkpoint(tmp_path):
+            pytest.fail("read a removed checkpoint")
+
+
 def test_keep_last_counts_no_checkpoint_after_the_committed_one(tmp_path):
     """A run restarted from an earlier marker (rolled back to 900 past a bad 1000) saves 950: the
     newer 1000 left behind must not push 950 itself out."""

@@ -3,6 +3,8 @@ config and back, a model megadiff cannot express is refused by name, and the log
 (The end-to-end conversions in test_convert*.py run at the default settings, where a dropped field goes unseen.)"""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DiffLlamaConfig, LlamaConfig
@@ -88,3 +90,26 @@ def test_the_logits_check_fails_past_either_threshold():
         pair = (broken, ours) if side == "megadiff" else (ours, broken)
         with pytest.raises(ConversionError, match=f"check failed: the {side} logits are not finite"):
             compare_logits(*pair, CAST)
+
+
+@pytest.mark.parametrize("direction", ["to-hf", "from-hf"])
+def test_a_conversion_into_a_save_another_is_writing_is_refused(tmp_path, direction):
+    """Two into one --save at once each removed the other's staged files as it started: an export without its
+    weights, or one checkpoint's weights beside another's sidecar. The second is refused before it reads."""
+    import os
+
+    from megadiff.convert.from_hf import convert_from_hf
+    from megadiff.convert.to_hf import convert_to_hf
+    from megadiff.files import hold_lock
+
+    save = tmp_path / "out"
+    first = hold_lock(f"{save}.lock")  # the first conversion's, here in this process
+    convert = convert_to_hf if direction == "to-hf" else convert_from_hf
+    with pytest.raises(ConversionError, match=rf"--save {save} is being written by another conversion \(host .*, "
+                                              rf"pid {os.getpid()}\): wait for it to end, or give another --save"):
+        convert(tmp_path / "no-such-source", save)
+    first.close()
+    with pytest.raises(Exception, match="no-such-source"):  # its turn now: on to reading the source
+        convert(tmp_path / "no-such-source", save)
+    assert not save.exists() or not any(save.iterdir())
+    assert not Path(f"{save}.lock").exists()  # nothing left beside the output

@@ -92,6 +92,25 @@ def test_eod_mask_loss_drops_the_loss_after_each_eod(corpus, tmp_path, upsampled
         assert sample["loss_mask"].tolist() == [float(token != EOD) for token in sample["tokens"]]
 
 
+def test_a_job_sharing_the_index_cache_builds_after_the_one_writing_it(corpus, tmp_path):
+    """Another job's rank 0 building the same data.cache_dir's indices holds their lock: this one waits, then
+    reads whole files (it read them torn, or wrote them again in place under the other)."""
+    import threading
+
+    from megadiff.data.locations import index_cache_dir
+    from megadiff.files import exclusive_lock
+
+    cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=9,1,0")
+    built = []
+    builder = threading.Thread(target=lambda: built.append(build_datasets(cfg, TOKENIZER, (10, 10, 0), seed=0)))
+    with exclusive_lock(index_cache_dir(cfg.data) / ".build.lock"):  # the other job's
+        builder.start()
+        builder.join(timeout=3)
+        assert builder.is_alive() and not built and not list(index_cache_dir(cfg.data).glob("*.npy"))
+    builder.join(timeout=120)
+    assert len(built) == 1 and len(built[0][0]) >= 10 and list(index_cache_dir(cfg.data).glob("*.npy"))
+
+
 def test_a_split_with_zero_weight_is_none(corpus, tmp_path):
     cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=9,1,0")
     train, valid, test = build_datasets(cfg, TOKENIZER, (10, 10, 0), seed=0)

@@ -13,12 +13,14 @@ virtual pipeline chunks); sharded keys are global, so it loads into any layout.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 from megadiff.config import Config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.errors import MegadiffError
-from megadiff.files import ITERATION_PREFIX, iteration_dir, numbered_dirs
+from megadiff.files import ITERATION_PREFIX, iteration_dir, numbered_dirs, reading
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -78,6 +80,20 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is not a megadiff checkpoint (no metadata.json / {CONFIG_FILE}); pass a run's "
                               "output_dir, its checkpoints/ directory or an iter_* directory")
     return path
+
+
+@contextlib.contextmanager
+def reading_checkpoint(path: str | Path) -> Iterator[Path]:
+    """resolve_checkpoint_dir(path), kept from checkpoint.keep_last's removal while the block reads it: a run
+    still training removes its older checkpoints as it commits new ones, the one just resolved among them."""
+    for _ in range(3):
+        checkpoint_dir = resolve_checkpoint_dir(path)
+        with reading(checkpoint_dir):
+            if (checkpoint_dir / "metadata.json").is_file():  # not removed before the lock was taken
+                yield checkpoint_dir
+                return
+    raise CheckpointError(f"{path}: its latest checkpoint was removed three times as it was about to be read "
+                          "(checkpoint.keep_last of a run saving that often): try again, or once the run stops")
 
 
 # keys that earlier megadiff versions wrote into checkpoints' config.yaml and that no longer

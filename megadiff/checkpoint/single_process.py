@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megadiff.checkpoint.format import TOKENIZER_DIR, CheckpointError, checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.format import TOKENIZER_DIR, CheckpointError, checkpoint_config, reading_checkpoint
 from megadiff.checkpoint.gather import model_sharded_tensors
 from megadiff.checkpoint.weights import damage_reported, load_model_weights
 from megadiff.config import Config, ParallelConfig, padded_vocab_size
@@ -210,12 +210,12 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Causa
     dtype: the weights' dtype (default: the checkpoint's training precision). The model sits where
     megatron computes (megadiff.parallel.compute_device): the current CUDA device when one is
     visible, since megatron-core's RoPE moves there whatever the weights' device, else the CPU."""
-    checkpoint_dir = resolve_checkpoint_dir(path)
-    saved_cfg = checkpoint_config(checkpoint_dir)
     if dtype is not None and dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype}")
-    checkpoint_tokenizer(checkpoint_dir, saved_cfg)  # its refusals before the minutes of reading the weights
-    model = build_single_process_model(single_process_config(saved_cfg, PRECISIONS.get(dtype)))
-    check_checkpoint_tensors(model, checkpoint_dir)
-    load_model_weights([model], checkpoint_dir)
+    with reading_checkpoint(path) as checkpoint_dir:
+        saved_cfg = checkpoint_config(checkpoint_dir)
+        checkpoint_tokenizer(checkpoint_dir, saved_cfg)  # its refusals before the minutes of reading the weights
+        model = build_single_process_model(single_process_config(saved_cfg, PRECISIONS.get(dtype)))
+        check_checkpoint_tensors(model, checkpoint_dir)
+        load_model_weights([model], checkpoint_dir)
     return CausalLM(model, saved_cfg, checkpoint_dir)

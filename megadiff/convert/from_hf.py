@@ -28,7 +28,7 @@ from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, t
 from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, same_model, vocab_padding_multiple
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
-from megadiff.convert.steps import step
+from megadiff.convert.steps import step, writing_alone
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
 from megadiff.files import publish_staged, raise_if_a_file_is_in_the_way, staging_dir
 
@@ -132,12 +132,17 @@ def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None
                     pad_vocab: int | None = None) -> Path:
     """`pad_vocab`: pad the vocabulary's rows to a multiple of it (e.g. 128: an odd vocabulary, a Llama's
     32,001, trains at parallel.tensor=1 only), the new rows the old ones' mean."""
-    console = plain_console()
     if pad_vocab is not None and pad_vocab < 1:
         raise ConversionError(f"--pad-vocab must be >= 1, not {pad_vocab}")
     out = Path(save)
     raise_if_a_file_is_in_the_way(out, lambda text: ConversionError(f"{text}; from-hf writes a new checkpoint "
                                                                     "directory"))
+    with writing_alone(out):
+        return _convert(load, out, dtype, check, pad_vocab)
+
+
+def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vocab: int | None) -> Path:
+    console = plain_console()
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"{out} is not empty; from-hf writes a new checkpoint directory")
     hf_dir = read_hf_dir(load)

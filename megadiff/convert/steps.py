@@ -1,12 +1,17 @@
-"""A conversion's steps on the console as they start and end, with their time: a 13B model takes
-minutes to read, write and check, and a step that prints nothing looks like one that hangs."""
+"""A conversion's steps on the console as they start and end, with their time (a 13B model takes
+minutes to read, write and check, and a step that prints nothing looks like one that hangs), and its
+claim on the directory it writes."""
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from rich.console import Console
+
+from megadiff.convert.hf_layout import ConversionError
+from megadiff.files import claimed
 
 
 @contextmanager
@@ -16,3 +21,11 @@ def step(console: Console, action: str) -> Iterator[None]:
     started = time.perf_counter()
     yield
     console.print(f"megadiff convert: {action}: {time.perf_counter() - started:.1f} s")
+
+
+def writing_alone(out: Path) -> AbstractContextManager:
+    """Held by the conversion writing `out` (its lock, `<out>.lock`, beside it while it runs): two into one --save
+    at once each removed the other's staged files as it started, leaving an export without its weights, or a mix."""
+    return claimed(f"{out}.lock", lambda holder: ConversionError(
+        f"--save {out} is being written by another conversion ({holder}): wait for it to end, or give another "
+        "--save"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, resolve_checkpoint_dir
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, reading_checkpoint
 from megadiff.checkpoint.single_process import checkpoint_tokenizer, load_checkpoint, single_process_config
 from megadiff.config import padded_vocab_size
 from megadiff.console import plain_console
@@ -18,7 +18,7 @@ from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, t
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import StagedExport, load_hf_model
 from megadiff.convert.hf_layout import ConversionError, Dims, megatron_to_hf
-from megadiff.convert.steps import step
+from megadiff.convert.steps import step, writing_alone
 from megadiff.files import raise_if_a_file_is_in_the_way
 from megadiff.models.transformer_config import PRECISION_DTYPES
 
@@ -32,11 +32,15 @@ def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
 
 def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                   remote_code: bool = False) -> Path:
-    console = plain_console()
     out = Path(save)
     # a link to nothing is no directory either
     raise_if_a_file_is_in_the_way(out, lambda text: ConversionError(f"--save {text}; to-hf writes a directory"))
-    checkpoint_dir = resolve_checkpoint_dir(load)
+    with writing_alone(out), reading_checkpoint(load) as checkpoint_dir:
+        return _export(checkpoint_dir, out, dtype, check, remote_code)
+
+
+def _export(checkpoint_dir: Path, out: Path, dtype: str | None, check: bool, remote_code: bool) -> Path:
+    console = plain_console()
     if (out / "metadata.json").is_file() or (out / CHECKPOINTS_DIR).is_dir():
         # its weights and config.json among the training files, the directory then read as an HF model too
         raise ConversionError(f"--save {out} holds a megadiff run or checkpoint: give the export a directory of "

@@ -32,6 +32,7 @@ from megadiff.data.prepared_dataset import PreparedGPTDataset, megatron_tokenize
 from megadiff.data.responses import ResponseMaskedGPTDataset
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
+from megadiff.files import exclusive_lock
 
 __all__ = ["build_datasets", "source_config", "source_names"]
 
@@ -67,7 +68,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         config = GPTDatasetConfig(**options)
     # a split none of whose samples is asked for is left out: megatron would index a whole epoch of it
     config.split_matrix = [bounds if wanted else None for bounds, wanted in zip(config.split_matrix, num_samples)]
-    with _lone_process_is_rank_zero():
+    with _lone_process_is_rank_zero(), _building_alone(data):
         datasets = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank, config).build()
     _check_sizes(datasets, num_samples, "data.blend" if data.blend else "data.prefix")
     return tuple(datasets)
@@ -92,6 +93,16 @@ def source_names(prefixes: list[str]) -> list[str]:
     """Short names for a blend's prefixes in metrics: their file names, numbered where two share one."""
     names = [Path(prefix).name for prefix in prefixes]
     return [f"{name}-{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
+def _building_alone(data: DataConfig) -> contextlib.AbstractContextManager:
+    """Rank 0, which writes megatron's index cache, builds holding the cache's lock: another job sharing
+    data.cache_dir (started at the same moment, or while this one writes) took files that exist for whole ones
+    and read them torn ("mmap length is greater than file size"), or wrote them again in place under this one.
+    The job's other ranks read after rank 0, within megatron's build: they take no lock."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return contextlib.nullcontext()
+    return exclusive_lock(index_cache_dir(data) / ".build.lock")
 
 
 @contextlib.contextmanager
