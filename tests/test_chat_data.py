@@ -480,6 +480,36 @@ def test_conversations_read_without_their_messages_key_are_warned_of(tmp_path):
         check_training_data(build_config({}, training), tokenizer)
 
 
+def test_conversations_an_earlier_megadiff_prepared_are_said_to_need_preparing_again(tmp_path):
+    """CHANGELOG: such data "is prepared again once" (by prepare-data); a run reading the prefix trained on it,
+    silently: a tiktoken template's EOS as text, which the model learns to write instead of stopping."""
+    from megadiff.data.checks import check_training_data
+    from megadiff.data.manifest import manifest_path
+
+    conversations = [[{"role": "user", "content": " question" * (1 + i % 4)},
+                      {"role": "assistant", "content": " answer" * (1 + i % 3)}] for i in range(20)]
+    overrides = chat_overrides(write_conversations(tmp_path / "src", conversations), tmp_path / "chat")
+    cfg = build_config({}, overrides + ["data.bundled_corpus=null", "model.seq_length=16", "model.vocab_size=100288",
+                                        "data.split=100,0,0"])
+    prepare(cfg.data)
+    tokenizer = load_tokenizer("cl100k_base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_training_data(cfg, tokenizer)
+    manifest = manifest_path(cfg.data.prefix)
+    recorded = json.loads(manifest.read_text())
+    del recorded["fingerprint"]["conversation_encoding"], recorded["fingerprint"]["tokenizer"]["template_special_tokens"]
+    manifest.write_text(json.dumps(recorded))  # as an earlier megadiff wrote it
+    with pytest.warns(UserWarning, match=r"was prepared by an earlier megadiff: its conversations were tokenized turn "
+                                         r"by turn .*; its chat template's special tokens \(its EOS\) were read as "
+                                         r"text.*Prepare it again \(prepare-data does so\)"):
+        check_training_data(cfg, tokenizer)
+    prepare(cfg.data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_training_data(cfg, tokenizer)
+
+
 def test_a_special_text_that_begins_another_is_not_cut_from_it():
     """With special texts "<s>" and "<s>x", a message's "<s>x" is one literal: marking "<s>" alone would
     leave "x" outside the wrapper, where the template's tokenizer could read "<s>x" back as its special token."""

@@ -116,9 +116,9 @@ def test_a_vocabulary_padded_before_conversion_trains_tensor_parallel(tmp_path):
         return cfg.model_copy(update={"model": cfg.model.model_copy(update=dict(overrides)),
                                       "parallel": cfg.parallel.model_copy(update={"tensor": 2})})
 
-    with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=192, which pads to 384"):
+    with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=64, which pads to 384"):
         _check_same_vocabulary(cfg, at_tensor_parallel(), checkpoint)
-    _check_same_vocabulary(cfg, at_tensor_parallel(("make_vocab_size_divisible_by", 192)), checkpoint)
+    _check_same_vocabulary(cfg, at_tensor_parallel(("make_vocab_size_divisible_by", 64)), checkpoint)
 
 
 def test_from_hf_pads_an_odd_vocabulary_for_tensor_parallel_training(tmp_path, capsys):

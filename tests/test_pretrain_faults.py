@@ -175,6 +175,18 @@ def test_a_resumed_run_says_its_data_was_prepared_again(base, tmp_path, capsys):
     capsys.readouterr()
     assert main(["pretrain", str(DEMO_CONFIG), *run, "train.iters=3"]) == 0
     assert f"{said} ({prefix}: prepared again since): this run reads on from sample 16 " in capsys.readouterr().out
+    # a checkpoint an earlier megadiff saved, without the record: said, where nothing was
+    import torch
+
+    from megadiff.checkpoint.format import iteration_dir
+    from megadiff.checkpoint.training_checkpoint import TRAIN_STATE_KEY
+
+    common = iteration_dir(tmp_path / "run" / CHECKPOINTS_DIR, 3) / "common.pt"
+    saved = torch.load(common, weights_only=False)
+    del saved[TRAIN_STATE_KEY]["data"]
+    torch.save(saved, common)
+    assert main(["pretrain", str(DEMO_CONFIG), *run, "train.iters=4"]) == 0
+    assert "the checkpoint keeps no record of the data it trained on" in capsys.readouterr().out
 
 
 def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):

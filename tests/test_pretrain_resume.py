@@ -98,7 +98,7 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     # two ranks of tensor parallelism padding the vocabulary to 768 rows, not the checkpoint's 512
     refused = run_pretrain_in_ranks(2, base + [f"output_dir={output}", "parallel.tensor=2",
                                                "model.make_vocab_size_divisible_by=192"], expect=2)
-    assert "set model.make_vocab_size_divisible_by=256" in refused.stderr, refused.stderr[-2000:]
+    assert "set model.make_vocab_size_divisible_by=64, which pads to 512" in refused.stderr, refused.stderr[-2000:]
     # a new output_dir continuing the run's count: the iterations to run come on top of its 3
     refused = run_pretrain_in_ranks(1, base + [f"output_dir={tmp_path / 'branch'}", f"checkpoint.load={output}",
                                                f"train.iters={STOP}"], expect=2)
@@ -168,7 +168,9 @@ def test_a_derived_model_setting_given_or_left_to_its_default_is_the_same_model(
     _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=4"], state)
     for own, fix in ((True, "use a new output_dir"), (False, r"load a checkpoint of this model \(checkpoint.load\)")):
         with pytest.raises(ConfigError, match=r"another model \(model.num_attention_heads: 4 -> 8, model.num_kv_heads: "
-                                              rf"4 -> 8, model.head_dim: 8 -> 4\); {fix}, or the checkpoint's model"):
+                                              rf"4 -> 8, model.head_dim: 8 -> 4\); {fix}, or the checkpoint's model "
+                                              r"settings \(model.num_attention_heads=4 model.num_kv_heads=4 "
+                                              r"model.head_dim=8\)"):
             _planned_from(monkeypatch, explicit, ["model.hidden_size=64", "model.num_attention_heads=8"], state, own)
 
 
@@ -192,6 +194,13 @@ def test_a_resumed_layout_keeps_the_vocabulary_rows():
     _check_same_vocabulary(saved, config(200, 108, tensor=2), "ckpt")
     with pytest.raises(ConfigError, match="keep parallel.tensor=1"):
         _check_same_vocabulary(config(201, 1), config(201, tensor=2), "ckpt")
+    # the 3B recipes' vocabulary padded by 128 before, by 32 now: the checkpoint's multiple, which keeps the rows
+    # at larger tensor sizes too (100352 // 1 kept them at parallel.tensor=1 alone)
+    with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=128, which pads to 100352 at "
+                                          "parallel.tensor=1"):
+        _check_same_vocabulary(config(100288, 128), config(100288, 32), "ckpt")
+    with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=64, which pads to 384"):
+        _check_same_vocabulary(config(300, 128), config(300, 128, tensor=2), "ckpt")
 
 
 def test_a_continued_run_names_what_of_its_data_order_changed(monkeypatch):

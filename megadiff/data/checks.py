@@ -37,11 +37,13 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
     key = "data.blend" if cfg.data.blend else "data.prefix"
     # how the tokenizer splits text (a directory's hash, None for tiktoken's): read once, if a manifest asks
     splits = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer).get("splits"))
+    conversations = cfg.data.messages_key is not None
+    encoding = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=not conversations))
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
-        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits,
-                         conversations=cfg.data.messages_key is not None)
+        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits, conversations)
         _check_splits(prefix, summary, cfg, key)
+        _warn_of_an_earlier_encoding(prefix, manifest, encoding)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
             _check_same_masking(prefix, manifest, cfg, tokenizer)
@@ -72,6 +74,30 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
                       f"{start} (e.g. Llama's BOS), which prompts, evaluations and Hugging Face pipelines put "
                       "before a text: prepare it again (prepare-data does so) for a model that reads texts as "
                       "they are given to it", stacklevel=2)
+
+
+# what the manifests of data prepared now record of its encoding, and what earlier megadiffs did otherwise
+ENCODING_CHANGES = {"conversation_encoding": "its conversations were tokenized turn by turn (the tokens at a turn's "
+                                             "edges differ from a chat prompt's)",
+                    "pair_encoding": "its prompts and responses were tokenized apart"}
+TOKENIZER_CHANGES = {"template_special_tokens": "its chat template's special tokens (its EOS) were read as text, "
+                                                "which the model would learn to write instead of stopping",
+                     "special_texts": "the tokenizer read a document's literal </s> as its end"}
+
+
+def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: Callable[[], dict]) -> None:
+    """Data an earlier megadiff prepared otherwise than prepare-data now does, as CHANGELOG's upgrade notes
+    say: prepare-data prepares it again, but a run reading the prefix said nothing of it."""
+    if manifest is None:
+        return
+    prepared = manifest["fingerprint"]
+    keys = {"conversation_encoding": "messages_key", "pair_encoding": "response_key"}
+    stale = [why for marker, why in ENCODING_CHANGES.items() if keys[marker] in prepared and marker not in prepared]
+    stale += [why for marker, why in TOKENIZER_CHANGES.items()
+              if marker not in prepared.get("tokenizer", {}) and marker in encoding()]
+    if stale:
+        warnings.warn(f"data.prefix: {prefix} was prepared by an earlier megadiff: {'; '.join(stale)}. Prepare it "
+                      "again (prepare-data does so) before training on it", stacklevel=2)
 
 
 def _check_same_masking(prefix: str, manifest: dict | None, cfg: Config, tokenizer: Tokenizer) -> None:

@@ -150,6 +150,9 @@ class Pretraining:
         if changed_data:
             lines.append(f"the data differs from what the checkpoint trained on ({', '.join(changed_data)}: prepared "
                          f"again since): this run reads on from sample {start.position()[1]:,} of the new data's order")
+        elif start.continues and "data" not in start.saved:
+            lines.append("the checkpoint keeps no record of the data it trained on (saved by an earlier megadiff): "
+                         "data prepared again since cannot be told from it (its next checkpoint records it)")
         if 0 < drawn_for < self.train_samples:
             lines.append(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
                          f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "

@@ -68,8 +68,9 @@ def _check_same_model(saved: Config, cfg: Config, where: Path, own: bool) -> Non
         details = ", ".join(f"model.{k}: {before[k]!r} -> {now[k]!r}" for k in differing)
         # the run's own checkpoint: another output_dir starts afresh; checkpoint.load's: another one to start from
         other = "use a new output_dir" if own else "load a checkpoint of this model (checkpoint.load)"
+        settings = " ".join(f"model.{k}={before[k]}" for k in differing)
         raise ConfigError(f"the checkpoint {where} was trained with another model ({details}); "
-                          f"{other}, or the checkpoint's model settings")
+                          f"{other}, or the checkpoint's model settings ({settings})")
 
 
 def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
@@ -80,14 +81,25 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
     if rows == now:
         return
     tensor = cfg.parallel.tensor
-    fix = (f"set model.make_vocab_size_divisible_by={rows // tensor}, which pads to {rows} at parallel.tensor="
-           f"{tensor}" if rows % tensor == 0 else
+    multiple = _multiple_keeping(rows, cfg, saved.model.make_vocab_size_divisible_by)
+    fix = (f"set model.make_vocab_size_divisible_by={multiple}, which pads to {rows} at parallel.tensor={tensor}"
+           if multiple else
            f"keep parallel.tensor={saved.parallel.tensor}, or convert the Hugging Face model again after padding its "
            "vocabulary (resize_token_embeddings(..., pad_to_multiple_of=128), docs/conversion.md)")
     raise ConfigError(f"model.make_vocab_size_divisible_by: {where} holds a vocabulary of {saved.model.vocab_size} "
                       f"padded to {rows} rows ({saved.model.make_vocab_size_divisible_by} x parallel.tensor="
                       f"{saved.parallel.tensor}), this run would pad it to {now} "
                       f"({cfg.model.make_vocab_size_divisible_by} x parallel.tensor={tensor}): {fix}")
+
+
+def _multiple_keeping(rows: int, cfg: Config, saved_multiple: int) -> int | None:
+    """The make_vocab_size_divisible_by padding cfg's vocabulary to `rows` at its parallel.tensor: the checkpoint's
+    own, else the largest power of two below it (a small multiple keeps the rows at larger tensor sizes too),
+    else rows // tensor, which keeps them at this one alone."""
+    tensor = cfg.parallel.tensor
+    candidates = [saved_multiple] + [2 ** k for k in reversed(range(saved_multiple.bit_length()))]
+    candidates += [rows // tensor] if rows % tensor == 0 else []
+    return next((m for m in candidates if -(-cfg.model.vocab_size // (m * tensor)) * m * tensor == rows), None)
 
 
 def _starting_checkpoint(cfg: Config) -> tuple[Path | None, bool]:
