@@ -193,6 +193,25 @@ class HeldElsewhere(Exception):
     """Another process holds the lock: its host and pid, as it wrote them."""
 
 
+@contextlib.contextmanager
+def held_shared(path: str | Path) -> Iterator[None]:
+    """A shared lock on `path` (created if need be) while the block runs; HeldElsewhere where a process holds it
+    exclusively. Nothing is held where nothing can be (a file not ours to write, a filesystem without locks)."""
+    try:
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HeldElsewhere("a process writing it") from None
+        except OSError:
+            pass
+        yield
+
+
 def hold_lock(path: str | Path) -> IO | None:
     """An exclusive lock on `path` (created if needed), held until the returned handle is closed or the process
     ends, with this process's host and pid written in it; HeldElsewhere where another process holds it. None

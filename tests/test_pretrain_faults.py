@@ -189,6 +189,26 @@ def test_a_resumed_run_says_its_data_was_prepared_again(base, tmp_path, capsys):
     assert "the checkpoint keeps no record of the data it trained on" in capsys.readouterr().out
 
 
+def test_a_run_starting_on_data_being_prepared_is_refused_naming_it(base, tmp_path, capsys):
+    """prepare-data replacing a prefix while a run opened it: the run said the files were missing ("prepare the
+    data first"), or failed reading them after its datasets were built. Refused now, naming the lock."""
+    from megadiff.cli import main
+    from megadiff.files import exclusive_lock
+    from tests.conftest import kjv_verses
+
+    corpus, prefix = tmp_path / "corpus", tmp_path / "prepared" / "kjv"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": verse}) + "\n" for verse in kjv_verses()[:150]))
+    data = ["data.bundled_corpus=null", f"data.sources=[{corpus}]", f"data.prefix={prefix}"]
+    assert main(["prepare-data", str(DEMO_CONFIG), *base, *data]) == 0
+    run = [*base, *data, f"output_dir={tmp_path / 'run'}", "train.iters=1"]
+    with exclusive_lock(f"{prefix}.lock"):  # what prepare-data holds while it writes
+        assert main(["pretrain", str(DEMO_CONFIG), *run]) == 2
+    assert (f"data.prefix: {prefix} is being prepared (prepare-data holds {prefix}.lock): run again once it ends"
+            in capsys.readouterr().err)
+    assert main(["pretrain", str(DEMO_CONFIG), *run]) == 0
+
+
 def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):
     """SIGUSR1 on both ranks before anything is built (minutes at scale): the default action killed
     the ranks and failed the job; the run now takes its first step, checkpoints it and exits 75,

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from rich.console import Console
@@ -51,7 +51,7 @@ from megadiff.data.manifest import (
 from megadiff.data.sources import Source, load_texts, record_fields, resolve_sources
 from megadiff.data.tokenize_workers import Encoder
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
-from megadiff.files import exclusive_lock
+from megadiff.files import HeldElsewhere, exclusive_lock, held_shared
 
 DOCUMENTS_PER_BATCH = 256
 PARTS_SUFFIX = ".parts"
@@ -92,6 +92,20 @@ def ensure_prepared(cfg: Config) -> None:
     """
     if cfg.data.bundled_corpus:
         prepare(cfg.data)
+
+
+@contextlib.contextmanager
+def not_being_prepared(prefixes: Iterable[str]) -> Iterator[None]:
+    """Shared locks on the prefixes' `<prefix>.lock`, which preparing takes exclusively, while a run opens their
+    files: prepare-data replacing them meanwhile made a starting run say they were missing, or fail reading them."""
+    with contextlib.ExitStack() as held:
+        for prefix in prefixes:
+            try:
+                held.enter_context(held_shared(f"{prefix}.lock"))
+            except HeldElsewhere:
+                raise DataError(f"data.prefix: {prefix} is being prepared (prepare-data holds {prefix}.lock): run "
+                                "again once it ends") from None
+        yield
 
 
 @dataclass(frozen=True)

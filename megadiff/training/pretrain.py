@@ -101,13 +101,12 @@ class Pretraining:
             lambda: wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None)
         t = cfg.train
         self.train_samples, drawn_for = start.data_samples(cfg)
-        self.datasets, self.valid_sets, tokenizer = _prepare_data(cfg, self.train_samples)
+        self.datasets, self.valid_sets, tokenizer, data_now = _prepare_data(cfg, self.train_samples)
         self.document_eod = tokenizer.eod if cfg.data.document_masking else None
         self.engine: Engine = build_engine(cfg)
         self.scheduler = build_scheduler(cfg, self.engine.optimizer)
         self.state, how = restore(cfg, start, self.engine, self.scheduler)
         self.state.data_samples = self.train_samples
-        data_now = training_data_digests(cfg)
         changed_data, self.state.data = prepared_again(self.state.data, data_now), data_now
         self.unrecorded = StepMeans(self.state.unrecorded)  # the steps since the last record
         self.spike_guard = (SpikeGuard(t.skip_spike_sigma, t.spike_window, **self.state.spike_history)
@@ -308,10 +307,11 @@ class Pretraining:
 def _prepare_data(cfg: Config, train_samples: int):
     """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build
     (train, valid, test) with `train_samples` training samples, the validation sets ({"valid_loss": the valid split, and with
-    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}) and the tokenizer."""
+    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}), the tokenizer, and the data's
+    digests, all read while no prepare-data writes the data."""
     from megadiff.data.datasets import build_datasets, source_config, source_names
     from megadiff.data.locations import training_blend
-    from megadiff.data.prepare import ensure_prepared
+    from megadiff.data.prepare import ensure_prepared, not_being_prepared
     from megadiff.data.tokenizers import load_tokenizer
 
     if dist.get_rank() == 0:
@@ -320,15 +320,20 @@ def _prepare_data(cfg: Config, train_samples: int):
     t = cfg.train
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     num_samples = (train_samples, t.eval_iters * t.global_batch_size, 0)
-    # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
-    datasets = build_datasets(cfg, tokenizer, num_samples, t.seed)
-    valid_sets = {"valid_loss": datasets[1]}
     prefixes, _ = training_blend(cfg.data)
-    if t.eval_each_source and len(prefixes) > 1:
-        for prefix, name in zip(prefixes, source_names(prefixes)):
-            valid_sets[f"valid_loss/{name}"] = build_datasets(source_config(cfg, prefix), tokenizer,
-                                                              (0, num_samples[1], 0), t.seed)[1]
-    return datasets, valid_sets, tokenizer
+    with contextlib.ExitStack() as held:
+        # until every rank has opened the files (an atomic replacement leaves them theirs), and their digest is read
+        refused_together(lambda: held.enter_context(not_being_prepared(prefixes)) if dist.get_rank() == 0 else None)
+        # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
+        datasets = build_datasets(cfg, tokenizer, num_samples, t.seed)
+        valid_sets = {"valid_loss": datasets[1]}
+        if t.eval_each_source and len(prefixes) > 1:
+            for prefix, name in zip(prefixes, source_names(prefixes)):
+                valid_sets[f"valid_loss/{name}"] = build_datasets(source_config(cfg, prefix), tokenizer,
+                                                                  (0, num_samples[1], 0), t.seed)[1]
+        digests = training_data_digests(cfg)
+        dist.barrier()
+    return datasets, valid_sets, tokenizer, digests
 
 
 # inputs a node may read from its own copy, at its own path (a tokenizer directory, the checkpoint a run starts
