@@ -38,7 +38,8 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
     # how the tokenizer splits text (a directory's hash, None for tiktoken's): read once, if a manifest asks
     splits = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer).get("splits"))
     conversations = cfg.data.messages_key is not None
-    encoding = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=not conversations))
+    # how data of each kind (documents or conversations) is prepared now: read once, if a manifest asks
+    encoding = cache(lambda documents: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=documents))
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
         _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits, conversations)
@@ -85,7 +86,7 @@ TOKENIZER_CHANGES = {"template_special_tokens": "its chat template's special tok
                      "special_texts": "the tokenizer read a document's literal </s> as its end"}
 
 
-def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: Callable[[], dict]) -> None:
+def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: Callable[[bool], dict]) -> None:
     """Data an earlier megadiff prepared otherwise than prepare-data now does, as CHANGELOG's upgrade notes
     say: prepare-data prepares it again, but a run reading the prefix said nothing of it."""
     if manifest is None:
@@ -94,7 +95,7 @@ def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: C
     keys = {"conversation_encoding": "messages_key", "pair_encoding": "response_key"}
     stale = [why for marker, why in ENCODING_CHANGES.items() if keys[marker] in prepared and marker not in prepared]
     stale += [why for marker, why in TOKENIZER_CHANGES.items()
-              if marker not in prepared.get("tokenizer", {}) and marker in encoding()]
+              if marker not in prepared.get("tokenizer", {}) and marker in encoding("messages_key" not in prepared)]
     if stale:
         warnings.warn(f"data.prefix: {prefix} was prepared by an earlier megadiff: {'; '.join(stale)}. Prepare it "
                       "again (prepare-data does so) before training on it", stacklevel=2)
