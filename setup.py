@@ -12,8 +12,9 @@ class BuildWithConfigs(build_py):
     def run(self):
         super().run()
         if not self.editable_mode:  # an editable install reads the checkout's configs/ where they are
-            shutil.copytree(Path(__file__).parent / "configs", Path(self.build_lib, "megadiff", "resources", "configs"),
-                            dirs_exist_ok=True)
+            packed = Path(self.build_lib, "megadiff", "resources", "configs")
+            shutil.rmtree(packed, ignore_errors=True)  # a build directory used before: no config deleted since
+            shutil.copytree(Path(__file__).parent / "configs", packed)
 
 
 setup(cmdclass={"build_py": BuildWithConfigs})

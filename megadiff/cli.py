@@ -396,8 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # where libraries write their caches: a path refused under one of them is the variable's doing
-CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME",
-                   "TMPDIR")
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME")
 
 
 def _named_by(path) -> str:
@@ -410,9 +409,12 @@ def _named_by(path) -> str:
 
 def _stdout_reader_gone() -> bool:
     """Standard output is a pipe whose reading end is closed."""
-    poller = select.poll()
-    poller.register(sys.stdout.fileno(), 0)  # POLLERR is reported whatever the mask
-    return any(events & select.POLLERR for _, events in poller.poll(0))
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR is reported whatever the mask
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # a standard output without a file (captured, a notebook's)
+        return False
 
 
 # what the machine refused, not megadiff: a full disk, a quota, a read-only mount, permissions, and an output
@@ -425,7 +427,7 @@ def entry_point(argv: list[str] | None = None) -> int:
     inference command leaves its group for later calls in the same process (in-process callers of
     main() keep their loaded models); left to the interpreter's exit, NCCL warns of it and may hang there."""
     if argv is None:
-        _run_in_utf8_mode()
+        run_in_utf8_mode()
     formed_before = _process_group_formed()
     code = main(argv)
     if code == 0 and _process_group_formed() and not formed_before:
@@ -433,7 +435,7 @@ def entry_point(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run_in_utf8_mode() -> None:
+def run_in_utf8_mode() -> None:
     """megadiff's files, prompts and outputs are UTF-8, and so are torch's own templates: under a locale of another
     encoding (LC_ALL=C with PYTHONUTF8=0, a Latin-1 locale) Python reads and writes them in that one, and every
     command failed on the first non-ASCII byte (in torch's import). Then the same command again, in Python's UTF-8

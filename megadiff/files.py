@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
@@ -106,16 +107,21 @@ def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep:
     """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`, and
     those being read (removed at a later call). Later numbers (a run restarted from an earlier checkpoint left
     them) are not counted, so the one just committed can never be removed."""
+    for leftover in Path(directory).glob(f"{prefix}*{REMOVING_SUFFIX}"):  # a removal killed part way
+        shutil.rmtree(leftover, ignore_errors=True)
     for _, path in [entry for entry in numbered_dirs(directory, prefix) if entry[0] <= newest][:-keep]:
         _remove_unless_read(path)
 
 
 # in a directory being read (a checkpoint that generate or convert loads while its run goes on training)
 READERS_LOCK = ".readers.lock"
+REMOVING_SUFFIX = ".removing"
 
 
 def _remove_unless_read(path: Path) -> None:
-    """Removed holding its readers' lock exclusively: a reader arriving meanwhile waits, then finds it gone."""
+    """Moved out of its name holding its readers' lock exclusively, then removed: a reader arriving meanwhile
+    finds no directory there, or waits and then finds none (removed in place, rmtree could take the lock file
+    before the rest, and a reader then lock a new one in a directory going away)."""
     try:
         handle = open(path / READERS_LOCK, "a")
     except OSError:  # already gone, or not ours to write in: rmtree does what it can
@@ -128,7 +134,12 @@ def _remove_unless_read(path: Path) -> None:
             return
         except OSError:  # a filesystem without locks
             pass
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = path.with_name(path.name + REMOVING_SUFFIX)
+        try:
+            os.rename(path, doomed)
+        except OSError:
+            doomed = path
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -154,7 +165,11 @@ def exclusive_lock(path: str | Path) -> Iterator[None]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, ENOSYS: a filesystem without locks (Lustre without -o flock): none to take
+            yield
+            return
         try:
             yield
         finally:
@@ -171,6 +186,8 @@ def claimed(path: str | Path, refused: Callable[[str], Exception]) -> Iterator[N
             handle = hold_lock(path)
         except HeldElsewhere as holder:
             raise refused(str(holder)) from None
+        except PermissionError:  # beside an output in a directory not ours to write: nothing to hold
+            handle = None
         if handle is None or _names(path, handle):
             break
         handle.close()  # locked the file its holder removed as it let go: the one at `path` now is the lock
@@ -194,21 +211,27 @@ class HeldElsewhere(Exception):
 
 
 @contextlib.contextmanager
-def held_shared(path: str | Path) -> Iterator[None]:
+def held_shared(path: str | Path, wait_seconds: float = 0.0) -> Iterator[None]:
     """A shared lock on `path` (created if need be) while the block runs; HeldElsewhere where a process holds it
-    exclusively. Nothing is held where nothing can be (a file not ours to write, a filesystem without locks)."""
+    exclusively for longer than `wait_seconds`. Nothing is held where nothing can be (a file not ours to write,
+    a filesystem without locks)."""
     try:
         handle = open(path, "a")
     except OSError:
         yield
         return
     with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise HeldElsewhere("a process writing it") from None
-        except OSError:
-            pass
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise HeldElsewhere("a process writing it") from None
+                time.sleep(0.5)
+            except OSError:
+                break
         yield
 
 

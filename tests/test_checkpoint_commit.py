@@ -38,8 +38,45 @@ def test_keep_last_leaves_a_checkpoint_being_read_until_a_later_commit(tmp_path)
     with reading(iteration_dir(tmp_path, 100)):
         _commit_staged(tmp_path, 200, keep_last=1)
         assert _saved(tmp_path) == ["iter_0000100", "iter_0000200"]
+    (tmp_path / "iter_0000050.removing").mkdir()  # a removal killed part way
     _commit_staged(tmp_path, 300, keep_last=1)
     assert _saved(tmp_path) == ["iter_0000300"]
+
+
+def test_a_checkpoint_is_out_of_its_name_before_its_files_go(tmp_path, monkeypatch):
+    """Removed in place, rmtree could take its readers' lock file before the rest, and a reader arriving then
+    lock a new one there and read files as they went."""
+    import shutil
+
+    from megadiff import files
+
+    seen, remove = [], shutil.rmtree
+
+    def removing(path, **options):
+        seen.append((Path(path).name, iteration_dir(tmp_path, 100).exists()))
+        remove(path, **options)
+    _commit_staged(tmp_path, 100, keep_last=1)
+    monkeypatch.setattr(files.shutil, "rmtree", removing)
+    _commit_staged(tmp_path, 200, keep_last=1)
+    assert seen == [("iter_0000100.removing", False)] and _saved(tmp_path) == ["iter_0000200"]
+
+
+def test_a_filesystem_without_locks_still_takes_turns_without_them(tmp_path, monkeypatch):
+    """Lustre without `-o flock` (ENOSYS), NFS without lockd (ENOLCK): the work goes on, unlocked."""
+    import errno
+    import fcntl
+
+    from megadiff.files import exclusive_lock
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with exclusive_lock(tmp_path / "x.lock"):
+        done = True
+    assert done
+    _commit_staged(tmp_path, 100, keep_last=1)
+    _commit_staged(tmp_path, 200, keep_last=1)
+    assert _saved(tmp_path) == ["iter_0000200"]
 
 
 def test_a_checkpoint_removed_before_it_is_held_is_read_at_the_run_s_newer_one(tmp_path, monkeypatch):

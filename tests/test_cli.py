@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -133,6 +134,27 @@ def test_a_cache_directory_a_variable_names_is_said_to_come_from_it(monkeypatch,
                                        "$TORCHINDUCTOR_CACHE_DIR: point it at a directory you can write)\n")
 
 
+def test_a_path_under_tmpdir_is_the_user_s_own(monkeypatch, capsys, tmp_path):
+    """TMPDIR=/tmp holds the user's own outputs too: a refusal there is not the variable's."""
+    from megadiff import cli
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(cli, "_target", lambda path: lambda *args, **kwargs: os.makedirs(tmp_path / "a" / "b"))
+    (tmp_path / "a").touch()
+    assert main(["params", "c.yaml"]) == 3
+    assert capsys.readouterr().err == f"megadiff params: Not a directory: {tmp_path / 'a' / 'b'}\n"
+
+
+def test_a_broken_pipe_with_no_standard_output_file_is_not_taken_for_a_reader_gone(monkeypatch):
+    """In-process callers (a notebook, pytest's capture): the pipe error is the command's own, raised."""
+    import io
+
+    from megadiff import cli
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert cli._stdout_reader_gone() is False
+
+
 def test_a_full_disk_met_while_writing_is_said_without_a_file_name(monkeypatch, capsys):
     """A write() on a full disk raises an OSError that names no file (as writing to Linux's /dev/full does)."""
     from megadiff import cli
@@ -190,6 +212,15 @@ def test_a_locale_of_another_encoding_runs_in_utf8_mode(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
     assert out.decode("utf-8").startswith(f"{config}: variant diff")
+
+
+def test_the_tools_scripts_run_in_utf8_mode_too(tmp_path):
+    """tools/preprocess_data.py passes its arguments to the CLI: it ran in the locale's encoding."""
+    missing = tmp_path / "ünïcödé" / "absent.yaml"
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "tools" / "preprocess_data.py"),
+                           str(missing)], capture_output=True, env=env, timeout=300)
+    assert proc.returncode == 2 and f"config file not found: {missing}" in proc.stderr.decode("utf-8"), proc.stderr
 
 
 def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path):

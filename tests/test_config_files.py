@@ -67,6 +67,14 @@ def test_of_a_list_of_merged_mappings_the_earlier_one_wins(tmp_path, key):
         load_yaml_tree(tmp_path / "merge.yaml")
 
 
+def test_a_mapping_merging_itself_is_its_own_keys(tmp_path):
+    """PyYAML drops the `<<` before following it; following it first recursed for ever."""
+    (tmp_path / "merge.yaml").write_text("model: &m {num_layers: 2, <<: *m}\nx: &x {a: {<<: *x, b: 1}}\n")
+    tree = load_yaml_tree(tmp_path / "merge.yaml")
+    assert tree["model"] == {"num_layers": 2}
+    assert tree["x"]["a"]["b"] == 1 and tree["x"]["a"]["a"] is tree["x"]["a"]  # an ancestor: a cycle, as PyYAML's
+
+
 def test_a_config_saved_before_yaml_12_numbers_loads_as_it_was_written(tmp_path):
     """config.yaml files megadiff wrote for YAML 1.1 readers hold strings like 3e-4 unquoted (a run
     name of a learning-rate sweep): they still load, as strings; and what it writes now loads back alike."""

@@ -113,3 +113,14 @@ def test_a_conversion_into_a_save_another_is_writing_is_refused(tmp_path, direct
         convert(tmp_path / "no-such-source", save)
     assert not save.exists() or not any(save.iterdir())
     assert not Path(f"{save}.lock").exists()  # nothing left beside the output
+
+
+def test_a_save_at_the_working_directory_keeps_its_lock_beside_it(tmp_path, monkeypatch):
+    """`from-hf --save .` into an empty directory: `..lock` inside it made it "not empty"."""
+    from megadiff.convert.from_hf import convert_from_hf
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(out)
+    with pytest.raises(Exception, match="no-such-source"):
+        convert_from_hf(tmp_path / "no-such-source", ".")

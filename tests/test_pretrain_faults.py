@@ -189,7 +189,7 @@ def test_a_resumed_run_says_its_data_was_prepared_again(base, tmp_path, capsys):
     assert "the checkpoint keeps no record of the data it trained on" in capsys.readouterr().out
 
 
-def test_a_run_starting_on_data_being_prepared_is_refused_naming_it(base, tmp_path, capsys):
+def test_a_run_starting_on_data_being_prepared_is_refused_naming_it(base, tmp_path, capsys, monkeypatch):
     """prepare-data replacing a prefix while a run opened it: the run said the files were missing ("prepare the
     data first"), or failed reading them after its datasets were built. Refused now, naming the lock."""
     from megadiff.cli import main
@@ -202,11 +202,29 @@ def test_a_run_starting_on_data_being_prepared_is_refused_naming_it(base, tmp_pa
     data = ["data.bundled_corpus=null", f"data.sources=[{corpus}]", f"data.prefix={prefix}"]
     assert main(["prepare-data", str(DEMO_CONFIG), *base, *data]) == 0
     run = [*base, *data, f"output_dir={tmp_path / 'run'}", "train.iters=1"]
+    from megadiff.data import prepare
+
+    monkeypatch.setattr(prepare, "WAIT_FOR_PREPARING_SECONDS", 1)
     with exclusive_lock(f"{prefix}.lock"):  # what prepare-data holds while it writes
         assert main(["pretrain", str(DEMO_CONFIG), *run]) == 2
-    assert (f"data.prefix: {prefix} is being prepared (prepare-data holds {prefix}.lock): run again once it ends"
-            in capsys.readouterr().err)
+    assert (f"data.prefix: {prefix} is being prepared (a process preparing it, prepare-data or a run's bundled "
+            f"corpus, holds {prefix}.lock): run again once it ends" in capsys.readouterr().err)
+    # held for a moment (another process finding the data up to date): waited for
+    import threading
+
+    monkeypatch.setattr(prepare, "WAIT_FOR_PREPARING_SECONDS", 60)
+    taken = threading.Event()
+
+    def hold_a_moment():
+        with exclusive_lock(f"{prefix}.lock"):
+            taken.set()
+            time.sleep(5)  # past the run's start-up, into its wait
+
+    holder = threading.Thread(target=hold_a_moment)
+    holder.start()
+    taken.wait()
     assert main(["pretrain", str(DEMO_CONFIG), *run]) == 0
+    holder.join()
 
 
 def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_committed(base, tmp_path, monkeypatch):

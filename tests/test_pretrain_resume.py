@@ -98,7 +98,7 @@ def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(b
     # two ranks of tensor parallelism padding the vocabulary to 768 rows, not the checkpoint's 512
     refused = run_pretrain_in_ranks(2, base + [f"output_dir={output}", "parallel.tensor=2",
                                                "model.make_vocab_size_divisible_by=192"], expect=2)
-    assert "set model.make_vocab_size_divisible_by=64, which pads to 512" in refused.stderr, refused.stderr[-2000:]
+    assert "set model.make_vocab_size_divisible_by=32, which pads to 512" in refused.stderr, refused.stderr[-2000:]
     # a new output_dir continuing the run's count: the iterations to run come on top of its 3
     refused = run_pretrain_in_ranks(1, base + [f"output_dir={tmp_path / 'branch'}", f"checkpoint.load={output}",
                                                f"train.iters={STOP}"], expect=2)
@@ -187,7 +187,7 @@ def test_a_resumed_layout_keeps_the_vocabulary_rows():
                                  f"parallel.tensor={tensor}", *padding], world_size=tensor)
 
     saved = config(200, 24)
-    fix = "set model.make_vocab_size_divisible_by=108"
+    fix = "set model.make_vocab_size_divisible_by=12"
     for multiple, message in ((24, f"padded to 216 rows .* pad it to 240 .*: {fix}"), (1, f"pad it to 200 .*: {fix}")):
         with pytest.raises(ConfigError, match=message):
             _check_same_vocabulary(saved, config(200, multiple, tensor=2), "ckpt")
@@ -201,6 +201,10 @@ def test_a_resumed_layout_keeps_the_vocabulary_rows():
         _check_same_vocabulary(config(100288, 128), config(100288, 32), "ckpt")
     with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=64, which pads to 384"):
         _check_same_vocabulary(config(300, 128), config(300, 128, tensor=2), "ckpt")
+    # fewer tensor ranks: the step kept (256 at one rank), not the rows themselves
+    with pytest.raises(ConfigError, match="set model.make_vocab_size_divisible_by=256, which pads to 32256 at "
+                                          "parallel.tensor=1"):
+        _check_same_vocabulary(config(32001, 128, tensor=2), config(32001, 128), "ckpt")
 
 
 def test_a_continued_run_names_what_of_its_data_order_changed(monkeypatch):

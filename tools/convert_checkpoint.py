@@ -9,7 +9,8 @@ iter_* directory, saved with any tensor/pipeline-parallel layout. See docs/conve
 """
 import sys
 
-from megadiff.cli import entry_point as megadiff_main
+from megadiff.cli import entry_point as megadiff_main, run_in_utf8_mode
 
 if __name__ == "__main__":
+    run_in_utf8_mode()
     sys.exit(megadiff_main(["convert", *sys.argv[1:]]))

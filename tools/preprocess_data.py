@@ -10,7 +10,8 @@ running it again with unchanged sources and tokenizer does nothing. See docs/dat
 """
 import sys
 
-from megadiff.cli import entry_point as megadiff_main
+from megadiff.cli import entry_point as megadiff_main, run_in_utf8_mode
 
 if __name__ == "__main__":
+    run_in_utf8_mode()
     sys.exit(megadiff_main(["prepare-data", *sys.argv[1:]]))

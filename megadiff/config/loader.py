@@ -62,11 +62,11 @@ class ConfigFileLoader(yaml.SafeLoader):
         """YAML's merge keys, whatever PyYAML's release: a mapping's own keys win over merged ones, and of
         `<<: [*a, *b]` the earlier mapping's (PyYAML 6.0.4 lets *b win, and a nested merge's overridden value
         win for a one-letter key). In place, as PyYAML does: an anchored mapping is merged once."""
-        merged, own = [], []
-        for key_node, value_node in node.value:
-            if key_node.tag != MERGE_TAG:
-                own.append((key_node, value_node))
-                continue
+        merges = [value_node for key_node, value_node in node.value if key_node.tag == MERGE_TAG]
+        # its own keys alone before merging in: a mapping merging itself (or an ancestor) ends there
+        node.value = [pair for pair in node.value if pair[0].tag != MERGE_TAG]
+        own, merged = node.value, []
+        for value_node in merges:
             sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
             for source in sources:
                 if not isinstance(source, yaml.MappingNode):

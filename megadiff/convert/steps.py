@@ -3,6 +3,7 @@ minutes to read, write and check, and a step that prints nothing looks like one 
 claim on the directory it writes."""
 from __future__ import annotations
 
+import os
 import time
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -26,6 +27,6 @@ def step(console: Console, action: str) -> Iterator[None]:
 def writing_alone(out: Path) -> AbstractContextManager:
     """Held by the conversion writing `out` (its lock, `<out>.lock`, beside it while it runs): two into one --save
     at once each removed the other's staged files as it started, leaving an export without its weights, or a mix."""
-    return claimed(f"{out}.lock", lambda holder: ConversionError(
+    return claimed(f"{os.path.abspath(out)}.lock", lambda holder: ConversionError(
         f"--save {out} is being written by another conversion ({holder}): wait for it to end, or give another "
         "--save"))

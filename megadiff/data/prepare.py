@@ -94,17 +94,21 @@ def ensure_prepared(cfg: Config) -> None:
         prepare(cfg.data)
 
 
+WAIT_FOR_PREPARING_SECONDS = 60
+
+
 @contextlib.contextmanager
 def not_being_prepared(prefixes: Iterable[str]) -> Iterator[None]:
     """Shared locks on the prefixes' `<prefix>.lock`, which preparing takes exclusively, while a run opens their
-    files: prepare-data replacing them meanwhile made a starting run say they were missing, or fail reading them."""
+    files: prepare-data replacing them meanwhile made a starting run say they were missing, or fail reading them.
+    A minute's wait first: finding data up to date holds the lock for a moment too."""
     with contextlib.ExitStack() as held:
         for prefix in prefixes:
             try:
-                held.enter_context(held_shared(f"{prefix}.lock"))
+                held.enter_context(held_shared(f"{prefix}.lock", wait_seconds=WAIT_FOR_PREPARING_SECONDS))
             except HeldElsewhere:
-                raise DataError(f"data.prefix: {prefix} is being prepared (prepare-data holds {prefix}.lock): run "
-                                "again once it ends") from None
+                raise DataError(f"data.prefix: {prefix} is being prepared (a process preparing it, prepare-data or a "
+                                f"run's bundled corpus, holds {prefix}.lock): run again once it ends") from None
         yield
 
 

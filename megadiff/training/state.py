@@ -81,7 +81,7 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
     if rows == now:
         return
     tensor = cfg.parallel.tensor
-    multiple = _multiple_keeping(rows, cfg, saved.model.make_vocab_size_divisible_by)
+    multiple = _multiple_keeping(rows, cfg, saved.model.make_vocab_size_divisible_by * saved.parallel.tensor)
     fix = (f"set model.make_vocab_size_divisible_by={multiple}, which pads to {rows} at parallel.tensor={tensor}"
            if multiple else
            f"keep parallel.tensor={saved.parallel.tensor}, or convert the Hugging Face model again after padding its "
@@ -92,12 +92,13 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
                       f"({cfg.model.make_vocab_size_divisible_by} x parallel.tensor={tensor}): {fix}")
 
 
-def _multiple_keeping(rows: int, cfg: Config, saved_multiple: int) -> int | None:
-    """The make_vocab_size_divisible_by padding cfg's vocabulary to `rows` at its parallel.tensor: the checkpoint's
-    own, else the largest power of two below it (a small multiple keeps the rows at larger tensor sizes too),
-    else rows // tensor, which keeps them at this one alone."""
+def _multiple_keeping(rows: int, cfg: Config, saved_step: int) -> int | None:
+    """The make_vocab_size_divisible_by padding cfg's vocabulary to `rows` at its parallel.tensor: the one keeping
+    the checkpoint's step (its multiple x its parallel.tensor), else the largest power of two below that (a small
+    multiple keeps the rows at larger tensor sizes too), else rows // tensor, which keeps them at this one alone."""
     tensor = cfg.parallel.tensor
-    candidates = [saved_multiple] + [2 ** k for k in reversed(range(saved_multiple.bit_length()))]
+    candidates = [saved_step // tensor] if saved_step % tensor == 0 else []
+    candidates += [2 ** k for k in reversed(range((saved_step // tensor).bit_length()))]
     candidates += [rows // tensor] if rows % tensor == 0 else []
     return next((m for m in candidates if -(-cfg.model.vocab_size // (m * tensor)) * m * tensor == rows), None)
 
