@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import IO, Callable, Iterator
@@ -160,13 +161,18 @@ def reading(directory: str | Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str | Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created if needed; left in place, as lock files must be)."""
+def exclusive_lock(path: str | Path, waiting_for: str = "another process") -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if needed; left in place, as lock files must be), saying on
+    standard error what it waits for where another process holds it (a wait that says nothing looks like a hang)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"megadiff: waiting for {waiting_for} (holding {path})", file=sys.stderr, flush=True)
+                fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError:  # ENOLCK, ENOSYS: a filesystem without locks (Lustre without -o flock): none to take
             yield
             return

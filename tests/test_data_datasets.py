@@ -92,7 +92,7 @@ def test_eod_mask_loss_drops_the_loss_after_each_eod(corpus, tmp_path, upsampled
         assert sample["loss_mask"].tolist() == [float(token != EOD) for token in sample["tokens"]]
 
 
-def test_a_job_sharing_the_index_cache_builds_after_the_one_writing_it(corpus, tmp_path):
+def test_a_job_sharing_the_index_cache_builds_after_the_one_writing_it(corpus, tmp_path, capsys):
     """Another job's rank 0 building the same data.cache_dir's indices holds their lock: this one waits, then
     reads whole files (it read them torn, or wrote them again in place under the other)."""
     import threading
@@ -109,6 +109,9 @@ def test_a_job_sharing_the_index_cache_builds_after_the_one_writing_it(corpus, t
         assert builder.is_alive() and not built and not list(index_cache_dir(cfg.data).glob("*.npy"))
     builder.join(timeout=120)
     assert len(built) == 1 and len(built[0][0]) >= 10 and list(index_cache_dir(cfg.data).glob("*.npy"))
+    lock = index_cache_dir(cfg.data) / ".build.lock"
+    said = capsys.readouterr().err
+    assert f"megadiff: waiting for another job building the data's index cache (holding {lock})" in said
 
 
 def test_a_split_with_zero_weight_is_none(corpus, tmp_path):

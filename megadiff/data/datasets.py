@@ -102,7 +102,7 @@ def _building_alone(data: DataConfig) -> contextlib.AbstractContextManager:
     The job's other ranks read after rank 0, within megatron's build: they take no lock."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return contextlib.nullcontext()
-    return exclusive_lock(index_cache_dir(data) / ".build.lock")
+    return exclusive_lock(index_cache_dir(data) / ".build.lock", "another job building the data's index cache")
 
 
 @contextlib.contextmanager

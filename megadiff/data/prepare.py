@@ -173,7 +173,7 @@ def _plan(data: DataConfig) -> _Plan:
 def prepare(data: DataConfig, console: Console | None = None) -> dict:
     """Prepare data.sources (or data.bundled_corpus) at data_prefix(data); returns the manifest's stats."""
     console = console or plain_console()
-    with exclusive_lock(f"{data_prefix(data)}.lock"):
+    with exclusive_lock(f"{data_prefix(data)}.lock", "another process preparing this data"):
         plan = _plan(data)
         _refuse_replacing_other_data(plan)
         stats = plan.up_to_date(console)
@@ -204,7 +204,7 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
     """Tokenize parts index, index + count, ... only (one of `count` processes sharing the work);
     a plain `prepare` afterwards finds them done and merges."""
     console = console or plain_console()
-    with exclusive_lock(f"{data_prefix(data)}.lock"):
+    with exclusive_lock(f"{data_prefix(data)}.lock", "another process preparing this data"):
         plan = _plan(data)
         _refuse_replacing_other_data(plan)
     if plan.up_to_date(console) is not None:
@@ -277,7 +277,8 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
 def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress) -> dict:
     prefix, source = plan.part_prefix(index), plan.parts[index]
     fingerprint = plan.fingerprint | {"sources": [source.fingerprint()]}
-    with exclusive_lock(f"{prefix}.lock"):  # a plain run and --part runs may reach the same part
+    # a plain run and --part runs may reach the same part
+    with exclusive_lock(f"{prefix}.lock", "another process preparing this part"):
         if is_up_to_date(prefix, fingerprint, plan.output_prefixes(prefix)):
             return read_manifest(prefix)["stats"]
         remove_manifest(prefix)

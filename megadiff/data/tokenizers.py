@@ -320,6 +320,7 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Tokenizer:
     if Path(spec).is_absolute() and not Path(spec).exists():  # from-hf's checkpoints name their tokenizer/ so: moved?
         raise TokenizerError(f"data.tokenizer: {spec} does not exist (moved or deleted?): give data.tokenizer= its "
                              "path now (a converted checkpoint's tokenizer/ moves with it)")
-    relative = "" if Path(spec).is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+    relative = "" if Path(spec).is_absolute() else (
+        f" (a relative path is read from the current directory, {Path.cwd()})")
     raise TokenizerError(f"data.tokenizer: {spec!r} is neither one of {PACKAGED_TIKTOKEN} nor a directory of "
                          f"Hugging Face tokenizer files{relative}")

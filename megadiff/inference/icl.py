@@ -65,7 +65,8 @@ def load_examples(dataset: str, config: str | None, split: str, text_key: str, l
                               "other split's file), or a Hugging Face dataset's name")
         if Path(dataset).is_dir():
             path = Path(dataset) / f"{split}.jsonl"
-            with path.open(encoding="utf-8") as lines:  # datasets' JSON reader fails on an empty file with a StopIteration
+            # datasets' JSON reader fails on an empty file with a StopIteration
+            with path.open(encoding="utf-8") as lines:
                 if not any(line.strip() for line in lines):
                     raise ConfigError(f"{path} holds no examples")
             rows = datasets.load_dataset("json", data_files={split: str(path)})[split]
