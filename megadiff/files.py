@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import secrets
 import shutil
@@ -143,21 +144,10 @@ def _remove_unless_read(path: Path) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def reading(directory: str | Path) -> Iterator[None]:
-    """A shared lock on `directory` while the block reads it, which remove_older_numbered respects; read
-    without one where none can be taken (a directory gone, or on storage not ours to write)."""
-    try:
-        handle = open(Path(directory) / READERS_LOCK, "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH)
-        except OSError:  # a filesystem without locks
-            pass
-        yield
+def reading(directory: str | Path) -> contextlib.AbstractContextManager:
+    """A shared lock on `directory` while the block reads it, which remove_older_numbered respects (waiting while
+    it moves the directory away); read without one where none can be taken (a directory gone, or not ours)."""
+    return held_shared(Path(directory) / READERS_LOCK, wait_seconds=math.inf)
 
 
 @contextlib.contextmanager
