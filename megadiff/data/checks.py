@@ -35,11 +35,11 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
                         f"{cfg.data.tokenizer!r} ({tokenizer.vocab_size} ids); set model.vocab_size >= "
                         f"{tokenizer.vocab_size}")
     key = "data.blend" if cfg.data.blend else "data.prefix"
-    # how the tokenizer splits text (a directory's hash, None for tiktoken's): read once, if a manifest asks
-    splits = cache(lambda: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer).get("splits"))
     conversations = cfg.data.messages_key is not None
     # how data of each kind (documents or conversations) is prepared now: read once, if a manifest asks
     encoding = cache(lambda documents: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=documents))
+    # how the tokenizer splits text (a directory's hash, None for tiktoken's): the same reading, not a second one
+    splits = lambda: encoding(True).get("splits")  # noqa: E731
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
         _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits, conversations)
