@@ -31,7 +31,13 @@ class WandbSink:
         self.run.log(flat_record)
 
     def close(self, failed: bool = False) -> None:
+        import wandb
+
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() leaves the run's last records in wandb-core's buffer, written as its service shuts down, which
+        # W&B does at interpreter exit: `megadiff adapt` ends with os._exit (as multiprocessing's ranks do), and
+        # its runs then lost their exit record now and then (W&B showed them running, never finished)
+        wandb.teardown()
 
 
 def wandb_sink(run_dir: str | Path, logging, run_config: dict) -> WandbSink | None:
