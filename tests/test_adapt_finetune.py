@@ -293,6 +293,45 @@ def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     assert [{k: r[k] for k in keys} for r in read_metrics(resumed)] == uninterrupted
 
 
+def adam_settings_seen(config: str, overrides: list[str], report: str) -> int:
+    """finetuned's run; rank 0 records, as each iteration begins, the settings of the torch AdamW that steps
+    (inside DeepSpeed's ZeRO optimizer)."""
+    from megadiff.adapt import finetune
+
+    train_iteration, seen = finetune._train_iteration, {}
+
+    def recorded(engine, reader, iteration, grad_accum):
+        if int(os.environ["RANK"]) == 0:
+            seen[iteration] = [{key: group[key] for key in ("betas", "eps", "weight_decay")}
+                               for group in engine.optimizer.optimizer.param_groups]
+            Path(report).write_text(json.dumps(seen))
+        return train_iteration(engine, reader, iteration, grad_accum)
+
+    with mock.patch.object(finetune, "_train_iteration", recorded):
+        return finetuned(config, overrides)
+
+
+@pytest.mark.parametrize("stage", [
+    [f"deepspeed={REPO / 'configs/deepspeed/zero2.json'}"],
+    # DeepSpeed's BF16 optimizer wraps the AdamW otherwise
+    [f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}", "train.precision=bf16"],
+])
+def test_a_rerun_trains_with_its_own_adam_settings(workspace, tmp_path, stage):
+    """Stopped after iteration 2, rerun with other betas, eps and weight decay: its steps use them (as its lr
+    schedule and clipping follow its config), not the ones the loaded optimizer state was saved with."""
+    output, report = tmp_path / "run", tmp_path / "seen.json"
+    adapt_in_ranks(workspace, *stage, f"output_dir={output}", "checkpoint.exit_interval=2")
+    rerun = [*stage, f"output_dir={output}", "train.weight_decay=0.05", "train.adam_betas=[0.8,0.9]",
+             "train.adam_eps=1e-6"]
+    with mock.patch.dict(os.environ, _env(workspace)):
+        run_reporting_ranks(2, adam_settings_seen, str(workspace / "adapt.yaml"), rerun, str(report), timeout=400)
+    train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
+    expected = {"betas": list(train.adam_betas), "eps": train.adam_eps, "weight_decay": train.weight_decay}
+    seen = json.loads(report.read_text())
+    assert sorted(seen) == [str(iteration) for iteration in range(3, ITERS + 1)]
+    assert all(groups == [expected] * len(groups) for groups in seen.values())
+
+
 def counted_adaptation(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
     """`megadiff adapt` in a spawned rank, recording the mode of each forward of a decoder layer's MLP
     (the layer's own forward is transformers' checkpointing wrapper): [training, grad enabled]."""

@@ -30,7 +30,7 @@ from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
-from megadiff.adapt.resume import LATEST_FILE, damage_named, resume_point
+from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
 from megadiff.config.loader import config_yaml
@@ -212,6 +212,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 start = client_state["iteration"]
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
                 resume_schedule(engine.lr_scheduler, cfg.train)
+                keep_this_runs_adam_settings(engine.optimizer, cfg.train)
             if rank == 0:
                 writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
                                        total_iterations=cfg.train.iters,

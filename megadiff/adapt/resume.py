@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megadiff.adapt.settings import TrainSection
 from megadiff.errors import MegadiffError
 from megadiff.files import ITERATION_PREFIX, numbered_dirs
 
@@ -62,3 +63,12 @@ def damage_named(checkpoint: Path):
 def _others(checkpoint: Path) -> str:
     others = [name for name in whole_checkpoints(checkpoint.parent) if name != checkpoint.name]
     return f" The run's other checkpoints: {', '.join(others)} (name one in {LATEST_FILE})" if others else ""
+
+
+def keep_this_runs_adam_settings(optimizer, train: TrainSection) -> None:
+    """After a checkpoint is loaded: Adam's betas, eps and weight decay are this run's config's. Loading the
+    optimizer state (torch's Optimizer.load_state_dict, under every ZeRO stage) replaced them with the saving
+    run's, so a rerun that changed them trained on with the old ones, silently (its clipping, a DeepSpeed engine
+    setting, and its lr schedule followed the config)."""
+    for group in optimizer.param_groups:
+        group.update(betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay)
