@@ -332,6 +332,46 @@ def test_a_rerun_trains_with_its_own_adam_settings(workspace, tmp_path, stage):
     assert all(groups == [expected] * len(groups) for groups in seen.values())
 
 
+def _llama_with_attention_biases(workspace: Path, directory: Path) -> None:
+    """The workspace's tiny Llama with q/k/v/o biases, drawn non-zero (decay moves no zero)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(workspace / "model")
+    config.attention_bias = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.5)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(workspace / "model").save_pretrained(directory)
+
+
+def test_weight_decay_leaves_biases_and_norm_weights_alone(workspace, tmp_path):
+    """AdamW as the DAA paper's Hugging Face Trainer runs it: biases and norm weights are never decayed, every
+    other trained tensor is. One step of everything trained, with and without weight decay: both start from the
+    same weights and gradients, so decoupled decay alone tells the two apart (p -= lr wd p, before Adam's step)."""
+    from safetensors.torch import load_file
+
+    model = tmp_path / "biased"
+    _llama_with_attention_biases(workspace, model)
+    exported = {}
+    for decay in (0.0, 0.5):
+        output = tmp_path / f"decay-{decay}"
+        adapt_in_ranks(workspace, f"model.path={model}", f"output_dir={output}", 'adaptation.trainable=["*"]',
+                       "train.iters=1", "train.warmup_ratio=0", f"train.weight_decay={decay}")
+        exported[decay] = load_file(output / "hf" / "model.safetensors")
+    undecayed = [name for name in exported[0.0] if name.endswith("bias") or "norm" in name]
+    assert any("self_attn.k_proj.bias" in name for name in undecayed)
+    assert any("layernorm" in name for name in undecayed)
+    for name, tensor in exported[0.0].items():
+        if name in undecayed:
+            torch.testing.assert_close(exported[0.5][name], tensor, rtol=0, atol=0, msg=name)
+        elif tensor.dim() == 2:  # lambda_learn starts at 0, which decay leaves
+            assert not torch.equal(exported[0.5][name], tensor), name
+
+
 def counted_adaptation(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
     """`megadiff adapt` in a spawned rank, recording the mode of each forward of a decoder layer's MLP
     (the layer's own forward is transformers' checkpointing wrapper): [training, grad enabled]."""

@@ -53,6 +53,26 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
     return ds
 
 
+# a param group's key: its parameters never decay, whatever train.weight_decay (read again on resume)
+NO_WEIGHT_DECAY = "no_weight_decay"
+
+
+def parameter_groups(model: torch.nn.Module) -> list[dict]:
+    """The trained parameters as AdamW's param groups. Which decay is the Hugging Face Trainer's rule, the one
+    the DAA paper's adamw_torch runs followed (weight decay 0.01): never biases and norm weights (megatron,
+    and so pretraining, leaves them alike), every other trained tensor by train.weight_decay. One flat group
+    decayed Qwen2's attention biases too, and every norm weight of a run training them."""
+    from transformers import Trainer
+
+    decayed_names = set(Trainer.get_decay_parameter_names(None, model))  # uses no Trainer state
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    decayed = [param for name, param in trained if name in decayed_names]
+    kept = [param for name, param in trained if name not in decayed_names]
+    # no empty group: a run training no bias or norm keeps the one group its earlier checkpoints hold
+    groups = [{"params": decayed}] if decayed else []
+    return groups + ([{"params": kept, "weight_decay": 0.0, NO_WEIGHT_DECAY: True}] if kept else [])
+
+
 def zero_stage(ds: dict) -> int:
     return ds.get("zero_optimization", {}).get("stage", 0)
 

@@ -197,7 +197,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
 
             engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
-                                              model_parameters=[p for p in model.parameters() if p.requires_grad])
+                                              model_parameters=dss.parameter_groups(model))
             leave_out_frozen_aliases(engine)
             # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
             # turns on its dropout and gradient checkpointing

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megadiff.adapt.deepspeed_setup import NO_WEIGHT_DECAY
 from megadiff.adapt.settings import TrainSection
 from megadiff.errors import MegadiffError
 from megadiff.files import ITERATION_PREFIX, numbered_dirs
@@ -69,6 +70,7 @@ def keep_this_runs_adam_settings(optimizer, train: TrainSection) -> None:
     """After a checkpoint is loaded: Adam's betas, eps and weight decay are this run's config's. Loading the
     optimizer state (torch's Optimizer.load_state_dict, under every ZeRO stage) replaced them with the saving
     run's, so a rerun that changed them trained on with the old ones, silently (its clipping, a DeepSpeed engine
-    setting, and its lr schedule followed the config)."""
+    setting, and its lr schedule followed the config). Biases and norm weights stay undecayed."""
     for group in optimizer.param_groups:
-        group.update(betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay)
+        group.update(betas=tuple(train.adam_betas), eps=train.adam_eps,
+                     weight_decay=0.0 if group.get(NO_WEIGHT_DECAY) else train.weight_decay)
