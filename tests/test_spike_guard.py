@@ -52,3 +52,13 @@ def test_the_history_keeps_both_windows_apart():
     assert guard.history() == {"losses": [2.9, 2.8, 2.7], "grad_norms": [0.6, 0.4, 0.55]}
     rebuilt = SpikeGuard(3.0, 3, **guard.history())
     assert rebuilt.is_spike(2.7, 5.0) and guard.is_spike(2.7, 5.0)  # a gradient-norm spike, the loss in range
+
+
+def test_a_guard_resumed_with_a_smaller_window_decides_on_its_last_steps():
+    """train.spike_window lowered on resume: the saved history is longer than the new window, whose statistics
+    are those of the last `window` steps; the resumed run's first step is guarded like every other."""
+    history = [3.0, 2.9, 2.8, 2.75, 2.7, 2.72]
+    resumed = SpikeGuard(3.0, 4, losses=history, grad_norms=[1.0] * len(history))
+    spike = _threshold(history[-4:], 3.0) * 1.001
+    assert resumed.is_spike(spike, 1.0)
+    assert resumed.losses == history[-3:] + [spike]

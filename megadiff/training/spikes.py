@@ -17,6 +17,11 @@ class SpikeGuard:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # a run resumed with a smaller train.spike_window gets a longer saved history: untrimmed, the window never
+        # counted as full at its first step, which went unguarded whatever its loss
+        self.losses, self.grad_norms = self.losses[-self.window:], self.grad_norms[-self.window:]
+
     def is_spike(self, loss: float, grad_norm: float) -> bool:
         """Whether this step spikes (never before the window is full); then adds it to the window."""
         spike = len(self.losses) == self.window and (_above(loss, self.losses, self.sigma)
