@@ -32,8 +32,10 @@ def sample_from_hf(hf_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 40,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    # a variant other than DIFF (model.variant=dint among the overrides) exports megadiff's own modeling code beside
+    # the weights, which transformers runs only when trusted: the conversion just wrote it from megadiff's package
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     inputs = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(seed)
     output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=40)

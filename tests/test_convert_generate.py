@@ -53,6 +53,23 @@ def test_export_generates_what_megadiff_generates(models, name):
     assert theirs[:len(ours)] == ours
 
 
+@pytest.mark.parametrize("name", ["diff", *REMOTE])
+def test_the_demos_sample_is_transformers_sample_of_any_variants_export(models, name):
+    """`megadiff demo` takes any override of its config, model.variant=dint too: its last stage samples from the
+    export, which then holds megadiff's modeling code, as a user loading it with trust_remote_code would."""
+    from megadiff.demo import sample_from_hf
+
+    _, hf_dir, model = models[name]
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
+    prompt = "In the beginning God"
+    torch.manual_seed(0)
+    with torch.no_grad():
+        expected = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=NEW_TOKENS, do_sample=True,
+                                  temperature=0.8, top_k=40)
+    assert sample_from_hf(hf_dir, prompt, max_new_tokens=NEW_TOKENS) == tokenizer.decode(expected[0],
+                                                                                         skip_special_tokens=True)
+
+
 def test_a_plain_prompt_is_read_as_the_tokenizer_reads_a_text(tmp_path, capsys):
     """With a tokenizer that puts a BOS before every text (Llama's), `megadiff generate` continues the
     prompt as transformers does the export's tokenizer's encoding of it, BOS first; files of prompts
