@@ -474,6 +474,28 @@ def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeyp
         assert torch.equal(again(x).logits, model(x).logits)
 
 
+def test_a_chat_tuned_export_stops_generating_at_the_templates_end_of_turn(tmp_path):
+    """A base model whose EOS is not ChatML's <|im_end|> (Qwen2's <|endoftext|>), tuned on conversations: the
+    export's generate() must stop at the end of the assistant's turn, as megadiff's own exports do, not run on
+    into made-up turns. A template ending turns with the EOS itself adds nothing."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tests.convert_worker import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tokenizer", bos="<|im_end|>"))
+    end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    assert end != eos
+    model = apply_dex(tiny_model("qwen2", eos_token_id=eos), {}, calibration=[tokens(seed=5)])
+    templates = {"chatml": (Path(__file__).resolve().parents[1] / "configs/chat/chatml.jinja").read_text(),
+                 "eos": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"}
+    for name, expected in (("chatml", [eos, end]), ("eos", eos)):
+        tokenizer.chat_template = templates[name]
+        save_adapted(model, tmp_path / name, tokenizer=tokenizer)
+        assert GenerationConfig.from_pretrained(tmp_path / name).eos_token_id == expected
+
+
 @pytest.mark.parametrize("bad_row", [[], [1, 1], [-1]], ids=["empty", "repeated", "negative"])
 def test_given_heads_refuse_empty_repeated_or_negative_rows(bad_row):
     """selected_heads is the user's own choice of heads: a layer given no head, a head twice, or a negative

@@ -16,6 +16,8 @@ from megadiff.adapt import modeling_adapted
 from megadiff.adapt.config import AdaptationError
 from megadiff.adapt.modeling_adapted import EXPORT_CLASSES, describe_adapters
 from megadiff.adapt.settings import MODEL_CODE_MODULE
+from megadiff.data.conversations import stop_ids
+from megadiff.data.tokenizers import HFTokenizer
 from megadiff.files import publish_staged, staging_dir
 
 
@@ -42,6 +44,19 @@ def adapted_config(model: nn.Module):
     return config
 
 
+def _stop_at_turn_end(directory: Path, tokenizer) -> None:
+    """The exported generation config stops at the chat template's end of turn too (ChatML's <|im_end|> on a base
+    model whose EOS is <|endoftext|>, Qwen2's): a model tuned on conversations ends its replies there."""
+    from transformers import GenerationConfig
+
+    if not tokenizer.chat_template or tokenizer.eos_token_id is None:  # no turns; megadiff's reader needs an EOS
+        return
+    generation = GenerationConfig.from_pretrained(directory)
+    template_reader = HFTokenizer(str(directory), tokenizer)
+    generation.eos_token_id = stop_ids(generation.eos_token_id, template_reader.chat_template, template_reader)
+    generation.save_pretrained(directory)
+
+
 def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[dict] = None, tokenizer=None) -> Path:
     """Write the HF directory. `state_dict`: the full weights when the model's own are partitioned (ZeRO-3).
     It is written aside and named when whole: killed between the weights and the adapted config, it loaded
@@ -55,5 +70,6 @@ def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[d
     shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
     if tokenizer is not None:
         tokenizer.save_pretrained(staged)
+        _stop_at_turn_end(staged, tokenizer)
     publish_staged(directory)
     return directory

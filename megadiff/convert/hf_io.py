@@ -25,7 +25,7 @@ import torch
 from megadiff.config import Config, dump_config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
-from megadiff.data.conversations import chat_template_of, save_chat_template, turn_end_id
+from megadiff.data.conversations import chat_template_of, save_chat_template, stop_ids
 from megadiff.errors import first_line
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
@@ -151,10 +151,7 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
 def _generation_config(generation, tokenizer, source_cfg: Config):
     """transformers' generate() stops at the EOS ids of the generation config: with the exported chat template's
     end of turn among them (a chat-tuned model's reply ends there), it stops where megadiff's chat stops."""
-    template = chat_template_of(source_cfg.data, tokenizer)
-    end = turn_end_id(template, tokenizer) if template is not None else None
-    if end is not None and end != generation.eos_token_id:
-        generation.eos_token_id = [generation.eos_token_id, end]
+    generation.eos_token_id = stop_ids(generation.eos_token_id, chat_template_of(source_cfg.data, tokenizer), tokenizer)
     generation.pad_token_id = tokenizer.pad
     return generation
 

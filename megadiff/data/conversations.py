@@ -123,6 +123,17 @@ def turn_end_id(template: str, tokenizer: Tokenizer) -> Optional[int]:
     return ids[0] if len(ids) == 1 else None
 
 
+def stop_ids(eos, template: Optional[str], tokenizer: Tokenizer):
+    """A generation config's eos_token_id (an id, a list of them, or None) with the template's end of turn
+    added where it is one other token: transformers' generate() stops there, as megadiff's chat does, not
+    running on into made-up turns."""
+    end = turn_end_id(template, tokenizer) if template is not None else None
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if end is None or end in ids:
+        return eos
+    return [*ids, end] if ids else end
+
+
 def _learned_reply_text(template: str, variables: dict) -> str:
     """The text the loss is on when PROBE_REPLY is rendered: what the model learns to write as a reply."""
     return "".join(piece for piece, mine in conversation_pieces(PROBE_REPLY, template, variables) if mine)
