@@ -474,6 +474,23 @@ def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeyp
         assert torch.equal(again(x).logits, model(x).logits)
 
 
+@pytest.mark.parametrize("arch,variant", [("llama", "daa"), ("qwen2", "dex-entropy"), ("mistral", "diff_k")])
+def test_saved_directory_loads_as_a_base_model_with_its_adapters(arch, variant, tmp_path, monkeypatch):
+    """AutoModel (hidden states: embeddings, probes, retrieval) loads the export as megadiff's own exports load:
+    the adapted decoder, its adapters' weights read, not refused as an unknown configuration."""
+    from transformers import AutoModel
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    apply, config = VARIANTS[variant]
+    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
+    perturb_adapters(model, 6, anneal_steps=10)
+    save_adapted(model, tmp_path / "hf")
+    base = AutoModel.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(base(x).last_hidden_state, model.model(x).last_hidden_state)
+
+
 def test_a_chat_tuned_export_stops_generating_at_the_templates_end_of_turn(tmp_path):
     """A base model whose EOS is not ChatML's <|im_end|> (Qwen2's <|endoftext|>), tuned on conversations: the
     export's generate() must stop at the end of the assistant's turn, as megadiff's own exports do, not run on

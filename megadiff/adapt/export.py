@@ -22,7 +22,7 @@ from megadiff.files import publish_staged, staging_dir
 
 
 
-def adapted_classes(model: nn.Module) -> tuple[type, type]:
+def adapted_classes(model: nn.Module) -> tuple[type, type, type]:
     for base, classes in EXPORT_CLASSES.items():
         if isinstance(model, base):
             return classes
@@ -31,7 +31,7 @@ def adapted_classes(model: nn.Module) -> tuple[type, type]:
 
 def adapted_config(model: nn.Module):
     """The exportable config: the base model's fields + adaptation + auto_map."""
-    config_cls, model_cls = adapted_classes(model)
+    config_cls, model_cls, base_model_cls = adapted_classes(model)
     try:
         adaptation = describe_adapters(model)
     except ValueError as err:
@@ -40,7 +40,8 @@ def adapted_config(model: nn.Module):
     config = config_cls.from_dict({**fields, "adaptation": adaptation})
     config.architectures = [model_cls.__name__]
     config.auto_map = {"AutoConfig": f"{MODEL_CODE_MODULE}.{config_cls.__name__}",
-                       "AutoModelForCausalLM": f"{MODEL_CODE_MODULE}.{model_cls.__name__}"}
+                       "AutoModelForCausalLM": f"{MODEL_CODE_MODULE}.{model_cls.__name__}",
+                       "AutoModel": f"{MODEL_CODE_MODULE}.{base_model_cls.__name__}"}
     return config
 
 

@@ -195,7 +195,7 @@ def install_adapters(model: nn.Module, adaptation: dict) -> None:
     """Turn each decoder layer's attention into its adapted form, as `adaptation` describes.
     The module object stays (its projections, hooks and parameter names are kept); its class
     becomes the adapted subclass."""
-    layers = model.model.layers
+    layers = model.get_decoder().layers  # a causal LM's decoder, or the base model itself (AutoModel)
     if len(adaptation["layers"]) != len(layers):
         raise ValueError(f"adaptation describes {len(adaptation['layers'])} layers, the model has {len(layers)}")
     for layer, spec in zip(layers, adaptation["layers"]):
@@ -209,7 +209,7 @@ def install_adapters(model: nn.Module, adaptation: dict) -> None:
 
 def describe_adapters(model: nn.Module) -> dict:
     """The inverse of install_adapters: the `adaptation` dict of an adapted model as it is now."""
-    attentions = [layer.self_attn for layer in model.model.layers]
+    attentions = [layer.self_attn for layer in model.get_decoder().layers]
     if not all(isinstance(a, AdaptedAttention) for a in attentions):
         raise ValueError(f"{type(model).__name__} has attention layers without Dex/DAA adapters")
     first = attentions[0]
@@ -218,8 +218,9 @@ def describe_adapters(model: nn.Module) -> dict:
             "layers": [{"heads": list(a.adapter_heads), "lambda_init": a.lambda_init} for a in attentions]}
 
 
-class _AdaptedCausalLM:
-    """Builds the stock model, then adapts its attention layers from `config.adaptation`."""
+class _AdaptedModel:
+    """Builds the stock model (a causal LM, or its base model for AutoModel), then adapts its attention layers
+    from `config.adaptation`."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -228,7 +229,7 @@ class _AdaptedCausalLM:
     def set_adaptation_step(self, step: int) -> None:
         """The annealing step t of lambda(t), to train on in plain transformers (megadiff's loop sets it every
         optimizer step: t = the steps done)."""
-        for layer in self.model.layers:
+        for layer in self.get_decoder().layers:
             layer.self_attn.step = step
 
     def save_pretrained(self, *args, **kwargs):
@@ -250,21 +251,33 @@ class AdaptedMistralConfig(MistralConfig):
     model_type = "megadiff_adapted_mistral"
 
 
-class AdaptedLlamaForCausalLM(_AdaptedCausalLM, modeling_llama.LlamaForCausalLM):
+class AdaptedLlamaForCausalLM(_AdaptedModel, modeling_llama.LlamaForCausalLM):
     config_class = AdaptedLlamaConfig
 
 
-class AdaptedQwen2ForCausalLM(_AdaptedCausalLM, modeling_qwen2.Qwen2ForCausalLM):
+class AdaptedQwen2ForCausalLM(_AdaptedModel, modeling_qwen2.Qwen2ForCausalLM):
     config_class = AdaptedQwen2Config
 
 
-class AdaptedMistralForCausalLM(_AdaptedCausalLM, modeling_mistral.MistralForCausalLM):
+class AdaptedMistralForCausalLM(_AdaptedModel, modeling_mistral.MistralForCausalLM):
     config_class = AdaptedMistralConfig
 
 
-# base causal-LM class -> (adapted config class, adapted model class), for export
+class AdaptedLlamaModel(_AdaptedModel, modeling_llama.LlamaModel):
+    config_class = AdaptedLlamaConfig
+
+
+class AdaptedQwen2Model(_AdaptedModel, modeling_qwen2.Qwen2Model):
+    config_class = AdaptedQwen2Config
+
+
+class AdaptedMistralModel(_AdaptedModel, modeling_mistral.MistralModel):
+    config_class = AdaptedMistralConfig
+
+
+# base causal-LM class -> (adapted config class, adapted causal-LM class, adapted base model class), for export
 EXPORT_CLASSES = {
-    modeling_llama.LlamaForCausalLM: (AdaptedLlamaConfig, AdaptedLlamaForCausalLM),
-    modeling_qwen2.Qwen2ForCausalLM: (AdaptedQwen2Config, AdaptedQwen2ForCausalLM),
-    modeling_mistral.MistralForCausalLM: (AdaptedMistralConfig, AdaptedMistralForCausalLM),
+    modeling_llama.LlamaForCausalLM: (AdaptedLlamaConfig, AdaptedLlamaForCausalLM, AdaptedLlamaModel),
+    modeling_qwen2.Qwen2ForCausalLM: (AdaptedQwen2Config, AdaptedQwen2ForCausalLM, AdaptedQwen2Model),
+    modeling_mistral.MistralForCausalLM: (AdaptedMistralConfig, AdaptedMistralForCausalLM, AdaptedMistralModel),
 }
