@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from megadiff.convert import convert_to_hf
+from megadiff.convert import convert_from_hf, convert_to_hf
 from tests.convert_worker import build_tokenizer, save_in_process, variant_config
 
 VARIANTS = ["dint", "shared_diff"]
@@ -110,3 +110,16 @@ def test_a_cache_passed_with_use_cache_false_is_read(exports, variant):
         full = model(input_ids=TOKENS).logits
     torch.testing.assert_close(rest.logits, full[:, 8:], rtol=1e-5, atol=1e-5)
     assert rest.past_key_values is cache and cache.get_seq_length() == TOKENS.shape[1]
+
+
+def test_converting_an_export_back_reads_its_tokenizer_without_a_model_type_warning(exports, tmp_path, monkeypatch):
+    """from-hf reads the export's tokenizer with the config it has read itself: transformers' own reading of a
+    megadiff export's config.json (model_type megadiff, whose code it must not run) warned every conversion that
+    the tokenizer "can yield errors"."""
+    from transformers import configuration_utils
+
+    warnings = []  # transformers' handler writes to the stderr it found at import, which pytest does not capture
+    monkeypatch.setattr(configuration_utils.logger, "warning",
+                        lambda message, *args, **kwargs: warnings.append(message))
+    convert_from_hf(exports["dint"], tmp_path / "back", check=False)
+    assert not [message for message in warnings if "to instantiate a model of type" in message]

@@ -107,7 +107,7 @@ def _is_weight(name: str, tied_embeddings: bool) -> bool:
     return not (name.endswith(".rotary_emb.inv_freq") or (tied_embeddings and name == LM_HEAD))
 
 
-def _tokenizer(hf_dir: HFDirectory, save: Path):
+def _tokenizer(hf_dir: HFDirectory, save: Path, hf_config):
     """(data.tokenizer value, number of ids in use, HF tokenizer to copy under tokenizer/ or None).
 
     A packaged tiktoken encoding named by the export's sidecar stays by name, unless the directory's tokenizer
@@ -117,7 +117,9 @@ def _tokenizer(hf_dir: HFDirectory, save: Path):
     source = hf_dir.source_cfg
     packaged = load_tokenizer(source.data.tokenizer) if source and source.data.tokenizer in PACKAGED_TIKTOKEN else None
     try:  # never run code from the directory: the tokenizer files alone describe the tokenizer
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir.path), trust_remote_code=False)
+        # with the config read already: transformers' own reading of a megadiff export's config.json (model_type
+        # megadiff, code it will not run) warned that the tokenizer "can yield errors"
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir.path), trust_remote_code=False, config=hf_config)
     except (OSError, ValueError) as err:
         if packaged is not None:
             return source.data.tokenizer, packaged.vocab_size, None
@@ -161,7 +163,7 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
     if dtype is None and hf_dtype not in PRECISIONS:
         raise ConversionError(f"{hf_dir.path}: weights in {hf_dtype}; pass --dtype fp32, bf16 or fp16")
     precision = dtype or PRECISIONS[hf_dtype]
-    tokenizer_spec, vocab_in_use, hf_tokenizer = _tokenizer(hf_dir, out)
+    tokenizer_spec, vocab_in_use, hf_tokenizer = _tokenizer(hf_dir, out, hf_config)
     cfg = _megadiff_config(hf_dir, model_fields_from_hf(hf_config, hf_dir.path), hf_config.vocab_size, precision,
                            tokenizer_spec, console, pad_vocab)
     dims = Dims.of(cfg.model, family)
