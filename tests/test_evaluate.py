@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megadiff.cli import main
-from megadiff.config import ConfigError, build_config
+from megadiff.config import ConfigError, ParallelConfig, build_config
 from megadiff.data.datasets import build_datasets
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
@@ -146,6 +146,19 @@ def test_cli_report_equals_naive_cross_entropy(run, tmp_path, seq_length):
     for row in report["by_position"]:
         lo, hi = row["positions"]
         assert row["mean_loss"] == pytest.approx(naive[:, lo:hi].mean().item(), rel=1e-5)
+
+
+def test_a_context_parallel_runs_checkpoint_is_evaluated_at_any_length(tmp_path):
+    """A 64K run's checkpoint (parallel.context: 8 in its config) is evaluated in one process: a --seq-length
+    its context-parallel chunks could not split is no reason to refuse it."""
+    run_dir, cfg = held_out_run(tmp_path, "diff", overrides=("parallel.context=2",))
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "2", "--seq-length", "34",
+                 "--output", str(out)]) == 0
+    naive, _ = _naive_losses(run_dir, cfg.model_copy(update={"parallel": ParallelConfig()}), 34, 2)
+    report = json.loads(out.read_text())
+    assert report["tokens"] == naive.numel() == 2 * 34
+    assert report["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("weights", [[0.25, 0.75], None])

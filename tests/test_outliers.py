@@ -26,6 +26,9 @@ def runs(tmp_path_factory):
     runs = {variant: held_out_run(root, variant)[0] for variant in ("diff", "softmax")}
     masked = tmp_path_factory.mktemp("outliers-documents")
     runs["diff-documents"] = held_out_run(masked, "diff", overrides=("data.document_masking=true",))[0]
+    # a 64K run's checkpoint: its config's context parallelism cannot split every length read in one process
+    runs["diff-context-parallel"] = held_out_run(tmp_path_factory.mktemp("outliers-cp"), "diff",
+                                                 overrides=("parallel.context=2",))[0]
     return runs
 
 
@@ -137,11 +140,12 @@ def test_scores_within_the_pairs_a_mask_allows_are_those_of_the_whole_matrix():
     torch.testing.assert_close(streamed.sort().values, full.flatten().sort().values)
 
 
-@pytest.mark.parametrize("variant", ["diff", "softmax", "diff-documents"])
+@pytest.mark.parametrize("variant", ["diff", "softmax", "diff-documents", "diff-context-parallel"])
 def test_cli_report_equals_naive_statistics(runs, tmp_path, variant):
     """A checkpoint trained with data.document_masking is measured as it runs: within its documents."""
     out = tmp_path / "outliers.json"
-    seq_length = 1024 if variant == "diff-documents" else None  # longer than a document (some 600 tokens)
+    # documents: longer than one (some 600 tokens); context parallel: a length its 2 x 2 chunks cannot split
+    seq_length = {"diff-documents": 1024, "diff-context-parallel": 34}.get(variant)
     window = ["--seq-length", str(seq_length)] if seq_length else []
     assert main(["outliers", "--load", str(runs[variant]), "--sequences", "3", "--batch-size", "2", *window,
                  "--output", str(out)]) == 0
@@ -153,7 +157,7 @@ def test_cli_report_equals_naive_statistics(runs, tmp_path, variant):
     if eod is not None:  # an EOD inside a sample: its documents are attended apart
         assert any(eod in dataset[i]["tokens"][:-1] for i in range(3))
     naive = _naive_statistics(model, dataset, 3, eod)
-    assert report["variant"] == variant.removesuffix("-documents") and report["sequences"] == 3
+    assert report["variant"] == variant.split("-")[0] and report["sequences"] == 3
     for name, values in naive.items():
         assert report[name]["values"] == values.numel()
         for k in TOP:

@@ -23,7 +23,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-from megadiff.config import Config, DataConfig, build_config
+from megadiff.config import Config, DataConfig
+from megadiff.config.loader import saved_config
 from megadiff.data.checks import SPLITS, check_training_data
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import token_count
@@ -85,8 +86,10 @@ def _check_sizes(datasets: list, num_samples: tuple[int, int, int], key: str) ->
 
 
 def source_config(cfg: Config, prefix: str) -> Config:
-    """`cfg` reading only `prefix` (one source of a blend), split as the blend splits it."""
-    return build_config(cfg.model_dump(mode="json"), [f"data.prefix={prefix}", "data.blend=[]"])
+    """`cfg` reading only `prefix` (one source of a blend), split as the blend splits it. `cfg` was checked
+    as a whole already; checking it again would refuse a one-process evaluation of a run's checkpoint whose
+    training layout does not fit the evaluated length (context or sequence parallelism at --seq-length)."""
+    return saved_config(cfg.model_dump(mode="json"), [f"data.prefix={prefix}", "data.blend=[]"])
 
 
 def source_names(prefixes: list[str]) -> list[str]:
