@@ -8,13 +8,16 @@ import io
 import json
 import os
 import signal
+from pathlib import Path
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 import megadiff.checkpoint.training_checkpoint as training_checkpoint
+import megadiff.files as files
 import megadiff.training.pretrain as pretrain
 import megadiff.training.step as step
+from megadiff.checkpoint.format import LATEST_FILE
 from megadiff.cli import main
 from megadiff.config import load_config
 from tests.pretrain_runs import DEMO_CONFIG
@@ -75,13 +78,13 @@ def signalled_while_starting(rank: int, world_size: int, overrides: list[str], r
 
 
 def _report_pretrain(rank: int, overrides: list[str], report: str) -> None:
-    """`megadiff pretrain` in this rank: rank 0 writes its exit code and what it printed to stderr to `report`."""
+    """`megadiff pretrain` in this rank: rank 0 writes its exit code and what it printed to stderr to `report`,
+    another rank to `<report>.rank<N>`."""
     errors = io.StringIO()
     with contextlib.redirect_stderr(errors):
         exit_code = main(["pretrain", str(DEMO_CONFIG), *overrides])
-    if rank == 0:
-        with open(report, "w") as handle:
-            json.dump({"exit_code": exit_code, "stderr": errors.getvalue()}, handle)
+    with open(report if rank == 0 else f"{report}.rank{rank}", "w") as handle:
+        json.dump({"exit_code": exit_code, "stderr": errors.getvalue()}, handle)
 
 
 def _children(pid: int) -> list[int]:
@@ -126,6 +129,21 @@ def disk_full_while_saving(rank: int, world_size: int, overrides: list[str], doo
         return original_write(*args, **kwargs)
 
     training_checkpoint.dist_checkpointing.save, filesystem_async._write_item = save, write_item
+    _report_pretrain(rank, overrides, report)
+
+
+def marker_refused_while_committing(rank: int, world_size: int, overrides: list[str], doomed_iteration: int,
+                                    report: str) -> None:
+    """The latest-checkpoint marker naming one iteration cannot be written (a full disk), a write rank 0 makes
+    alone: records each rank's exit code and error."""
+    original_write = files.write_atomically
+
+    def write_atomically(path, data):
+        if Path(path).name == LATEST_FILE and data == f"{doomed_iteration}\n".encode():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return original_write(path, data)
+
+    files.write_atomically = write_atomically
     _report_pretrain(rank, overrides, report)
 
 

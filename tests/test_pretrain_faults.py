@@ -12,12 +12,13 @@ import time
 import psutil
 import pytest
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
 from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import (
-    disk_full_while_saving, killed_while_saving, poisoned_run, signalled_while_starting,
+    disk_full_while_saving, killed_while_saving, marker_refused_while_committing, poisoned_run,
+    signalled_while_starting,
 )
 from tests.pretrain_runs import (
     DEMO_CONFIG, ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
@@ -374,6 +375,26 @@ def test_a_full_disk_while_saving_is_reported_with_the_checkpoint_kept(base, tmp
     assert re.search(said, result["stderr"]), result["stderr"]
     assert read_latest_iteration(checkpoints) == 2 and sorted(p.name for p in checkpoints.iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_commit_refused_on_rank_zero_stops_every_rank_and_the_rerun_resumes(base, tmp_path, async_save):
+    """Rank 0 alone writes a checkpoint's marker: where the disk refused it, rank 0 stopped with its message and
+    rank 1, waiting for it in a collective, failed with a traceback of its own (gloo: the peer gone; NCCL: at the
+    collective timeout); the checkpoint renamed into place without its marker stayed, taking space."""
+    out, report = tmp_path / "full", tmp_path / "report.json"
+    run = base + ["train.iters=6", "checkpoint.save_interval=2", f"checkpoint.async_save={async_save}",
+                  f"output_dir={out}"]
+    run_ranks(2, marker_refused_while_committing, run, 4, str(report))
+    checkpoints = out / CHECKPOINTS_DIR
+    for rank_report in (report, tmp_path / "report.json.rank1"):
+        result = json.loads(rank_report.read_text())
+        assert result["exit_code"] == 3 and "Traceback" not in result["stderr"], result["stderr"]
+        assert f"No space left on device: '{checkpoints / LATEST_FILE}'" in result["stderr"], result["stderr"]
+        assert f"{checkpoints / 'iter_0000002'}, is kept" in result["stderr"], result["stderr"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000002", LATEST_FILE]
+    run_pretrain_in_ranks(2, run)
+    assert read_latest_iteration(checkpoints) == 6 and len(read_metrics(out)) == 6
 
 
 @pytest.mark.slow

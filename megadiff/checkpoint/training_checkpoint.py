@@ -34,6 +34,7 @@ from megadiff.checkpoint.weights import (
 )
 from megadiff.config import Config, dump_config
 from megadiff.data.tokenizers import Tokenizer
+from megadiff.errors import refused_together
 from megadiff.files import commit_iteration, remove_staging_leftovers, staging_dir
 from megadiff.parallel import rank_and_world, wait_for_ranks
 
@@ -68,6 +69,11 @@ def _staging_dir(checkpoints_dir: Path, iteration: int) -> Path:
     return staging_dir(iteration_dir(checkpoints_dir, iteration))
 
 
+def _prepare_staging(checkpoints_dir: Path, staging: Path) -> None:
+    remove_staging_leftovers(checkpoints_dir)
+    staging.mkdir(parents=True)
+
+
 class CheckpointWriter:
     """Saves training checkpoints of one run; `async_save` overlaps the file writes with training."""
 
@@ -88,10 +94,7 @@ class CheckpointWriter:
         self.wait()  # one save in flight at a time: its commit must precede the next one's
         staging = _staging_dir(self.dir, iteration)
         with self._failure_reported(iteration):
-            if rank_and_world()[0] == 0:
-                remove_staging_leftovers(self.dir)
-                staging.mkdir(parents=True)
-            wait_for_ranks()
+            self._on_rank_zero(iteration, lambda: _prepare_staging(self.dir, staging))
             state = model_sharded_state(chunks)
             state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
             state[TRAIN_STATE_KEY] = train_state
@@ -116,22 +119,36 @@ class CheckpointWriter:
         try:
             yield
         except (CheckpointException, OSError) as error:
+            kept = read_latest_iteration(self.dir)
             if rank_and_world()[0] == 0:
                 shutil.rmtree(_staging_dir(self.dir, iteration), ignore_errors=True)
-            kept = read_latest_iteration(self.dir)
+                if kept != iteration:  # renamed into place, its marker not written: no checkpoint, only its space
+                    shutil.rmtree(iteration_dir(self.dir, iteration), ignore_errors=True)
             kept = (f"the run's last checkpoint, {iteration_dir(self.dir, kept)}, is kept and a rerun resumes from it"
                     if kept is not None else "the run has no checkpoint yet")
             raise CheckpointError(f"the checkpoint of iteration {iteration} could not be written into {self.dir} "
                                   f"({write_failure(error)}); {kept}") from error
 
+    def _on_rank_zero(self, iteration: int, write) -> None:
+        """`write()` on rank 0, refused on every rank where it fails (collective): rank 0 writing alone (the
+        staging directory, config.yaml, the marker) into a full disk or a read-only mount stopped alone, while the
+        other ranks waited in their next collective until its timeout, then failed with a traceback of their own."""
+        def guarded() -> None:
+            if rank_and_world()[0] == 0:
+                with self._failure_reported(iteration):
+                    write()
+        refused_together(guarded)
+
     def _commit_fn(self, iteration: int):
         def commit() -> None:
-            if rank_and_world()[0] == 0:
-                dump_config(self.cfg, _staging_dir(self.dir, iteration) / CONFIG_FILE)
-                if self.tokenizer is not None:
-                    self.tokenizer.save_hf(_staging_dir(self.dir, iteration) / TOKENIZER_DIR)
-                commit_iteration(self.dir, iteration, LATEST_FILE, f"{iteration}\n", self.keep_last)
+            self._on_rank_zero(iteration, lambda: self._commit(iteration))
         return commit
+
+    def _commit(self, iteration: int) -> None:
+        dump_config(self.cfg, _staging_dir(self.dir, iteration) / CONFIG_FILE)
+        if self.tokenizer is not None:
+            self.tokenizer.save_hf(_staging_dir(self.dir, iteration) / TOKENIZER_DIR)
+        commit_iteration(self.dir, iteration, LATEST_FILE, f"{iteration}\n", self.keep_last)
 
     def poll(self) -> None:
         """Commit background saves that every rank has finished (collective: call on every rank)."""
