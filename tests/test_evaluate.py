@@ -16,13 +16,13 @@ import torch.nn.functional as F
 
 from megadiff.cli import main
 from megadiff.config import ConfigError, ParallelConfig, build_config
-from megadiff.data.datasets import build_datasets
+from megadiff.data.datasets import build_datasets, source_config
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
 from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
 from megadiff.inference import recall
-from megadiff.inference.evaluate import evaluate, summarize
+from megadiff.inference.evaluate import distinct_samples, evaluate, summarize
 from megadiff.inference.recall import recall_hits, sample_windows, training_bigram_rates
 from tests.conftest import kjv_verses
 from tests.held_out_runs import held_out_run, write_documents
@@ -146,6 +146,21 @@ def test_cli_report_equals_naive_cross_entropy(run, tmp_path, seq_length):
     for row in report["by_position"]:
         lo, hi = row["positions"]
         assert row["mean_loss"] == pytest.approx(naive[:, lo:hi].mean().item(), rel=1e-5)
+
+
+def test_a_length_upsampled_runs_held_out_documents_are_each_evaluated_once(tmp_path):
+    """The 64K extension's data.length_upsampling repeats long documents in every split: evaluate reads the
+    held-out split as a run without it cuts it, every sample its own text (the upsampled split's first samples
+    held some documents twice, others never)."""
+    run_dir, cfg = held_out_run(tmp_path, "diff", overrides=("data.length_upsampling=true",))
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(run_dir), "--sequences", "1000", "--output", str(out)]) == 0
+    once = cfg.model_copy(update={"data": cfg.data.model_copy(update={"length_upsampling": False})})
+    sequences = min(1000, distinct_samples(source_config(once, once.data.prefix), "valid"))
+    naive, _ = _naive_losses(run_dir, once, cfg.model.seq_length, sequences)
+    report = json.loads(out.read_text())
+    assert report["tokens"] == naive.numel() == sequences * cfg.model.seq_length
+    assert report["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)
 
 
 def test_a_context_parallel_runs_checkpoint_is_evaluated_at_any_length(tmp_path):

@@ -47,7 +47,9 @@ SPLITS = ("valid", "test")
 def evaluation_config(model_cfg: Config, seq_length: int | None, overrides: Iterable[str]) -> Config:
     """The checkpoint's config (a model's `cfg`) with the evaluation's sequence length and data overrides
     (checked: the rest was the training run's to check)."""
-    overrides = list(overrides)
+    # the held-out documents each once: a length-upsampled run (the 64K extension) repeats its long documents in
+    # every split, so its first samples would hold some twice and leave others out
+    overrides = ["data.length_upsampling=false", "data.length_upsampling_unit=null", *overrides]
     named = {override.split("=", 1)[0].strip() for override in overrides}
     if named & {"data.prefix", "data.blend"} and "data.bundled_corpus" not in named:
         # the held-out text is the data named, not a bundled corpus the run trained on: that corpus would
