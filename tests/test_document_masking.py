@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from megadiff.convert.to_hf import convert_to_hf
 from megadiff.inference.evaluate import evaluate
 from megadiff.models.documents import document_cu_seqlens, document_packing
 from megadiff.observability.metrics import read_metrics
@@ -164,7 +165,7 @@ def test_a_later_document_gets_the_logits_it_gets_alone(variant, tmp_path):
 
 
 @pytest.mark.slow
-def test_pretraining_and_evaluation_mask_the_corpus_documents(small_tokenizer_dir, tmp_path):
+def test_pretraining_and_evaluation_mask_the_corpus_documents(small_tokenizer_dir, tmp_path, capsys):
     """`data.document_masking=true` from the loader (boundaries at the KJV chapters' EODs, collated
     in a worker process) to every layer: the first iteration, same weights and samples, gives
     another loss than without masking, and `megadiff evaluate` scores the validation samples as
@@ -189,6 +190,12 @@ def test_pretraining_and_evaluation_mask_the_corpus_documents(small_tokenizer_di
         assert scores[setting]["document_masking"] == (setting == "true")
     assert scores["true"]["loss"] == pytest.approx(validation, rel=1e-5)
     assert abs(scores["false"]["loss"] - validation) > 1e-4
+
+    # its export attends across documents, as transformers does: to-hf says so (a run without masking: nothing)
+    for run in (masked, plain):
+        convert_to_hf(run, tmp_path / "hf" / run.name, check=False)
+    said = capsys.readouterr().out
+    assert said.count("trained with data.document_masking") == 1 and f"{masked / 'checkpoints'}" in said
 
 
 def test_what_documents_give_is_derived_once_per_tensor_for_a_few_tensors():

@@ -50,6 +50,10 @@ def _export(checkpoint_dir: Path, out: Path, dtype: str | None, check: bool, rem
     if remote_code and family == "llama":
         console.print("megadiff convert: --remote-code: a softmax model exports as the stock LlamaForCausalLM, "
                       "with no code of its own")
+    if cfg.data.document_masking:
+        console.print("megadiff convert: the run trained with data.document_masking, attending within each document; "
+                      "transformers attends across the documents of a sequence: give the export one document a "
+                      "sequence (as a prompt is) for the run's logits")
     tokenizer = checkpoint_tokenizer(checkpoint_dir, cfg)
     vocab_size = padded_vocab_size(cfg.model, cfg.parallel.tensor)
     source_dtype = PRECISION_DTYPES[single_process_config(cfg).train.precision]  # what load_checkpoint builds
