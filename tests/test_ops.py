@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend
 
 from megadiff.ops import (
     IntegralCarry, depth_lambda_init, differential_attention, differential_attention_reference,
-    differential_attention_sdpa, reparameterized_lambda, resolve_backend, sdpa_kernel_order, softmax_attention,
+    differential_attention_sdpa, paired_differential_attention, reparameterized_lambda, resolve_backend,
+    sdpa_kernel_order, softmax_attention,
 )
 from megadiff.ops.sdpa import recording_sdpa_kernels
 
@@ -263,6 +264,14 @@ def test_dispatcher_gives_cuda_tensors_the_kernel_only_where_it_runs():
 def test_shape_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         differential_attention_reference(*make_inputs(**bad))
+
+
+@pytest.mark.parametrize("q_heads,k_heads", [(5, 4), (4, 3)])
+def test_paired_maps_need_two_heads_each(q_heads, k_heads):
+    """An odd head count in megatron's paired layout is named as such, not as two views' unequal shapes."""
+    q, k, v = torch.zeros(1, 3, q_heads, 8), torch.zeros(1, 3, k_heads, 8), torch.zeros(1, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"must be \[B, N, 2H, d\], two maps a differential head"):
+        paired_differential_attention(q, k, v, torch.tensor(0.5))
 
 
 def test_lambda_shape_error():

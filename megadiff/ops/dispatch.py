@@ -109,6 +109,9 @@ def paired_differential_attention(q, k, v, lam, *, causal: bool = True, integral
     whose heads 2i and 2i + 1 are head i's first and second map. The fused kernel then writes both
     maps' gradients into one tensor for q and one for k (the per-map views cost autograd a stack of
     them); every other path takes the views."""
+    for name, paired in (("q", q), ("k", k)):
+        if paired.dim() != 4 or paired.shape[2] % 2:  # the views of an odd count were told apart as two shapes
+            raise ValueError(f"{name} must be [B, N, 2H, d], two maps a differential head, got {tuple(paired.shape)}")
     if resolve_backend(backend, q, v.shape[-1]) == "triton" and logit_bits is None and integral_carry is None:
         return _triton_impl("paired_differential_attention_triton")(
             q, k, v, lam, causal=causal, integral=integral, softmax_scale=softmax_scale,
