@@ -448,13 +448,19 @@ def test_an_export_killed_while_written_leaves_no_directory_by_its_name(tmp_path
     assert sorted(path.name for path in (tmp_path / "new").iterdir()) == previous
 
 
-@pytest.mark.parametrize("arch,variant", [("llama", "dex-entropy"), ("qwen2", "diff_k"), ("mistral", "daa")])
-def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeypatch):
+def _saved_with_remote_code(arch: str, variant: str, tmp_path, monkeypatch):
+    """A tiny adapted model, annealed to step 6, saved into tmp_path/hf (its code cached under tmp_path)."""
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     apply, config = VARIANTS[variant]
     model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
     perturb_adapters(model, 6, anneal_steps=10)
     save_adapted(model, tmp_path / "hf")
+    return model
+
+
+@pytest.mark.parametrize("arch,variant", [("llama", "dex-entropy"), ("qwen2", "diff_k"), ("mistral", "daa")])
+def test_saved_directory_loads_with_remote_code(arch, variant, tmp_path, monkeypatch):
+    model = _saved_with_remote_code(arch, variant, tmp_path, monkeypatch)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     assert type(loaded).__name__.startswith("Adapted") and loaded.config.adaptation["step"] == 6
     x = tokens()
@@ -480,11 +486,7 @@ def test_saved_directory_loads_as_a_base_model_with_its_adapters(arch, variant, 
     the adapted decoder, its adapters' weights read, not refused as an unknown configuration."""
     from transformers import AutoModel
 
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-    apply, config = VARIANTS[variant]
-    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
-    perturb_adapters(model, 6, anneal_steps=10)
-    save_adapted(model, tmp_path / "hf")
+    model = _saved_with_remote_code(arch, variant, tmp_path, monkeypatch)
     base = AutoModel.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     x = tokens()
     with torch.no_grad():
