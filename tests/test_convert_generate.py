@@ -162,3 +162,17 @@ def test_left_padded_batch_generates_like_single_prompts(models, name):
     for row, prompt in enumerate((PROMPT, short)):
         alone = hf_greedy(model, torch.tensor([prompt]))[0]
         assert torch.equal(together[row, :len(alone)], alone)
+
+
+@pytest.mark.parametrize("name", ["diff", "dint"])
+def test_an_export_never_samples_an_id_its_tokenizer_has_not(models, name):
+    """The embedding is padded past the tokenizer's ids (300 here, to 384): megadiff's generation never draws
+    those rows, and transformers' must not either, or a sampled reply holds ids that decode to nothing."""
+    checkpoint, hf_dir, model = models[name]
+    tokenizer = load_checkpoint(checkpoint).tokenizer
+    assert model.config.vocab_size > tokenizer.vocab_size
+    torch.manual_seed(0)
+    with torch.no_grad():  # near uniform: a quarter of the draws would be padding rows
+        sampled = model.generate(torch.tensor([PROMPT] * 4), max_new_tokens=NEW_TOKENS, do_sample=True,
+                                 temperature=1000.0, top_k=0)[:, len(PROMPT):]
+    assert sampled.max() < tokenizer.vocab_size

@@ -636,9 +636,10 @@ def test_prompts_of_far_apart_lengths_decode_apart(run, monkeypatch):
 
 def test_a_sampled_batch_draws_each_row_from_its_own_top_k(run):
     """Four copies of one prompt beside a longer one, drawn at temperature 2 from the top 3: every
-    new token is among the top 3 of its own row's context, the copies draw differently, and one
-    generator state gives one answer."""
+    new token is among the top 3 decodable ids of its own row's context, the copies draw differently, and
+    one generator state gives one answer."""
     _, reference = run
+    padding = ~decodable_ids(reference)
     prompts = [[5, 6, 7]] * 4 + [[9, 10, 11, 12, 13]]
 
     def draw():
@@ -649,7 +650,7 @@ def test_a_sampled_batch_draws_each_row_from_its_own_top_k(run):
     assert rows == draw() and len({tuple(row) for row in rows[:4]}) > 1
     with torch.no_grad():
         for prompt, new in zip(prompts, rows):
-            logits = reference(torch.tensor([prompt + new]))[0]
+            logits = reference(torch.tensor([prompt + new]))[0].masked_fill(padding, float("-inf"))
             for step, token in enumerate(new):
                 assert token in torch.topk(logits[len(prompt) - 1 + step], 3).indices.tolist(), (prompt, step)
 
@@ -753,12 +754,14 @@ def test_a_document_masked_checkpoint_generates_within_documents(run):
     model = reference_model(cfg)
     eod = model.tokenizer.eod
     prompts = [[eod], [5, 6, eod], [5, 6, eod, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15]]
+    padding = ~decodable_ids(model)
     expected = []
     with torch.no_grad():
         for prompt in prompts:
             ids = list(prompt)
             for _ in range(5):
-                ids.append(int(model(torch.tensor([ids]), document_eod=eod)[0, -1].argmax()))
+                logits = model(torch.tensor([ids]), document_eod=eod)[0, -1]
+                ids.append(int(logits.masked_fill(padding, float("-inf")).argmax()))
             expected.append(ids[len(prompt):])
     assert [generate(model, prompt, max_new_tokens=5) for prompt in prompts] == expected
     assert generate_batch(model, prompts, 5) == expected

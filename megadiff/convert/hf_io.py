@@ -26,6 +26,7 @@ from megadiff.config import Config, dump_config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import chat_template_of, save_chat_template, stop_ids
+from megadiff.data.tokenizers import ungenerable_ids
 from megadiff.errors import first_line
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
@@ -135,8 +136,8 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
     from transformers import GenerationConfig
 
     config.save_pretrained(str(directory))
-    _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
-        str(directory))
+    _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg,
+                       config.vocab_size).save_pretrained(str(directory))
     _save_weights(state, directory)
     tokenizer.save_hf(directory, source_cfg.model.seq_length)
     save_chat_template(source_cfg.data, tokenizer, directory)
@@ -148,11 +149,14 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
             shutil.copyfile(CODE_DIR / name, directory / name)
 
 
-def _generation_config(generation, tokenizer, source_cfg: Config):
+def _generation_config(generation, tokenizer, source_cfg: Config, rows: int):
     """transformers' generate() stops at the EOS ids of the generation config: with the exported chat template's
-    end of turn among them (a chat-tuned model's reply ends there), it stops where megadiff's chat stops."""
+    end of turn among them (a chat-tuned model's reply ends there), it stops where megadiff's chat stops. It never
+    draws the suppressed ids, as megadiff's generation never draws the `rows` of logits no token has (the padded
+    vocabulary's, tiktoken's gaps): sampled, they decoded to nothing and the reply went on past them."""
     generation.eos_token_id = stop_ids(generation.eos_token_id, chat_template_of(source_cfg.data, tokenizer), tokenizer)
     generation.pad_token_id = tokenizer.pad
+    generation.suppress_tokens = ungenerable_ids(tokenizer, rows) or None
     return generation
 
 

@@ -23,7 +23,7 @@ import torch
 
 from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.config import ConfigError
-from megadiff.data.tokenizers import Tokenizer
+from megadiff.data.tokenizers import Tokenizer, ungenerable_ids
 from megadiff.inference.chat_prompts import chat_prompt, encode_prompt, system_turns
 from megadiff.inference.records import utf8_input
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -77,10 +77,8 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
 
 def decodable_ids(model: CausalLM) -> torch.Tensor:
     """[V] booleans over the model's padded vocabulary: the ids its tokenizer can decode."""
-    tokenizer = model.tokenizer
-    decodable = torch.zeros(model.vocab_size, dtype=torch.bool)
-    decodable[:tokenizer.vocab_size] = True
-    decodable[sorted(tokenizer.undecodable_ids)] = False
+    decodable = torch.ones(model.vocab_size, dtype=torch.bool)
+    decodable[ungenerable_ids(model.tokenizer, model.vocab_size)] = False
     return decodable
 
 
@@ -127,7 +125,8 @@ class Decoder:
     """Next-token logits of rows of one length as each grows by a token: the prompts run once,
     then each new token (KV cache); past the model's window the context slides as in training.
     With a `context` (one row), the prompt runs from what its cache holds, and it keeps what runs.
-    `decodable` [V]: the ids that may be drawn (default: all). With document masking, once a row's
+    `decodable` [V]: the ids that may be drawn (default: those the tokenizer decodes, decodable_ids()).
+    With document masking, once a row's
     document begins after the cache's first position, the rows run whole each step (see the module)."""
 
     def __init__(self, model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
@@ -138,7 +137,7 @@ class Decoder:
             raise ValueError("a held context continues one sequence")
         self.model, self.context = model, context
         # the ids never drawn, found once: masking the vocabulary anew for every token cost 100x more
-        self.blocked = None if decodable is None else (~decodable).nonzero()[:, 0]
+        self.blocked = (~(decodable_ids(model) if decodable is None else decodable)).nonzero()[:, 0]
         self.window = model.cfg.model.seq_length
         self.rows = [list(prompt) for prompt in prompts]
         self.eod = document_eod(model)
@@ -156,8 +155,7 @@ class Decoder:
         `wanted`: the rows whose logits are used (default: all; a finished row's may cross documents)."""
         self.whole = self.whole or self._crosses_documents(range(len(self.rows)) if wanted is None else wanted)
         logits = self._whole_logits() if self.whole else self._cached_logits()
-        if self.blocked is not None:
-            logits.index_fill_(1, self.blocked, float("-inf"))
+        logits.index_fill_(1, self.blocked, float("-inf"))
         return logits
 
     def _crosses_documents(self, wanted: Iterable[int]) -> bool:
@@ -211,7 +209,7 @@ def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, tem
            stop: Callable[[list[int]], bool] | None = None, context: HeldContext | None = None,
            top_p: float = 1.0) -> Iterator[int]:
     """The new token ids after `prompt_ids`, each as soon as it is drawn; only ids `decodable`
-    ([V] booleans, decodable_ids()) are produced. Generation ends after `stop_id`, or once
+    ([V] booleans; default: decodable_ids()) are produced. Generation ends after `stop_id`, or once
     `stop(new ids)` is true (e.g. a stop string was decoded). `context`: the cache to continue."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -350,7 +348,7 @@ def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = Non
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, decodable=decodable_ids(model), stop_id=tokenizer.eod,
+                        top_p=top_p, seed=seed, stop_id=tokenizer.eod,
                         stop=lambda _: text.stopped, context=context):
         if token != tokenizer.eod:
             print(text.add(token), end="", flush=True)

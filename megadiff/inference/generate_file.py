@@ -25,7 +25,7 @@ from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
 from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
-from megadiff.inference.generate import check_generation, decodable_ids, generate_batch, stop_texts_check
+from megadiff.inference.generate import check_generation, generate_batch, stop_texts_check
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share
 from megadiff.inference.records import RankRecords, lines_of, model_settings, utf8_input
@@ -133,7 +133,6 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     todo = sorted((key for key, _ in prompts if key not in done), key=lambda key: -len(encoded[key]))
     mine = list(share(todo))
     generator = torch.Generator().manual_seed(seed + rank_and_world()[0])
-    decodable = decodable_ids(model)
     console, started = command_console(), time.perf_counter()
     if done and reports():
         console.print(f"generate: {len(done)} of {len(prompts)} prompts done in {output}_rank*.jsonl, "
@@ -144,7 +143,7 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
             batch = mine[start:start + batch_size]
             stops = None if stop_text is None else [stop_texts_check(tokenizer, [stop_text]) for _ in batch]
             answers = generate_batch(model, [encoded[key] for key in batch], max_new_tokens,
-                                     decodable=decodable, stop_id=tokenizer.eod, stops=stops,
+                                     stop_id=tokenizer.eod, stops=stops,
                                      temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             for key, new_ids in zip(batch, answers):
                 completions.add(key, digests[key], _completion(model, new_ids, stop_text))

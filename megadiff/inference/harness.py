@@ -43,7 +43,7 @@ from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
 from megadiff.inference.generate import (
-    check_generation, decodable_ids, document_eod, generate_batch, stop_texts_check,
+    check_generation, document_eod, generate_batch, stop_texts_check,
 )
 from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -274,8 +274,7 @@ class MegadiffLM(TemplateLM):
     def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
         """The new ids of plans alike in their decoding."""
         max_new, temperature, top_k, top_p = plans[0].decoding
-        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, decodable=decodable_ids(self.model),
-                              stop_id=self.eot_token_id,
+        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, stop_id=self.eot_token_id,
                               stops=[stop_texts_check(self.tok, plan.until) for plan in plans],
                               temperature=temperature, top_k=top_k, top_p=top_p, generator=self.generator)
 
