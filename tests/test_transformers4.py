@@ -1,6 +1,7 @@
-"""The stock exports (DiffLlama, Llama) load in transformers 4.x too, which evaluation stacks still pin:
-its tokenizer and model give the ids, logits and greedy tokens transformers 5 gives. Remote-code exports
-need 5.x and say so. transformers 4.57 runs in a subprocess from the directory `make test` installs it in."""
+"""Exports load in transformers 4.x too, which evaluation stacks still pin: the stock ones (DiffLlama, Llama),
+tokenizer included, and the adapted ones (Dex, DAA) give the token ids, logits and greedy tokens transformers 5
+gives. megadiff's remote-code exports need 5.x and say so. transformers 4.57 runs in a subprocess, from the
+directory `make test` installs it in."""
 from __future__ import annotations
 
 import json
@@ -11,36 +12,53 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from transformers import AutoTokenizer
+
+from megadiff.adapt.export import save_adapted
 from megadiff.config import build_config
 from megadiff.convert import convert_to_hf
 from tests.convert_worker import MODEL, VARIANTS, build_tokenizer, save_in_process
+from tests.test_adapt import VARIANTS as ADAPTATIONS
+from tests.test_adapt import tiny_model, tokens
 
 TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".venv" / "transformers4"
 TEXT = "Hello world, 2024! And the earth was without form."
 NEW_TOKENS = 6
-# what each export gives in transformers 4.x, printed as JSON
-READ_IN_TRANSFORMERS4 = """
-import json, sys
+# each export's tokenizer's ids of TEXT (if it has one), the logits and greedy tokens of the ids given (or those)
+READ = """
+import json, os, sys
 import torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-assert transformers.__version__.startswith("4."), transformers.__version__
-out = {}
-for directory in sys.argv[1:]:
+assert transformers.__version__.startswith("{version}"), transformers.__version__
+out = {{}}
+for directory, ids in json.loads(sys.argv[1]).items():
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
         model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+        text_ids = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)({text!r}).input_ids \
+            if os.path.exists(os.path.join(directory, "tokenizer_config.json")) else None
     except ImportError as error:
-        out[directory] = {"error": str(error)}
+        out[directory] = {{"error": str(error)}}
         continue
-    inputs = tokenizer(TEXT, return_tensors="pt")
+    ids = torch.tensor([text_ids if ids is None else ids])
     with torch.no_grad():
-        logits = model(**inputs).logits[0]
-        new = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs.input_ids.shape[1]:]
-    out[directory] = {"ids": inputs.input_ids[0].tolist(), "logits": logits.tolist(), "new": new.tolist()}
+        logits = model(ids).logits[0]
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={new_tokens}, do_sample=False,
+                             pad_token_id=0)[0, ids.shape[1]:]
+    out[directory] = {{"text_ids": text_ids, "ids": ids[0].tolist(), "logits": logits.tolist(), "new": new.tolist()}}
 print(json.dumps(out))
 """
+
+
+def read_by(version: str, exports: dict[Path, list[int] | None], pythonpath: str | None = None) -> dict:
+    script = READ.format(version=version, text=TEXT, new_tokens=NEW_TOKENS)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run([sys.executable, "-c", script, json.dumps({str(path): ids for path, ids in exports.items()})],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def exported(root: Path, name: str, variant: str, tokenizer: str, vocab_size: int, remote_code: bool = False) -> Path:
@@ -50,32 +68,30 @@ def exported(root: Path, name: str, variant: str, tokenizer: str, vocab_size: in
     return convert_to_hf(root / name / "checkpoint", root / name / "hf", remote_code=remote_code)
 
 
-def in_transformers4(directories: list[Path]) -> dict:
-    script = f"TEXT = {TEXT!r}\nNEW_TOKENS = {NEW_TOKENS}\n" + READ_IN_TRANSFORMERS4
-    env = {**os.environ, "PYTHONPATH": str(TRANSFORMERS4), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script, *map(str, directories)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+def adapted(root: Path, name: str, arch: str, tokenizer=None) -> Path:
+    apply, config = ADAPTATIONS[name]
+    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
+    return save_adapted(model, root / f"{name}_{arch}", tokenizer=tokenizer)
 
 
-def test_stock_exports_read_in_transformers4_as_in_transformers5(tmp_path):
+def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
     if not (TRANSFORMERS4 / "transformers").is_dir():
         pytest.skip(f"transformers 4.x is not installed in {TRANSFORMERS4} (make test installs it)")
     small = str(build_tokenizer(tmp_path / "tokenizer"))
-    stock = [exported(tmp_path, "diff", "diff", small, 300), exported(tmp_path, "softmax", "softmax", small, 300),
-             exported(tmp_path, "diff_cl100k", "diff", "cl100k_base", 100277)]
+    ids = tokens(batch=1, seed=3)[0].tolist()
+    exports = {exported(tmp_path, "diff", "diff", small, 300): None,
+               exported(tmp_path, "softmax", "softmax", small, 300): None,
+               exported(tmp_path, "diff_cl100k", "diff", "cl100k_base", 100277): None,
+               adapted(tmp_path, "dex-entropy", "llama"): ids,
+               adapted(tmp_path, "daa", "qwen2", AutoTokenizer.from_pretrained(small)): ids,
+               adapted(tmp_path, "diff_v", "mistral"): ids}
     remote = exported(tmp_path, "dint", "dint", small, 300, remote_code=True)
-    theirs = in_transformers4([*stock, remote])
-    for directory in stock:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory)
-        inputs = tokenizer(TEXT, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0]
-            new = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs.input_ids.shape[1]:]
-        read = theirs[str(directory)]
-        assert read["ids"] == inputs.input_ids[0].tolist(), directory
-        torch.testing.assert_close(torch.tensor(read["logits"]), logits, rtol=1e-4, atol=1e-4)
-        assert read["new"] == new.tolist(), directory
+    theirs = read_by("4.", {**exports, remote: None}, str(TRANSFORMERS4))
+    ours = read_by("5.", exports)
+    for directory in exports:
+        read, expected = theirs[str(directory)], ours[str(directory)]
+        assert read["text_ids"] == expected["text_ids"] and read["ids"] == expected["ids"], directory
+        torch.testing.assert_close(torch.tensor(read["logits"]), torch.tensor(expected["logits"]), rtol=1e-4,
+                                   atol=1e-4)
+        assert read["new"] == expected["new"], directory
     assert "needs transformers >= 5.0" in theirs[str(remote)]["error"]

@@ -17,7 +17,7 @@ from megadiff.adapt.config import AdaptationError
 from megadiff.adapt.modeling_adapted import EXPORT_CLASSES, describe_adapters
 from megadiff.adapt.settings import MODEL_CODE_MODULE
 from megadiff.data.conversations import stop_ids
-from megadiff.data.tokenizers import HFTokenizer
+from megadiff.data.tokenizers import HFTokenizer, save_for_any_transformers
 from megadiff.files import publish_staged, staging_dir
 
 
@@ -70,7 +70,7 @@ def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[d
     config.save_pretrained(staged)  # replaces the base model's config.json
     shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
     if tokenizer is not None:
-        tokenizer.save_pretrained(staged)
+        save_for_any_transformers(tokenizer, staged)
         _stop_at_turn_end(staged, tokenizer)
     publish_staged(directory)
     return directory

@@ -111,12 +111,19 @@ class AdaptedAttention(nn.Module):
         adapted = first.index_select(dim, index) - lam * second.index_select(dim, index)
         return first.index_copy(dim, index, adapted.to(first.dtype))
 
+    def _attention_function(self):
+        """The attention function the config names (transformers 4.x has no get_interface: an export loads
+        there too, as evaluation stacks pinning 4.x load it)."""
+        implementation = self.config._attn_implementation
+        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+            return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, type(self)._eager)
+        return type(self)._eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+
     def _attend(self, query, key, value, attention_mask, **kwargs):
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, type(self)._eager)
-        return interface(self, query, key, value, attention_mask,
-                         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                         sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
-                         **kwargs)
+        sliding_window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+        return self._attention_function()(self, query, key, value, attention_mask,
+                                          dropout=0.0 if not self.training else self.attention_dropout,
+                                          scaling=self.scaling, sliding_window=sliding_window, **kwargs)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         method = self.adapter_method
