@@ -126,8 +126,8 @@ class Decoder:
     then each new token (KV cache); past the model's window the context slides as in training.
     With a `context` (one row), the prompt runs from what its cache holds, and it keeps what runs.
     `decodable` [V]: the ids that may be drawn (default: those the tokenizer decodes, decodable_ids()).
-    With document masking, once a row's
-    document begins after the cache's first position, the rows run whole each step (see the module)."""
+    With document masking, once a row's document begins after the cache's first position, the rows run
+    whole each step (see the module)."""
 
     def __init__(self, model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                  decodable: torch.Tensor | None = None, context: HeldContext | None = None):
