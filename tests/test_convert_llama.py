@@ -395,9 +395,7 @@ def test_a_chat_runs_export_stops_generating_at_the_end_of_a_turn(tmp_path):
     chat = build_config({}, [f"data.tokenizer={directory}", "data.messages_key=messages", f"data.chat_template={chatml}"])
     end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
     assert end != tokenizer.eod
-    def exported_stops(cfg):
-        return _generation_config(GenerationConfig(eos_token_id=tokenizer.eod), tokenizer, cfg,
-                                  tokenizer.vocab_size).eos_token_id
-
-    assert exported_stops(chat) == [tokenizer.eod, end]
-    assert exported_stops(plain) == tokenizer.eod
+    assert _generation_config(GenerationConfig(eos_token_id=tokenizer.eod), tokenizer, chat).eos_token_id == \
+        [tokenizer.eod, end]
+    assert _generation_config(GenerationConfig(eos_token_id=tokenizer.eod), tokenizer, plain).eos_token_id == \
+        tokenizer.eod

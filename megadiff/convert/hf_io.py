@@ -26,7 +26,6 @@ from megadiff.config import Config, dump_config
 from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import chat_template_of, save_chat_template, stop_ids
-from megadiff.data.tokenizers import ungenerable_ids
 from megadiff.errors import first_line
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
@@ -136,8 +135,8 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
     from transformers import GenerationConfig
 
     config.save_pretrained(str(directory))
-    _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg,
-                       config.vocab_size).save_pretrained(str(directory))
+    _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
+        str(directory))
     _save_weights(state, directory)
     tokenizer.save_hf(directory, source_cfg.model.seq_length)
     save_chat_template(source_cfg.data, tokenizer, directory)
@@ -149,14 +148,16 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
             shutil.copyfile(CODE_DIR / name, directory / name)
 
 
-def _generation_config(generation, tokenizer, source_cfg: Config, rows: int):
+def _generation_config(generation, tokenizer, source_cfg: Config):
     """transformers' generate() stops at the EOS ids of the generation config: with the exported chat template's
     end of turn among them (a chat-tuned model's reply ends there), it stops where megadiff's chat stops. It never
-    draws the suppressed ids, as megadiff's generation never draws the `rows` of logits no token has (the padded
-    vocabulary's, tiktoken's gaps): sampled, they decoded to nothing and the reply went on past them."""
+    draws the ids the tokenizer has no token for (tiktoken's gaps, reserved tokens in the export's tokenizer), as
+    megadiff's generation never does. The padded vocabulary's rows stay drawable: tokens added to the tokenizer
+    after the export take them, and must be generated (a chat fine-tune's end of turn); trained weights never
+    favour them."""
     generation.eos_token_id = stop_ids(generation.eos_token_id, chat_template_of(source_cfg.data, tokenizer), tokenizer)
     generation.pad_token_id = tokenizer.pad
-    generation.suppress_tokens = ungenerable_ids(tokenizer, rows) or None
+    generation.suppress_tokens = sorted(tokenizer.undecodable_ids) or None
     return generation
 
 
