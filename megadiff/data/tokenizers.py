@@ -128,12 +128,6 @@ class TiktokenTokenizer:
         save_for_any_transformers(hf, directory)
 
 
-def ungenerable_ids(tokenizer: Tokenizer, rows: int) -> list[int]:
-    """The ids among a model's `rows` of logits its tokenizer cannot decode: the tokenizer's own undecodable
-    ids and the padding rows of the embedding. Generation never draws them."""
-    return sorted(tokenizer.undecodable_ids | frozenset(range(tokenizer.vocab_size, rows)))
-
-
 def oniguruma_pattern(pattern: str) -> str:
     """tiktoken's split pattern as the tokenizers library's Oniguruma engine must read it. There a
     bounded repeat followed by `+` is not possessive but repeated: cl100k's `\\p{N}{1,3}+` would take

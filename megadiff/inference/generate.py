@@ -23,7 +23,7 @@ import torch
 
 from megadiff.checkpoint.single_process import CausalLM, load_checkpoint
 from megadiff.config import ConfigError
-from megadiff.data.tokenizers import Tokenizer, ungenerable_ids
+from megadiff.data.tokenizers import Tokenizer
 from megadiff.inference.chat_prompts import chat_prompt, encode_prompt, system_turns
 from megadiff.inference.records import utf8_input
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -77,8 +77,10 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
 
 def decodable_ids(model: CausalLM) -> torch.Tensor:
     """[V] booleans over the model's padded vocabulary: the ids its tokenizer can decode."""
-    decodable = torch.ones(model.vocab_size, dtype=torch.bool)
-    decodable[ungenerable_ids(model.tokenizer, model.vocab_size)] = False
+    tokenizer = model.tokenizer
+    decodable = torch.zeros(model.vocab_size, dtype=torch.bool)
+    decodable[:tokenizer.vocab_size] = True
+    decodable[sorted(tokenizer.undecodable_ids)] = False
     return decodable
 
 
