@@ -295,6 +295,7 @@ def test_demo_end_to_end_from_nothing(tmp_path):
 
 @pytest.mark.parametrize("device_name, peak", [
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H800 PCIe", 756.0),
     ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("NVIDIA A100-SXM4-80GB", 312.0),
     ("NVIDIA GeForce RTX 4090", None)])
 def test_mfu_peak_is_the_most_specific_known_device(device_name, peak):

@@ -10,8 +10,9 @@ from megadiff.models.param_count import training_flops_per_token
 
 # dense bf16 tensor-core peaks (TFLOP/s) used for MFU when logging.peak_tflops is not set; the most
 # specific name in the device's name wins ("NVIDIA GB200" holds "B200", "NVIDIA H100 PCIe" "H100")
-KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H800": 989.0,
-                     "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
+# "NVIDIA H200 NVL" holds "H200" and "NVIDIA H800 PCIe" "H800", yet they peak as the H100 NVL and PCIe do
+KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H200 NVL": 835.0,
+                     "H800": 989.0, "H800 PCIe": 756.0, "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
 
 
 def device_peak_tflops(configured: float | None) -> float | None:
