@@ -187,8 +187,8 @@ def reference_results(name: str, case: Case) -> dict[str, torch.Tensor]:
     return outputs_and_grads(_unpaired(reference) if case.paired else reference, inputs, grad_out.double(), case)
 
 
-def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
-    """Explicit tiles through the kernel's API; blocks=None goes through the dispatcher instead."""
+def kernel_attention(case: Case):
+    """The case's kernel: explicit tiles through the kernel's API; blocks=None goes through the dispatcher instead."""
     from megadiff.ops import paired_differential_attention
     from megadiff.ops.triton_kernel import (
         KernelConfig, differential_attention_triton, paired_differential_attention_triton,
@@ -200,7 +200,11 @@ def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
             return dispatcher(*args, **kwargs, backend="triton")
         kernel = paired_differential_attention_triton if case.paired else differential_attention_triton
         return kernel(*args, **kwargs, config=KernelConfig(*case.blocks))
+    return fn
 
+
+def kernel_results(name: str, case: Case) -> dict[str, torch.Tensor]:
+    fn = kernel_attention(case)
     inputs, grad_out = make_inputs(name, case)
     with contextlib.ExitStack() as stack:
         if case.pairs_past_int32:
@@ -327,6 +331,14 @@ def test_paired_dint_decoding_carries_the_integral(interpreted):
     want = _unpaired(differential_attention_reference)(q, k, v, lam, causal=True, integral=True)
     assert_matches({"out": got["out"]}, {"out": want}, CARRY_CASE.dtype, "paired-dint-kv-cache-carry")
     assert got["count"] == CARRY_STEPS[-1][1], f"the carry counted {got['count']} positions, not 10"
+
+
+def test_double_backward_is_refused(interpreted):
+    """The kernels' gradients carry no graph: a gradient penalty through them must raise, not run with its own
+    gradient silently left out (as autograd does, even with once_differentiable, when the upstream gradient
+    needs none)."""
+    for name, error in interpreted["double-backward"].items():
+        assert "cannot differentiate twice" in error, f"{name}: a double backward gave {error or 'no error'!r}"
 
 
 def test_refusals():
@@ -627,6 +639,23 @@ def _autotuning_on_cpu():
         Autotuner.do_bench = saved
 
 
+DOUBLE_BACKWARD_CASES = ("causal-diff-gqa-lam-dv16", "paired")
+
+
+def double_backward_refusal(name: str, case: Case) -> str:
+    """A gradient penalty through the kernel (whose gradients have no graph of their own) beside a plain loss on
+    the inputs, taken to the inputs: the error it raises, or '' where it ran (dropping the penalty's gradient)."""
+    inputs, grad_out = make_inputs(name, case)
+    out = kernel_attention(case)(*inputs, causal=case.causal)
+    try:
+        grads = torch.autograd.grad((out * grad_out).sum(), inputs, create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in grads)
+        (penalty + sum(t.sum() for t in inputs)).backward()
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
 def _interpreter_main(path: str) -> None:
     """Child process: every case through the interpreted kernel; errors are recorded per case."""
     from megadiff.ops.triton_kernel import KernelConfig, differential_attention_triton_maps
@@ -651,6 +680,7 @@ def _interpreter_main(path: str) -> None:
         results["maps"] = dict(zip(("o1", "o2", "lse1", "lse2"), maps))
     except Exception:  # noqa: BLE001
         results["maps"] = traceback.format_exc()
+    results["double-backward"] = {name: double_backward_refusal(name, CASES[name]) for name in DOUBLE_BACKWARD_CASES}
     try:
         results["paired-dint-kv-cache-carry"] = carried_paired_rows("paired-dint-kv-cache-carry", CARRY_CASE)
     except Exception:  # noqa: BLE001

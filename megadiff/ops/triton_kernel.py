@@ -115,11 +115,20 @@ def _maps_backward(ctx, grad_out, grad_first_map, grads: tuple | None = None):
     return dq1, dk1, dq2, dk2, dv, grad_lam
 
 
+def _refuse_a_graph_of_the_gradients() -> None:
+    """A backward with create_graph (grad mode on: a gradient penalty, a Hessian product) would get gradients
+    without a graph from the kernels, and autograd would silently take their own gradient for zero."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("the Triton differential-attention kernel cannot differentiate twice (backward with "
+                           "create_graph=True); use backend='reference' for higher-order gradients")
+
+
 class _DifferentialAttention(torch.autograd.Function):
     forward = staticmethod(_maps_forward)
 
     @staticmethod
     def backward(ctx, grad_out, grad_first_map=None):
+        _refuse_a_graph_of_the_gradients()
         return (*_maps_backward(ctx, grad_out, grad_first_map), None, None, None, None, None, None)
 
 
@@ -142,6 +151,7 @@ class _PairedDifferentialAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_first_map=None):
+        _refuse_a_graph_of_the_gradients()
         dq, dk = (empty_bnhd(*layout) for layout in ctx.pairs)
         (dq1, dq2), (dk1, dk2) = map_pairs(dq), map_pairs(dk)
         if row_offsets_fit_int32(dq1) and row_offsets_fit_int32(dk1):
