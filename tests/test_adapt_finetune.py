@@ -1425,3 +1425,41 @@ def test_a_tokenizer_directory_without_tokenizer_files_is_refused_with_the_confi
     with pytest.raises(ConfigError, match=f"model.tokenizer: no tokenizer files in {empty}"):
         load_finetune_config(str(workspace / "adapt.yaml"), [f"model.tokenizer={empty}"])
     assert load_finetune_config(str(workspace / "adapt.yaml"), [f"model.tokenizer={workspace / 'model'}"])
+
+
+def samples_read_by(config: str, overrides: list[str], report_dir: str) -> int:
+    """finetuned's run; each rank records the first sample number of every micro-batch it reads."""
+    from megadiff.adapt.data import BatchReader
+
+    read_rows, read = BatchReader._rows, []
+
+    def recorded(reader, first_sample):
+        read.extend(range(first_sample, first_sample + reader.micro_batch))
+        Path(report_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps(read))
+        return read_rows(reader, first_sample)
+
+    with mock.patch.object(BatchReader, "_rows", recorded):
+        return finetuned(config, overrides)
+
+
+def test_a_rerun_with_another_global_batch_reads_on_from_the_samples_read(workspace, tmp_path):
+    """Stopped after iteration 2 of global batches of 8 (2 ranks x grad_accum 2 x 2), rerun with grad_accum 1:
+    the rerun reads on from sample 16, as a run reads its data once, not from iteration x its own global batch
+    (sample 8: the samples 8-15 trained on twice; with a larger batch, samples never read)."""
+    output = tmp_path / "run"
+    runs = [[f"output_dir={output}", "checkpoint.exit_interval=2", "adaptation.selection=all"],
+            [f"output_dir={output}", "train.grad_accum=1"]]
+    read = []
+    for overrides in runs:
+        reports = tmp_path / f"read{len(read)}"
+        reports.mkdir()
+        with mock.patch.dict(os.environ, _env(workspace)):
+            run_reporting_ranks(2, samples_read_by, str(workspace / "adapt.yaml"), overrides, str(reports),
+                                timeout=400)
+        read.append(sorted(sample for report in reports.glob("rank*.json")
+                           for sample in json.loads(report.read_text())))
+    first = load_finetune_config(str(workspace / "adapt.yaml"), runs[0]).train
+    second = load_finetune_config(str(workspace / "adapt.yaml"), runs[1]).train
+    assert read[0] == list(range(2 * 2 * first.grad_accum * first.micro_batch_size))
+    rerun_samples = (second.iters - 2) * 2 * second.grad_accum * second.micro_batch_size
+    assert read[1] == list(range(len(read[0]), len(read[0]) + rerun_samples))

@@ -115,7 +115,8 @@ class SampleOrder:
 
 class BatchReader:
     """Micro-batches for (iteration, micro-step) on this rank: global sample numbers
-    ((i * grad_accum + m) * world + rank) * micro_batch + j, i the 0-based iteration.
+    first + ((i * grad_accum + m) * world + rank) * micro_batch + j, i the 0-based iteration, first 0 but in a
+    rerun that reads with another global batch than its checkpoint's run (see resume_at).
     `document_eos`: the EOS its documents end with when attention is masked by document."""
 
     def __init__(self, dataset, seed: int, micro_batch: int, grad_accum: int, rank: int, world: int,
@@ -124,6 +125,18 @@ class BatchReader:
         self.document_eos = document_eos
         self.order = SampleOrder(len(dataset), seed)
         self.micro_batch, self.grad_accum, self.rank, self.world = micro_batch, grad_accum, rank, world
+        self.global_batch = micro_batch * grad_accum * world
+        self._first = 0
+
+    def resume_at(self, iteration: int, samples_read: int) -> None:
+        """Iteration `iteration` (0-based) reads on from sample `samples_read`, the count its checkpoint's run
+        had read: a rerun with another global batch (more GPUs, another grad_accum) neither skips nor reads again
+        the samples after it, which iteration x its own global batch would."""
+        self._first = samples_read - iteration * self.global_batch
+
+    def samples_read(self, iterations: int) -> int:
+        """The samples read by the end of the first `iterations` iterations."""
+        return self._first + iterations * self.global_batch
 
     def _rows(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels) of the micro-batch from `first_sample` on: labels are the ids, but
@@ -138,7 +151,7 @@ class BatchReader:
     def micro_batch_at(self, iteration: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels) [micro_batch, seq_length]."""
         slot = (iteration * self.grad_accum + micro_step) * self.world + self.rank
-        return self._rows(slot * self.micro_batch)
+        return self._rows(self._first + slot * self.micro_batch)
 
     def calibration_batches(self, count: int) -> list[torch.Tensor]:
         """The input ids of the first `count` micro-batches of the order, the same on every rank."""

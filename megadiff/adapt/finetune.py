@@ -210,6 +210,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                     _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=resumed.name,
                                                              load_module_strict=False)
                 start = client_state["iteration"]
+                # absent from checkpoints of earlier versions, whose reruns read with the checkpoint's global batch
+                reader.resume_at(start, client_state.get("samples_read", start * reader.global_batch))
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
                 resume_schedule(engine.lr_scheduler, cfg.train)
                 keep_this_runs_adam_settings(engine.optimizer, cfg.train)
@@ -244,7 +246,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                                                           and iteration % cfg.checkpoint.exit_interval == 0)
                 if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
                     _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
-                          {"iteration": iteration, "unrecorded": unrecorded.state()})
+                          {"iteration": iteration, "unrecorded": unrecorded.state(),
+                           "samples_read": reader.samples_read(iteration)})
                 if exit_now and iteration < cfg.train.iters:
                     exit_code = stop.exit_after_checkpoint(rank)
                     if writer is not None:
