@@ -1,7 +1,7 @@
 """Exports load in transformers 4.x too, which evaluation stacks still pin: the stock ones (DiffLlama, Llama),
 tokenizer included, and the adapted ones (Dex, DAA) give the token ids, logits and greedy tokens transformers 5
-gives. megadiff's remote-code exports need 5.x and say so. transformers 4.57 runs in a subprocess, from the
-directory `make test` installs it in."""
+gives, and so do megadiff's remote-code exports (DINT, Shared DIFF, DIFF), in one sequence and in a left-padded
+batch. transformers 4.57 runs in a subprocess, from the directory `make test` installs it in."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,8 @@ from tests.test_adapt import tiny_model, tokens
 TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".venv" / "transformers4"
 TEXT = "Hello world, 2024! And the earth was without form."
 NEW_TOKENS = 6
-# each export's tokenizer's ids of TEXT (if it has one), the logits and greedy tokens of the ids given (or those)
+# each export's tokenizer's ids of TEXT (if it has one), the logits of the ids given (or those), and the greedy
+# tokens of a left-padded batch of them
 READ = """
 import json, os, sys
 import torch, transformers
@@ -33,18 +34,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 assert transformers.__version__.startswith("{version}"), transformers.__version__
 out = {{}}
 for directory, ids in json.loads(sys.argv[1]).items():
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
-        text_ids = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)({text!r}).input_ids \
-            if os.path.exists(os.path.join(directory, "tokenizer_config.json")) else None
-    except ImportError as error:
-        out[directory] = {{"error": str(error)}}
-        continue
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    text_ids = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)({text!r}).input_ids \
+        if os.path.exists(os.path.join(directory, "tokenizer_config.json")) else None
     ids = torch.tensor([text_ids if ids is None else ids])
+    # the same ids and a shorter copy, left-padded to one batch
+    batch = torch.cat([ids, torch.cat([torch.zeros_like(ids[:, :3]), ids[:, 3:]], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
     with torch.no_grad():
         logits = model(ids).logits[0]
-        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={new_tokens}, do_sample=False,
-                             pad_token_id=0)[0, ids.shape[1]:]
+        new = model.generate(batch, attention_mask=mask, max_new_tokens={new_tokens}, do_sample=False,
+                             pad_token_id=0)[:, ids.shape[1]:]
     out[directory] = {{"text_ids": text_ids, "ids": ids[0].tolist(), "logits": logits.tolist(), "new": new.tolist()}}
 print(json.dumps(out))
 """
@@ -84,9 +85,11 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
                exported(tmp_path, "diff_cl100k", "diff", "cl100k_base", 100277): None,
                adapted(tmp_path, "dex-entropy", "llama"): ids,
                adapted(tmp_path, "daa", "qwen2", AutoTokenizer.from_pretrained(small)): ids,
-               adapted(tmp_path, "diff_v", "mistral"): ids}
-    remote = exported(tmp_path, "dint", "dint", small, 300, remote_code=True)
-    theirs = read_by("4.", {**exports, remote: None}, str(TRANSFORMERS4))
+               adapted(tmp_path, "diff_v", "mistral"): ids,
+               exported(tmp_path, "dint", "dint", small, 300, remote_code=True): None,
+               exported(tmp_path, "shared_diff", "shared_diff", small, 300, remote_code=True): None,
+               exported(tmp_path, "diff_remote", "diff", small, 300, remote_code=True): None}
+    theirs = read_by("4.", exports, str(TRANSFORMERS4))
     ours = read_by("5.", exports)
     for directory in exports:
         read, expected = theirs[str(directory)], ours[str(directory)]
@@ -94,4 +97,3 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
         torch.testing.assert_close(torch.tensor(read["logits"]), torch.tensor(expected["logits"]), rtol=1e-4,
                                    atol=1e-4)
         assert read["new"] == expected["new"], directory
-    assert "needs transformers >= 5.0" in theirs[str(remote)]["error"]

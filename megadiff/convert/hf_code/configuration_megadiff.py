@@ -9,13 +9,12 @@ Head counting follows megadiff, not DiffLlama: `num_attention_heads` is the
 number of differential heads, each with two softmax maps of width `head_dim`
 and a value of width 2 * head_dim.
 """
-import transformers
-
-if int(transformers.__version__.split(".")[0]) < 5:  # the classes below are built on 5.x's
-    raise ImportError(f"this model's code (megadiff's differential attention) needs transformers >= 5.0, found "
-                      f"{transformers.__version__}: `pip install -U transformers`")
-
-from transformers import PreTrainedConfig  # noqa: E402
+try:
+    from transformers import PreTrainedConfig  # transformers 5: a dataclass built from the fields below
+    FIELDS_ARE_DATACLASS = True
+except ImportError:  # transformers 4: fields are __init__ keywords, set by the __init__ below
+    from transformers import PretrainedConfig as PreTrainedConfig
+    FIELDS_ARE_DATACLASS = False
 
 VARIANTS = ("diff", "dint", "shared_diff")
 
@@ -48,6 +47,17 @@ class MegadiffConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     layer_types: list[str] | None = None
 
+    if not FIELDS_ARE_DATACLASS:
+        def __init__(self, **kwargs):
+            fields = {name: kwargs.pop(name, getattr(type(self), name)) for name in self.__annotations__}
+            super().__init__(**kwargs)
+            vars(self).update(fields)
+            self.__post_init__()
+            rope = self.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+            # 4.x's rotary embedding reads rope_theta and, for a non-default rope, rope_scaling
+            self.rope_theta = rope["rope_theta"]
+            self.rope_scaling = None if rope.get("rope_type", "default") == "default" else rope
+
     def __post_init__(self, **kwargs):
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
@@ -62,7 +72,8 @@ class MegadiffConfig(PreTrainedConfig):
             # it as a recurrent state next to the keys and values
             layer = "hybrid" if self.variant == "dint" else "full_attention"
             self.layer_types = [layer] * self.num_hidden_layers
-        super().__post_init__(**kwargs)
+        if FIELDS_ARE_DATACLASS:
+            super().__post_init__(**kwargs)
 
 
 __all__ = ["MegadiffConfig"]

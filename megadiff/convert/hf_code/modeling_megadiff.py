@@ -11,7 +11,8 @@ Weights follow DiffLlama's layout: q_proj rows are [Q1 of every head; Q2 of ever
 k_proj [K1; K2] per key/value head, v_proj [first half of every V; second half]. For
 Shared DIFF, q_proj/k_proj are the shared W_Q/W_K and lowrank_down stacks the four A
 factors (q1, q2, k1, k2). Generation uses transformers' cache: K/V per layer, plus for
-DINT the running sum of A1 V as the "recurrent state" of a hybrid cache layer.
+DINT the running sum of A1 V as the "recurrent state" of a hybrid cache layer (in
+transformers 4, whose cache layers have none, as an attribute of the layer).
 
 Shipped into exported model directories by `megadiff convert to-hf`; imports only
 torch and transformers.
@@ -22,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -31,10 +31,23 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
 from transformers.utils import can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_megadiff import MegadiffConfig
+
+# transformers 4 and 5 differ in the helpers below: the feature checks sit here, not in the model code
+try:  # transformers 5
+    from transformers import initialization as init
+    from transformers.utils.generic import merge_with_config_defaults
+    from transformers.utils.output_capturing import capture_outputs
+
+    def model_inputs(forward):
+        """Fills use_cache etc. from the config and records hidden states (output_hidden_states)."""
+        return merge_with_config_defaults(capture_outputs(forward))
+except ImportError:  # transformers 4: one decorator did both, torch's init functions were used directly
+    from torch.nn import init
+    from transformers.utils.generic import check_model_inputs as model_inputs
+# 5.x's cache layers hold a recurrent state (DINT's running sum); 4.x's hold only keys and values
+CACHE_HAS_RECURRENT_STATES = hasattr(Cache, "update_recurrent_state")
 
 LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
 
@@ -123,14 +136,26 @@ class MegadiffAttention(nn.Module):
                                   dtype=first_map.dtype).expand(batch, -1)
         sums = (first_map * valid[:, None, :, None]).cumsum(dim=2)
         if past_key_values is not None:
-            layer = past_key_values.layers[self.layer_idx]
+            sums = self._add_cached_sum(sums, past_key_values.layers[self.layer_idx])
+        return sums / counts.clamp(min=1)[:, None, :, None]
+
+    @staticmethod
+    def _add_cached_sum(sums: torch.Tensor, layer) -> torch.Tensor:
+        """sums plus the cached sum of earlier steps; caches the new total."""
+        if CACHE_HAS_RECURRENT_STATES:
             if not hasattr(layer, "update_recurrent_state"):
                 raise TypeError("DINT needs a cache with a recurrent state per layer: pass "
                                 "DynamicCache(config=model.config) (what generate() builds), not DynamicCache()")
             if layer.is_recurrent_states_initialized[0]:
                 sums = sums + layer.recurrent_states[0][:, :, None, :]
             layer.update_recurrent_state(sums[:, :, -1].contiguous(), state_idx=0)
-        return sums / counts.clamp(min=1)[:, None, :, None]
+            return sums
+        # transformers 4: the sum rides on the cache layer (greedy and sampled decoding; beam search would not
+        # reorder it)
+        if getattr(layer, "megadiff_running_sum", None) is not None:
+            sums = sums + layer.megadiff_running_sum[:, :, None, :]
+        layer.megadiff_running_sum = sums[:, :, -1].contiguous()
+        return sums
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         batch, seq = hidden_states.shape[:2]
@@ -202,8 +227,7 @@ class MegadiffModel(MegadiffPreTrainedModel):
         self.gradient_checkpointing = False  # merge_with_config_defaults builds no cache while checkpointing
         self.post_init()
 
-    @merge_with_config_defaults
-    @capture_outputs
+    @model_inputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
