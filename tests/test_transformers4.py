@@ -25,8 +25,8 @@ from tests.test_adapt import tiny_model, tokens
 TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".venv" / "transformers4"
 TEXT = "Hello world, 2024! And the earth was without form."
 NEW_TOKENS = 6
-# each export's tokenizer's ids of TEXT (if it has one), the logits of the ids given (or those), and the greedy
-# tokens of a left-padded batch of them
+# each export's tokenizer's ids of TEXT (if it has one), the logits of the ids given (or those), the greedy
+# tokens of a left-padded batch of them, and a beam search's sequences and scores (the cache reordered as beams swap)
 READ = """
 import json, os, sys
 import torch, transformers
@@ -46,13 +46,17 @@ for directory, ids in json.loads(sys.argv[1]).items():
         logits = model(ids).logits[0]
         new = model.generate(batch, attention_mask=mask, max_new_tokens={new_tokens}, do_sample=False,
                              pad_token_id=0)[:, ids.shape[1]:]
-    out[directory] = {{"text_ids": text_ids, "ids": ids[0].tolist(), "logits": logits.tolist(), "new": new.tolist()}}
+        beams = model.generate(ids, max_new_tokens={beam_tokens}, num_beams=3, num_return_sequences=3,
+                               do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    out[directory] = {{"text_ids": text_ids, "ids": ids[0].tolist(), "logits": logits.tolist(), "new": new.tolist(),
+                      "beams": beams.sequences[:, ids.shape[1]:].tolist(), "beam_scores": beams.sequences_scores.tolist()}}
 print(json.dumps(out))
 """
 
 
 def read_by(version: str, exports: dict[Path, list[int] | None], pythonpath: str | None = None) -> dict:
-    script = READ.format(version=version, text=TEXT, new_tokens=NEW_TOKENS)
+    # the beams run long enough to swap rows of differing histories (DINT's running sums then differ)
+    script = READ.format(version=version, text=TEXT, new_tokens=NEW_TOKENS, beam_tokens=2 * NEW_TOKENS)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
@@ -86,7 +90,8 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
                adapted(tmp_path, "dex-entropy", "llama"): ids,
                adapted(tmp_path, "daa", "qwen2", AutoTokenizer.from_pretrained(small)): ids,
                adapted(tmp_path, "diff_v", "mistral"): ids,
-               exported(tmp_path, "dint", "dint", small, 300, remote_code=True): None,
+               # ids whose beams swap rows of differing histories: a running sum left unreordered shows
+               exported(tmp_path, "dint", "dint", small, 300, remote_code=True): [5, 17, 42, 99, 7, 12, 250],
                exported(tmp_path, "shared_diff", "shared_diff", small, 300, remote_code=True): None,
                exported(tmp_path, "diff_remote", "diff", small, 300, remote_code=True): None}
     theirs = read_by("4.", exports, str(TRANSFORMERS4))
@@ -96,4 +101,6 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
         assert read["text_ids"] == expected["text_ids"] and read["ids"] == expected["ids"], directory
         torch.testing.assert_close(torch.tensor(read["logits"]), torch.tensor(expected["logits"]), rtol=1e-4,
                                    atol=1e-4)
-        assert read["new"] == expected["new"], directory
+        assert read["new"] == expected["new"] and read["beams"] == expected["beams"], directory
+        torch.testing.assert_close(torch.tensor(read["beam_scores"]), torch.tensor(expected["beam_scores"]),
+                                   rtol=1e-4, atol=1e-4)

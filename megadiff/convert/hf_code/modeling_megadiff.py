@@ -150,8 +150,7 @@ class MegadiffAttention(nn.Module):
                 sums = sums + layer.recurrent_states[0][:, :, None, :]
             layer.update_recurrent_state(sums[:, :, -1].contiguous(), state_idx=0)
             return sums
-        # transformers 4: the sum rides on the cache layer (greedy and sampled decoding; beam search would not
-        # reorder it)
+        # transformers 4: the sum rides on the cache layer (beam search reorders it: _reorder_cache)
         if getattr(layer, "megadiff_running_sum", None) is not None:
             sums = sums + layer.megadiff_running_sum[:, :, None, :]
         layer.megadiff_running_sum = sums[:, :, -1].contiguous()
@@ -267,6 +266,16 @@ class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
         # DINT's running sum cannot be rolled back to fewer tokens: generate() refuses assisted decoding
         self._is_stateful = config.variant == "dint"
         self.post_init()
+
+    def _reorder_cache(self, past_key_values, beam_idx):
+        """Beam search's reordering of the cache's rows (transformers 4 calls it where a model has it): in
+        transformers 4, DINT's running sum on each cache layer is reordered with the keys and values."""
+        past_key_values.reorder_cache(beam_idx)
+        for layer in past_key_values.layers:
+            running_sum = getattr(layer, "megadiff_running_sum", None)
+            if running_sum is not None:
+                layer.megadiff_running_sum = running_sum.index_select(0, beam_idx.to(running_sum.device))
+        return past_key_values
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values: Cache | None = None,
