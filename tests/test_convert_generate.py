@@ -173,8 +173,8 @@ def test_an_export_never_generates_the_ids_its_tokenizer_has_no_token_for(tmp_pa
     from megadiff.config import build_config
     from tests.convert_worker import MODEL, VARIANTS
 
-    model = [arg for arg in MODEL if not arg.startswith("model.vocab_size=")] + ["model.vocab_size=100277"]
-    save_in_process(build_config({}, model + VARIANTS["diff"] + ["data.tokenizer=cl100k_base"]), tmp_path / "ck")
+    cl100k = ["data.tokenizer=cl100k_base", "model.vocab_size=100277"]  # the later vocab_size overrides MODEL's
+    save_in_process(build_config({}, MODEL + VARIANTS["diff"] + cl100k), tmp_path / "ck")
     export = AutoModelForCausalLM.from_pretrained(convert_to_hf(tmp_path / "ck", tmp_path / "hf"))
     gaps = sorted(load_checkpoint(tmp_path / "ck").tokenizer.undecodable_ids)
     padding_row = 100300

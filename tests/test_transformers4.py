@@ -49,7 +49,8 @@ for directory, ids in json.loads(sys.argv[1]).items():
         beams = model.generate(ids, max_new_tokens={beam_tokens}, num_beams=3, num_return_sequences=3,
                                do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     out[directory] = {{"text_ids": text_ids, "ids": ids[0].tolist(), "logits": logits.tolist(), "new": new.tolist(),
-                      "beams": beams.sequences[:, ids.shape[1]:].tolist(), "beam_scores": beams.sequences_scores.tolist()}}
+                      "beams": beams.sequences[:, ids.shape[1]:].tolist(),
+                      "beam_scores": beams.sequences_scores.tolist()}}
 print(json.dumps(out))
 """
 
@@ -67,8 +68,8 @@ def read_by(version: str, exports: dict[Path, list[int] | None], pythonpath: str
 
 
 def exported(root: Path, name: str, variant: str, tokenizer: str, vocab_size: int, remote_code: bool = False) -> Path:
-    model = [arg for arg in MODEL if not arg.startswith("model.vocab_size=")] + [f"model.vocab_size={vocab_size}"]
-    cfg = build_config({}, model + VARIANTS[variant] + [f"data.tokenizer={tokenizer}"])
+    vocabulary = [f"data.tokenizer={tokenizer}", f"model.vocab_size={vocab_size}"]  # the later overrides MODEL's
+    cfg = build_config({}, MODEL + VARIANTS[variant] + vocabulary)
     save_in_process(cfg, root / name / "checkpoint")
     return convert_to_hf(root / name / "checkpoint", root / name / "hf", remote_code=remote_code)
 
