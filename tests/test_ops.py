@@ -108,6 +108,16 @@ def assert_matches_paper_formula(out, inputs, causal, integral, visible=None) ->
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("integral", [False, True])
+def test_an_fp64_lambda_passes_a_gradient_check(impl, integral):
+    """Finite differences of every input, lambda too: an fp64 lambda rounded to fp32 hides the check's
+    perturbations of it (DINT's numerical gradient came out zero)."""
+    inputs = make_inputs(n=5, heads=2, kv_heads=1, d=4, dv=4, per_head=True)
+    inputs = (*inputs[:5], inputs[5].detach().double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda *a: IMPLEMENTATIONS[impl](*a, causal=True, integral=integral), inputs)
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 def test_a_softmax_scale_scales_the_scores(impl):
     """softmax_scale s on q is the default 1/sqrt(d) on q * s * sqrt(d), for both maps."""
     q1, k1, q2, k2, v, lam = make_inputs()

@@ -102,8 +102,10 @@ def map_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lambda_per_head(lam: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[] or [H] -> [H] in fp32."""
-    return lam.float().expand(num_heads) if lam.dim() == 0 else lam.float()
+    """[] or [H] -> [H] in fp32, or in fp64 for an fp64 lambda (whose rounding to fp32 would hide a gradient
+    check's perturbations of it)."""
+    lam = lam.to(torch.promote_types(lam.dtype, torch.float32))
+    return lam.expand(num_heads) if lam.dim() == 0 else lam
 
 
 def running_mean(x: torch.Tensor, causal: bool, starts: torch.Tensor | None = None) -> torch.Tensor:

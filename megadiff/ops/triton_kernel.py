@@ -74,7 +74,7 @@ def _documents(cu_seqlens, causal: bool, q: torch.Tensor, k: torch.Tensor) -> Do
 def _maps_forward(ctx, q1, k1, q2, k2, v, lam, causal, integral, scale, config, return_first_map, documents):
     """The autograd forward over both maps' queries and keys (either Function's)."""
     q1, k1, q2, k2, v = _kernel_layout(q1, k1, q2, k2, v)
-    lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device).contiguous()
+    lam_h = lambda_per_head(lam, q1.shape[2]).to(q1.device, torch.float32).contiguous()
     # the output follows the queries' layout: megatron's [s, b, ...] queries get an output that is
     # [s, b, ...] in memory, which its output projection then reads without a copy
     out, o1, o2, lse1, lse2 = attention_maps_forward(
