@@ -11,7 +11,7 @@ import torch
 
 from megadiff.adapt.resume import DamagedCheckpoint, damage_named, resume_point
 from tests.distributed import megadiff_main, run_reporting_ranks
-from tests.test_adapt_finetune import _env, adapt_in_ranks, adapt_workspace
+from tests.test_adapt_finetune import _env, adapt_in_ranks, adapt_workspace, finetuned
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def _checkpoint(directory: Path, *files: str) -> Path:
 
 
 def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state(tmp_path):
-    assert resume_point(tmp_path, 0) is None  # no marker: a first run
+    assert resume_point(tmp_path, 0, 2) is None  # no marker: a first run
     whole = _checkpoint(tmp_path / "iter_0000002", "mp_rank_00_model_states.pt",
                         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
     _checkpoint(tmp_path / "iter_0000004")  # written in part: no model states
@@ -35,11 +35,11 @@ def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state
         (tmp_path / "latest").write_text(f"{tag}\n")
         with pytest.raises(DamagedCheckpoint, match=rf"latest names '{tag}', which is no whole checkpoint in .*: write "
                                                     r"the one to resume from \(iter_0000002\) into it"):
-            resume_point(tmp_path, 0)
+            resume_point(tmp_path, 0, 2)
     (tmp_path / "latest").write_text("iter_0000002\n")
-    assert resume_point(tmp_path, 0) == resume_point(tmp_path, 1) == whole
+    assert resume_point(tmp_path, 0, 2) == resume_point(tmp_path, 1, 2) == whole
     with pytest.raises(DamagedCheckpoint, match=r"iter_0000002 lacks rank 2's optimizer state"):
-        resume_point(tmp_path, 2)
+        resume_point(tmp_path, 2, 3)
 
 
 @pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory", "x.pt"), EOFError(),
@@ -79,3 +79,20 @@ def test_every_rank_of_a_rerun_names_the_damage(workspace, tmp_path):
     model_states = saved / "mp_rank_00_model_states.pt"  # read by both ranks (ZeRO-2)
     model_states.write_bytes(model_states.read_bytes()[:1000])
     assert refused().count(f"{saved} cannot be resumed from (RuntimeError: ") == 2
+
+
+def test_a_rerun_on_another_number_of_ranks_is_refused_before_the_model_loads(workspace, tmp_path):
+    """ZeRO's optimizer state stays partitioned among the ranks that wrote it: a rerun on fewer ranks failed with
+    DeepSpeed's traceback once the model and its engine were built, one on more ranks was told its checkpoint was
+    copied in part. Both are refused on every rank, naming the two sizes, before the model loads."""
+    for written_by, rerun_on in ((2, 1), (1, 2)):
+        output = tmp_path / f"run{written_by}"
+        with mock.patch.dict(os.environ, _env(workspace)):
+            run_reporting_ranks(written_by, finetuned, str(workspace / "adapt.yaml"),
+                                [f"output_dir={output}", "checkpoint.exit_interval=2"], timeout=400)
+            rerun = run_reporting_ranks(rerun_on, megadiff_main, ["adapt", str(workspace / "adapt.yaml"),
+                                                                  f"output_dir={output}"], timeout=400, expect=2)
+        said = (f"{output / 'checkpoints' / 'iter_0000002'} was written by {written_by} data-parallel rank(s), and "
+                f"this run has {rerun_on}")
+        assert rerun.stderr.count(said) == rerun_on
+        assert "Loading weights" not in rerun.stderr + rerun.stdout

@@ -130,8 +130,9 @@ class BatchReader:
 
     def resume_at(self, iteration: int, samples_read: int) -> None:
         """Iteration `iteration` (0-based) reads on from sample `samples_read`, the count its checkpoint's run
-        had read: a rerun with another global batch (more GPUs, another grad_accum) neither skips nor reads again
-        the samples after it, which iteration x its own global batch would."""
+        had read: a rerun with another global batch (another micro-batch size or grad_accum, on as many ranks:
+        resume.py) neither skips nor reads again the samples after it, which iteration x its own global batch
+        would."""
         self._first = samples_read - iteration * self.global_batch
 
     def samples_read(self, iterations: int) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from megadiff.adapt.deepspeed_setup import NO_WEIGHT_DECAY
 from megadiff.adapt.settings import TrainSection
+from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.files import ITERATION_PREFIX, numbered_dirs
 
@@ -27,10 +28,10 @@ def whole_checkpoints(checkpoint_dir: Path) -> list[str]:
     return [path.name for _, path in numbered_dirs(checkpoint_dir, ITERATION_PREFIX) if any(path.glob(MODEL_STATES))]
 
 
-def resume_point(checkpoint_dir: Path, rank: int) -> Path | None:
-    """The checkpoint the marker names (None without a marker: a first run), refused where it is no whole one
-    or lacks this rank's optimizer shard (each rank reads its own: one failing alone would leave the others
-    waiting in DeepSpeed's collectives)."""
+def resume_point(checkpoint_dir: Path, rank: int, world: int) -> Path | None:
+    """The checkpoint the marker names (None without a marker: a first run), refused where it is no whole one,
+    was written by another number of data-parallel ranks than `world`, or lacks this rank's optimizer shard
+    (each rank reads its own: one failing alone would leave the others waiting in DeepSpeed's collectives)."""
     marker = checkpoint_dir / LATEST_FILE
     if not marker.is_file():
         return None
@@ -41,11 +42,33 @@ def resume_point(checkpoint_dir: Path, rank: int) -> Path | None:
         fix = f"write the one to resume from ({', '.join(whole)}) into it" if whole else "remove it to start afresh"
         raise DamagedCheckpoint(f"{marker} names {tag!r}, which is no whole checkpoint in {checkpoint_dir}: {fix}, "
                                 "or give a new output_dir")
+    _check_written_by(path, world)
     shard = f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # with a bf16_ prefix under DeepSpeed's bf16 optimizer
     if any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
         raise DamagedCheckpoint(f"{path} lacks rank {rank}'s optimizer state ({shard}): a checkpoint copied in "
                                 f"part?{_others(path)}")
     return path
+
+
+def _check_written_by(checkpoint: Path, world: int) -> None:
+    """Refuse a checkpoint written by another number of data-parallel ranks. ZeRO partitions Adam's state among
+    the ranks that wrote it, and DeepSpeed cannot partition it anew: 2 ranks -> 1 failed in DeepSpeed's load
+    after the model and its engine were built, 1 -> 2 was called a checkpoint copied in part."""
+    written_by = _data_parallel_size(checkpoint)
+    if written_by is not None and written_by != world:
+        raise ConfigError(f"{checkpoint} was written by {written_by} data-parallel rank(s), and this run has {world}: "
+                          "DeepSpeed ZeRO keeps the optimizer state partitioned among the ranks that wrote it. Resume "
+                          f"on {written_by} rank(s) (train.grad_accum sets the global batch) or give a new output_dir")
+
+
+def _data_parallel_size(checkpoint: Path) -> int | None:
+    """The data-parallel size DeepSpeed recorded in the checkpoint's model states (read memory-mapped: its
+    tensors stay on disk); None where they cannot be read, damage that DeepSpeed's load names (damage_named)."""
+    try:
+        states = torch.load(min(checkpoint.glob(MODEL_STATES)), map_location="cpu", mmap=True, weights_only=True)
+    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError):
+        return None
+    return states.get("dp_world_size") if isinstance(states, dict) else None
 
 
 @contextlib.contextmanager
