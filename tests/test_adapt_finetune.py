@@ -245,6 +245,51 @@ def test_resume_is_exact(stage_runs, workspace):
     assert [r["lm_loss"] for r in resumed] == pytest.approx([sum(each[:3]) / 3, each[3]], rel=1e-6)
 
 
+def dropout_masks_recorded(config: str, overrides: list[str], report: str) -> int:
+    """finetuned() in a rank, writing the attention dropout masks it drew (each as the positions it zeroed)
+    into `report`/RANK.json."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    masks, dropout = [], F.dropout
+
+    def recorded(input, p=0.5, training=True, inplace=False):
+        output = dropout(input, p, training, inplace)
+        if training and p > 0:
+            masks.append((output == 0).nonzero().tolist())
+        return output
+
+    with mock.patch.object(F, "dropout", recorded):
+        code = finetuned(config, overrides)
+    Path(report, f"{dist.get_rank()}.json").write_text(json.dumps(masks))
+    return code
+
+
+def test_ranks_draw_their_own_dropout_masks_and_a_resume_draws_the_same(workspace, tmp_path):
+    """A base model with attention dropout, on 2 ranks: each rank draws its own masks (seeded with seed + iteration
+    alone, both drew the same ones, on their own samples), and a run stopped at iteration 2 and rerun draws the
+    uninterrupted run's masks: the same losses and gradient norms."""
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    common = [f"model.path={model}", "model.attn_implementation=eager", "adaptation.selection=all"]
+    reports = tmp_path / "masks"
+    reports.mkdir()
+    with mock.patch.dict(os.environ, _env(workspace)):
+        run_reporting_ranks(2, dropout_masks_recorded, str(workspace / "adapt.yaml"),
+                            [*common, f"output_dir={tmp_path / 'whole'}"], str(reports), timeout=400)
+    first, second = (json.loads((reports / f"{rank}.json").read_text()) for rank in range(2))
+    assert len(first) == len(second) == ITERS * 2 * 2  # iterations x micro-steps x layers
+    assert all(mask != other for mask, other in zip(first, second))
+    resumed = [*common, f"output_dir={tmp_path / 'resumed'}"]
+    adapt_in_ranks(workspace, *resumed, "checkpoint.exit_interval=2")
+    adapt_in_ranks(workspace, *resumed)
+    curves = [[(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in read_metrics(tmp_path / run)]
+              for run in ("whole", "resumed")]
+    assert curves[1] == curves[0]  # iterations 1-2 from before the stop, 3-4 from the rerun
+
+
 @pytest.mark.slow
 def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, tmp_path):
     """Stopped after iteration 2 of 4, rerun with train.iters=6 and another peak lr: from iteration 3

@@ -22,6 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megadiff.adapt import deepspeed_setup as dss
@@ -228,7 +229,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             while iteration < cfg.train.iters:
                 iteration += 1
                 set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
-                torch.manual_seed(cfg.train.seed + iteration)
+                torch.manual_seed(iteration_seed(cfg.train.seed, iteration, rank))
                 began = time.perf_counter()
                 with watchdog:
                     loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
@@ -267,6 +268,13 @@ def finetune(cfg: FinetuneConfig) -> int:
             elif wandb is not None:  # failed before the metrics writer took the W&B run over
                 wandb.close(failed=failed)
         return exit_code
+
+
+def iteration_seed(seed: int, iteration: int, rank: int) -> int:
+    """torch's seed for a rank's iteration: a function of the three, so a resumed run draws the uninterrupted
+    run's dropout masks, and each data-parallel rank draws its own (seeded with seed + iteration alone, every
+    rank drew the same masks, on its own samples)."""
+    return int(np.random.SeedSequence([seed, iteration, rank]).generate_state(1)[0])
 
 
 def leave_out_frozen_aliases(engine) -> None:

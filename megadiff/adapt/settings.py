@@ -88,7 +88,8 @@ class TrainSection(StrictNumbers):
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                          "backward (transformers' gradient checkpointing): a layer's activations "
                                          "held at a time, for long sequences of large models (DAA's recipe)")
-    seed: int = Field(1234, ge=0, description="seeds torch every iteration (seed + iteration): dropout is resumable")
+    seed: int = Field(1234, ge=0, description="seeds torch every iteration (from seed, iteration and rank): "
+                                              "dropout is resumable, and each data-parallel rank draws its own masks")
     timeout_minutes: float = Field(60, gt=0, description="how long a rank waits in a collective before the job "
                                    "fails, e.g. while its node's first rank tokenizes data.files (torch's "
                                    "default, 10, is short for a large corpus)")
