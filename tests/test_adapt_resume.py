@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megadiff.adapt.resume import DamagedCheckpoint, damage_named, resume_point
+from megadiff.config import ConfigError
 from tests.distributed import megadiff_main, run_reporting_ranks
-from tests.test_adapt_finetune import _env, adapt_in_ranks, adapt_workspace, finetuned
+from tests.test_adapt_finetune import REPO, _env, adapt_in_ranks, adapt_workspace, finetuned
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def _checkpoint(directory: Path, *files: str) -> Path:
 
 
 def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state(tmp_path):
-    assert resume_point(tmp_path, 0, 2) is None  # no marker: a first run
+    assert resume_point(tmp_path, 0, 2, {}) is None  # no marker: a first run
     whole = _checkpoint(tmp_path / "iter_0000002", "mp_rank_00_model_states.pt",
                         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
     _checkpoint(tmp_path / "iter_0000004")  # written in part: no model states
@@ -35,11 +36,11 @@ def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state
         (tmp_path / "latest").write_text(f"{tag}\n")
         with pytest.raises(DamagedCheckpoint, match=rf"latest names '{tag}', which is no whole checkpoint in .*: write "
                                                     r"the one to resume from \(iter_0000002\) into it"):
-            resume_point(tmp_path, 0, 2)
+            resume_point(tmp_path, 0, 2, {})
     (tmp_path / "latest").write_text("iter_0000002\n")
-    assert resume_point(tmp_path, 0, 2) == resume_point(tmp_path, 1, 2) == whole
+    assert resume_point(tmp_path, 0, 2, {}) == resume_point(tmp_path, 1, 2, {}) == whole
     with pytest.raises(DamagedCheckpoint, match=r"iter_0000002 lacks rank 2's optimizer state"):
-        resume_point(tmp_path, 2, 3)
+        resume_point(tmp_path, 2, 3, {})
 
 
 @pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory", "x.pt"), EOFError(),
@@ -96,3 +97,38 @@ def test_a_rerun_on_another_number_of_ranks_is_refused_before_the_model_loads(wo
                 f"this run has {rerun_on}")
         assert rerun.stderr.count(said) == rerun_on
         assert "Loading weights" not in rerun.stderr + rerun.stdout
+
+
+def test_a_rerun_under_another_checkpoint_format_is_refused_before_the_model_loads(workspace, tmp_path):
+    """A ZeRO-2 checkpoint in fp32, rerun under ZeRO-3 or in bf16 (DeepSpeed's files of another name, ZeRO-3's
+    partitioned weights): DeepSpeed's load, after the model and its engine were built, called the checkpoint one
+    "copied or written in part". Refused on every rank before the model loads, naming both; ZeRO-1, which reads
+    ZeRO-2's files, resumes."""
+    output = tmp_path / "run"
+    adapt_in_ranks(workspace, f"output_dir={output}", "checkpoint.exit_interval=2")
+    checkpoint = output / "checkpoints" / "iter_0000002"
+    zero3 = f"deepspeed={workspace / 'zero3_all.json'}"
+    for change, said in ((zero3, f"{checkpoint} was written under ZeRO-2, and this run's deepspeed config asks for "
+                                 "ZeRO-3"),
+                         ("train.precision=bf16", f"{checkpoint} was written in fp32, and this run trains in bf16")):
+        with mock.patch.dict(os.environ, _env(workspace)):
+            rerun = run_reporting_ranks(2, megadiff_main, ["adapt", str(workspace / "adapt.yaml"),
+                                                           f"output_dir={output}", change], timeout=400, expect=2)
+        assert rerun.stderr.count(said) == 2, rerun.stderr[-2000:]
+        assert "Loading weights" not in rerun.stderr + rerun.stdout
+    zero1 = f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}"
+    assert "resuming after iteration 2" in adapt_in_ranks(workspace, f"output_dir={output}", zero1).stdout
+
+
+def test_a_universal_checkpoint_is_left_to_deepspeed_to_read_into_any_layout(tmp_path):
+    """DeepSpeed's universal checkpoints (ds_to_universal, "checkpoint": {"load_universal": true}) load into
+    another data-parallel size, stage or precision: only a checkpoint read as it was written is held to them."""
+    checkpoint = _checkpoint(tmp_path / "iter_0000002", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                             "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    torch.save({"dp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}},
+               checkpoint / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("iter_0000002\n")
+    zero3 = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match="written by 2 data-parallel rank"):
+        resume_point(tmp_path, 0, 1, zero3)
+    assert resume_point(tmp_path, 0, 1, {**zero3, "checkpoint": {"load_universal": True}}) == checkpoint

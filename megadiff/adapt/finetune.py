@@ -180,7 +180,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                                                    "deepspeed": ds_config,
                                                    "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
     with claimed_run_directory(output_dir):  # before the run writes anything there
-        resumed = refused_together(lambda: resume_point(output_dir / CHECKPOINT_DIR, rank, world))
+        resumed = refused_together(lambda: resume_point(output_dir / CHECKPOINT_DIR, rank, world, ds_config))
 
         def started_on_rank_0():
             resolved = cfg.model_dump(mode="json")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megadiff.adapt.deepspeed_setup import NO_WEIGHT_DECAY
+from megadiff.adapt.deepspeed_setup import NO_WEIGHT_DECAY, zero_stage
 from megadiff.adapt.settings import TrainSection
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
@@ -28,9 +28,9 @@ def whole_checkpoints(checkpoint_dir: Path) -> list[str]:
     return [path.name for _, path in numbered_dirs(checkpoint_dir, ITERATION_PREFIX) if any(path.glob(MODEL_STATES))]
 
 
-def resume_point(checkpoint_dir: Path, rank: int, world: int) -> Path | None:
+def resume_point(checkpoint_dir: Path, rank: int, world: int, ds_config: dict) -> Path | None:
     """The checkpoint the marker names (None without a marker: a first run), refused where it is no whole one,
-    was written by another number of data-parallel ranks than `world`, or lacks this rank's optimizer shard
+    cannot be loaded by an engine of `world` ranks under `ds_config`, or lacks this rank's optimizer shard
     (each rank reads its own: one failing alone would leave the others waiting in DeepSpeed's collectives)."""
     marker = checkpoint_dir / LATEST_FILE
     if not marker.is_file():
@@ -42,7 +42,7 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int) -> Path | None:
         fix = f"write the one to resume from ({', '.join(whole)}) into it" if whole else "remove it to start afresh"
         raise DamagedCheckpoint(f"{marker} names {tag!r}, which is no whole checkpoint in {checkpoint_dir}: {fix}, "
                                 "or give a new output_dir")
-    _check_written_by(path, world)
+    _check_loadable_here(path, world, ds_config)
     shard = f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # with a bf16_ prefix under DeepSpeed's bf16 optimizer
     if any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
         raise DamagedCheckpoint(f"{path} lacks rank {rank}'s optimizer state ({shard}): a checkpoint copied in "
@@ -50,25 +50,45 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int) -> Path | None:
     return path
 
 
-def _check_written_by(checkpoint: Path, world: int) -> None:
-    """Refuse a checkpoint written by another number of data-parallel ranks. ZeRO partitions Adam's state among
-    the ranks that wrote it, and DeepSpeed cannot partition it anew: 2 ranks -> 1 failed in DeepSpeed's load
-    after the model and its engine were built, 1 -> 2 was called a checkpoint copied in part."""
-    written_by = _data_parallel_size(checkpoint)
+def _check_loadable_here(checkpoint: Path, world: int, ds_config: dict) -> None:
+    """Refuse a checkpoint that DeepSpeed cannot load into this run's engine, before the model loads (DeepSpeed
+    reads it once the model and its engine are built). Each failed there, or was called damaged: another number
+    of data-parallel ranks (ZeRO's optimizer state stays partitioned among the ranks that wrote it), ZeRO-3 against
+    ZeRO-1/2 (partitioned weights, other files), bf16 against another precision (other files)."""
+    saved = _saved_engine(checkpoint)
+    # a universal checkpoint (DeepSpeed's ds_to_universal) is read into any of these
+    if saved is None or ds_config.get("checkpoint", {}).get("load_universal"):
+        return
+    written_by, saved_config = saved.get("dp_world_size"), saved.get("ds_config", {})
     if written_by is not None and written_by != world:
         raise ConfigError(f"{checkpoint} was written by {written_by} data-parallel rank(s), and this run has {world}: "
                           "DeepSpeed ZeRO keeps the optimizer state partitioned among the ranks that wrote it. Resume "
                           f"on {written_by} rank(s) (train.grad_accum sets the global batch) or give a new output_dir")
+    saved_stage, stage = zero_stage(saved_config), zero_stage(ds_config)
+    if (saved_stage == 3) != (stage == 3):
+        raise ConfigError(f"{checkpoint} was written under ZeRO-{saved_stage}, and this run's deepspeed config asks "
+                          f"for ZeRO-{stage}: DeepSpeed reads ZeRO-3 checkpoints under ZeRO-3 only, and the others "
+                          f"under ZeRO-1/2 only. Resume under ZeRO-{saved_stage} or give a new output_dir")
+    if (_precision(saved_config) == "bf16") != (_precision(ds_config) == "bf16"):
+        raise ConfigError(f"{checkpoint} was written in {_precision(saved_config)}, and this run trains in "
+                          f"{_precision(ds_config)}: DeepSpeed keeps bf16 optimizer state in files of their own. "
+                          f"Resume with train.precision={_precision(saved_config)} or give a new output_dir")
 
 
-def _data_parallel_size(checkpoint: Path) -> int | None:
-    """The data-parallel size DeepSpeed recorded in the checkpoint's model states (read memory-mapped: its
-    tensors stay on disk); None where they cannot be read, damage that DeepSpeed's load names (damage_named)."""
+def _saved_engine(checkpoint: Path) -> dict | None:
+    """What DeepSpeed recorded of its engine in the checkpoint's model states (dp_world_size, ds_config: read
+    memory-mapped, its tensors stay on disk); None where they cannot be read, damage that DeepSpeed's load names
+    (damage_named)."""
     try:
         states = torch.load(min(checkpoint.glob(MODEL_STATES)), map_location="cpu", mmap=True, weights_only=True)
     except (OSError, EOFError, pickle.UnpicklingError, RuntimeError):
         return None
-    return states.get("dp_world_size") if isinstance(states, dict) else None
+    return states if isinstance(states, dict) else None
+
+
+def _precision(ds_config: dict) -> str:
+    """The train.precision DeepSpeed trains in under `ds_config` (its optimizer files are named bf16_... in bf16)."""
+    return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled") is True), "fp32")
 
 
 @contextlib.contextmanager
