@@ -1336,6 +1336,17 @@ def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
         deepspeed_config(cfg, world_size=2)
 
 
+def test_a_universal_checkpoint_load_is_refused(workspace, tmp_path):
+    """DeepSpeed's universal checkpoints need state that Hugging Face models do not record (ds_to_universal
+    refuses adapt's checkpoints, and a universal load of one failed after the model loaded, calling it
+    damaged): refused before anything runs."""
+    universal = tmp_path / "ds.json"
+    universal.write_text(json.dumps({"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={universal}"])
+    with pytest.raises(ConfigError, match="sets checkpoint.load_universal"):
+        deepspeed_config(cfg, world_size=2)
+
+
 def test_a_rerun_with_another_data_seed_is_refused(workspace, tmp_path):
     """data.seed orders the samples: a rerun with another one resumed at its checkpoint's count of samples
     read, in an order it never read."""

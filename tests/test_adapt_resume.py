@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megadiff.adapt.resume import DamagedCheckpoint, damage_named, resume_point
-from megadiff.config import ConfigError
 from tests.distributed import megadiff_main, run_reporting_ranks
 from tests.test_adapt_finetune import REPO, _env, adapt_in_ranks, adapt_workspace, finetuned
 
@@ -118,17 +117,3 @@ def test_a_rerun_under_another_checkpoint_format_is_refused_before_the_model_loa
         assert "Loading weights" not in rerun.stderr + rerun.stdout
     zero1 = f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}"
     assert "resuming after iteration 2" in adapt_in_ranks(workspace, f"output_dir={output}", zero1).stdout
-
-
-def test_a_universal_checkpoint_is_left_to_deepspeed_to_read_into_any_layout(tmp_path):
-    """DeepSpeed's universal checkpoints (ds_to_universal, "checkpoint": {"load_universal": true}) load into
-    another data-parallel size, stage or precision: only a checkpoint read as it was written is held to them."""
-    checkpoint = _checkpoint(tmp_path / "iter_0000002", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                             "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    torch.save({"dp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}},
-               checkpoint / "mp_rank_00_model_states.pt")
-    (tmp_path / "latest").write_text("iter_0000002\n")
-    zero3 = {"zero_optimization": {"stage": 3}}
-    with pytest.raises(ConfigError, match="written by 2 data-parallel rank"):
-        resume_point(tmp_path, 0, 1, zero3)
-    assert resume_point(tmp_path, 0, 1, {**zero3, "checkpoint": {"load_universal": True}}) == checkpoint

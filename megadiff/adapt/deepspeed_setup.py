@@ -47,6 +47,12 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
     if "scheduler" in ds:
         raise ConfigError(f"deepspeed: {cfg.deepspeed} has a scheduler section; the schedule is megadiff's "
                           "(train.lr, train.warmup_ratio, train.min_lr_ratio): remove it")
+    if ds.get("checkpoint", {}).get("load_universal"):
+        # ds_to_universal needs the universal_checkpoint_info that Megatron-DeepSpeed's models record and
+        # Hugging Face models do not: it refuses their checkpoints, and a universal load of them finds no zero/
+        raise ConfigError(f"deepspeed: {cfg.deepspeed} sets checkpoint.load_universal, but megadiff adapt's "
+                          "checkpoints are DeepSpeed's own, which it resumes as written (as many ranks, the same "
+                          "ZeRO-3 or not, bf16 or not): remove it")
     for precision in ("bf16", "fp16"):
         _fill(ds.setdefault(precision, {}), "enabled", train.precision == precision, f"{precision}.")
     ds.setdefault("steps_per_print", 2**31 - 1)  # megadiff logs; keep DeepSpeed's own step log quiet

@@ -56,8 +56,7 @@ def _check_loadable_here(checkpoint: Path, world: int, ds_config: dict) -> None:
     of data-parallel ranks (ZeRO's optimizer state stays partitioned among the ranks that wrote it), ZeRO-3 against
     ZeRO-1/2 (partitioned weights, other files), bf16 against another precision (other files)."""
     saved = _saved_engine(checkpoint)
-    # a universal checkpoint (DeepSpeed's ds_to_universal) is read into any of these
-    if saved is None or ds_config.get("checkpoint", {}).get("load_universal"):
+    if saved is None:
         return
     written_by, saved_config = saved.get("dp_world_size"), saved.get("ds_config", {})
     if written_by is not None and written_by != world:
