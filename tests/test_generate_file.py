@@ -10,7 +10,6 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-import torch
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir
 from megadiff.cli import main
@@ -24,6 +23,7 @@ from tests.test_inference import MARKUP_MESSAGE, chatml_tokenizer, training_prom
 
 WINDOW = 256
 NEW = 6
+SAMPLED = ("--temperature", "1.0", "--top-k", "50", "--seed", "7")
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +145,12 @@ def test_special_texts_inside_messages_stay_text_as_in_training(root, tmp_path, 
                                     model.tokenizer)]
 
 
-def test_a_stopped_run_generates_only_the_rest(root, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampling", [(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_stopped_run_generates_only_the_rest(root, tmp_path, monkeypatch, sampling):
+    """... and the rest are what the uninterrupted run generated, sampled ones too."""
     from megadiff.inference import generate_file as module
 
-    run_file(root, tmp_path / "whole.jsonl")
+    run_file(root, tmp_path / "whole.jsonl", *sampling)
     real, batches = module.generate_batch, []
 
     def failing(model, prompts, *args, **kwargs):
@@ -159,11 +161,11 @@ def test_a_stopped_run_generates_only_the_rest(root, tmp_path, monkeypatch):
 
     monkeypatch.setattr(module, "generate_batch", failing)
     with pytest.raises(RuntimeError, match="preempted"):
-        run_file(root, tmp_path / "out.jsonl")
+        run_file(root, tmp_path / "out.jsonl", *sampling)
     assert len(completions(tmp_path / "out.jsonl_rank0.jsonl")) == 3  # the first batch, kept
     batches.clear()
     monkeypatch.setattr(module, "generate_batch", lambda *a, **k: batches.append(len(a[1])) or real(*a, **k))
-    run_file(root, tmp_path / "out.jsonl")
+    run_file(root, tmp_path / "out.jsonl", *sampling)
     assert batches == [3, 1]  # the 4 prompts not done
     assert completions(tmp_path / "out.jsonl") == completions(tmp_path / "whole.jsonl")
 
@@ -214,13 +216,16 @@ def test_completions_kept_before_the_request_held_top_p_were_sampled_from_every_
     assert "another request" in capsys.readouterr().err
 
 
-def _ranks(rank: int, world_size: int, root: str, output: str) -> None:
-    run_file(Path(root), Path(output))
+def _ranks(rank: int, world_size: int, root: str, output: str, *extra: str) -> None:
+    run_file(Path(root), Path(output), *extra)
 
 
-def test_two_ranks_write_what_one_process_writes(root, tmp_path):
-    run_ranks(2, _ranks, str(root), str(tmp_path / "two.jsonl"))
-    run_file(root, tmp_path / "one.jsonl")
+@pytest.mark.parametrize("sampling", [(), SAMPLED], ids=["greedy", "sampled"])
+def test_two_ranks_write_what_one_process_writes(root, tmp_path, sampling):
+    """Sampled too, and in other batches: a prompt's draws are its own (of --seed and its id), not a rank's
+    stream's, whose draws depended on the number of ranks and on the prompts batched before it."""
+    run_ranks(2, _ranks, str(root), str(tmp_path / "two.jsonl"), *sampling)
+    run_file(root, tmp_path / "one.jsonl", *sampling, "--batch-size", "2")
     assert completions(tmp_path / "two.jsonl") == completions(tmp_path / "one.jsonl")
     assert (tmp_path / "two.jsonl_rank1.jsonl").is_file()
 
@@ -327,23 +332,17 @@ def test_a_record_after_a_line_cut_short_is_kept(tmp_path):
     assert read_records(path) == [whole, {"id": "3", "completion": "waters"}]
 
 
-def test_each_rank_samples_with_a_generator_of_its_own(root, tmp_path, monkeypatch):
-    """Ranks seed their generator with --seed plus their rank: with one seed for all, every rank would draw the
-    same random stream (and equal prompts on two ranks the same completion)."""
-    from megadiff.inference import generate_file as module
+def test_equal_prompts_under_other_ids_or_seeds_sample_apart(root, tmp_path):
+    """Each prompt's generator is of --seed and its id: copies of one prompt draw apart (as they did from a
+    rank's one stream), and another seed draws otherwise."""
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt": "In the beginning"}) + "\n"
+                                                    for i in range(4)))
 
-    model = load_checkpoint(root / "run")
-    states = {}
+    def sampled(seed: str) -> list[str]:
+        assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                     "--output", str(tmp_path / f"out{seed}.jsonl"), "--max-new-tokens", str(NEW),
+                     *SAMPLED[:-1], seed]) == 0
+        return [row["completion"] for row in completions(tmp_path / f"out{seed}.jsonl")]
 
-    def watched(model, prompts, *args, generator, **kwargs):
-        states[module.rank_and_world()[0]] = generator.get_state()
-        return [[model.tokenizer.eod]] * len(prompts)
-
-    monkeypatch.setattr(module, "generate_batch", watched)
-    for rank in (0, 1):
-        monkeypatch.setattr(module, "rank_and_world", lambda rank=rank: (rank, 2))
-        module.generate_file(model, [("1", "In the beginning")], str(tmp_path / f"out{rank}.jsonl"), seed=11,
-                             temperature=1.0, max_new_tokens=NEW)
-    for rank, state in states.items():
-        assert torch.equal(state, torch.Generator().manual_seed(11 + rank).get_state())
-    assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
+    first = sampled("7")
+    assert len(set(first)) > 1 and sampled("8") != first

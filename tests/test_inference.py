@@ -655,6 +655,24 @@ def test_a_sampled_batch_draws_each_row_from_its_own_top_k(run):
                 assert token in torch.topk(logits[len(prompt) - 1 + step], 3).indices.tolist(), (prompt, step)
 
 
+def test_a_generator_per_prompt_samples_each_prompts_answer_whatever_its_batch(run):
+    """Prompts of 3 to 9 tokens with stops at other steps, drawn with a generator each: every answer is the
+    one the prompt draws alone with a fresh generator of its seed, though rows ended or still reading their
+    prompts stood beside it (they drew nothing from it)."""
+    _, reference = run
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23], [5, 6, 7]]
+    stops = [lambda ids, n=n: len(ids) >= n for n in (2, 8, 5, 8)]
+
+    def sampled(rows: list[int]) -> list[list[int]]:
+        return generate_batch(reference, [prompts[row] for row in rows], 8, temperature=1.5, top_k=20,
+                              stops=[stops[row] for row in rows],
+                              generator=[torch.Generator().manual_seed(row) for row in rows])
+
+    together = sampled([0, 1, 2, 3])
+    assert together == [sampled([row])[0] for row in range(4)]
+    assert [len(answer) for answer in together] == [2, 8, 5, 8] and together[0] != together[3][:2]
+
+
 @pytest.mark.parametrize("variant", ["diff", "dint"])
 def test_a_rewound_cache_continues_its_marked_prefix(run, variant):
     """Seven positions, marked; three more; rewound to the mark, three others: the whole
@@ -837,7 +855,8 @@ def test_a_batch_row_ends_at_its_eod_while_the_others_go_on(run, monkeypatch):
     eod = reference.tokenizer.eod
     steps = [[20, 30], [21, 31], [eod, 32], [22, 33], [23, 34]]
     drawn = iter(steps)
-    monkeypatch.setattr(generate_module, "next_tokens", lambda *args: next(drawn))
+    # asked for the rows still drawing only: once the first row ends, the second's draw
+    monkeypatch.setattr(generate_module, "next_tokens", lambda logits, *args: next(drawn)[-len(logits):])
     answers = generate_batch(reference, [[5, 6, 7], [8, 9, 10]], len(steps), stop_id=eod)
     assert answers == [[step[0] for step in steps[:3]], [step[1] for step in steps]]
 

@@ -30,6 +30,8 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 
 # what a byte-level tokenizer decodes a character's leading bytes to, until its last byte comes
 INCOMPLETE_CHARACTER = "\ufffd"
+# sampling's randomness: one generator for every row, a list of one per row, or torch's default
+Generators = torch.Generator | list[torch.Generator] | None
 
 
 def check_generation(max_new_tokens: int, top_k: int = 0, top_p: float = 1.0, temperature: float = 0.0) -> None:
@@ -53,10 +55,11 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.scatter(-1, order, ordered.masked_fill(likelier_mass >= top_p, float("-inf")))
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None,
+def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, generator: Generators,
                 top_p: float = 1.0) -> list[int]:
     """logits [rows, V] (fp32) -> an id per row: argmax at temperature 0, else a draw from
-    softmax(logits / T) over the row's top k, then over its nucleus of mass top_p."""
+    softmax(logits / T) over the row's top k, then over its nucleus of mass top_p, with `generator` (one for
+    all rows, or a list of one per row)."""
     if temperature <= 0:
         return logits.argmax(dim=-1).tolist()
     logits = logits / temperature
@@ -66,6 +69,8 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, generator:
     if top_p < 1:
         logits = nucleus(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
+    if isinstance(generator, list):
+        return [int(torch.multinomial(row, 1, generator=own)) for row, own in zip(probs, generator)]
     return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
 
@@ -235,10 +240,12 @@ def generate(model: CausalLM, prompt_ids: list[int], **options) -> list[int]:
 def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                    decodable: torch.Tensor | None = None, stop_id: int | None = None,
                    stops: list[Callable[[list[int]], bool]] | None = None, temperature: float = 0.0, top_k: int = 0,
-                   generator: torch.Generator | None = None, top_p: float = 1.0) -> list[list[int]]:
+                   generator: Generators = None, top_p: float = 1.0) -> list[list[int]]:
     """The new ids after each of `prompts`, decoded side by side: greedy (generate()'s answers), or
-    drawn at `temperature` from each row's top k and nucleus top_p with `generator`; each row ends
-    where generate() ends it (after stop_id, or once its `stops[row](new ids)` is true).
+    drawn at `temperature` from each row's top k and nucleus top_p with `generator`: one for every
+    prompt, or a list of one per prompt, which then draws each prompt's tokens only (its answer the
+    same whatever batch it decodes in). Each row ends where generate() ends it (after stop_id, or once
+    its `stops[row](new ids)` is true).
 
     Rows stay of one length, so no padding and no masks: the prompts run together up to the
     shortest one's length, then each step feeds every row its next token, a longer prompt's own
@@ -254,7 +261,8 @@ def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: in
     for group in length_groups([len(prompt) for prompt in prompts], max_new_tokens):
         for row, answer in zip(group, _decode_side_by_side(
                 model, [prompts[row] for row in group], max_new_tokens, decodable, stop_id,
-                None if stops is None else [stops[row] for row in group], temperature, top_k, generator, top_p)):
+                None if stops is None else [stops[row] for row in group], temperature, top_k,
+                [generator[row] for row in group] if isinstance(generator, list) else generator, top_p)):
             answers[row] = answer
     return answers
 
@@ -274,22 +282,25 @@ def length_groups(lengths: list[int], span: int) -> list[list[int]]:
 def _decode_side_by_side(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                          decodable: torch.Tensor | None, stop_id: int | None,
                          stops: list[Callable[[list[int]], bool]] | None, temperature: float, top_k: int,
-                         generator: torch.Generator | None, top_p: float) -> list[list[int]]:
-    """generate_batch() of prompts (attended parts) decoded in one batch."""
+                         generator: Generators, top_p: float) -> list[list[int]]:
+    """generate_batch() of prompts (attended parts) decoded in one batch. Only the rows past their prompt
+    and not yet ended draw a token: a prompt's own generator draws for it alone."""
     shortest = min(len(prompt) for prompt in prompts)
     decoder = Decoder(model, [prompt[:shortest] for prompt in prompts],
                       max(len(prompt) for prompt in prompts) - shortest + max_new_tokens, decodable)
     answers: list[list[int]] = [[] for _ in prompts]
     running = set(range(len(prompts)))
     while running:
-        tokens = next_tokens(decoder.logits(running), temperature, top_k, generator, top_p)
-        step = [prompt[len(row)] if len(row) < len(prompt) else token
-                for prompt, row, token in zip(prompts, decoder.rows, tokens)]
-        for row in sorted(running):
-            if len(decoder.rows[row]) < len(prompts[row]):
-                continue
-            answers[row].append(tokens[row])
-            if (tokens[row] == stop_id or len(answers[row]) == max_new_tokens
+        logits = decoder.logits(running)
+        drawing = [row for row in sorted(running) if len(decoder.rows[row]) >= len(prompts[row])]
+        own = [generator[row] for row in drawing] if isinstance(generator, list) else generator
+        drawn = dict(zip(drawing, next_tokens(logits[drawing], temperature, top_k, own, top_p) if drawing else []))
+        # a row within its prompt takes the prompt's next token; an ended one repeats its last (never read)
+        step = [prompt[len(row)] if len(row) < len(prompt) else drawn.get(index, row[-1])
+                for index, (prompt, row) in enumerate(zip(prompts, decoder.rows))]
+        for row, token in drawn.items():
+            answers[row].append(token)
+            if (token == stop_id or len(answers[row]) == max_new_tokens
                     or (stops is not None and stops[row](answers[row]))):
                 running.discard(row)
         decoder.append(step)

@@ -8,7 +8,8 @@ conversation so far, ShareGPT turns too) or {"prompt": the user's message}; an "
 first, and appends each batch's completions to OUT_rankN.jsonl as the batch ends; at the end rank 0
 writes OUT, one line per prompt in FILE's order: {"id", "completion", "new_tokens", "finish"}
 ("stop": the EOD or, with --chat, the end of the assistant's turn; "length": --max-new-tokens).
-A rerun, with any number of ranks, generates only the prompts the rank files do not hold.
+A rerun, with any number of ranks, generates only the prompts the rank files do not hold. A sampled
+prompt draws from a generator of --seed and its id: the same completion whatever the ranks and batches.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from megadiff.inference.ranks import reports, share
 from megadiff.inference.records import RankRecords, lines_of, model_settings, utf8_input
 from megadiff.inference.reporting import command_console
 from megadiff.models.transformer_config import PRECISION_DTYPES
-from megadiff.parallel import rank_and_world, wait_for_ranks
+from megadiff.parallel import wait_for_ranks
 
 OUTPUT_FIELDS = ("id", "completion", "new_tokens", "finish")
 # what completions kept before the request recorded top_p were sampled with
@@ -108,6 +109,13 @@ def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> d
     return {"completion": text, "new_tokens": len(new_ids), "finish": "stop" if stopped else "length"}
 
 
+def prompt_generator(seed: int, key: str) -> torch.Generator:
+    """The generator a prompt's tokens are drawn with: of --seed and its id alone, so its sampled completion is
+    the same on any number of ranks, in any batch, and in a run resumed after it was stopped."""
+    digest = hashlib.sha256(json.dumps([seed, key]).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
 def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: str, chat: bool = False,
                   system: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                   seed: int = 0, batch_size: int = 8, top_p: float = 1.0, dtype: str | None = None) -> int:
@@ -132,7 +140,6 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
     done = completions.done(digests)
     todo = sorted((key for key, _ in prompts if key not in done), key=lambda key: -len(encoded[key]))
     mine = list(share(todo))
-    generator = torch.Generator().manual_seed(seed + rank_and_world()[0])
     console, started = command_console(), time.perf_counter()
     if done and reports():
         console.print(f"generate: {len(done)} of {len(prompts)} prompts done in {output}_rank*.jsonl, "
@@ -144,7 +151,8 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
             stops = None if stop_text is None else [stop_texts_check(tokenizer, [stop_text]) for _ in batch]
             answers = generate_batch(model, [encoded[key] for key in batch], max_new_tokens,
                                      stop_id=tokenizer.eod, stops=stops,
-                                     temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                                     temperature=temperature, top_k=top_k, top_p=top_p,
+                                     generator=[prompt_generator(seed, key) for key in batch])
             for key, new_ids in zip(batch, answers):
                 completions.add(key, digests[key], _completion(model, new_ids, stop_text))
                 task.advance(1, len(encoded[key]) + len(new_ids))
