@@ -23,6 +23,7 @@ from megadiff.inference.generate import (
     HeldContext, TextStream, decodable_ids, generate, generate_batch, next_tokens, stop_texts_check,
 )
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
+from tests.hostile_files import OpensAFile
 
 PROMPT = "In the beginning"
 
@@ -129,6 +130,28 @@ def test_a_damaged_checkpoint_is_refused_by_name(run, tmp_path, damage, message)
     damage(damaged)
     with pytest.raises(CheckpointError, match=f"{damaged} {message}"):
         load_checkpoint(damaged)
+
+
+def _load_weights_alone(run, checkpoint: Path) -> None:
+    """The path of training's resume and initial load (dist_checkpointing.load), without load_checkpoint's checks:
+    into the fixture's own model, whose weights the copy holds anyway."""
+    from megadiff.checkpoint.weights import load_model_weights
+
+    load_model_weights([run[1].gpt], checkpoint)
+
+
+@pytest.mark.parametrize("read", [lambda run, checkpoint: load_checkpoint(checkpoint), _load_weights_alone],
+                         ids=["load_checkpoint", "load_model_weights"])
+def test_a_checkpoint_metadata_that_would_run_code_is_refused_unrun(run, tmp_path, read):
+    """torch's reader unpickles .metadata with pickle.load: a checkpoint from elsewhere ran the code it named."""
+    import pickle
+
+    tampered = _copy_of_the_checkpoint(run, tmp_path)
+    created = tmp_path / "created-by-the-checkpoint"
+    (tampered / ".metadata").write_bytes(pickle.dumps(OpensAFile(created)))
+    with pytest.raises(CheckpointError, match=f"{tampered} is damaged: .*names [a-z]+\\.open, which no checkpoint"):
+        read(run, tampered)
+    assert not created.exists()
 
 
 def test_running_out_of_memory_while_loading_is_not_called_damage(tmp_path):

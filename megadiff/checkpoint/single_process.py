@@ -17,6 +17,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megadiff.checkpoint.format import TOKENIZER_DIR, CheckpointError, checkpoint_config, reading_checkpoint
 from megadiff.checkpoint.gather import model_sharded_tensors
+from megadiff.checkpoint.safe_metadata import refuse_unsafe_metadata
 from megadiff.checkpoint.weights import damage_reported, load_model_weights
 from megadiff.config import Config, ParallelConfig, padded_vocab_size
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
@@ -84,6 +85,7 @@ def check_checkpoint_tensors(model, checkpoint_dir: Path) -> None:
     what its config.yaml describes, naming them (before dist_checkpointing's own errors)."""
     expected = {shard.key: tuple(shard.global_shape) for shard in model_sharded_tensors([model])}
     with damage_reported(checkpoint_dir):
+        refuse_unsafe_metadata(checkpoint_dir)
         metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
     saved = {key: tuple(meta.global_shape) for key, meta in metadata.items() if key.startswith(MODEL_KEY_PREFIXES)}
     problems = [f"missing tensor {key}" for key in sorted(set(expected) - set(saved))]
