@@ -25,6 +25,7 @@ from megadiff.data.indexed import AtomicIndexedWriter, read_index, token_count, 
 from megadiff.data.manifest import write_manifest
 from megadiff.data.upsampling import length_repeats
 from tests.distributed import run_ranks
+from tests.hostile_files import OpensAFile
 
 SEQ = 16
 EOD = 1000
@@ -112,6 +113,24 @@ def test_a_job_sharing_the_index_cache_builds_after_the_one_writing_it(corpus, t
     lock = index_cache_dir(cfg.data) / ".build.lock"
     said = capsys.readouterr().err
     assert f"megadiff: waiting for another job building the data's index cache (holding {lock})" in said
+
+
+def test_an_index_cache_file_that_is_a_pickle_is_refused_unrun(corpus, tmp_path):
+    """megatron reads the cache with numpy.load(allow_pickle=True): a pickle put in a shared data.cache_dir ran."""
+    import pickle
+
+    from megadiff.data.locations import index_cache_dir
+
+    cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=9,1,0")
+    numpy_load = np.load
+    build_datasets(cfg, TOKENIZER, (10, 10, 0), seed=0)
+    created = tmp_path / "created-by-the-cache"
+    for cached in index_cache_dir(cfg.data).glob("*.npy"):
+        cached.write_bytes(pickle.dumps(OpensAFile(created)))
+    with pytest.raises(DataError, match=r"-document_index\.npy is no \.npy array \(a pickle"):
+        build_datasets(cfg, TOKENIZER, (10, 10, 0), seed=0)
+    assert not created.exists()
+    assert np.load is numpy_load  # numpy's own again, for whoever loads next
 
 
 def test_a_split_with_zero_weight_is_none(corpus, tmp_path):

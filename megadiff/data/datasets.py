@@ -19,6 +19,7 @@ import contextlib
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -69,7 +70,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
         config = GPTDatasetConfig(**options)
     # a split none of whose samples is asked for is left out: megatron would index a whole epoch of it
     config.split_matrix = [bounds if wanted else None for bounds, wanted in zip(config.split_matrix, num_samples)]
-    with _lone_process_is_rank_zero(), _building_alone(data):
+    with _lone_process_is_rank_zero(), _building_alone(data), _index_cache_arrays_only():
         datasets = BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank, config).build()
     _check_sizes(datasets, num_samples, "data.blend" if data.blend else "data.prefix")
     return tuple(datasets)
@@ -106,6 +107,31 @@ def _building_alone(data: DataConfig) -> contextlib.AbstractContextManager:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return contextlib.nullcontext()
     return exclusive_lock(index_cache_dir(data) / ".build.lock", "another job building the data's index cache")
+
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def _load_index_array(load: Callable, file, *args, **kwargs):
+    """numpy.load of a cached index: a .npy array, never a pickle."""
+    with open(file, "rb") as stream:
+        if stream.read(len(NPY_MAGIC)) != NPY_MAGIC:
+            raise DataError(f"{file} is no .npy array (a pickle or another file, not read: it could run code): "
+                            "remove it, and the build writes it again")
+    return load(file, *args, **{**kwargs, "allow_pickle": False})
+
+
+@contextlib.contextmanager
+def _index_cache_arrays_only() -> Iterator[None]:
+    """megatron reads its index cache with numpy.load(allow_pickle=True), which unpickles a file that is no .npy
+    array: one put in a data.cache_dir that jobs, nodes or people share ran its code in every process that read
+    it. The cache holds integer arrays only, which load without pickle (numpy.save writes them without)."""
+    load = numpy.load
+    numpy.load = lambda file, *args, **kwargs: _load_index_array(load, file, *args, **kwargs)
+    try:
+        yield
+    finally:
+        numpy.load = load
 
 
 @contextlib.contextmanager
