@@ -516,6 +516,24 @@ def _copy_corpus(corpus, directory: Path) -> Path:
     return directory / "docs"
 
 
+@pytest.mark.parametrize("manifest", [b"[]", b'"x"', b"\xff\xfe{}", b'{"fingerprint": [], "stats": {}}'],
+                         ids=["a list", "a string", "not UTF-8", "a fingerprint that is a list"])
+def test_a_manifest_prepare_data_never_wrote_reads_as_none(corpus, tmp_path, manifest):
+    """Training data whose manifest is overwritten: the run trained on the samples it gets without one (as with
+    a manifest cut short); it died with a TypeError, AttributeError or UnicodeDecodeError."""
+    from megadiff.data.manifest import manifest_path
+
+    def train_samples(prefix: Path, cache: str) -> list[list[int]]:
+        cfg = config(tmp_path, f"data.prefix={prefix}", "data.split=9,1,0", f"data.cache_dir={tmp_path / cache}")
+        train = build_datasets(cfg, TOKENIZER, (20, 10, 0), seed=0)[0]
+        return [train[i]["tokens"].tolist() for i in range(20)]
+
+    (tmp_path / "overwritten").mkdir()
+    overwritten = _copy_corpus(corpus, tmp_path / "overwritten")
+    manifest_path(overwritten).write_bytes(manifest)
+    assert train_samples(overwritten, "a") == train_samples(corpus[0], "b")
+
+
 def test_a_model_vocabulary_one_id_short_of_the_tokenizers_is_refused(corpus, tmp_path):
     """The tokenizer's highest id would index past the embedding."""
     with pytest.raises(DataError, match=r"model.vocab_size: 1000 is smaller .* \(1001 ids\)"):

@@ -29,10 +29,23 @@ def manifest_path(prefix: str | Path) -> Path:
 
 
 def read_manifest(prefix: str | Path) -> Optional[dict]:
+    """The manifest, or None where there is none or none prepare-data wrote is there (cut short, overwritten, not
+    UTF-8): as for data without one, prepare-data prepares it again and a run skips the checks it would feed. Its
+    readers index it as prepare-data writes it: another JSON value (a list, a string) failed them with a TypeError
+    or an AttributeError (a traceback from pretrain or prepare-data, not a word on the file)."""
     try:
-        return json.loads(manifest_path(prefix).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        manifest = json.loads(manifest_path(prefix).read_text(encoding="utf-8"))
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    return manifest if _is_written_as_prepare_data_writes(manifest) else None
+
+
+def _is_written_as_prepare_data_writes(manifest) -> bool:
+    """The parts of write_manifest's mapping that its readers index without looking (a fingerprint's sources and
+    tokenizer, the stats) have the types it writes."""
+    fingerprint = manifest.get("fingerprint") if isinstance(manifest, dict) else None
+    return (isinstance(fingerprint, dict) and isinstance(fingerprint.get("sources"), list)
+            and isinstance(fingerprint.get("tokenizer"), dict) and isinstance(manifest.get("stats"), dict))
 
 
 def tokenizer_digest(directory: str | Path) -> str:
