@@ -71,7 +71,9 @@ def remove_staging_leftovers(directory: str | Path) -> None:
 def publish_staged(final: Path) -> None:
     """Give the staged directory (every file written) its name, in place of a directory of that name: a crash
     never leaves the name on a directory that is not whole."""
-    if final.exists():  # written again (a checkpoint: e.g. a signal right after a periodic save)
+    if final.is_symlink():  # one moved to other storage and linked back: the link goes, the copy it names stays
+        final.unlink()  # (rmtree refuses a link, so the save failed once its files were all written)
+    elif final.exists():  # written again (a checkpoint: e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.replace(staging_dir(final), final)
 

@@ -349,6 +349,22 @@ def test_an_iteration_committed_again_replaces_the_earlier_one_whole(tmp_path):
     assert [p.name for p in iteration_dir(tmp_path, 4).iterdir()] == ["second.distcp"]
 
 
+def test_an_iteration_committed_again_over_a_link_to_its_moved_copy_replaces_the_link(tmp_path):
+    """A run restarted from an earlier checkpoint saves again at an iteration whose checkpoint was moved to other
+    storage and linked back: the save failed at its commit (rmtree refuses a link), its files all written."""
+    checkpoints, archive = tmp_path / "checkpoints", tmp_path / "archive"
+    (archive / "iter_0000004").mkdir(parents=True)
+    (archive / "iter_0000004" / "first.distcp").write_text("1")
+    checkpoints.mkdir()
+    iteration_dir(checkpoints, 4).symlink_to(archive / "iter_0000004", target_is_directory=True)
+    _staging_dir(checkpoints, 4).mkdir()
+    (_staging_dir(checkpoints, 4) / "second.distcp").write_text("2")
+    commit_iteration(checkpoints, 4, LATEST_FILE, "4\n", keep_last=None)
+    assert not iteration_dir(checkpoints, 4).is_symlink() and read_latest_iteration(checkpoints) == 4
+    assert [p.name for p in iteration_dir(checkpoints, 4).iterdir()] == ["second.distcp"]
+    assert [p.name for p in (archive / "iter_0000004").iterdir()] == ["first.distcp"]  # not the run's to delete
+
+
 def test_keep_last_counts_only_committed_checkpoint_directories_by_number(tmp_path):
     """A save still staged (async, in flight), other names under the prefix, or a file that happens to look
     like a checkpoint are no checkpoints: keep_last must neither fail on them, remove them, nor count them
