@@ -34,5 +34,22 @@ export_process_env() {
     # The fused kernel's compiled and autotuned variants, on the node's own disk: Triton's default
     # (~/.triton, often a network home) shared by every rank of every node fails now and then under
     # concurrent writers ("Stale file handle"), which crashes a rank at its first step.
-    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/megadiff-triton-${USER:-$(id -u)}}
+    if [[ -z ${TRITON_CACHE_DIR:-} ]]; then
+        local node_cache=${TMPDIR:-/tmp}/megadiff-triton-${USER:-$(id -u)}
+        if megadiff_own_private_dir "$node_cache"; then
+            export TRITON_CACHE_DIR=$node_cache
+        else
+            echo "megadiff: $node_cache is not a directory of this user's alone (another user's, a link, or" \
+                 "writable by others): Triton's cache stays at its default, ~/.triton; remove it (or, made by" \
+                 "you and written by no one else, chmod 700 it), or set TRITON_CACHE_DIR to one of your own" >&2
+        fi
+    fi
+}
+
+# megadiff_own_private_dir DIR: DIR exists (made here, mode 700) as a directory of this user's that no one else
+# may write. A name in /tmp that another user on the node made first would give them the cache's contents,
+# and Triton loads the compiled launchers it finds there as native code.
+megadiff_own_private_dir() {
+    mkdir -p -m 700 -- "$1" 2>/dev/null
+    [[ -d $1 && ! -L $1 && -O $1 && -z $(find "$1" -maxdepth 0 -perm /022) ]]
 }

@@ -109,7 +109,27 @@ def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):
         return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
     assert cache_dir() == f"{tmp_path}/megadiff-triton-someone"
+    assert (tmp_path / "megadiff-triton-someone").stat().st_mode & 0o777 == 0o700  # made for its user alone
     assert cache_dir(TRITON_CACHE_DIR="/shared/triton") == "/shared/triton"
+
+
+@pytest.mark.parametrize("planted", ["writable by others", "a link"])
+def test_a_triton_cache_name_someone_else_made_first_in_tmp_is_not_used(tmp_path, planted):
+    """/tmp/megadiff-triton-<user> is a name anyone on the node can make first: Triton would load the compiled
+    launchers planted there as native code in the user's ranks."""
+    node_cache = tmp_path / "megadiff-triton-someone"
+    if planted == "a link":
+        (tmp_path / "elsewhere").mkdir()
+        node_cache.symlink_to(tmp_path / "elsewhere")
+    else:
+        node_cache.mkdir()
+        node_cache.chmod(0o777)
+    env = {key: value for key, value in launch_environment().items() if key != "TRITON_CACHE_DIR"}
+    env.update(TMPDIR=str(tmp_path), USER="someone")
+    script = f'source {LAUNCH / "process_env.sh"} CONFIG; export_process_env 8; echo "[${{TRITON_CACHE_DIR:-}}]"'
+    shell = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert shell.stdout.strip() == "[]"  # Triton's own default
+    assert f"megadiff: {node_cache} is not a directory of this user's alone" in shell.stderr
 
 
 @pytest.mark.parametrize("torch_version, said", [("2.8.0+cu128", True), ("2.9.0", False), ("2.10.1", False)])
