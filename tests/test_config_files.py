@@ -217,3 +217,30 @@ def test_a_checkpoints_config_is_read_against_the_schema_not_the_checks_of_a_run
         build_config(tree)  # a run asking for them is refused
     with pytest.raises(ConfigError, match="train.lr_decay_iters: 100 ends the decay before"):
         build_config({"train": tree["train"]})
+
+
+def test_a_saved_configs_interpolation_is_read_as_written_not_with_the_readers_environment(tmp_path, monkeypatch):
+    """A checkpoint's config.yaml (one downloaded) naming ${oc.env:...}: read again, it took the reader's secret
+    into the config, and from there into what the reader wrote (an export's sidecar, uploaded with it)."""
+    from megadiff.config.loader import saved_config
+
+    data = build_config({}).model_dump(mode="json")
+    data["logging"]["wandb_run_name"] = "${oc.env:MEGADIFF_TEST_SECRET}"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("MEGADIFF_TEST_SECRET", "the reader's token")
+    loaded = saved_config(read_saved_config(tmp_path / "config.yaml"))
+    assert loaded.logging.wandb_run_name == "${oc.env:MEGADIFF_TEST_SECRET}"
+    dump_config(loaded, tmp_path / "written.yaml")
+    assert "the reader's token" not in (tmp_path / "written.yaml").read_text()
+
+
+@pytest.mark.parametrize("written, value", [(r"run-\${x}", "run-${x}"), (r"\\\${x}", "\\" + "${x}")],
+                         ids=["escaped interpolation", "backslash before it"])
+def test_a_run_config_with_an_escaped_interpolation_reads_back_as_saved(tmp_path, written, value):
+    """Its saved config holds the literal `${x}`: reading it back (resume, convert, evaluate) resolved it again."""
+    from megadiff.config.loader import saved_config
+
+    cfg = build_config({"logging": {"wandb_run_name": written}})
+    assert cfg.logging.wandb_run_name == value
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert saved_config(read_saved_config(tmp_path / "config.yaml")) == cfg

@@ -221,20 +221,42 @@ def format_validation_error(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def saved_config(data: dict, overrides: Iterable[str] = ()) -> Config:
-    """A config a run saved (a checkpoint's, an export's sidecar), with `overrides`, read against the schema
-    alone: the checks of a run's settings (its schedule, the packages it logs or computes with) were that run's,
-    and a resume, conversion or evaluation of its checkpoints does not repeat them (a later megadiff's stricter
-    ones included)."""
-    tree = apply_overrides(data, overrides)
+# `${` where OmegaConf would start an interpolation, with the backslashes before it (OmegaConf's escapes)
+INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
+
+def as_written(data):
+    """`data` (a saved config's tree) escaped so that OmegaConf reads every string as it is: a saved config is
+    resolved already. Resolved again, a checkpoint's `${oc.env:HF_TOKEN}` (one downloaded) put the reader's
+    token into what it wrote (an export's sidecar config, uploaded with it), and a value whose `${` was escaped
+    in the run's config failed to load."""
+    if isinstance(data, dict):
+        return {key: as_written(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [as_written(value) for value in data]
+    if isinstance(data, str):
+        return INTERPOLATION_START.sub(lambda match: match.group(1) * 2 + "\\${", data)
+    return data
+
+
+def _validated(tree: dict) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
 
 
+def saved_config(data: dict, overrides: Iterable[str] = ()) -> Config:
+    """A config a run saved (a checkpoint's, an export's sidecar, a Config's dump), with `overrides`, read against
+    the schema alone: the checks of a run's settings (its schedule, the packages it logs or computes with) were
+    that run's, and a resume, conversion or evaluation of its checkpoints does not repeat them (a later megadiff's
+    stricter ones included). Its strings are taken as written (as_written); the overrides' `${...}` resolve."""
+    return _validated(apply_overrides(as_written(data), overrides))
+
+
 def build_config(data: dict, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:
-    cfg = saved_config(data, overrides)
+    """A config file's tree (its `${...}` resolved) with `overrides`, checked as a run's settings."""
+    cfg = _validated(apply_overrides(data, overrides))
     validate_config(cfg, world_size)
     return cfg
 

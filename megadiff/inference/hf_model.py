@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.config import Config, ConfigError, build_config
-from megadiff.config.loader import read_saved_config
+from megadiff.config.loader import as_written, read_saved_config
 from megadiff.convert.hf_io import SIDECAR_CONFIG
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
 from megadiff.errors import first_line
@@ -148,7 +148,7 @@ def _export_data(path: str | Path) -> dict:
                       "transformers attends across them, so --hf's losses are not the run's: --load its checkpoint "
                       "for those", stacklevel=2)
     seed = {"train": {"seed": run["train"]["seed"]}} if "seed" in run.get("train", {}) else {}
-    return {"data": {**run.get("data", {}), "tokenizer": str(path), "document_masking": False}, **seed}
+    return {"data": {**as_written(run.get("data", {})), "tokenizer": str(path), "document_masking": False}, **seed}
 
 
 def hf_run_config(path: str | Path, window: int) -> Config:
