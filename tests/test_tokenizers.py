@@ -130,3 +130,27 @@ def test_a_tokenizer_without_an_eos_token_is_refused(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path)
     with pytest.raises(TokenizerError, match=f"tokenizer {tmp_path} has no eos token to use as end-of-document"):
         load_tokenizer(str(tmp_path))
+
+
+def test_an_adapted_exports_tokenizer_loads_without_a_false_model_type_warning(tmp_path, monkeypatch):
+    """`evaluate --hf` (needles, outliers) prepares its held-out text with the export's own tokenizer, read without
+    trusting the directory's code: transformers then falls back to a generic config and warned that the model
+    type "is otherwise not supported and can yield errors". The tokenizer is the one a trusting load gives."""
+    from transformers import AutoTokenizer
+    from transformers import configuration_utils
+
+    from megadiff.adapt import apply_dex
+    from megadiff.adapt.export import save_adapted
+    from tests.convert_worker import build_tokenizer
+    from tests.test_adapt import tiny_model, tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tokenizer"))
+    save_adapted(apply_dex(tiny_model("llama"), {}, calibration=[tokens(seed=1)]), tmp_path / "hf", tokenizer=tokenizer)
+    warned = []
+    monkeypatch.setattr(configuration_utils.logger, "warning", lambda message, *args, **kwargs: warned.append(message))
+    loaded = load_tokenizer(str(tmp_path / "hf"))
+    assert warned == []
+    trusted = AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    text = " ".join(kjv_verses()[:3])
+    assert loaded.encode(text) == trusted(text, add_special_tokens=False).input_ids
+    assert (loaded.eod, loaded.vocab_size) == (trusted.eos_token_id, len(trusted))

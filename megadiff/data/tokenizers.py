@@ -136,6 +136,21 @@ def oniguruma_pattern(pattern: str) -> str:
     return re.sub(r"(\\p\{\w+\}\{\d+,\d+\})\+", r"(?>\1)", pattern)
 
 
+def _untrusted_model_config(path: str, trust_remote_code: bool) -> dict:
+    """For a model directory whose config.json names code of its own (a Dex/DAA export) that is not
+    trusted here: the generic config transformers falls back to for the tokenizer anyway, given up front, since
+    the fallback also warns that the model type is not supported and "can yield errors", which is not so."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):  # a tokenizer directory alone, or a config transformers will name itself
+        return {}
+    if trust_remote_code or not isinstance(config, dict) or "AutoConfig" not in config.get("auto_map", {}):
+        return {}
+    from transformers import PretrainedConfig
+
+    return {"config": PretrainedConfig.from_dict({k: v for k, v in config.items() if k != "model_type"})}
+
+
 class HFTokenizer:
     undecodable_ids: frozenset[int] = frozenset()  # every id below len(hf) decodes
 
@@ -146,7 +161,8 @@ class HFTokenizer:
 
         self.name = path
         try:
-            self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            self.hf = hf if hf is not None else AutoTokenizer.from_pretrained(
+                path, trust_remote_code=trust_remote_code, **_untrusted_model_config(path, trust_remote_code))
         except (OSError, ValueError, ImportError) as err:  # ImportError: a converter's package is missing
             raise TokenizerError(f"{path}: no usable Hugging Face tokenizer files "
                                  f"({why_unreadable(path, err)}){_sentencepiece_hint(path)}") from None
