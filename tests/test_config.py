@@ -69,6 +69,8 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.lr_decay_style=wsd"], "train.lr_wsd_decay_iters: train.lr_decay_style=wsd needs"),
     (["train.lr_decay_style=wsd", "train.iters=100", "train.lr_warmup_iters=10", "train.lr_wsd_decay_iters=91"],
      "train.lr_wsd_decay_iters: 91 is longer than the schedule after its warmup \\(90"),
+    (["train.lr_decay_style=wsd", "train.iters=4", "train.lr_warmup_iters=10", "train.lr_wsd_decay_iters=2"],
+     "train.lr_wsd_decay_iters: train.lr_warmup_iters \\(10\\) leaves no iteration of train.iters \\(4\\)"),
     (["train.lr_wsd_decay_iters=10"], "train.lr_wsd_decay_iters: only used with train.lr_decay_style=wsd"),
     (["train.spike_window=1"], "train.spike_window"),
     (["train.precision=fp8"], "train.precision"),

@@ -270,6 +270,9 @@ def _validate_wsd(train: TrainConfig) -> None:
     after_warmup = lr_decay_length(train) - train.lr_warmup_iters
     if train.lr_wsd_decay_iters is None:
         _fail("train.lr_wsd_decay_iters", "train.lr_decay_style=wsd needs the final decay's length in iterations")
+    if train.lr_decay_iters is None and train.lr_warmup_iters >= train.iters:  # (lr_decay_iters: checked above)
+        _fail("train.lr_wsd_decay_iters", f"train.lr_warmup_iters ({train.lr_warmup_iters}) leaves no iteration of "
+              f"train.iters ({train.iters}) for WSD's stable phase and decay: shorten the warmup")
     if train.lr_wsd_decay_iters > after_warmup:
         _fail("train.lr_wsd_decay_iters", f"{train.lr_wsd_decay_iters} is longer than the schedule after its "
               f"warmup ({after_warmup} iterations: train.lr_decay_iters or train.iters, less train.lr_warmup_iters)")
