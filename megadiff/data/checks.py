@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from functools import cache
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -29,7 +29,8 @@ from megadiff.data.tokenizers import Tokenizer, document_start
 SPLITS = ("train", "valid", "test")
 
 
-def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
+def check_training_data(cfg: Config, tokenizer: Tokenizer, splits_read: Collection[str] = SPLITS) -> None:
+    """The data's vocabulary, tokenizer, masks, and each split of `splits_read` holding a sample."""
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of data.tokenizer "
                         f"{cfg.data.tokenizer!r} ({tokenizer.vocab_size} ids); set model.vocab_size >= "
@@ -43,7 +44,7 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer) -> None:
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
         _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits, conversations)
-        _check_splits(prefix, summary, cfg, key)
+        _check_splits(prefix, summary, cfg, key, splits_read)
         _warn_of_an_earlier_encoding(prefix, manifest, encoding)
         if cfg.data.masks_loss:
             _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
@@ -181,15 +182,16 @@ def split_tokens(prefix: str, data_split: str, split: str) -> np.ndarray | None:
     return np.memmap(bin_path(prefix), dtype=summary.dtype, mode="r")[start:start + tokens]
 
 
-def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str) -> None:
-    """Every split data.split gives a share must hold at least one sample (seq_length + 1 tokens)."""
+def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str, splits_read: Collection[str]) -> None:
+    """Every split of `splits_read` that data.split gives a share must hold at least one sample (seq_length + 1
+    tokens); the others are never built (pre-training reads no test split)."""
     count = len(summary.sequence_lengths)
     refuse_too_many_documents(count, prefix)  # prepared by another tool
     if summary.tokens == 0:
         raise DataError(f"{key}: {prefix} holds no tokens ({count} documents); prepare it from non-empty text")
     needed = cfg.model.seq_length + 1
     for name, (begin, end, tokens) in split_documents(summary.sequence_lengths, cfg.data.split).items():
-        if tokens < needed:
+        if name in splits_read and tokens < needed:
             raise DataError(f"model.seq_length: the {name} split of {prefix} (documents {begin}..{end} of {count}, "
                             f"data.split={cfg.data.split}) holds {tokens} tokens, fewer than one sample of "
                             f"model.seq_length + 1 = {needed}; lower model.seq_length, add data, or give that "

@@ -52,7 +52,8 @@ def megatron_blend(data: DataConfig) -> tuple[list[str], Optional[list[float]]]:
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int], seed: int,
                    is_built_on_rank: Callable[[], bool] = lambda: True):
     """(train, valid, test) with at least num_samples[i] samples each (None where it or data.split's weight is 0)."""
-    check_training_data(cfg, tokenizer)  # megatron would loop forever on a split without tokens
+    # megatron would loop forever on a split without tokens
+    check_training_data(cfg, tokenizer, [name for name, wanted in zip(SPLITS, num_samples) if wanted])
     data = cfg.data
     blend = megatron_blend(data)
     options = dict(
