@@ -40,12 +40,16 @@ def read_manifest(prefix: str | Path) -> Optional[dict]:
     return manifest if _is_written_as_prepare_data_writes(manifest) else None
 
 
+# the parts of write_manifest's mapping that its readers index without looking, and the types it writes them as
+INDEXED_TYPES = {"sources": list, "tokenizer": dict}
+
+
 def _is_written_as_prepare_data_writes(manifest) -> bool:
-    """The parts of write_manifest's mapping that its readers index without looking (a fingerprint's sources and
-    tokenizer, the stats) have the types it writes."""
+    """A mapping whose fingerprint is one, and those of its parts there are (a fingerprint's sources and tokenizer,
+    the stats) of the types write_manifest writes."""
     fingerprint = manifest.get("fingerprint") if isinstance(manifest, dict) else None
-    return (isinstance(fingerprint, dict) and isinstance(fingerprint.get("sources"), list)
-            and isinstance(fingerprint.get("tokenizer"), dict) and isinstance(manifest.get("stats"), dict))
+    return (isinstance(fingerprint, dict) and isinstance(manifest.get("stats", {}), dict)
+            and all(isinstance(fingerprint[key], kind) for key, kind in INDEXED_TYPES.items() if key in fingerprint))
 
 
 def tokenizer_digest(directory: str | Path) -> str:
