@@ -21,7 +21,9 @@ from megadiff.data import indexed
 from megadiff.data.checks import check_training_data
 from megadiff.data.datasets import build_datasets
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import AtomicIndexedWriter, read_index, token_count, token_dtype
+from megadiff.data.indexed import (
+    INDEX_HEADER_BYTES, AtomicIndexedWriter, read_index, sequence_lengths, token_count, token_dtype,
+)
 from megadiff.data.manifest import write_manifest
 from megadiff.data.upsampling import length_repeats
 from tests.distributed import run_ranks
@@ -254,6 +256,14 @@ def test_an_idx_that_does_not_match_its_bin(corpus, tmp_path):
         extra.write(b"\0\0")
     with pytest.raises(DataError, match=r"data.prefix: .*docs.idx describes \d+ bytes of tokens but .*docs.bin holds"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)
+    (tmp_path / "docs.bin").write_bytes((tmp_path / "docs.bin").read_bytes()[:-2])
+    read_index(tmp_path / "docs")
+    lengths = sequence_lengths(tmp_path / "docs", 2)
+    with open(tmp_path / "docs.idx", "r+b") as index:  # the first two lengths, their sum kept
+        index.seek(INDEX_HEADER_BYTES)
+        index.write(np.array([-1000, lengths[0] + lengths[1] + 1000], dtype=np.int32).tobytes())
+    with pytest.raises(DataError, match=r"docs.idx is not a readable megatron index \(a negative document length"):
+        read_index(tmp_path / "docs")
     (tmp_path / "docs.idx").write_bytes(b"not an index")
     with pytest.raises(DataError, match="docs.idx is not a readable megatron index"):
         check_training_data(config(tmp_path, f"data.prefix={tmp_path / 'docs'}"), TOKENIZER)

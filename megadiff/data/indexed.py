@@ -180,6 +180,8 @@ def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
         if idx_file.stat().st_size < described:
             raise ValueError(f"{idx_file.stat().st_size} bytes, fewer than the {described} its header describes")
         lengths = sequence_lengths(prefix, sequences)
+        if sequences and lengths.min() < 0:  # lengths that still add up to the .bin's size would be misread silently
+            raise ValueError(f"a negative document length ({int(lengths.min())})")
     except (ValueError, OSError, struct.error) as err:
         raise DataError(f"{key}: {idx_file} is not a readable megatron index ({err}); re-run prepare-data") from None
     expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
