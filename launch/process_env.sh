@@ -34,15 +34,23 @@ export_process_env() {
     # The fused kernel's compiled and autotuned variants, on the node's own disk: Triton's default
     # (~/.triton, often a network home) shared by every rank of every node fails now and then under
     # concurrent writers ("Stale file handle"), which crashes a rank at its first step.
-    if [[ -z ${TRITON_CACHE_DIR:-} ]]; then
-        local node_cache=${TMPDIR:-/tmp}/megadiff-triton-${USER:-$(id -u)}
-        if megadiff_own_private_dir "$node_cache"; then
-            export TRITON_CACHE_DIR=$node_cache
-        else
-            echo "megadiff: $node_cache is not a directory of this user's alone (another user's, a link, or" \
-                 "writable by others): Triton's cache stays at its default, ~/.triton; remove it (or, made by" \
-                 "you and written by no one else, chmod 700 it), or set TRITON_CACHE_DIR to one of your own" >&2
-        fi
+    megadiff_node_cache TRITON_CACHE_DIR triton "~/.triton"
+    # torch.compile's (the differential combination, DINT's integral): torch's default, /tmp/torchinductor_$USER,
+    # is a name another user of the node can make first as well, and its compiled kernels load as native code too
+    megadiff_node_cache TORCHINDUCTOR_CACHE_DIR inductor "torch's /tmp/torchinductor_\$USER"
+}
+
+# megadiff_node_cache VAR NAME DEFAULT: unless VAR is set, export VAR=$TMPDIR/megadiff-NAME-$USER, a directory of
+# this user's alone; where that name is not one, VAR stays unset (the tool's DEFAULT), and this is said.
+megadiff_node_cache() {
+    [[ -n ${!1:-} ]] && return
+    local node_cache=${TMPDIR:-/tmp}/megadiff-$2-${USER:-$(id -u)}
+    if megadiff_own_private_dir "$node_cache"; then
+        export "$1=$node_cache"
+    else
+        echo "megadiff: $node_cache is not a directory of this user's alone (another user's, a link, or" \
+             "writable by others): $1 stays at its default, $3; remove it (or, made by you and written by" \
+             "no one else, chmod 700 it), or set $1 to one of your own" >&2
     fi
 }
 

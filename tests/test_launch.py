@@ -99,18 +99,23 @@ def test_launchers_explain_missing_arguments(tmp_path):
     assert at_root.returncode == 2 and "No module named 'torch'" in at_root.stderr and "PYTHON=" in at_root.stderr
 
 
-def test_the_triton_cache_is_on_the_node_s_own_disk(tmp_path):
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@pytest.mark.parametrize("variable, name", zip(CACHE_VARIABLES, ("triton", "inductor")))
+def test_the_compile_caches_are_on_the_node_s_own_disk_for_the_user_alone(tmp_path, variable, name):
     """Not Triton's ~/.triton, a network home on most clusters, which every rank of every node would
-    write at once; a directory the caller chose stands."""
+    write at once, nor torch's /tmp/torchinductor_<user>, a name anyone on the node can make first; a
+    directory the caller chose stands."""
     def cache_dir(**preset: str) -> str:
-        env = {key: value for key, value in launch_environment().items() if key != "TRITON_CACHE_DIR"}
+        env = {key: value for key, value in launch_environment().items() if key not in CACHE_VARIABLES}
         env.update(TMPDIR=str(tmp_path), USER="someone", **preset)
-        script = f'source {LAUNCH / "process_env.sh"} CONFIG; export_process_env 8; echo "$TRITON_CACHE_DIR"'
+        script = f'source {LAUNCH / "process_env.sh"} CONFIG; export_process_env 8; echo "${variable}"'
         return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
-    assert cache_dir() == f"{tmp_path}/megadiff-triton-someone"
-    assert (tmp_path / "megadiff-triton-someone").stat().st_mode & 0o777 == 0o700  # made for its user alone
-    assert cache_dir(TRITON_CACHE_DIR="/shared/triton") == "/shared/triton"
+    assert cache_dir() == f"{tmp_path}/megadiff-{name}-someone"
+    assert (tmp_path / f"megadiff-{name}-someone").stat().st_mode & 0o777 == 0o700  # made for its user alone
+    assert cache_dir(**{variable: "/shared/cache"}) == "/shared/cache"
 
 
 @pytest.mark.parametrize("planted", ["writable by others", "a link"])
@@ -124,7 +129,7 @@ def test_a_triton_cache_name_someone_else_made_first_in_tmp_is_not_used(tmp_path
     else:
         node_cache.mkdir()
         node_cache.chmod(0o777)
-    env = {key: value for key, value in launch_environment().items() if key != "TRITON_CACHE_DIR"}
+    env = {key: value for key, value in launch_environment().items() if key not in CACHE_VARIABLES}
     env.update(TMPDIR=str(tmp_path), USER="someone")
     script = f'source {LAUNCH / "process_env.sh"} CONFIG; export_process_env 8; echo "[${{TRITON_CACHE_DIR:-}}]"'
     shell = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True)
