@@ -82,7 +82,10 @@ def _model_source(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="a run's output_dir, checkpoints/ or iter_* directory")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory instead (an adapted or exported "
-                        "model, or the one it was adapted from; trust_remote_code)")
+                        "model, or the one it was adapted from)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="--hf: run code of the directory's own that megadiff did not ship (its config's "
+                        "auto_map; an earlier megadiff's export), which is refused otherwise")
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
                         help="default: the checkpoint's training precision (--hf: its config's dtype)")
     parser.add_argument("--window", type=int, default=None,
@@ -368,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     from megadiff.config import ConfigError
     from megadiff.errors import MegadiffError
     try:
+        if getattr(args, "hf", None) is not None:  # before transformers can run any of its code
+            _target("megadiff.inference.remote_code:check_remote_code")(args.hf, args.trust_remote_code)
         result = args.run(args)
     except ConfigError as err:
         print(f"megadiff: config error: {err}", file=sys.stderr)

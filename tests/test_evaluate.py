@@ -4,6 +4,7 @@ config errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import re
 import math
 from collections import Counter
@@ -542,6 +543,41 @@ def test_hf_reads_the_tokenizer_of_a_directory_with_custom_code_without_asking(t
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, max_position_embeddings=32))
     assert HFCausalLM(hf, tmp_path, 32).tokenizer.vocab_size == 300
+
+
+def test_hf_code_megadiff_did_not_ship_runs_only_when_trusted(tmp_path, capsys):
+    """A downloaded model whose config names code of its own: --hf ran it as it loaded (transformers asks
+    first); it is refused unread, naming it, and runs with --trust-remote-code."""
+    from megadiff.cli import main
+    from tests.test_convert_llama import stock_llama
+
+    stock_llama(tmp_path / "llama", tied=False)
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "planted.PlantedConfig"}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config))
+    ran = tmp_path / "ran"
+    (tmp_path / "llama" / "planted.py").write_text(
+        f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n"
+        "from transformers import LlamaConfig\n\nclass PlantedConfig(LlamaConfig):\n    pass\n")
+    options = ["outliers", "--hf", str(tmp_path / "llama"), "--sequences", "1", "--window", "16"]
+    assert main(options) == 2
+    assert (f"--hf {tmp_path / 'llama'} holds code that megadiff did not ship (planted.py)"
+            in capsys.readouterr().err) and not ran.exists()
+    main([*options, "--trust-remote-code"])
+    assert ran.exists()
+
+
+def test_the_code_megadiff_ships_is_trusted_and_only_that(tmp_path):
+    from megadiff.inference.remote_code import SHIPPED_CODE, foreign_code
+
+    for path in SHIPPED_CODE:
+        shutil.copyfile(path, tmp_path / path.name)
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoConfig": "configuration_megadiff.X"}}))
+    assert foreign_code(tmp_path) == []
+    with open(tmp_path / "modeling_megadiff.py", "a") as edited:
+        edited.write("\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["a/b--tok.T", None]}}))
+    assert foreign_code(tmp_path) == ["modeling_megadiff.py", "a/b--tok.T"]
 
 
 def test_an_export_carries_its_runs_held_out_samples(tmp_path):
