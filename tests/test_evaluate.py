@@ -4,9 +4,9 @@ config errors."""
 from __future__ import annotations
 
 import json
-import shutil
 import re
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
