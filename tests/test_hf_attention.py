@@ -67,16 +67,10 @@ def test_a_sliding_windows_rows_and_scores_are_those_it_attends(tokenizer_dir):
     """Mistral attends to its last `sliding_window` keys: the rows are its eager attention weights (no
     mass beyond the window), the capture leaves its logits as they are, and `outliers --hf` counts
     the scores of the pairs it attends alone."""
-    from transformers import MistralConfig, MistralForCausalLM
-
     from megadiff.inference.hf_attention import attention_calls
     from megadiff.inference.outliers import record_activations
 
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM,
-        intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        initializer_range=0.2, max_position_embeddings=256, sliding_window=8, attn_implementation="eager")).eval()
+    model = tiny_mistral(tokenizer_dir, 8)
     weights = eager_rows(model)
     rows = hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
     for ours, theirs in zip(rows, weights, strict=True):
@@ -112,7 +106,33 @@ def test_a_dex_heads_effective_row_gives_its_output(tokenizer_dir):
     """The row applied to the head's values (recomputed here from the layer's input) is the output
     the head hands its o_proj; heads Dex leaves alone keep their softmax row (the weights eager
     attention returns: Dex changes outputs, not weights)."""
-    model = adapted(tokenizer_dir, apply_dex, {}, "eager")
+    assert_dex_rows_give_the_heads_outputs(adapted(tokenizer_dir, apply_dex, {}, "eager"), tokenizer_dir)
+
+
+def test_a_dex_heads_effective_row_under_a_sliding_window_stays_within_it(tokenizer_dir):
+    """A sliding window's head sees its last `sliding_window` keys alone: its effective row gives its output
+    from their values, and leaves the keys before the window at zero, as its softmax row does."""
+    window = 12  # more keys than a head's width: their values have a left inverse
+    model = apply_dex(tiny_mistral(tokenizer_dir, window), {}, calibration=[torch.randint(0, 200, (2, 16))])
+    perturb_adapters(model, 4, anneal_steps=10)
+    rows = assert_dex_rows_give_the_heads_outputs(model, tokenizer_dir)
+    for row in rows:
+        assert row[:, :POSITION + 1 - window].abs().max() == 0
+
+
+def tiny_mistral(tokenizer_dir, sliding_window: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        initializer_range=0.2, max_position_embeddings=256, sliding_window=sliding_window,
+        attn_implementation="eager")).eval()
+
+
+def assert_dex_rows_give_the_heads_outputs(model, tokenizer_dir) -> list[torch.Tensor]:
+    """Checks a Dex model's rows as the test above says; returns them."""
     inputs, outputs = [], []
     hooks = []
     for layer in model.model.layers:
@@ -134,6 +154,7 @@ def test_a_dex_heads_effective_row_gives_its_output(tokenizer_dir):
             else:
                 torch.testing.assert_close(row[head], base[head], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(row[attention.adapter_heads], base[attention.adapter_heads], atol=1e-3)
+    return rows
 
 
 def test_needles_reports_the_attention_of_an_adapted_export(tokenizer_dir, tmp_path, capsys):

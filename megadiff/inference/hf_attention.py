@@ -12,7 +12,8 @@ reader and then attends as SDPA does, so nothing of the model changes. Per layer
   as DIFF's are (a layer calls the interface twice, the second map second);
 - Dex, which changes the head's output O' = O - lambda O W_D rather than its scores: the Dex
   paper's effective attention (its appendix F.3), the row X with X V = O', X = O' V^+ (the
-  Moore-Penrose pseudoinverse of the head's values), exact since V has more rows than columns.
+  Moore-Penrose pseudoinverse of the values of the keys the query attends: under a sliding window
+  the keys before it get none), exact since V has more rows than columns.
 """
 from __future__ import annotations
 
@@ -40,15 +41,20 @@ def _softmax_row(query: torch.Tensor, key: torch.Tensor, scaling: float, attends
     return torch.softmax(scores, dim=-1)[0, :, 0]
 
 
-def _effective_dex_rows(rows: torch.Tensor, value: torch.Tensor, module) -> torch.Tensor:
-    """rows [H, N] -> the rows whose weighted values give Dex's output on its adapted heads."""
+def _effective_dex_rows(rows: torch.Tensor, value: torch.Tensor, module, attends: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """rows [H, N] -> the rows whose weighted values give Dex's output on its adapted heads, over the keys
+    `attends` ([N] booleans, None: every key) only: the pseudoinverse of every key's values spread the row onto
+    keys a sliding window hides from the head."""
     value = value.repeat_interleave(rows.shape[0] // value.shape[1], dim=1)[0].float()  # [H, N, d]
+    seen = torch.ones(rows.shape[-1], dtype=torch.bool, device=rows.device) if attends is None else attends
     lam = module.current_lambda().float()
     effective = rows.clone()
     for slot, head in enumerate(module.adapter_heads):
         output = rows[head] @ value[head]
         adapted = output - lam * (output @ module.dex_weight[slot].float())
-        effective[head] = adapted @ torch.linalg.pinv(value[head])
+        effective[head] = 0.0
+        effective[head, seen] = adapted @ torch.linalg.pinv(value[head, seen])
     return effective
 
 
@@ -63,9 +69,10 @@ def _diffllama_rows(rows: torch.Tensor, module) -> torch.Tensor:
 def _call_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                mask: torch.Tensor | None) -> torch.Tensor:
     """One attention call's rows [H, N] at the last query (Dex's already effective: they need its values)."""
-    rows = _softmax_row(query[:, :, -1:], key, scaling, None if mask is None else mask[0, 0, -1])
+    attends = None if mask is None else mask[0, 0, -1]
+    rows = _softmax_row(query[:, :, -1:], key, scaling, attends)
     if getattr(module, "adapter_method", None) == "dex":
-        return _effective_dex_rows(rows, value, module)
+        return _effective_dex_rows(rows, value, module, attends)
     return rows
 
 
