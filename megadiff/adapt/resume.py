@@ -68,10 +68,11 @@ def _check_loadable_here(checkpoint: Path, world: int, ds_config: dict) -> None:
         raise ConfigError(f"{checkpoint} was written under ZeRO-{saved_stage}, and this run's deepspeed config asks "
                           f"for ZeRO-{stage}: DeepSpeed reads ZeRO-3 checkpoints under ZeRO-3 only, and the others "
                           f"under ZeRO-1/2 only. Resume under ZeRO-{saved_stage} or give a new output_dir")
-    if (_precision(saved_config) == "bf16") != (_precision(ds_config) == "bf16"):
-        raise ConfigError(f"{checkpoint} was written in {_precision(saved_config)}, and this run trains in "
-                          f"{_precision(ds_config)}: DeepSpeed keeps bf16 optimizer state in files of their own. "
-                          f"Resume with train.precision={_precision(saved_config)} or give a new output_dir")
+    saved_precision, precision = _precision(saved_config), _precision(ds_config)
+    if (saved_precision == "bf16") != (precision == "bf16"):
+        raise ConfigError(f"{checkpoint} was written in {saved_precision}, and this run trains in {precision}: "
+                          "DeepSpeed keeps bf16 optimizer state in files of their own. Resume with "
+                          f"train.precision={saved_precision} or give a new output_dir")
 
 
 def _saved_engine(checkpoint: Path) -> dict | None:

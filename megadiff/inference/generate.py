@@ -262,9 +262,14 @@ def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: in
         for row, answer in zip(group, _decode_side_by_side(
                 model, [prompts[row] for row in group], max_new_tokens, decodable, stop_id,
                 None if stops is None else [stops[row] for row in group], temperature, top_k,
-                [generator[row] for row in group] if isinstance(generator, list) else generator, top_p)):
+                _of_rows(generator, group), top_p)):
             answers[row] = answer
     return answers
+
+
+def _of_rows(generator: Generators, rows: list[int]) -> Generators:
+    """The generators of `rows`: theirs from a list of one per row, else the one for all."""
+    return [generator[row] for row in rows] if isinstance(generator, list) else generator
 
 
 def length_groups(lengths: list[int], span: int) -> list[list[int]]:
@@ -293,7 +298,7 @@ def _decode_side_by_side(model: CausalLM, prompts: list[list[int]], max_new_toke
     while running:
         logits = decoder.logits(running)
         drawing = [row for row in sorted(running) if len(decoder.rows[row]) >= len(prompts[row])]
-        own = [generator[row] for row in drawing] if isinstance(generator, list) else generator
+        own = _of_rows(generator, drawing)
         drawn = dict(zip(drawing, next_tokens(logits[drawing], temperature, top_k, own, top_p) if drawing else []))
         # a row within its prompt takes the prompt's next token; an ended one repeats its last (never read)
         step = [prompt[len(row)] if len(row) < len(prompt) else drawn.get(index, row[-1])
