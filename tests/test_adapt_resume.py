@@ -42,6 +42,42 @@ def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state
         resume_point(tmp_path, 2, 3, {})
 
 
+class _RunsCodeWhenRead:
+    """What a planted pickle can hold: an object whose unpickling calls a function of the planter's choice."""
+
+    def __init__(self, proof: Path):
+        self.proof = proof
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.proof),)
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_unrun(tmp_path):
+    """DeepSpeed reads its checkpoint files with torch.load(weights_only=False): a downloaded checkpoint ran the
+    code its pickles named as a rerun resumed. Only DeepSpeed's own state types are read."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    checkpoint = _checkpoint(tmp_path / "checkpoints" / "iter_0000002")
+    (tmp_path / "checkpoints" / "latest").write_text("iter_0000002")
+    torch.save({"module": {"w": torch.ones(2)}, "dp_world_size": 1}, checkpoint / "mp_rank_00_model_states.pt")
+    optimizer_file = checkpoint / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    deepspeed_state = {"loss_scaler": DynamicLossScaler(2.0 ** 16, 1000, min_scale=1, delayed_shift=2,
+                                                         consecutive_hysteresis=False, dtype=torch.float16),
+                       "zero_stage": ZeroStageEnum.gradients,
+                       "param_slice_mappings": [{"w": fragment_address(numel=2, start=0)}]}
+    torch.save({"optimizer_state_dict": deepspeed_state}, optimizer_file)
+    assert resume_point(tmp_path / "checkpoints", 0, 1, {}) == checkpoint  # what DeepSpeed writes is read
+
+    proof = tmp_path / "code_ran"
+    torch.save({"optimizer_state_dict": {"loss_scaler": _RunsCodeWhenRead(proof)}}, optimizer_file)
+    with pytest.raises(DamagedCheckpoint, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt holds more than "
+                                                r"DeepSpeed's checkpoints do \(.*GLOBAL posix.mkdir"):
+        resume_point(tmp_path / "checkpoints", 0, 1, {})
+    assert not proof.exists()
+
+
 @pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory", "x.pt"), EOFError(),
                                    RuntimeError("PytorchStreamReader failed reading zip archive"), AssertionError()])
 def test_damage_read_by_deepspeed_is_named(tmp_path, error):

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import torch
 
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
 from megadiff.adapt.deepspeed_setup import NO_WEIGHT_DECAY, zero_stage
 from megadiff.adapt.settings import TrainSection
 from megadiff.config import ConfigError
@@ -18,6 +22,9 @@ from megadiff.files import ITERATION_PREFIX, numbered_dirs
 LATEST_FILE = "latest"  # beside the checkpoints: the tag a rerun resumes from (DeepSpeed's name for it)
 MODEL_STATES = "*model_states.pt"  # one at least in every DeepSpeed checkpoint, whatever the ZeRO stage
 OPTIMIZER_STATES = "*optim_states.pt"  # one a data-parallel rank
+# what DeepSpeed's optimizer files hold besides tensors and containers (its loss scalers' settings, ZeRO's stage,
+# where each parameter's fragment lies in its flat partition): all data, no code runs as they are read
+DEEPSPEED_STATE_TYPES = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 class DamagedCheckpoint(MegadiffError):
@@ -43,6 +50,7 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int, ds_config: dict) -
         raise DamagedCheckpoint(f"{marker} names {tag!r}, which is no whole checkpoint in {checkpoint_dir}: {fix}, "
                                 "or give a new output_dir")
     _check_loadable_here(path, world, ds_config)
+    _refuse_code_in_files(path)
     shard = f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # with a bf16_ prefix under DeepSpeed's bf16 optimizer
     if any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
         raise DamagedCheckpoint(f"{path} lacks rank {rank}'s optimizer state ({shard}): a checkpoint copied in "
@@ -73,6 +81,29 @@ def _check_loadable_here(checkpoint: Path, world: int, ds_config: dict) -> None:
         raise ConfigError(f"{checkpoint} was written in {saved_precision}, and this run trains in {precision}: "
                           "DeepSpeed keeps bf16 optimizer state in files of their own. Resume with "
                           f"train.precision={saved_precision} or give a new output_dir")
+
+
+def _refuse_code_in_files(checkpoint: Path) -> None:
+    """Refuse a checkpoint file whose pickle names anything but the types DeepSpeed's files are made of, unread:
+    DeepSpeed reads them with torch.load(weights_only=False), so a checkpoint from elsewhere (downloaded, shared)
+    ran whatever code its pickles named as it resumed. Read memory-mapped, the tensors stay on disk; damage is left
+    for DeepSpeed's load to name (damage_named)."""
+    for file in sorted(checkpoint.glob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(DEEPSPEED_STATE_TYPES):
+                torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise DamagedCheckpoint(f"{file} holds more than DeepSpeed's checkpoints do ({_what_it_names(error)}): "
+                                    "refused unread, since loading it would run code from the checkpoint") from error
+        except (OSError, EOFError, RuntimeError):
+            continue
+
+
+def _what_it_names(error: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only refusal that names the global (its other lines advise loading anyway)."""
+    lines = [line.strip() for line in str(error).splitlines()[1:]
+             if line.strip() and not line.startswith("Check the documentation")]
+    return lines[-1].removeprefix("WeightsUnpickler error: ").split(". Please use")[0] if lines else str(error)
 
 
 def _saved_engine(checkpoint: Path) -> dict | None:
