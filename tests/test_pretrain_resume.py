@@ -84,6 +84,29 @@ def test_resume_into_another_layout_continues_the_curve(base, runs, tmp_path):
     assert len(losses(resumed)) == ITERS
 
 
+FP16_ITERS = 16  # fp16's loss scaler skips the first 13 steps (from 2^32), then the optimizer updates
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_an_fp16_run_stopped_before_its_first_update_resumes_as_the_uninterrupted_one(base, tmp_path,
+                                                                                        distributed_optimizer):
+    """A run preempted as it starts stops after its first step, which fp16's scaler skips: its optimizer had
+    no state. The distributed optimizer's save failed (an AssertionError in place of exit code 75), the
+    other's checkpoint could not be loaded (dist_checkpointing's "Different dict keys")."""
+    run = base + ["train.precision=fp16", f"train.iters={FP16_ITERS}",
+                  f"parallel.distributed_optimizer={str(distributed_optimizer).lower()}"]
+    full, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
+    run_pretrain_in_ranks(1, run + [f"output_dir={full}"])
+    run_pretrain_in_ranks(1, run + [f"output_dir={stopped}", "train.exit_interval=1"])
+    assert [r["loss_scale_overflows"] for r in read_metrics(stopped)] == [1]  # stopped before any update
+    run_pretrain_in_ranks(1, run + [f"output_dir={stopped}"])
+    keys = ("iteration", "lm_loss", "grad_norm", "lr", "loss_scale", "loss_scale_overflows")  # not the timings
+    assert [[r.get(k) for k in keys] for r in read_metrics(stopped)] == \
+        [[r.get(k) for k in keys] for r in read_metrics(full)]
+    assert read_metrics(full)[-1]["loss_scale_overflows"] < FP16_ITERS  # the steps compared include updates
+
+
 def test_a_rerun_may_change_the_batch_size_and_refuses_what_it_cannot_continue(base, small_tokenizer_dir, tmp_path):
     """Stopped at iteration 3 after 3 x 8 samples. Rerun with global batches of 4: it reads on from sample 24
     to the end (a sampler sized for 6 x 4 samples ran dry before); of 16: refused, 24 samples are no whole

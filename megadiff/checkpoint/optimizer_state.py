@@ -8,11 +8,19 @@ With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1
      checkpoint's tensors have no `step`);
   c) after loading, gives all parameters ONE shared `step` tensor, which AdamW increments once
      per parameter: the bias correction is silently wrong and the loss diverges from the
-     uninterrupted run two steps after a resume.
+     uninterrupted run two steps after a resume;
+  d) cannot checkpoint an optimizer that has not updated yet (an fp16 run's first steps are loss-scaler
+     skips; a run preempted while it starts stops after its first step): torch's AdamW creates a
+     parameter's state at its first update, and the distributed optimizer's save asserts one `step`
+     over the empty state, while the other's saves it empty and then cannot load it (a loading request
+     holds every parameter's moments). Before such a save the state is created as AdamW would (zero
+     moments, step 0), which leaves the next update as it was; megatron saves no step of 0 (`if step:`),
+     so a loaded state without one gets it back.
 Each mend below is local to one optimizer instance and keeps megatron's own code paths.
 """
 from __future__ import annotations
 
+import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 DISTRIBUTED_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -31,7 +39,26 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
         for inner in _distributed(optimizer):
             if not inner.optimizer.state:  # (b) Adam state must exist before its layout is described
                 inner._init_optimizer_states_with_dummy_values()
+    else:
+        for inner in _with_torch_adam(optimizer):
+            _create_state_before_first_update(inner)  # (d)
     return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=DISTRIBUTED_FORMAT)
+
+
+def _with_torch_adam(optimizer) -> list:
+    """megatron's optimizers around a torch Adam(W) (TransformerEngine's FusedAdam keeps no step per parameter)."""
+    return [inner for inner in _inner_optimizers(optimizer) if isinstance(inner.optimizer, torch.optim.Adam)]
+
+
+def _create_state_before_first_update(inner) -> None:
+    """(d) The state torch's Adam(W) creates at its first update, where it has made none yet (after one, every
+    parameter has its state and its step: any left out would make the distributed optimizer's steps differ)."""
+    adam = inner.optimizer
+    if any(adam.state.values()):
+        return
+    inner.init_state_fn(adam, inner.config)  # megatron's zero moments
+    for param_state in adam.state.values():
+        param_state["step"] = torch.tensor(0.0)
 
 
 def _keep_current_step(inner: DistributedOptimizer):
@@ -57,15 +84,31 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def _load_adam_state(optimizer, state: dict) -> None:
-    distributed = _distributed(optimizer)
+    distributed, adams = _distributed(optimizer), [inner.optimizer for inner in _with_torch_adam(optimizer)]
     for inner in distributed:
         inner._set_main_param_and_optimizer_states = _keep_current_step(inner)
+    for adam in adams:
+        adam.load_state_dict = _load_with_steps(adam)
     try:
         optimizer.load_state_dict(state)
     finally:
         for inner in distributed:
             del inner._set_main_param_and_optimizer_states  # back to the class's method
+        for adam in adams:
+            del adam.load_state_dict
     for inner in distributed:
         for param_state in inner.optimizer.state.values():  # (c) one step counter per parameter
             if "step" in param_state:
                 param_state["step"] = param_state["step"].clone()
+
+
+def _load_with_steps(adam: torch.optim.Adam):
+    """(d) A state saved before the first update has no step (megatron drops one of 0), which torch requires."""
+    load = adam.load_state_dict
+
+    def load_with_steps(state_dict: dict) -> None:
+        for param_state in state_dict["state"].values():
+            param_state.setdefault("step", torch.tensor(0.0))
+        load(state_dict)
+
+    return load_with_steps
