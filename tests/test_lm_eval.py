@@ -297,6 +297,35 @@ def test_sampled_repeats_differ_and_a_seed_gives_them_again(runs, tmp_path):
     assert sampled(7, "again") == first and sampled(8, "other") != first
 
 
+def test_a_sampled_answer_is_the_same_whatever_the_batch_the_order_and_the_ranks(runs, monkeypatch):
+    """Sampled requests (two repeats each, as the harness passes them: one after the other) answered one
+    at a time by one process, then in one batch of 8 with the documents in reverse order, then shared
+    between two ranks (each answering every other document): every request draws the same tokens, as
+    its answer depends on --seed and the request alone."""
+    from lm_eval.api.instance import Instance
+    from megadiff.checkpoint.single_process import load_checkpoint
+    from megadiff.inference import harness
+
+    model = load_checkpoint(runs["dint"], torch.float32)
+    kwargs = {"until": ["."], "max_gen_toks": 6, "do_sample": True, "temperature": 1.0}
+    documents = _documents("kjv_generate") * 2  # the same context in two documents, too
+    requests = [Instance("generate_until", doc, (doc["context"], kwargs), 0, ("kjv_sample", doc_id, 2))
+                for doc_id, doc in enumerate(documents)]
+
+    def answered(doc_ids: list[int], batch_size: int, rank: int = 0) -> dict[tuple[int, int], str]:
+        monkeypatch.setattr(harness, "rank_and_world", lambda: (rank, 2 if rank else 1))
+        lm = harness.MegadiffLM(model, batch_size=batch_size, seed=7)
+        answers = lm.generate_until([requests[doc_id] for doc_id in doc_ids for _ in range(2)])
+        return {(doc_id, repeat): answers[2 * i + repeat] for i, doc_id in enumerate(doc_ids) for repeat in range(2)}
+
+    every = list(range(len(documents)))
+    one_at_a_time = answered(every, batch_size=1)
+    assert len(set(one_at_a_time.values())) > len(documents), "the repeats drew alike"
+    assert answered(every[::-1], batch_size=8) == one_at_a_time
+    shares = [answered(every[rank::2], batch_size=3, rank=rank) for rank in range(2)]
+    assert {**shares[0], **shares[1]} == one_at_a_time
+
+
 def test_quantized_attention_logits_reach_every_answer(runs, tasks, tmp_path):
     """--attention-logit-bits (the DIFF paper's Figure 8; the quantization itself is tested against
     the formula in tests/test_ops.py): 16 bits answer as the model does, 3 bits otherwise."""
@@ -612,7 +641,7 @@ def test_a_document_masked_checkpoint_generates_what_its_scores_call_greedy(runs
 
     lm = MegadiffLM(document_masked(runs["diff"]))
     (plan,) = plans = [lm._plan("", {"until": ["@@@"], "max_gen_toks": 6, "do_sample": False})]
-    (new,) = lm._decode(plans)
+    (new,) = lm._decode(plans, [torch.Generator()])
     assert plan.prompt == [lm.eot_token_id] and len(new) > 1
     assert lm.score([(plan.prompt, new)])[0][1]
 
@@ -638,11 +667,13 @@ def test_generation_follows_top_p_and_refuses_what_it_cannot_do(runs, tasks, tmp
     from megadiff.inference import harness
     from megadiff.checkpoint.single_process import load_checkpoint
 
+    from lm_eval.api.instance import Instance
+
     lm = harness.MegadiffLM(load_checkpoint(runs["diff"], torch.float32), max_gen_toks=6)
     context = "In the beginning God created"
-    greedy = lm.generate_until([SimpleNamespace(args=(context, {"until": ["@@"], "do_sample": False}))])
+    greedy = lm.generate_until([Instance("generate_until", {}, (context, {"until": ["@@"], "do_sample": False}), 0)])
     nucleus = {"until": ["@@"], "do_sample": True, "temperature": 1.0, "top_p": 1e-9}
-    assert lm.generate_until([SimpleNamespace(args=(context, nucleus))] * 3) == greedy * 3
+    assert lm.generate_until([Instance("generate_until", {}, (context, nucleus), 0)] * 3) == greedy * 3
     assert lm._plan(context, {"num_beams": 1, "do_sample": False}).max_new == 6
     for kwargs, message in (({"num_beams": 4}, "num_beams"), ({"min_p": 0.1}, "min_p"),
                             ({"do_sample": True, "temperature": 1.0, "top_p": 0.0}, "top_p")):

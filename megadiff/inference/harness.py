@@ -26,6 +26,7 @@ import hashlib
 import json
 import urllib.error
 import urllib.request
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +46,7 @@ from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_pro
 from megadiff.inference.generate import (
     check_generation, document_eod, generate_batch, stop_texts_check,
 )
+from megadiff.inference.generate_file import prompt_generator
 from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, reports
@@ -134,8 +136,7 @@ class MegadiffLM(TemplateLM):
         self.document_eod = document_eod(model)
         self._rank, self._world_size = rank_and_world()
         self._device = model.device
-        # sampled generations draw from one stream per rank (repeats of a request differ), seeded by --seed
-        self.generator = torch.Generator().manual_seed(seed + self._rank)
+        self.seed = seed  # sampled generations draw from generators of it (request_generators)
 
     @property
     def eot_token_id(self) -> int:
@@ -247,6 +248,7 @@ class MegadiffLM(TemplateLM):
         prompts first (so a batch's prompts differ little in length, and the first shows the memory
         needed)."""
         plans = [self._plan(*request.args) for request in requests]
+        generators = request_generators(self.seed, requests)
         groups: dict[tuple, list[int]] = {}
         for index in sorted(range(len(plans)), key=lambda i: -len(plans[i].prompt)):
             groups.setdefault(plans[index].decoding, []).append(index)
@@ -255,7 +257,8 @@ class MegadiffLM(TemplateLM):
             for members in groups.values():
                 for start in range(0, len(members), self.batch_size):
                     batch = members[start:start + self.batch_size]
-                    for index, new_ids in zip(batch, self._decode([plans[i] for i in batch])):
+                    new = self._decode([plans[i] for i in batch], [generators[i] for i in batch])
+                    for index, new_ids in zip(batch, new):
                         answers[index] = postprocess_generated_text(self.tok.decode(new_ids), plans[index].until, None)
                         self.cache_hook.add_partial("generate_until", requests[index].args, answers[index])
                         bar.advance(1, len(plans[index].prompt) + len(new_ids))
@@ -271,12 +274,12 @@ class MegadiffLM(TemplateLM):
         temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
         return GenerationPlan(prompt, max_new, until, temperature, kwargs["top_k"], kwargs["top_p"])
 
-    def _decode(self, plans: Sequence[GenerationPlan]) -> list[list[int]]:
-        """The new ids of plans alike in their decoding."""
+    def _decode(self, plans: Sequence[GenerationPlan], generators: list[torch.Generator]) -> list[list[int]]:
+        """The new ids of plans alike in their decoding, each plan's tokens drawn with its own generator."""
         max_new, temperature, top_k, top_p = plans[0].decoding
         return generate_batch(self.model, [plan.prompt for plan in plans], max_new, stop_id=self.eot_token_id,
                               stops=[stop_texts_check(self.tok, plan.until) for plan in plans],
-                              temperature=temperature, top_k=top_k, top_p=top_p, generator=self.generator)
+                              temperature=temperature, top_k=top_k, top_p=top_p, generator=generators)
 
     # the harness's collectives when it splits the requests among ranks
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -290,6 +293,22 @@ class MegadiffLM(TemplateLM):
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def request_generators(seed: int, requests) -> list[torch.Generator]:
+    """Each generation request's sampling generator, of `seed` and the request alone: its task, document,
+    index, arguments and which of its repeats it is (the harness passes a request once per repeat). A
+    sampled answer is then the same whatever --batch-size, the order the requests come in, the number
+    of ranks sharing them, or a --cache rerun (which answers sampled requests anew); one stream per
+    rank gave each answer the draws its batch and share left it."""
+    seen: Counter[str] = Counter()
+    generators = []
+    for request in requests:
+        request_key = json.dumps([request.task_name, request.doc_id, request.idx, request.args], sort_keys=True,
+                                 default=str)
+        generators.append(prompt_generator(seed, f"{request_key}#{seen[request_key]}"))
+        seen[request_key] += 1
+    return generators
 
 
 def require_harness() -> None:
