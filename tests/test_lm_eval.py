@@ -646,6 +646,26 @@ def test_a_document_masked_checkpoint_generates_what_its_scores_call_greedy(runs
     assert lm.score([(plan.prompt, new)])[0][1]
 
 
+def test_a_context_of_whitespace_alone_is_scored_as_the_empty_context(runs):
+    """The harness moves a context's trailing whitespace onto the continuation: a context of whitespace alone
+    then encodes to no tokens (this tokenizer begins texts with no BOS), and is conditioned, as the empty
+    context is, on the prefix token: (" ", "In the beginning") scores as ("", " In the beginning")."""
+    from lm_eval.api.instance import Instance
+    from megadiff.checkpoint.single_process import load_checkpoint
+    from megadiff.inference.harness import MegadiffLM
+
+    lm = MegadiffLM(load_checkpoint(runs["diff"], torch.float32), batch_size=2)
+    assert not lm.tok.text_start
+
+    def scored(pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        return lm.loglikelihood([Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(pairs)])
+
+    whitespace = scored([(" ", "In the beginning"), ("\n", "And God said"), (" ", "I")])
+    empty = scored([("", " In the beginning"), ("", "\nAnd God said"), ("", " I")])
+    assert [greedy for _, greedy in whitespace] == [greedy for _, greedy in empty]
+    assert [score for score, _ in whitespace] == pytest.approx([score for score, _ in empty], rel=1e-5)
+
+
 def test_generation_kwargs_of_null_are_the_defaults_and_a_top_k_of_minus_one_is_off():
     """None (a task's YAML null) leaves a kwarg to its default, and vLLM's top_k=-1 means every id, in
     greedy and sampled decoding alike; other negative top_k and a top_p of 0 are still refused."""

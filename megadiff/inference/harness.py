@@ -182,7 +182,18 @@ class MegadiffLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
 
         with self.progress("log-likelihoods", len(requests)) as bar:
-            return self.score([(context, continuation) for _, context, continuation in requests], bar, cached)
+            return self.score([self._conditioned(context, continuation) for _, context, continuation in requests],
+                              bar, cached)
+
+    def _conditioned(self, context: list[int], continuation: list[int]) -> TokenPair:
+        """The pair, a context of no tokens conditioned on prefix_token_id as the harness conditions an empty
+        one: a whitespace context (the harness moves its spaces onto the continuation) encodes to none where
+        texts begin with no BOS, and nothing would predict the continuation's first token."""
+        if context:
+            return context, continuation
+        if continuation[:1] == [self.prefix_token_id]:
+            return continuation[:1], continuation[1:]
+        return [self.prefix_token_id], continuation
 
     @torch.no_grad()
     def score(self, pairs: Sequence[TokenPair], bar: ProgressTask | None = None,
