@@ -300,30 +300,37 @@ def test_sampled_repeats_differ_and_a_seed_gives_them_again(runs, tmp_path):
 def test_a_sampled_answer_is_the_same_whatever_the_batch_the_order_and_the_ranks(runs, monkeypatch):
     """Sampled requests (two repeats each, as the harness passes them: one after the other) answered one
     at a time by one process, then in one batch of 8 with the documents in reverse order, then shared
-    between two ranks (each answering every other document): every request draws the same tokens, as
-    its answer depends on --seed and the request alone."""
+    between two ranks (each answering every other document, the shorter share padded with its last
+    document's repeats once more, as the harness pads it): every request draws the same tokens, as its
+    answer depends on --seed and the request alone, and the padding draws what it repeats."""
     from lm_eval.api.instance import Instance
     from megadiff.checkpoint.single_process import load_checkpoint
     from megadiff.inference import harness
 
     model = load_checkpoint(runs["dint"], torch.float32)
     kwargs = {"until": ["."], "max_gen_toks": 6, "do_sample": True, "temperature": 1.0}
-    documents = _documents("kjv_generate") * 2  # the same context in two documents, too
+    documents = (_documents("kjv_generate") * 2)[:5]  # the same context in two documents, too
     requests = [Instance("generate_until", doc, (doc["context"], kwargs), 0, ("kjv_sample", doc_id, 2))
                 for doc_id, doc in enumerate(documents)]
 
-    def answered(doc_ids: list[int], batch_size: int, rank: int = 0) -> dict[tuple[int, int], str]:
+    def answered(doc_ids: list[int], batch_size: int, rank: int = 0, padded: bool = False) -> dict:
+        """{(document, repeat): answer}, and with `padded` ("padding", repeat) the padding's."""
         monkeypatch.setattr(harness, "rank_and_world", lambda: (rank, 2 if rank else 1))
         lm = harness.MegadiffLM(model, batch_size=batch_size, seed=7)
-        answers = lm.generate_until([requests[doc_id] for doc_id in doc_ids for _ in range(2)])
-        return {(doc_id, repeat): answers[2 * i + repeat] for i, doc_id in enumerate(doc_ids) for repeat in range(2)}
+        asked = [(doc_id, repeat) for doc_id in doc_ids for repeat in range(2)]
+        asked += [("padding", repeat) for repeat in range(2)] if padded else []
+        answers = lm.generate_until([requests[doc_ids[-1] if doc_id == "padding" else doc_id]
+                                     for doc_id, _ in asked])
+        return dict(zip(asked, answers))
 
     every = list(range(len(documents)))
     one_at_a_time = answered(every, batch_size=1)
     assert len(set(one_at_a_time.values())) > len(documents), "the repeats drew alike"
     assert answered(every[::-1], batch_size=8) == one_at_a_time
-    shares = [answered(every[rank::2], batch_size=3, rank=rank) for rank in range(2)]
+    shares = [answered(every[rank::2], batch_size=3, rank=rank, padded=rank == 1) for rank in range(2)]
+    padding = {key: shares[1].pop(key) for key in [("padding", 0), ("padding", 1)]}
     assert {**shares[0], **shares[1]} == one_at_a_time
+    assert list(padding.values()) == [one_at_a_time[every[1::2][-1], repeat] for repeat in range(2)]
 
 
 def test_quantized_attention_logits_reach_every_answer(runs, tasks, tmp_path):

@@ -311,13 +311,16 @@ def request_generators(seed: int, requests) -> list[torch.Generator]:
     index, arguments and which of its repeats it is (the harness passes a request once per repeat). A
     sampled answer is then the same whatever --batch-size, the order the requests come in, the number
     of ranks sharing them, or a --cache rerun (which answers sampled requests anew); one stream per
-    rank gave each answer the draws its batch and share left it."""
+    rank gave each answer the draws its batch and share left it. Under torchrun the harness pads a
+    shorter share with its last request's repeats once more, whose answers join that request's: they draw
+    as the first ones, so that a vote over them (maj@k) elects what one process elects."""
     seen: Counter[str] = Counter()
     generators = []
     for request in requests:
         request_key = json.dumps([request.task_name, request.doc_id, request.idx, request.args], sort_keys=True,
                                  default=str)
-        generators.append(prompt_generator(seed, f"{request_key}#{seen[request_key]}"))
+        repeat = seen[request_key] % request.repeats if request.repeats else seen[request_key]
+        generators.append(prompt_generator(seed, f"{request_key}#{repeat}"))
         seen[request_key] += 1
     return generators
 
