@@ -525,6 +525,28 @@ def test_two_ranks_share_the_requests_and_report_what_one_process_reports(runs, 
     assert all(0 < count < alone for count in shares) and sum(shares) >= alone
 
 
+def _ranks_few_shot(rank: int, world_size: int, run: str, tasks: str, output: str) -> None:
+    assert main(["lm-eval", "--load", run, "--tasks", "kjv_choice", "--include-path", tasks, "--num-fewshot", "2",
+                 "--dtype", "fp32", "--output", output, "--log-samples"]) == 0
+
+
+def test_two_ranks_show_each_document_the_few_shot_examples_one_process_shows_it(runs, tasks, tmp_path):
+    """--num-fewshot 2 on two ranks: lm-eval draws the examples from one generator, a document after another,
+    over a rank's documents; every document's context (and so its answers and the scores) is still the one
+    one process gives it."""
+    run_ranks(2, _ranks_few_shot, str(runs["diff"]), str(tasks), str(tmp_path / "two.json"))
+    _ranks_few_shot(0, 1, str(runs["diff"]), str(tasks), str(tmp_path / "one.json"))
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+
+    def contexts(report: dict) -> dict[int, str]:
+        return {sample["doc_id"]: sample["arguments"]["gen_args_0"]["arg_0"] if isinstance(sample["arguments"], dict)
+                else sample["arguments"][0][0] for sample in report["samples"]["kjv_choice"]}
+
+    assert contexts(two) == contexts(one)
+    assert_same_answers(answers(two["samples"]), answers(one["samples"]), rel=1e-5)
+    assert two["results"]["kjv_choice"]["acc,none"] == one["results"]["kjv_choice"]["acc,none"]
+
+
 def test_mistakes_are_refused_before_the_checkpoint_is_read(tasks, tmp_path, capsys, monkeypatch):
     missing = str(tmp_path / "no-run")
     assert main(["lm-eval", "--load", missing, "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2

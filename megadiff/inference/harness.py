@@ -57,6 +57,7 @@ from megadiff.parallel import init_process_group, rank_and_world, wait_for_ranks
 try:
     from lm_eval import simple_evaluate
     from lm_eval.api.model import TemplateLM
+    from lm_eval.api.task import Task
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.tasks import TaskManager, get_task_dict
     from lm_eval.utils import (
@@ -325,6 +326,28 @@ def request_generators(seed: int, requests) -> list[torch.Generator]:
     return generators
 
 
+@contextmanager
+def few_shot_examples_as_one_process_draws() -> Iterator[None]:
+    """lm-eval draws a task's few-shot examples from one seeded generator, a document after another, over
+    the documents a rank builds the requests of (its own TODO: "need to offset doc_id by rank"): under
+    torchrun a document was shown other examples than one process shows it, and scored otherwise. Here
+    every rank builds every document's requests, drawing as one process does, and keeps those of the
+    documents the harness gives it (every world-th from its rank on, by document id)."""
+    build = Task.build_all_requests
+
+    def built_as_one_process(task, *, rank: int = 0, world_size: int = 1, **kwargs) -> None:
+        build(task, rank=0, world_size=1, **kwargs)
+        task._instances = [instance for instance in task._instances if instance.doc_id % world_size == rank]
+        if not task._instances:  # as lm-eval refuses a rank without documents (it pads with none)
+            raise ValueError(f"{task.config.task}: rank {rank} of {world_size} has no documents to evaluate")
+
+    Task.build_all_requests = built_as_one_process
+    try:
+        yield
+    finally:
+        Task.build_all_requests = build
+
+
 def require_harness() -> None:
     if HARNESS_MISSING:
         raise MegadiffError("lm-evaluation-harness is not installed: pip install 'megadiff[eval]' (or lm_eval)")
@@ -481,12 +504,13 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
             "gen_kwargs": simple_parse_args_string(gen_kwargs) if gen_kwargs else None,
             # contexts begin with it (before, caches recorded none: they were answered without it)
             **({"text_start": list(model.tokenizer.text_start)} if model.tokenizer.text_start else {})})
-    results = simple_evaluate(model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template, seed=seed),
-                              tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                              log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache, gen_kwargs=gen_kwargs,
-                              apply_chat_template=apply_chat_template, system_instruction=system_instruction,
-                              fewshot_as_multiturn=fewshot_as_multiturn)
+    with few_shot_examples_as_one_process_draws():
+        results = simple_evaluate(
+            model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template, seed=seed), tasks=names,
+            num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples, random_seed=seed,
+            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache,
+            gen_kwargs=gen_kwargs, apply_chat_template=apply_chat_template, system_instruction=system_instruction,
+            fewshot_as_multiturn=fewshot_as_multiturn)
     if not reports():
         return 0
     console = command_console()
