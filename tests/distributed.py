@@ -17,16 +17,24 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megadiff.models.builder",
            "megadiff.training.engine"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port for a rendezvous that nothing else on the machine takes until the block ends. A port merely seen
+    free (bound to 0, then released) was free only then: another test's ranks, or any connection's ephemeral
+    port, could take it before rank 0's store bound it, and rank 0 failed with EADDRINUSE while the other ranks
+    waited on a stranger's socket until the test's timeout. Bound here with SO_REUSEADDR and never listening, it
+    is given to no other bind or connection, while a store (torch's TCPStore binds with SO_REUSEADDR too) may
+    still listen on it."""
+    with socket.socket() as reservation:
+        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reservation.bind(("127.0.0.1", 0))
+        yield reservation.getsockname()[1]
 
 
 def _rank_entry(rank: int, world_size: int, port: int, environ: dict, log_path: str, target: Callable,
@@ -58,8 +66,7 @@ def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0, 
     else:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+    with reserved_port() as port, tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         log_paths = [str(Path(logs) / f"rank{rank}.log") for rank in range(world_size)]
         procs = [ctx.Process(target=_rank_entry, args=(rank, world_size, port, dict(os.environ), log_paths[rank],
                                                        target, args))

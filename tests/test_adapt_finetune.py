@@ -24,7 +24,7 @@ from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.observability.metrics import read_metrics
-from tests.distributed import free_port, run_ranks, run_reporting_ranks
+from tests.distributed import reserved_port, run_ranks, run_reporting_ranks
 from tests.test_chat_data import CHATML
 from tests.wandb_log import exit_codes, logged_history_and_config
 
@@ -87,14 +87,15 @@ def _env(workspace: Path) -> dict:
 
 def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
     bin_dir = Path(sys.executable).parent
-    if launcher == "torchrun":
-        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "megadiff"]
-    else:
-        # its own port: the launcher's default, 29500, is every launcher's, and another test's run may hold it
-        command = [str(bin_dir / "deepspeed"), "--num_gpus=2", f"--master_port={free_port()}", "--no_local_rank",
-                   "--module", "megadiff"]
-    result = subprocess.run(command + ["adapt", str(workspace / "adapt.yaml"), *overrides], env=_env(workspace),
-                            capture_output=True, text=True, timeout=400, cwd=REPO)
+    with reserved_port() as port:
+        if launcher == "torchrun":
+            command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "megadiff"]
+        else:
+            # its own port: the launcher's default, 29500, is every launcher's, and another test's run may hold it
+            command = [str(bin_dir / "deepspeed"), "--num_gpus=2", f"--master_port={port}", "--no_local_rank",
+                       "--module", "megadiff"]
+        result = subprocess.run(command + ["adapt", str(workspace / "adapt.yaml"), *overrides], env=_env(workspace),
+                                capture_output=True, text=True, timeout=400, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 

@@ -16,7 +16,7 @@ import pytest
 
 from megadiff.checkpoint.format import CHECKPOINTS_DIR
 from megadiff.observability.metrics import read_metrics
-from tests.distributed import free_port
+from tests.distributed import reserved_port
 from tests.pretrain_runs import DEMO_CONFIG, losses
 from tests.slurm_launch_runs import (ITERS, LAUNCH, data_cache, finish, launch, launch_environment, reference_losses,
                                      run_overrides, single_node_run)
@@ -54,22 +54,24 @@ def test_two_node_launch_preempted_on_one_node_resumes_the_single_node_curve(tmp
     output_dir = tmp_path / "run"
     args = [str(DEMO_CONFIG), *run_overrides(small_tokenizer_dir, data_cache(tmp_path_factory), output_dir)]
 
-    def start_nodes() -> list[subprocess.Popen]:
-        env = launch_environment(NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    def start_nodes(port: int) -> list[subprocess.Popen]:
+        env = launch_environment(NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         return [launch("pretrain_multi_node.sh", args, {**env, "NODE_RANK": str(rank)}) for rank in (1, 0)]
 
-    node1, node0 = start_nodes()
-    _wait_for_iterations(output_dir, 2, [node0, node1])
-    node1.send_signal(signal.SIGUSR1)  # torchrun of node 1 only: it forwards to its worker, the ranks agree
-    outputs = [finish(node, expect=1) for node in (node0, node1)]  # torchrun exits 1 when a worker exits 75
+    with reserved_port() as port:
+        node1, node0 = start_nodes(port)
+        _wait_for_iterations(output_dir, 2, [node0, node1])
+        node1.send_signal(signal.SIGUSR1)  # torchrun of node 1 only: it forwards to its worker, the ranks agree
+        outputs = [finish(node, expect=1) for node in (node0, node1)]  # torchrun exits 1 when a worker exits 75
     stopped = int((output_dir / CHECKPOINTS_DIR / LATEST).read_text())
     assert 2 <= stopped < ITERS, f"stopped at iteration {stopped}"
     # rank 0 (node 0) never saw the signal itself: it stops because the ranks agree
     assert re.search(rf"on another rank received: checkpointing at iteration {stopped}\b", outputs[0])
 
-    node1, node0 = start_nodes()
-    output = finish(node0)
-    finish(node1)
+    with reserved_port() as port:
+        node1, node0 = start_nodes(port)
+        output = finish(node0)
+        finish(node1)
     assert re.search(rf"resumed from \S+ at iteration {stopped}\b", output)
     assert losses(output_dir) == reference
 
