@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -13,12 +12,6 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megadiff.config import ConfigError, ParallelConfig
 from megadiff.parallel import cpu_mode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_process_group(timeout: timedelta) -> None:
@@ -31,8 +24,9 @@ def init_process_group(timeout: timedelta) -> None:
     if "RANK" in os.environ:  # torchrun, Slurm tasks, spawned test ranks
         dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python` run: a group of one, leaving the environment of child processes alone
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                timeout=timeout)
+        # an in-process store, not a TCP one on a port seen free a moment before: another program could take
+        # that port in between, and the run failed at its start with EADDRINUSE
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def local_device() -> int:
