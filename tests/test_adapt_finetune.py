@@ -888,7 +888,7 @@ def test_a_second_adaptation_on_a_directory_in_use_is_refused(workspace, tmp_pat
     from tests.conftest import lock_held_elsewhere
 
     run = tmp_path / "run"
-    # the adaptation's world of one sets MASTER_PORT and RANK in this process (tests/conftest.py)
+    # the adaptation's world of one sets RANK and WORLD_SIZE in this process (tests/conftest.py)
     with lock_held_elsewhere(run / RUN_LOCK) as pid, mock.patch.dict(os.environ):
         assert main(["adapt", str(workspace / "adapt.yaml"), f"output_dir={run}"]) == 2
     refusal = capsys.readouterr().err

@@ -115,12 +115,9 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     import deepspeed
     import torch.distributed as dist
 
+    without_launcher = "MASTER_PORT" not in os.environ
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
-    if "MASTER_PORT" not in os.environ:
-        from torch.distributed.elastic.utils.distributed import get_free_port
-
-        os.environ["MASTER_PORT"] = str(get_free_port())
     skip_cpu_shm_comm_build()
     from deepspeed.accelerator import get_accelerator
 
@@ -128,8 +125,20 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
         # before any collective or zero.Init: each local rank owns its own device (modulo: where
         # Slurm binds one GPU to each task, that GPU is device 0 whatever the local rank)
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]) % get_accelerator().device_count())
-    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if without_launcher and not dist.is_initialized():
+        _form_world_of_one(get_accelerator().communication_backend_name(), timeout)
+    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timeout)  # adopts a group formed already
     return dist.get_rank(), dist.get_world_size()
+
+
+def _form_world_of_one(backend: str, timeout: timedelta) -> None:
+    """A process group of one on an in-process store. Not a TCP store on a port seen free a moment before (torch's
+    get_free_port): another program could take that port in between, and the run failed at its start with
+    EADDRINUSE."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def device() -> torch.device:
