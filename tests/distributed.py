@@ -23,17 +23,27 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.
            "megadiff.training.engine"]
 
 
+def reserve(port: int = 0) -> socket.socket:
+    """A socket holding `port` (0: one the kernel picks) for a rendezvous, so that nothing else on the machine
+    takes it until the socket closes. A port merely seen free (bound, then released) was free only then:
+    another test's ranks, or any connection's ephemeral port, could take it before rank 0's store bound it, and
+    rank 0 failed with EADDRINUSE while the other ranks waited on a stranger's socket until the test's timeout.
+    Bound with SO_REUSEADDR and never listening, it is given to no other bind or connection, while a server that
+    binds with SO_REUSEADDR too (torch's TCPStore, Slurm's daemons) may still listen on it."""
+    reservation = socket.socket()
+    try:
+        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reservation.bind(("127.0.0.1", port))
+    except OSError:
+        reservation.close()
+        raise
+    return reservation
+
+
 @contextlib.contextmanager
 def reserved_port() -> Iterator[int]:
-    """A port for a rendezvous that nothing else on the machine takes until the block ends. A port merely seen
-    free (bound to 0, then released) was free only then: another test's ranks, or any connection's ephemeral
-    port, could take it before rank 0's store bound it, and rank 0 failed with EADDRINUSE while the other ranks
-    waited on a stranger's socket until the test's timeout. Bound here with SO_REUSEADDR and never listening, it
-    is given to no other bind or connection, while a store (torch's TCPStore binds with SO_REUSEADDR too) may
-    still listen on it."""
-    with socket.socket() as reservation:
-        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        reservation.bind(("127.0.0.1", 0))
+    """A port for a rendezvous, held (`reserve`) until the block ends."""
+    with reserve() as reservation:
         yield reservation.getsockname()[1]
 
 

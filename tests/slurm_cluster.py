@@ -8,7 +8,9 @@ into a skip; what Slurm does with a job once it runs is the test's business.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import reserve
+
 NODES = ("megadiff-n1", "megadiff-n2")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
@@ -29,6 +33,11 @@ HOSTS_MARK = "# megadiff test Slurm cluster"
 # (slurm.conf: "AuthInfo ... cred_expire: this also controls how long a requeued job must wait
 # before starting again", default 120 s). A few seconds are plenty on one machine.
 CRED_EXPIRE_S = 5
+# slurm/job.sh gives a job's rendezvous the port 10000 + its id % 20000, and a fresh cluster's job ids start at
+# 1: two test runs on one machine met on 10001. Each cluster holds a block of ports while it runs, its daemons'
+# first, then one for each job a test session submits, and numbers its jobs into that block.
+JOB_PORT_BASE, JOB_PORT_SPAN = 10000, 20000
+PORTS_HELD = 32
 
 
 class SlurmUnavailable(RuntimeError):
@@ -57,18 +66,23 @@ def ensure_installed() -> None:
         raise SlurmUnavailable(f"installed {PACKAGES} but some of {BINARIES} are still missing")
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def reserved_port_block(count: int, low: int, high: int) -> tuple[int, contextlib.ExitStack]:
+    """The first of `count` consecutive ports within [low, high), each held (tests.distributed.reserve) until the
+    stack closes: a block somewhere else where another program (another test run's cluster, its jobs) holds one."""
+    for _ in range(100):
+        start = random.randrange(low, high - count + 1)
+        held = contextlib.ExitStack()
+        try:
+            for port in range(start, start + count):
+                held.enter_context(reserve(port))
+        except OSError:
+            held.close()
+            continue
+        return start, held
+    raise SlurmUnavailable(f"found no {count} consecutive free ports within [{low}, {high})")
 
 
-def _resolves(name: str) -> bool:
+def resolves(name: str) -> bool:
     try:
         socket.gethostbyname(name)
         return True
@@ -84,7 +98,7 @@ class NodeNames:
         self.added = False
 
     def __enter__(self):
-        if not all(_resolves(n) for n in self.names):
+        if not all(resolves(n) for n in self.names):
             if os.geteuid() != 0:
                 raise SlurmUnavailable(f"the node names {self.names} do not resolve and /etc/hosts is not writable")
             with HOSTS_FILE.open("a") as hosts:  # in place: /etc/hosts may be a bind mount
@@ -98,13 +112,14 @@ class NodeNames:
             HOSTS_FILE.write_text("".join(kept))
 
 
-def slurm_conf(root: Path, ctld_port: int, node_ports: list[int], munge_socket: Path) -> str:
+def slurm_conf(root: Path, ctld_port: int, node_ports: list[int], first_job_id: int, munge_socket: Path) -> str:
     host = socket.gethostname()
     cpus = os.cpu_count() or 1
     nodes = "\n".join(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
                       "RealMemory=1000 State=UNKNOWN" for name, port in zip(NODES, node_ports))
     return f"""\
 ClusterName=megadiff-test
+FirstJobId={first_job_id}
 SlurmctldHost={host}
 SlurmctldPort={ctld_port}
 SlurmUser=root
@@ -144,6 +159,7 @@ class SlurmCluster:
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.daemons: list[subprocess.Popen] = []
         self.munged_pid: int | None = None
+        self.ports = contextlib.ExitStack()
 
     def _start_munge(self) -> None:
         munge = self.munge_socket.parent
@@ -166,10 +182,12 @@ class SlurmCluster:
 
     def start(self, timeout: float = 60) -> None:
         self._start_munge()
-        ctld_port, *node_ports = _free_ports(1 + len(NODES))
+        first_port, self.ports = reserved_port_block(PORTS_HELD, JOB_PORT_BASE + 1, JOB_PORT_BASE + JOB_PORT_SPAN)
+        ctld_port, *node_ports = range(first_port, first_port + 1 + len(NODES))
+        first_job_id = node_ports[-1] + 1 - JOB_PORT_BASE
         for sub in ("state", *(f"spool/{node}" for node in NODES)):
             (self.root / sub).mkdir(parents=True)
-        self.conf.write_text(slurm_conf(self.root, ctld_port, node_ports, self.munge_socket))
+        self.conf.write_text(slurm_conf(self.root, ctld_port, node_ports, first_job_id, self.munge_socket))
         self._daemon(["slurmctld", "-D"], "slurmctld.out")
         for node in NODES:
             self._daemon(["slurmd", "-D", "-N", node], f"slurmd-{node}.out")
@@ -243,6 +261,7 @@ class SlurmCluster:
                 os.kill(self.munged_pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        self.ports.close()
 
 
 @pytest.fixture(scope="session")

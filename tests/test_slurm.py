@@ -8,8 +8,10 @@ checkpoint and finish with exactly the uninterrupted single-node run's loss curv
 """
 from __future__ import annotations
 
+import errno
 import json
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,15 @@ def test_an_array_job_shares_the_files_and_a_dependent_job_merges(slurm_cluster,
     assert "--part 0/2 of" in text and "--part 1/2 of" in text, text[-5000:]
     for ext in (".bin", ".idx"):
         assert Path(f"{tmp_path / 'slurm' / 'kjv'}{ext}").read_bytes() == Path(f"{reference}{ext}").read_bytes()
+
+
+def test_a_job_s_rendezvous_port_is_held_for_it(slurm_cluster, tmp_path):  # noqa: F811
+    """slurm/job.sh's rendezvous port, 10000 + the job id % 20000: the clusters of two test runs on one machine
+    both numbered their jobs from 1, and the second run's job failed at its start on 10001 (EADDRINUSE) which
+    the first's held. A program of another run that binds the port this cluster's job will use is refused."""
+    job = slurm_cluster.sbatch("--wrap=true", f"--output={tmp_path}/%j.out")
+    with socket.socket() as another_run:
+        with pytest.raises(OSError) as refused:
+            another_run.bind(("127.0.0.1", 10000 + int(job) % 20000))
+    assert refused.value.errno == errno.EADDRINUSE
+
