@@ -9,6 +9,7 @@ into a skip; what Slurm does with a job once it runs is the test's business.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import re
@@ -91,25 +92,37 @@ def resolves(name: str) -> bool:
 
 
 class NodeNames:
-    """Job scripts take MASTER_ADDR from the node list, so the emulated node names must resolve."""
+    """Job scripts take MASTER_ADDR from the node list, so the emulated node names must resolve.
+
+    Every cluster on the machine (another test run's too) holds a shared lock on the hosts file while it runs,
+    and the last one to stop removes the names: the one that added them removed them while another run's
+    cluster still ran, whose jobs then could not resolve their MASTER_ADDR."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names
-        self.added = False
+        self.lock = None
 
     def __enter__(self):
+        self.lock = HOSTS_FILE.open()
+        fcntl.flock(self.lock, fcntl.LOCK_SH)
         if not all(resolves(n) for n in self.names):
             if os.geteuid() != 0:
+                self.lock.close()
                 raise SlurmUnavailable(f"the node names {self.names} do not resolve and /etc/hosts is not writable")
             with HOSTS_FILE.open("a") as hosts:  # in place: /etc/hosts may be a bind mount
                 hosts.write(f"127.0.0.1 {' '.join(self.names)} {HOSTS_MARK}\n")
-            self.added = True
         return self
 
     def __exit__(self, *exc):
-        if self.added:
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another cluster still runs: its jobs resolve the names
+            return
+        else:
             kept = [line for line in HOSTS_FILE.read_text().splitlines(keepends=True) if HOSTS_MARK not in line]
             HOSTS_FILE.write_text("".join(kept))
+        finally:
+            self.lock.close()
 
 
 def slurm_conf(root: Path, ctld_port: int, node_ports: list[int], first_job_id: int, munge_socket: Path) -> str:

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import socket
 from pathlib import Path
 
 import pytest
 
+import tests.slurm_cluster as slurm_cluster_module
 from megadiff.config import load_config
 from megadiff.data.prepare import prepare
 from megadiff.observability.metrics import read_metrics
 from tests.conftest import kjv_verses
 from tests.pretrain_runs import DEMO_CONFIG, ROOT, losses
-from tests.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
+from tests.slurm_cluster import NodeNames, resolves, slurm_cluster  # noqa: F401  (the fixture)
 from tests.slurm_launch_runs import ITERS, SLURM, data_cache, launch_environment, reference_losses, run_overrides
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
@@ -142,3 +144,22 @@ def test_a_job_s_rendezvous_port_is_held_for_it(slurm_cluster, tmp_path):  # noq
             another_run.bind(("127.0.0.1", 10000 + int(job) % 20000))
     assert refused.value.errno == errno.EADDRINUSE
 
+
+def test_a_cluster_stopping_leaves_the_node_names_to_another_still_running(monkeypatch):
+    """Two test runs' clusters on one machine: the first adds the node names to /etc/hosts, the second finds them
+    there; the first stops, and the second's jobs must still resolve them."""
+    if os.geteuid() != 0:
+        pytest.skip("writing /etc/hosts needs root")
+    names = tuple(f"megadiff-names-test-{os.getpid()}-{node}" for node in (1, 2))
+    mark = f"# megadiff test of NodeNames {os.getpid()}"
+    monkeypatch.setattr(slurm_cluster_module, "HOSTS_MARK", mark)  # no other cluster's line touched
+    first, second = NodeNames(names), NodeNames(names)
+    try:
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert all(resolves(name) for name in names), "the second cluster's node names no longer resolve"
+        second.__exit__(None, None, None)
+    finally:
+        lines = slurm_cluster_module.HOSTS_FILE.read_text().splitlines(keepends=True)
+        slurm_cluster_module.HOSTS_FILE.write_text("".join(line for line in lines if mark not in line))
