@@ -41,9 +41,14 @@ export MASTER_PORT=${MASTER_PORT:-$(( 10000 + SLURM_JOB_ID % 20000 ))}
 export NNODES=$SLURM_JOB_NUM_NODES
 unset NODE_RANK
 # Rank 0 (on this first node) leaves this file when it stops for preemption: through torchrun, the
-# step's exit code is torchrun's own (1 when a worker exits otherwise than 0), not 75
-export MEGADIFF_REQUEUE_MARKER="${TMPDIR:-/tmp}/megadiff-requeue-${SLURM_JOB_ID}"
-rm -f "$MEGADIFF_REQUEUE_MARKER"
+# step's exit code is torchrun's own (1 when a worker exits otherwise than 0), not 75. It lies in a new
+# directory of this run's alone (mode 700): a fixed name in /tmp is one anyone on the node can make
+# first, which this job could not remove, and every failure would be requeued on it.
+if ! _megadiff_marker_dir=$(mktemp -d "${TMPDIR:-/tmp}/megadiff-requeue-${SLURM_JOB_ID}.XXXXXX"); then
+    echo "cannot make a directory in ${TMPDIR:-/tmp} for the requeue marker (set TMPDIR to a writable one)" >&2
+    exit 2
+fi
+export MEGADIFF_REQUEUE_MARKER="$_megadiff_marker_dir/marker"
 # Requeues in a row after which no checkpoint had been committed: kept across restarts (which may run
 # on other nodes) beside the job's log, in the directory it was submitted from
 UNCOMMITTED_REQUEUES="${SLURM_SUBMIT_DIR:-.}/.megadiff-uncommitted-requeues-${SLURM_JOB_ID}"
@@ -97,6 +102,7 @@ run_step_requeue_on_preemption() {
     # in a row at most, so that a save failing every time does not requeue the job for ever
     local committed=$(( status == REQUEUE_EXIT_CODE )) uncommitted=0
     [[ -e $MEGADIFF_REQUEUE_MARKER ]] && committed=1
+    rm -rf "$_megadiff_marker_dir"
     [[ -e $UNCOMMITTED_REQUEUES ]] && uncommitted=$(< "$UNCOMMITTED_REQUEUES")
     if (( !_megadiff_terminated && committed )); then
         rm -f "$UNCOMMITTED_REQUEUES"

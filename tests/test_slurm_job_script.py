@@ -146,3 +146,23 @@ def test_the_rendezvous_port_comes_from_the_job_id_unless_the_submitting_shell_s
     proc = subprocess.run(["bash", "-c", f"source {ROOT / 'slurm/job.sh'} config.yaml"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert rendezvous in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_requeue_marker_name_someone_else_made_first_in_tmp_does_not_requeue_a_failed_step(tmp_path):
+    """$TMPDIR/megadiff-requeue-<job id> is a name anyone on the node can make first, and one this job cannot
+    remove (another user's file in /tmp, or a directory): a step failing without any preemption was then
+    requeued, and again on every restart."""
+    (tmp_path / "megadiff-requeue-4242" / "anything").mkdir(parents=True)
+    returncode, output, calls = _run_step(tmp_path, "exit 3", None)
+    assert returncode == 3 and "scontrol requeue" not in calls, output
+
+
+def test_the_requeue_marker_lies_in_a_directory_of_the_job_s_own_removed_once_read(tmp_path):
+    """Rank 0 leaves the marker under torchrun (whose exit code is its own): the job is requeued on it."""
+    step = (f'stat -c %a "$(dirname "$MEGADIFF_REQUEUE_MARKER")" > {tmp_path / "mode"}; '
+            f'echo "$MEGADIFF_REQUEUE_MARKER" > {tmp_path / "marker"}; touch "$MEGADIFF_REQUEUE_MARKER"; exit 1')
+    returncode, output, calls = _run_step(tmp_path, step, None)
+    assert returncode == 0 and "scontrol requeue 4242" in calls, output
+    assert (tmp_path / "mode").read_text().strip() == "700"
+    marker = Path((tmp_path / "marker").read_text().strip())
+    assert marker.parent.parent == tmp_path and not marker.parent.exists()
