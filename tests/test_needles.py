@@ -189,6 +189,22 @@ def test_lengths_the_cases_cannot_fit_are_refused_before_the_weights_are_read(ru
         assert re.search(refusal, capsys.readouterr().err)
 
 
+def test_a_bundled_corpus_found_prepared_is_said_once(runs, tmp_path, capsys):
+    """The cases' check before the weights are read prepares the haystack's bundled corpus: the command then
+    prepared it again, printing that it was up to date twice."""
+    from megadiff.data.prepare import prepare
+
+    data = ["data.sources=[]", "data.bundled_corpus=kjv", f"data.prefix={tmp_path / 'kjv'}"]
+    cfg = evaluation_config(load_checkpoint(runs["diff"]).cfg, None, data)
+    prepare(cfg.data)
+    capsys.readouterr()
+    prepare(cfg.data)  # what finding it prepared says
+    up_to_date = capsys.readouterr().out
+    assert main(["needles", "--load", str(runs["diff"]), "--lengths", "160", "--depths", "0", "--trials", "1",
+                 *data]) == 0
+    assert capsys.readouterr().out.count(up_to_date) == 1
+
+
 def test_an_exported_model_retrieves_as_its_checkpoint(runs, tmp_path, capsys, monkeypatch):
     """--hf on the DIFF run's Hugging Face export (stock DiffLlama, run by transformers), the haystack
     named by data.* overrides: the answer positions' logits are the checkpoint's, so are the one-pass

@@ -277,8 +277,8 @@ def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float
         _check_cases_fit(load, hf, window, split, overrides, grid)
     model = load_model(load, hf, dtype, window)  # under torchrun it joins the ranks' process group
     console = command_console()
+    # prepared by _check_cases_fit, load_model refusing all else: once more would say it is up to date twice
     cfg = evaluation_config(model.cfg, None, overrides)
-    ensure_prepared(cfg)
     with command_progress("needles") as progress:
         task = ProgressTask(progress, f"{len(lengths)} lengths x {len(depths)} depths x {trials} trials",
                             share_size(len(lengths) * len(depths) * trials))
