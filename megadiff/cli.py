@@ -365,10 +365,30 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+SIGPIPE_EXIT_CODE = 141  # the shell's code for a command SIGPIPE ended
+TRAINING_COMMANDS = ("pretrain", "adapt")
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_library_warnings()
     args = parse_arguments(argv)
+    from megadiff.console import when_the_reader_goes
+    with when_the_reader_goes(_when_the_reader_goes(args)):
+        return _run(args)
+
+
+def _when_the_reader_goes(args: argparse.Namespace) -> str:
+    """What the command does once the reader of its output went away (megadiff.console's _reader_gone)."""
+    from megadiff.console import ENDS, FINISHES, GOES_ON
+    if args.command in TRAINING_COMMANDS:
+        return GOES_ON
+    return FINISHES if getattr(args, "output", None) else ENDS
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command `args` names, its errors said in a line each (with the exit code they give)."""
     from megadiff.config import ConfigError
+    from megadiff.console import OutputReaderGone, output_reader_went_away, silence_standard_output
     from megadiff.errors import MegadiffError
     try:
         if getattr(args, "hf", None) is not None:  # before transformers can run any of its code
@@ -383,13 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the user knows where; a traceback into torch or transformers says nothing
         print(f"megadiff {args.command}: interrupted", file=sys.stderr)
         return 130  # the shell's code for a command SIGINT ended
-    except BrokenPipeError:
-        if not _stdout_reader_gone():
+    except BrokenPipeError as err:
+        if not isinstance(err, OutputReaderGone) and not _stdout_reader_gone():
             raise
-        # its reader went away (`generate ... | head`): what it printed was all that was wanted; and the
-        # interpreter's last flush of standard output, failing again, would print a traceback of its own
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # the shell's code for a command SIGPIPE ended
+        # its reader went away (`generate ... | head`): what it printed was all that was wanted
+        silence_standard_output()
+        return SIGPIPE_EXIT_CODE
     except OSError as err:
         if err.errno not in STORAGE_ERRORS:  # anything else is a bug, whose traceback says where
             raise
@@ -397,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {err.filename}{_named_by(err.filename)}" if err.filename else " (writing its output)"
         print(f"megadiff {args.command}: {err.strerror}{where}", file=sys.stderr)
         return 3
+    if output_reader_went_away():  # a report file, or the other ranks' work, finished first
+        return SIGPIPE_EXIT_CODE
     return result if isinstance(result, int) else 0
 
 

@@ -1,22 +1,71 @@
 """The console megadiff's commands print to."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Iterator
 
 from rich.console import Console
+
+# What the running command does once the reader of its standard output went away (`megadiff needles ... | head`),
+# which the CLI sets for each command: a training run goes on, logging to its files, and says so (the default,
+# also for in-process callers); a command writing a report file finishes it (the hours of work it holds), printing
+# nothing more; any other ends there, as other Unix tools do. Either then exits with SIGPIPE's code.
+GOES_ON, FINISHES, ENDS = "goes on", "finishes", "ends"
+_reader_gone = {"command": GOES_ON, "went": False}
+
+
+class OutputReaderGone(BrokenPipeError):
+    """Standard output's reader went away, and the command printing to it ends (the CLI exits 141 quietly)."""
+
+
+@contextlib.contextmanager
+def when_the_reader_goes(command: str) -> Iterator[None]:
+    """While the CLI runs a command: what it does once its reader went away (GOES_ON, FINISHES or ENDS)."""
+    _reader_gone.update(command=command, went=False)
+    try:
+        yield
+    finally:
+        _reader_gone.update(command=GOES_ON, went=False)
+
+
+def output_reader_went_away() -> bool:
+    """Whether a command that FINISHES (or ENDS, on one of several ranks) lost the reader of its output."""
+    return _reader_gone["went"]
+
+
+def silence_standard_output(file=None) -> None:
+    """Point standard output (or `file`) at /dev/null: the interpreter's last flush, failing again, would print
+    a traceback of its own (the Python docs' note on SIGPIPE)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), (file or sys.stdout).fileno())
+
+
+def _one_of_several_ranks() -> bool:
+    """Under torchrun or srun (WORLD_SIZE is set before any process group forms)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 class _PlainConsole(Console):
     def on_broken_pipe(self) -> None:
-        """Its reader went away (`megadiff pretrain ... | head`): the printing ends, not the command, as rich's
-        own ending does (exit code 1, mid-run, nothing said): a training run goes on, logging to its files."""
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+        """Its reader went away: nothing more is printed, and the command goes on, finishes or ends (see
+        _reader_gone), not as rich's own ending (exit code 1, mid-run, nothing said). One rank ending alone would
+        leave the others waiting for it in their next collective: it finishes instead."""
+        silence_standard_output(self.file)
         self.quiet = True
-        try:
-            print("megadiff: its output's reader went away: going on without printing", file=sys.stderr, flush=True)
-        except OSError:  # standard error gone as well
-            pass
+        if _reader_gone["command"] == GOES_ON:
+            _say_going_on()
+            return
+        _reader_gone["went"] = True
+        if _reader_gone["command"] == ENDS and not _one_of_several_ranks():
+            raise OutputReaderGone
+
+
+def _say_going_on() -> None:
+    try:
+        print("megadiff: its output's reader went away: going on without printing", file=sys.stderr, flush=True)
+    except OSError:  # standard error gone as well
+        pass
 
 
 def plain_console(**options) -> Console:

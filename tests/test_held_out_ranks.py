@@ -4,6 +4,9 @@ the progress."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -89,3 +92,54 @@ def test_two_ranks_share_the_work_and_report_what_one_process_reports(run, tmp_p
         assert title in rank0 and title not in rank1, title
     # and a progress bar for each command, with the rate of both ranks
     assert "needles 2 lengths x 2 depths x 2 trials" in rank0 and rank0.count("tokens/s") >= 3
+
+
+def _needles(run_dir, data_dir: Path, *extra: str) -> list[str]:
+    """needles on the bundled corpus, whose "up to date" line comes before the weights are read."""
+    bundled = ["data.sources=[]", "data.bundled_corpus=kjv", f"data.prefix={data_dir / 'kjv'}"]
+    return ["needles", "--load", str(run_dir), "--lengths", "160", "--depths", "0", "1", "--trials", "2", *extra,
+            *bundled]
+
+
+def _printing_to_a_pipe_without_reader(command: list[str]) -> subprocess.CompletedProcess:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head` that has read what it wanted
+    try:
+        return subprocess.run([sys.executable, "-m", "megadiff", *command], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    finally:
+        os.close(write_end)
+
+
+def test_a_command_whose_reader_went_away_stops_quietly_with_sigpipe_s_code(run, tmp_path):
+    """`megadiff needles ... | head`: it said so on stderr and went on computing every case, to exit 0. Now it
+    stops at its first line unprinted, before any case is scored, as other Unix tools do (exit code 141)."""
+    stopped = _printing_to_a_pipe_without_reader(_needles(run, tmp_path))
+    assert stopped.returncode == 141, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "going on" not in stopped.stderr, stopped.stderr[-3000:]
+    assert "tokens/s" not in stopped.stderr  # no progress bar: no case was scored
+
+
+def test_a_command_whose_reader_went_away_still_writes_its_report_file(run, tmp_path):
+    """With --output the hours of work are kept: the command finishes writing the file, what an uninterrupted
+    run writes, then exits as a stopped one."""
+    finished = _printing_to_a_pipe_without_reader(_needles(run, tmp_path, "--output", str(tmp_path / "cut.json")))
+    assert finished.returncode == 141 and "Traceback" not in finished.stderr, finished.stderr[-3000:]
+    assert main(_needles(run, tmp_path, "--output", str(tmp_path / "whole.json"))) == 0
+    assert json.loads((tmp_path / "cut.json").read_text()) == json.loads((tmp_path / "whole.json").read_text())
+
+
+def _needles_with_rank_0_s_reader_gone(rank: int, world_size: int, run_dir: str, out_dir: str) -> None:
+    if rank == 0:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        os.dup2(write_end, sys.stdout.fileno())
+    code = main(_needles(run_dir, Path(out_dir)))
+    Path(out_dir, f"code{rank}").write_text(str(code))
+
+
+def test_two_ranks_finish_together_when_rank_0_s_reader_went_away(run, tmp_path):
+    """Rank 0 stopping alone would leave the other waiting for it in a collective (here its process group's
+    forming): it finishes, printing nothing, and exits 141; rank 1 exits 0."""
+    run_ranks(2, _needles_with_rank_0_s_reader_gone, str(run), str(tmp_path), timeout=300)
+    assert [(tmp_path / f"code{rank}").read_text() for rank in range(2)] == ["141", "0"]
