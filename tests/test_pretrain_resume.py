@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, checkpoint_config, latest_checkpoint, read_latest_iteration
 from megadiff.checkpoint.training_checkpoint import read_train_state
 from megadiff.data.manifest import tokenizer_identity
 from megadiff.observability.metrics import read_metrics
 from megadiff.observability.wandb_sink import RUN_ID_FILE
-from tests.pretrain_runs import losses, run_pretrain_in_ranks, tiny_overrides
+from tests.pretrain_runs import (
+    DEMO_CONFIG, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
+)
 from tests.wandb_log import logged_history_and_config
 
 ITERS = 6
@@ -247,6 +250,20 @@ def test_a_continued_run_names_what_of_its_data_order_changed(monkeypatch):
     assert start.data_changes == ["data.blend: [] -> [0.5, 'web', 0.5, 'books']", "train.seed: 1 -> 2"]
 
 
+def test_a_data_prefix_given_from_the_working_directory_or_whole_is_the_same_data(monkeypatch, tmp_path):
+    """A checkpoint's config read in another working directory gives its relative paths whole: the same files,
+    which a rerun's config spelled otherwise took for another data order (and drew its samples from the start)."""
+    from megadiff.config import build_config
+    from megadiff.training import state
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("ckpt"), True))
+    monkeypatch.setattr(state, "checkpoint_config", lambda path: build_config({}, ["data.prefix=data/web"]))
+    monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 3})
+    start = state.plan_start(build_config({}, [f"data.prefix={tmp_path / 'data' / 'web'}"]))
+    assert start.continues and start.data_changes == []
+
+
 def test_a_continued_run_refuses_another_tokenizer_and_takes_a_copy_of_its_own(monkeypatch, small_tokenizer_dir,
                                                                                tmp_path):
     """The embeddings' rows stand for the checkpoint's token ids: another tokenizer of the vocabulary's size
@@ -268,3 +285,31 @@ def test_training_state_of_a_newer_version_is_refused_by_name(monkeypatch):
 
     with pytest.raises(CheckpointError, match=r"does not know \(tokens_seen\): it was saved by a newer version"):
         _planned_from(monkeypatch, [], [], {"iteration": 3, "consumed_samples": 24, "tokens_seen": 7})
+
+
+def _pretrain_in(working_dir: Path, config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(pretrain_command(1, overrides, config), cwd=working_dir, env=environment(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_its_config_yaml_from_another_directory_continues_it(small_tokenizer_dir, tmp_path,
+                                                                               monkeypatch):
+    """A run's config.yaml keeps output_dir and data.cache_dir as typed, from the directory the run started in:
+    resumed with it from another (a Slurm job submitted elsewhere) it started a new run there, on the corpus
+    prepared again there; an evaluation of its checkpoint read the data there."""
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir()
+    elsewhere.mkdir()
+    relative = tiny_overrides(small_tokenizer_dir, Path("cache")) + [f"train.iters={ITERS}"]
+    _pretrain_in(started, DEMO_CONFIG, relative + ["output_dir=full"])
+    _pretrain_in(started, DEMO_CONFIG, relative + ["output_dir=part", f"train.exit_interval={STOP}"])
+    rerun = _pretrain_in(elsewhere, started / "part" / "config.yaml", ["train.exit_interval=null"])
+    assert "resumed from" in rerun.stdout, rerun.stdout[-3000:]
+    assert losses(started / "part") == losses(started / "full")  # every iteration, bit for bit
+    assert not list(elsewhere.iterdir())  # no run, no data there
+    monkeypatch.chdir(elsewhere)
+    saved = checkpoint_config(latest_checkpoint(started / "part" / CHECKPOINTS_DIR))
+    assert (saved.output_dir, saved.data.cache_dir) == (str(started / "part"), str(started / "cache"))

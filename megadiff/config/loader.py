@@ -7,6 +7,7 @@ directory of the file that sets it.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -34,6 +35,14 @@ YAML12_FLOAT = re.compile(r"""^(?:
     |\.(?:nan|NaN|NAN))$""", re.X)
 # The first line of the configs megadiff writes: they are read as ConfigFileLoader reads (see read_saved_config)
 SAVED_HEADER = "# megadiff: a resolved config (read with YAML 1.2 numbers)\n"
+# Its second line: the working directory of the run that wrote it, which its relative paths (as the user typed
+# them) are from. Read from another one (a Slurm job submitted elsewhere, a checkpoint copied), they named other
+# files or none: a resume with the run's config.yaml started a new run there, an evaluation read other data.
+WORKING_DIR_NOTE = "# megadiff: relative paths are from the working directory "
+# the path settings of a saved config; the ones that may also be a name (a packaged tokenizer, a Hub model) are
+# taken as paths where the file is there
+SAVED_PATH_KEYS = ("output_dir", "data.prefix", "data.sources", "data.blend", "data.cache_dir", "checkpoint.load")
+SAVED_PATH_OR_NAME_KEYS = ("data.tokenizer", "deepspeed")
 # Keys naming a file shipped beside the config that sets them (configs/adapt/ -> ../deepspeed/zero2.json)
 FILE_RELATIVE_KEYS = ("deepspeed", "data.chat_template")
 
@@ -133,12 +142,18 @@ def anchor_relative_paths(data: dict, directory: Path) -> None:
     """Point the FILE_RELATIVE_KEYS paths that `data` sets at files beside it, before inheritance merges
     files from other directories (in place)."""
     for dotted in FILE_RELATIVE_KEYS:
-        *parents, name = dotted.split(".")
-        section = data
-        for parent in parents:
-            section = section.get(parent) if isinstance(section, dict) else None
+        section, name = _section_of(data, dotted)
         if isinstance(section, dict) and isinstance(section.get(name), str):
             section[name] = file_relative(section[name], directory)
+
+
+def _section_of(data: dict, dotted: str) -> tuple[dict | None, str]:
+    """(the mapping holding the dotted key in `data`, or None if there is none; the key's last name)."""
+    *parents, name = dotted.split(".")
+    section = data
+    for parent in parents:
+        section = section.get(parent) if isinstance(section, dict) else None
+    return section, name
 
 
 def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -152,6 +167,7 @@ def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"config file not found: {path}")
     data = read_yaml_file(path)
     anchor_relative_paths(data, path.parent)
+    anchor_saved_paths(data, path)  # a run's config.yaml, resumed from elsewhere
     base = data.pop("base", None)
     if base is None:
         return data
@@ -272,7 +288,40 @@ def config_yaml(tree: dict) -> str:
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(SAVED_HEADER + config_yaml(cfg.model_dump(mode="json")))
+    note = WORKING_DIR_NOTE + json.dumps(os.getcwd()) + "\n"
+    Path(path).write_text(SAVED_HEADER + note + config_yaml(cfg.model_dump(mode="json")))
+
+
+def saved_working_dir(path: Path) -> str | None:
+    """The working directory a saved config's note names (None: a config of a user's, or saved before notes)."""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        if file.readline() != SAVED_HEADER:
+            return None
+        note = file.readline()
+    return json.loads(note[len(WORKING_DIR_NOTE):]) if note.startswith(WORKING_DIR_NOTE) else None
+
+
+def _from_working_dir(value, working_dir: str, only_existing: bool):
+    """A relative path setting's value (a string, or a list's strings) as a path from `working_dir`."""
+    if isinstance(value, list):
+        return [_from_working_dir(item, working_dir, only_existing) for item in value]
+    if not isinstance(value, str) or not value or os.path.isabs(value):
+        return value
+    anchored = os.path.normpath(os.path.join(working_dir, value))
+    return value if only_existing and not os.path.exists(anchored) else anchored
+
+
+def anchor_saved_paths(data: dict, path: Path) -> None:
+    """Point a saved config's relative paths at what they named where its run ran (in place); read there, they
+    stay as written."""
+    working_dir = saved_working_dir(path)
+    if working_dir is None or os.path.realpath(working_dir) == os.path.realpath(os.getcwd()):
+        return
+    for keys, only_existing in ((SAVED_PATH_KEYS, False), (SAVED_PATH_OR_NAME_KEYS, True)):
+        for dotted in keys:
+            section, name = _section_of(data, dotted)
+            if isinstance(section, dict) and name in section:
+                section[name] = _from_working_dir(section[name], working_dir, only_existing)
 
 
 def read_saved_config(path: str | Path) -> dict:
@@ -285,6 +334,7 @@ def read_saved_config(path: str | Path) -> dict:
     except OSError as err:
         raise ConfigError(f"{path}: {err.strerror}") from None
     data = read_yaml_file(path, ConfigFileLoader if text.startswith(SAVED_HEADER) else yaml.SafeLoader)
+    anchor_saved_paths(data, path)
     if not isinstance(data.get("model"), dict):  # read as the schema's defaults, it described another model
         raise ConfigError(f"{path}: no model section: not a config megadiff wrote whole (emptied, or cut short by a "
                           "copy?)")

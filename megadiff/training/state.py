@@ -6,6 +6,7 @@ Rerunning a command continues from the latest checkpoint of its output_dir. With
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -166,9 +167,20 @@ def _check_known_state(saved: dict | None, where: Path) -> None:
                               "it was saved by a newer version; resume it with that version")
 
 
+def _as_compared(name: str, value):
+    """A setting as compared: the paths of data.prefix and data.blend absolute, as a checkpoint's config saved in
+    another working directory gives them, where the rerun's config may give them from its own."""
+    if name not in ("data.prefix", "data.blend"):
+        return value
+    if isinstance(value, list):
+        return [_as_compared(name, item) for item in value]
+    return os.path.abspath(value) if isinstance(value, str) and value else value
+
+
 def _changes(pairs: list[tuple[str, object, object]]) -> list[str]:
     """Each (name, before, now) that differs, as "name: before -> now"."""
-    return [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs if before != now]
+    return [f"{name}: {before!r} -> {now!r}" for name, before, now in pairs
+            if _as_compared(name, before) != _as_compared(name, now)]
 
 
 def training_data_digests(cfg: Config) -> dict[str, str]:
