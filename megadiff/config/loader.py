@@ -7,6 +7,7 @@ directory of the file that sets it.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -39,10 +40,9 @@ SAVED_HEADER = "# megadiff: a resolved config (read with YAML 1.2 numbers)\n"
 # them) are from. Read from another one (a Slurm job submitted elsewhere, a checkpoint copied), they named other
 # files or none: a resume with the run's config.yaml started a new run there, an evaluation read other data.
 WORKING_DIR_NOTE = "# megadiff: relative paths are from the working directory "
-# the path settings of a saved config; the ones that may also be a name (a packaged tokenizer, a Hub model) are
-# taken as paths where the file is there
-SAVED_PATH_KEYS = ("output_dir", "data.prefix", "data.sources", "data.blend", "data.cache_dir", "checkpoint.load")
-SAVED_PATH_OR_NAME_KEYS = ("data.tokenizer", "deepspeed")
+# the path settings of a saved config (some may be names too: a packaged tokenizer, a Hub dataset)
+SAVED_PATH_KEYS = ("output_dir", "data.prefix", "data.sources", "data.blend", "data.cache_dir", "checkpoint.load",
+                   "data.tokenizer", "deepspeed")
 # Keys naming a file shipped beside the config that sets them (configs/adapt/ -> ../deepspeed/zero2.json)
 FILE_RELATIVE_KEYS = ("deepspeed", "data.chat_template")
 
@@ -301,14 +301,21 @@ def saved_working_dir(path: Path) -> str | None:
     return json.loads(note[len(WORKING_DIR_NOTE):]) if note.startswith(WORKING_DIR_NOTE) else None
 
 
-def _from_working_dir(value, working_dir: str, only_existing: bool):
-    """A relative path setting's value (a string, or a list's strings) as a path from `working_dir`."""
+def _names_something(path: str) -> bool:
+    """Whether `path` names a file, a directory, or a data prefix's files (prefix.bin, prefix.idx)."""
+    return os.path.exists(path) or bool(glob.glob(glob.escape(path) + ".*"))
+
+
+def _from_working_dir(value, working_dir: str):
+    """A relative path setting's value (a string, or a list's strings) from `working_dir` where it names nothing
+    from here and something from there. Else as written: what a run copied elsewhere with its data (beside it
+    as before) names here, a name (a packaged tokenizer, a Hub dataset), a path of neither."""
     if isinstance(value, list):
-        return [_from_working_dir(item, working_dir, only_existing) for item in value]
-    if not isinstance(value, str) or not value or os.path.isabs(value):
+        return [_from_working_dir(item, working_dir) for item in value]
+    if not isinstance(value, str) or not value or os.path.isabs(value) or _names_something(value):
         return value
     anchored = os.path.normpath(os.path.join(working_dir, value))
-    return value if only_existing and not os.path.exists(anchored) else anchored
+    return anchored if _names_something(anchored) else value
 
 
 def anchor_saved_paths(data: dict, path: Path) -> None:
@@ -317,11 +324,10 @@ def anchor_saved_paths(data: dict, path: Path) -> None:
     working_dir = saved_working_dir(path)
     if working_dir is None or os.path.realpath(working_dir) == os.path.realpath(os.getcwd()):
         return
-    for keys, only_existing in ((SAVED_PATH_KEYS, False), (SAVED_PATH_OR_NAME_KEYS, True)):
-        for dotted in keys:
-            section, name = _section_of(data, dotted)
-            if isinstance(section, dict) and name in section:
-                section[name] = _from_working_dir(section[name], working_dir, only_existing)
+    for dotted in SAVED_PATH_KEYS:
+        section, name = _section_of(data, dotted)
+        if isinstance(section, dict) and name in section:
+            section[name] = _from_working_dir(section[name], working_dir)
 
 
 def read_saved_config(path: str | Path) -> dict:
