@@ -558,6 +558,63 @@ def test_a_failing_step_leaves_no_empty_stalls_file_and_fails_the_wandb_run(work
     assert exit_codes(wandb_runs(output)) == [1]
 
 
+def poisoned_from(rank: int, world_size: int, config: str, overrides: list[str], first_poisoned: int,
+                  report: str) -> None:
+    """`megadiff adapt` in spawned ranks whose last rank's logits are NaN from iteration `first_poisoned` on (its
+    loss and gradients, and so the global batch's); each rank writes what the run raised to `report`.RANK."""
+    from megadiff.adapt import finetune as module
+    from megadiff.errors import MegadiffError
+
+    original = module._train_iteration
+
+    def train_iteration(engine, reader, iteration, grad_accum):
+        poisoned = rank == world_size - 1 and iteration >= first_poisoned
+        hook = engine.module.lm_head.register_forward_hook(lambda _module, _inputs, logits: logits * math.nan) \
+            if poisoned else None
+        try:
+            return original(engine, reader, iteration, grad_accum)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    module._train_iteration = train_iteration
+    try:
+        outcome = f"finished with exit code {module.finetune(load_finetune_config(config, overrides))}"
+    except MegadiffError as error:
+        outcome = str(error)
+    Path(f"{report}.{rank}").write_text(outcome)
+
+
+def _trained_weights(output: Path, iteration: int) -> dict:
+    states = torch.load(output / "checkpoints" / f"iter_{iteration:07d}" / "mp_rank_00_model_states.pt",
+                        weights_only=False)
+    return states["module"]
+
+
+def test_non_finite_steps_are_counted_and_stop_every_rank_before_a_save(workspace, tmp_path, monkeypatch):
+    """DeepSpeed leaves out the update of a step whose gradient norm is not finite, silently: a run whose
+    every step was NaN went on to its end, kept saving, and exported its untrained model with exit code 0.
+    Now, as in pretraining, the skips are counted (checkpoints carry the count) and one more than
+    train.max_skipped_nan_iters stops every rank at the same step, before it saves: one rank of two poisoned."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    output, report = tmp_path / "poisoned", tmp_path / "raised"
+    overrides = [f"output_dir={output}", "train.iters=6", "checkpoint.save_interval=1", "logging.log_interval=1"]
+    run_ranks(2, poisoned_from, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=1"], 2,
+              str(report))
+    outcomes = {Path(f"{report}.{rank}").read_text() for rank in range(2)}
+    assert len(outcomes) == 1 and outcomes.pop().startswith("iteration 3: 2 steps skipped for a non-finite loss")
+    assert [r["skipped_iterations"] for r in read_metrics(output)] == [0, 1, 2]
+    assert (output / "checkpoints" / "latest").read_text() == "iter_0000002" and not (output / "hf").exists()
+    before, skipped = _trained_weights(output, 1), _trained_weights(output, 2)
+    assert before.keys() == skipped.keys() and all(torch.equal(before[k], skipped[k]) for k in before)
+    # resumed from iteration 2 (one skip) with a bound of 2: iterations 3 and 4 make three
+    run_ranks(2, poisoned_from, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=2"], 3,
+              str(report))
+    assert Path(f"{report}.0").read_text().startswith("iteration 4: 3 steps skipped")
+    assert (output / "checkpoints" / "latest").read_text() == "iter_0000003"
+
+
 def failing_as_deepspeed_starts(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
     """`megadiff adapt` in a spawned rank whose deepspeed.initialize raises; reports what it raised."""
     import deepspeed

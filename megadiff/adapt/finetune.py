@@ -37,7 +37,7 @@ from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_con
 from megadiff.config.loader import config_yaml
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
-from megadiff.errors import refused_together
+from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
@@ -45,6 +45,10 @@ from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, co
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+class NonFiniteSteps(MegadiffError, RuntimeError):
+    """Too many steps skipped for a non-finite loss or gradient: the adaptation cannot go on."""
 
 
 def _load_model(cfg: FinetuneConfig, ds_config: dict):
@@ -205,6 +209,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             engine.train()
             checkpoint_dir = output_dir / CHECKPOINT_DIR
             start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
+            skipped = 0  # the steps whose update DeepSpeed left out for a non-finite gradient norm
             if resumed is not None:
                 # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
                 with damage_named(resumed):
@@ -214,6 +219,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 # absent from checkpoints of earlier versions, whose reruns read with the checkpoint's global batch
                 reader.resume_at(start, client_state.get("samples_read", start * reader.global_batch))
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
+                skipped = client_state.get("skipped_iterations", 0)  # likewise
                 resume_schedule(engine.lr_scheduler, cfg.train)
                 keep_this_runs_adam_settings(engine.optimizer, cfg.train)
             if rank == 0:
@@ -233,21 +239,26 @@ def finetune(cfg: FinetuneConfig) -> int:
                 began = time.perf_counter()
                 with watchdog:
                     loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
+                non_finite_step = _skipped_for_non_finite(engine, cfg.train.precision)
+                skipped += non_finite_step
                 # on every rank (the loss is the global batch's): each saves them with its checkpoint
                 unrecorded.add(loss, time.perf_counter() - began)
                 if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
-                    loss, seconds = unrecorded.take()
+                    mean_loss, seconds = unrecorded.take()
                     if writer is not None:
-                        grad_norm = engine.get_global_grad_norm()
-                        writer.log({"iteration": iteration, "lm_loss": loss, "lr": lr,
-                                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                        writer.log({"iteration": iteration, "lm_loss": mean_loss, "lr": lr,
+                                    "grad_norm": _grad_norm(engine), "skipped_iterations": skipped,
                                     "tokens_per_s": tokens_per_iteration / seconds,
                                     "lambda": current_lambdas(engine.module)})
+                # before any save, on every rank alike (the loss and the gradient norm are the global batch's): a
+                # run whose every step was NaN went on to its end and exported the untrained model with exit code 0
+                if non_finite_step and skipped > cfg.train.max_skipped_nan_iters:
+                    raise _too_many_skips(engine, iteration, skipped, cfg.train.max_skipped_nan_iters, loss)
                 exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                           and iteration % cfg.checkpoint.exit_interval == 0)
                 if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
                     _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
-                          {"iteration": iteration, "unrecorded": unrecorded.state(),
+                          {"iteration": iteration, "unrecorded": unrecorded.state(), "skipped_iterations": skipped,
                            "samples_read": reader.samples_read(iteration)})
                 if exit_now and iteration < cfg.train.iters:
                     exit_code = stop.exit_after_checkpoint(rank)
@@ -268,6 +279,26 @@ def finetune(cfg: FinetuneConfig) -> int:
             elif wandb is not None:  # failed before the metrics writer took the W&B run over
                 wandb.close(failed=failed)
         return exit_code
+
+
+def _skipped_for_non_finite(engine, precision: str) -> bool:
+    """Whether DeepSpeed left this step's update out: it does so, silently and in every precision, when the
+    global gradient norm is not finite (as a NaN or inf loss makes it), and returns as if it had stepped.
+    fp16's skips are its loss scaler's, which lowers the scale, and stops the run itself at its lowest."""
+    return precision != "fp16" and not engine.was_step_applied()
+
+
+def _grad_norm(engine) -> float:
+    grad_norm = engine.get_global_grad_norm()
+    return float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def _too_many_skips(engine, iteration: int, skipped: int, max_skipped: int, loss: float) -> NonFiniteSteps:
+    return NonFiniteSteps(f"iteration {iteration}: {skipped} steps skipped for a non-finite loss or gradient "
+                          f"(train.max_skipped_nan_iters = {max_skipped}, over the whole run); loss {loss}, "
+                          f"gradient norm {_grad_norm(engine)}. The weights were never updated from them: lower "
+                          "train.lr, or resume from the last checkpoint (which carries the count: raise "
+                          "train.max_skipped_nan_iters)")
 
 
 def iteration_seed(seed: int, iteration: int, rank: int) -> int:
