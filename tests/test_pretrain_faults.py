@@ -286,6 +286,18 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     assert read_latest_iteration(tmp_path / "stops" / CHECKPOINTS_DIR) == 4
 
 
+def test_a_step_skipped_for_its_gradients_records_their_norm(base, tmp_path):
+    """Gradients whose norm overflows fp32 while the loss stays finite: the skipped step's record held a
+    finite lm_loss and no grad_norm at all, hiding what was not finite. It holds the norm the step took,
+    written null as every non-finite value is; the updating steps' norms are finite."""
+    output = tmp_path / "gradients"
+    run_ranks(1, poisoned_run, base + ["train.iters=3", f"output_dir={output}"], [2], str(tmp_path / "report.json"),
+              1e30, True)
+    lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_iterations"] for r in lines] == [0, 1, 1] and math.isfinite(lines[1]["lm_loss"])
+    assert lines[1]["grad_norm"] is None and all(lines[i]["grad_norm"] > 0 for i in (0, 2))
+
+
 def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path):
     """fp16 starts at a loss scale of 2^32: its first steps overflow, and the scaler skips them and
     halves the scale until the gradients fit. Those are no NaN steps: the run neither stops at

@@ -246,11 +246,7 @@ class Pretraining:
                 self._report_profile(self.profiler.stop(state.iteration))
                 if not (result.updated or result.spike or result.overflow) and \
                         state.skipped_iterations > t.max_skipped_nan_iters:
-                    raise TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a "
-                                        f"non-finite loss or gradient (train.max_skipped_nan_iters = "
-                                        f"{t.max_skipped_nan_iters}, over the whole run); last loss {result.loss}. "
-                                        "The weights were never updated from them: lower train.lr, or resume from the "
-                                        "last checkpoint (which carries the count: raise train.max_skipped_nan_iters)")
+                    raise _too_many_skips(state, t.max_skipped_nan_iters, result)
                 if t.eval_interval and records_at(state.iteration, t.eval_interval, t.iters):  # and the last
                     valid = self.evaluate()
                     if self.metrics is not None:
@@ -302,6 +298,15 @@ class Pretraining:
     def _say(self, message: str) -> None:
         if self.metrics is not None:
             self.metrics.print(message)
+
+
+def _too_many_skips(state, max_skipped: int, result) -> TrainingError:
+    # the gradient norm where the step took one: with a finite loss, it alone says what was not finite
+    gradient = "" if result.grad_norm is None else f", gradient norm {result.grad_norm}"
+    return TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a non-finite loss "
+                         f"or gradient (train.max_skipped_nan_iters = {max_skipped}, over the whole run); last loss "
+                         f"{result.loss}{gradient}. The weights were never updated from them: lower train.lr, or "
+                         "resume from the last checkpoint (which carries the count: raise train.max_skipped_nan_iters)")
 
 
 def _prepare_data(cfg: Config, train_samples: int):

@@ -61,7 +61,7 @@ def forward_step(data_iterator: Iterator, model):
 @dataclass
 class StepResult:
     loss: float                 # mean over micro-batches and data-parallel ranks, same on every rank
-    grad_norm: float | None
+    grad_norm: float | None     # None where none was taken (a non-finite loss, an fp16 overflow)
     updated: bool               # False when the step was skipped (non-finite loss or gradients, or a spike)
     spike: bool = False         # skipped by the spike guard
     overflow: bool = False      # skipped by fp16's loss scaler, which lowered the scale
@@ -131,9 +131,10 @@ def _update(engine: Engine, loss: float, spike_guard: SpikeGuard | None) -> Step
         return StepResult(loss=loss, grad_norm=None, updated=False, overflow=lowers_scale)
     grad_norm = float(optimizer.get_grad_norm())
     # a NaN or inf anywhere makes the norm so (as do gradients whose norm overflows fp32): an update
-    # from them would poison every weight
+    # from them would poison every weight. The norm is reported as it is: with a finite loss, it alone
+    # says what went wrong
     if not math.isfinite(grad_norm):
-        return StepResult(loss=loss, grad_norm=None, updated=False)
+        return StepResult(loss=loss, grad_norm=grad_norm, updated=False)
     if spike_guard is not None and spike_guard.is_spike(loss, grad_norm):
         return StepResult(loss=loss, grad_norm=grad_norm, updated=False, spike=True)
     _clip_gradients(optimizer, grad_norm)
