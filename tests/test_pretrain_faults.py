@@ -298,6 +298,20 @@ def test_a_step_skipped_for_its_gradients_records_their_norm(base, tmp_path):
     assert lines[1]["grad_norm"] is None and all(lines[i]["grad_norm"] > 0 for i in (0, 2))
 
 
+def test_a_stop_for_non_finite_steps_names_the_layers_whose_lambda_overflowed(base, tmp_path):
+    """lambda vectors drawn far too large (model.lambda_std=10): exp(lq . lk) overflows fp32 in some layer
+    and every step is NaN from the first. The stop named a non-finite loss and advised a lower train.lr;
+    it names the layers whose lambda was not finite, those the metrics record as null."""
+    output = tmp_path / "lambdas"
+    stopped = run_pretrain_in_ranks(1, base + ["model.lambda_std=10", "train.iters=3", "train.max_skipped_nan_iters=0",
+                                               f"output_dir={output}"], expect=3)
+    lambdas = read_metrics(output)[-1]["lambda"]
+    overflowed = [layer for layer, value in lambdas.items() if not math.isfinite(value)]
+    assert overflowed and len(overflowed) < len(lambdas)  # the message must tell them apart
+    said = stopped.stdout + stopped.stderr
+    assert f"the lambda of {', '.join(overflowed)} is not finite" in said, said[-2000:]
+
+
 def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path):
     """fp16 starts at a loss scale of 2^32: its first steps overflow, and the scaler skips them and
     halves the scale until the gradients fit. Those are no NaN steps: the run neither stops at

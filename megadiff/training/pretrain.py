@@ -8,6 +8,7 @@ boundary after `train.exit_duration_minutes`, or after SIGTERM/SIGUSR1 (exit cod
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from datetime import timedelta
@@ -246,7 +247,8 @@ class Pretraining:
                 self._report_profile(self.profiler.stop(state.iteration))
                 if not (result.updated or result.spike or result.overflow) and \
                         state.skipped_iterations > t.max_skipped_nan_iters:
-                    raise _too_many_skips(state, t.max_skipped_nan_iters, result)
+                    lambdas = layer_lambdas(self.engine.unwrapped())  # collective: every stage stops at this step
+                    raise _too_many_skips(state, t.max_skipped_nan_iters, result, lambdas)
                 if t.eval_interval and records_at(state.iteration, t.eval_interval, t.iters):  # and the last
                     valid = self.evaluate()
                     if self.metrics is not None:
@@ -300,13 +302,24 @@ class Pretraining:
             self.metrics.print(message)
 
 
-def _too_many_skips(state, max_skipped: int, result) -> TrainingError:
+def _too_many_skips(state, max_skipped: int, result, lambdas: dict[str, float]) -> TrainingError:
     # the gradient norm where the step took one: with a finite loss, it alone says what was not finite
     gradient = "" if result.grad_norm is None else f", gradient norm {result.grad_norm}"
     return TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a non-finite loss "
                          f"or gradient (train.max_skipped_nan_iters = {max_skipped}, over the whole run); last loss "
-                         f"{result.loss}{gradient}. The weights were never updated from them: lower train.lr, or "
-                         "resume from the last checkpoint (which carries the count: raise train.max_skipped_nan_iters)")
+                         f"{result.loss}{gradient}{_lambdas_not_finite(lambdas)}. The weights were never updated from "
+                         "them: lower train.lr, or resume from the last checkpoint (which carries the count: raise "
+                         "train.max_skipped_nan_iters)")
+
+
+def _lambdas_not_finite(lambdas: dict[str, float]) -> str:
+    """The differential layers whose lambda the last forward found not finite: the likeliest cause of a DIFF
+    run's NaN steps (its exp(lq . lk) terms overflow fp32 past 88), which the loss alone does not name."""
+    layers = [layer for layer, value in lambdas.items() if not math.isfinite(value)]
+    if not layers:
+        return ""
+    return (f"; the lambda of {', '.join(layers)} is not finite (exp(lq . lk) overflows fp32: lambda vectors grown "
+            "too large, e.g. by model.lambda_std or train.lr)")
 
 
 def _prepare_data(cfg: Config, train_samples: int):
