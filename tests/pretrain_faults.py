@@ -57,6 +57,16 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_step
             json.dump({"exit_code": exit_code, "events": events}, handle)
 
 
+def poisoned_on_the_last_rank(rank: int, world_size: int, overrides: list[str], poisoned_steps: list[int],
+                              report: str) -> None:
+    """poisoned_run with the last rank's losses alone poisoned; each rank writes what it printed to
+    `report`.RANK (rank 0 its exit code and events to `report` too)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        poisoned_run(rank, world_size, overrides, poisoned_steps if rank == world_size - 1 else [], report)
+    Path(f"{report}.{rank}").write_text(printed.getvalue())
+
+
 def signalled_while_starting(rank: int, world_size: int, overrides: list[str], report: str,
                              disk_full: bool = False) -> None:
     """`megadiff pretrain` whose ranks get SIGUSR1 as their process groups come up, before the data,

@@ -5,6 +5,7 @@ import json
 import math
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,8 +18,8 @@ from megadiff.observability.metrics import read_metrics
 from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import (
-    disk_full_while_saving, killed_while_saving, marker_refused_while_committing, poisoned_run,
-    signalled_while_starting,
+    disk_full_while_saving, killed_while_saving, marker_refused_while_committing, poisoned_on_the_last_rank,
+    poisoned_run, signalled_while_starting,
 )
 from tests.pretrain_runs import (
     DEMO_CONFIG, ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
@@ -310,6 +311,22 @@ def test_a_stop_for_non_finite_steps_names_the_layers_whose_lambda_overflowed(ba
     assert overflowed and len(overflowed) < len(lambdas)  # the message must tell them apart
     said = stopped.stdout + stopped.stderr
     assert f"the lambda of {', '.join(overflowed)} is not finite" in said, said[-2000:]
+
+
+def test_a_non_finite_loss_names_the_ranks_it_came_from(base, tmp_path):
+    """Two data-parallel ranks (the distributed optimizer, two micro-batches each), the second one's losses
+    NaN (its data, its device): every rank holds the NaN mean, and nothing said whose it was. Each skipped
+    step, and the stop, name the rank and its host; both ranks stop at the same step."""
+    report = tmp_path / "report"
+    run_ranks(2, poisoned_on_the_last_rank, base + ["train.iters=6", "train.max_skipped_nan_iters=1",
+                                                    "parallel.distributed_optimizer=true", "train.global_batch_size=8",
+                                                    f"output_dir={tmp_path / 'run'}"], [2, 3], str(report))
+    host = socket.gethostname()
+    first, second = (report.with_name(f"report.{rank}").read_text() for rank in range(2))
+    assert f"iteration 2: skipped, the loss not finite on rank 1 ({host})" in first, first[-2000:]
+    stop = "iteration 3: 2 steps skipped for a non-finite loss or gradient"
+    assert f"last loss nan (not finite on rank 1 ({host}))" in first and stop in first and stop in second
+    assert "rank 0 (" not in first
 
 
 def test_fp16_overflows_lower_the_loss_scale_until_the_run_trains(base, tmp_path):

@@ -245,6 +245,9 @@ class Pretraining:
                               **self.throughput.metrics(seconds)}
                     self._log({k: v for k, v in record.items() if v is not None})
                 self._report_profile(self.profiler.stop(state.iteration))
+                if result.non_finite_ranks:
+                    self._say(f"iteration {state.iteration}: skipped, the loss not finite on "
+                              f"{', '.join(result.non_finite_ranks)}")
                 if not (result.updated or result.spike or result.overflow) and \
                         state.skipped_iterations > t.max_skipped_nan_iters:
                     lambdas = layer_lambdas(self.engine.unwrapped())  # collective: every stage stops at this step
@@ -305,11 +308,12 @@ class Pretraining:
 def _too_many_skips(state, max_skipped: int, result, lambdas: dict[str, float]) -> TrainingError:
     # the gradient norm where the step took one: with a finite loss, it alone says what was not finite
     gradient = "" if result.grad_norm is None else f", gradient norm {result.grad_norm}"
+    ranks = f" (not finite on {', '.join(result.non_finite_ranks)})" if result.non_finite_ranks else ""
     return TrainingError(f"iteration {state.iteration}: {state.skipped_iterations} steps skipped for a non-finite loss "
                          f"or gradient (train.max_skipped_nan_iters = {max_skipped}, over the whole run); last loss "
-                         f"{result.loss}{gradient}{_lambdas_not_finite(lambdas)}. The weights were never updated from "
-                         "them: lower train.lr, or resume from the last checkpoint (which carries the count: raise "
-                         "train.max_skipped_nan_iters)")
+                         f"{result.loss}{ranks}{gradient}{_lambdas_not_finite(lambdas)}. The weights were never "
+                         "updated from them: lower train.lr, or resume from the last checkpoint (which carries the "
+                         "count: raise train.max_skipped_nan_iters)")
 
 
 def _lambdas_not_finite(lambdas: dict[str, float]) -> str:

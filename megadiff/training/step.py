@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator
 
@@ -65,6 +66,8 @@ class StepResult:
     updated: bool               # False when the step was skipped (non-finite loss or gradients, or a spike)
     spike: bool = False         # skipped by the spike guard
     overflow: bool = False      # skipped by fp16's loss scaler, which lowered the scale
+    # with a non-finite loss: "rank R (host)" of each rank whose own micro-batches' loss was not finite
+    non_finite_ranks: list[str] = field(default_factory=list)
 
 
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_token: bool) -> float:
@@ -88,11 +91,21 @@ def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_tok
     return float(value[0])
 
 
-def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool = False) -> float:
-    """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk."""
+def _ranks_with_non_finite_losses(reduced: list[dict]) -> list[str]:
+    """Which ranks' own losses (before the data-parallel mean every rank holds) were not finite, as
+    "rank R (host)": a NaN from one rank's data or device. Collective over the world, so only taken
+    where the mean is not finite, which every rank then knows."""
+    own = any(not torch.isfinite(item["lm_loss"]).all() for item in reduced)  # last pipeline stage only
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (own, socket.gethostname()))
+    return [f"rank {rank} ({host})" for rank, (not_finite, host) in enumerate(everyone) if not_finite]
+
+
+def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool) -> list[dict]:
+    """The schedule's run: this rank's losses of each micro-batch (on the last pipeline stage; none elsewhere)."""
     cfg = engine.cfg
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-    reduced = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(engine.model) > 1 else iterators[0],
         model=engine.model,
@@ -101,6 +114,11 @@ def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, f
         micro_batch_size=cfg.train.micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool = False) -> float:
+    """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk."""
+    reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only)
     return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
 
 
@@ -152,9 +170,11 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
     for chunk in engine.model:
         chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
-    loss = run_forward_backward(engine, data_iterator, num_microbatches)
+    reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only=False)
+    loss = _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
     if not math.isfinite(loss):  # the same on every rank
-        return StepResult(loss=loss, grad_norm=None, updated=False)
+        return StepResult(loss=loss, grad_norm=None, updated=False,
+                          non_finite_ranks=_ranks_with_non_finite_losses(reduced))
     if before_update is not None:
         before_update(engine)
     return _update(engine, loss, spike_guard)
