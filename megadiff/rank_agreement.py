@@ -161,3 +161,11 @@ def claimed_run_directory(output_dir: str):
     finally:
         if lock is not None:
             lock.close()
+
+
+def ranks_where(holds: bool) -> list[str]:
+    """"rank R (host)" of every rank where `holds` (e.g. its own loss was not finite, where every rank holds the
+    NaN of their sum): what a cluster's operator looks for, a bad device or node. Collective over the world."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (holds, socket.gethostname()))
+    return [f"rank {rank} ({host})" for rank, (held, host) in enumerate(everyone) if held]

@@ -603,7 +603,11 @@ def test_non_finite_steps_are_counted_and_stop_every_rank_before_a_save(workspac
     run_ranks(2, poisoned_from, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=1"], 2,
               str(report))
     outcomes = {Path(f"{report}.{rank}").read_text() for rank in range(2)}
-    assert len(outcomes) == 1 and outcomes.pop().startswith("iteration 3: 2 steps skipped for a non-finite loss")
+    assert len(outcomes) == 1
+    said = outcomes.pop()
+    # the rank whose own loss was NaN is named, with its host: every rank's loss is the global batch's
+    assert said.startswith("iteration 3: 2 steps skipped for a non-finite loss")
+    assert f"loss nan (not finite on rank 1 ({socket.gethostname()}))" in said and "rank 0 (" not in said
     assert [r["skipped_iterations"] for r in read_metrics(output)] == [0, 1, 2]
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000002" and not (output / "hf").exists()
     before, skipped = _trained_weights(output, 1), _trained_weights(output, 2)

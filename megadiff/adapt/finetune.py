@@ -16,11 +16,13 @@ DeepSpeed ZeRO 1/2/3, under torchrun, the deepspeed launcher, Slurm, or as one p
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
-from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, comparable
+from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, comparable, ranks_where
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
@@ -92,9 +94,14 @@ def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: int) -> tuple[float, float]:
-    """One optimizer step (grad_accum micro-steps); returns (the loss: the mean over the global batch's
-    targets, lr used)."""
+class Iteration(NamedTuple):
+    loss: float                  # the mean over the global batch's targets
+    lr: float                    # the lr it used
+    non_finite_ranks: list[str]  # with a non-finite loss: "rank R (host)" of each rank whose own loss was not finite
+
+
+def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: int) -> Iteration:
+    """One optimizer step (grad_accum micro-steps)."""
     import torch.distributed as dist
 
     lr = engine.get_lr()[0]
@@ -113,7 +120,10 @@ def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: in
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
-    return _sum_over_ranks(torch.stack(losses).sum()).item() / (grad_accum * dist.get_world_size()), lr
+    own_losses = torch.stack(losses)
+    loss = _sum_over_ranks(own_losses.sum()).item() / (grad_accum * dist.get_world_size())
+    # collective: taken only where the sum is not finite, which every rank knows
+    return Iteration(loss, lr, [] if math.isfinite(loss) else ranks_where(not bool(own_losses.isfinite().all())))
 
 
 def _export(cfg: FinetuneConfig, engine, tokenizer, stage: int, rank: int) -> None:
@@ -238,7 +248,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 torch.manual_seed(iteration_seed(cfg.train.seed, iteration, rank))
                 began = time.perf_counter()
                 with watchdog:
-                    loss, lr = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
+                    loss, lr, non_finite_ranks = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
                 non_finite_step = _skipped_for_non_finite(engine, cfg.train.precision)
                 skipped += non_finite_step
                 # on every rank (the loss is the global batch's): each saves them with its checkpoint
@@ -250,10 +260,13 @@ def finetune(cfg: FinetuneConfig) -> int:
                                     "grad_norm": _grad_norm(engine), "skipped_iterations": skipped,
                                     "tokens_per_s": tokens_per_iteration / seconds,
                                     "lambda": current_lambdas(engine.module)})
+                if writer is not None and non_finite_ranks:
+                    writer.print(f"iteration {iteration}: the loss not finite on {', '.join(non_finite_ranks)}")
                 # before any save, on every rank alike (the loss and the gradient norm are the global batch's): a
                 # run whose every step was NaN went on to its end and exported the untrained model with exit code 0
                 if non_finite_step and skipped > cfg.train.max_skipped_nan_iters:
-                    raise _too_many_skips(engine, iteration, skipped, cfg.train.max_skipped_nan_iters, loss)
+                    raise _too_many_skips(engine, iteration, skipped, cfg.train.max_skipped_nan_iters, loss,
+                                          non_finite_ranks)
                 exit_now = stop.agreed(engine.device) or (cfg.checkpoint.exit_interval is not None
                                                           and iteration % cfg.checkpoint.exit_interval == 0)
                 if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
@@ -293,9 +306,11 @@ def _grad_norm(engine) -> float:
     return float(grad_norm) if grad_norm is not None else float("nan")
 
 
-def _too_many_skips(engine, iteration: int, skipped: int, max_skipped: int, loss: float) -> NonFiniteSteps:
+def _too_many_skips(engine, iteration: int, skipped: int, max_skipped: int, loss: float,
+                    non_finite_ranks: list[str]) -> NonFiniteSteps:
+    ranks = f" (not finite on {', '.join(non_finite_ranks)})" if non_finite_ranks else ""
     return NonFiniteSteps(f"iteration {iteration}: {skipped} steps skipped for a non-finite loss or gradient "
-                          f"(train.max_skipped_nan_iters = {max_skipped}, over the whole run); loss {loss}, "
+                          f"(train.max_skipped_nan_iters = {max_skipped}, over the whole run); loss {loss}{ranks}, "
                           f"gradient norm {_grad_norm(engine)}. The weights were never updated from them: lower "
                           "train.lr, or resume from the last checkpoint (which carries the count: raise "
                           "train.max_skipped_nan_iters)")

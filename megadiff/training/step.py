@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import socket
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator
@@ -16,6 +15,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megadiff.models.documents import document_packing
 from megadiff.parallel import compute_device
+from megadiff.rank_agreement import ranks_where
 from megadiff.training.engine import Engine
 from megadiff.training.spikes import SpikeGuard
 
@@ -92,13 +92,9 @@ def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_tok
 
 
 def _ranks_with_non_finite_losses(reduced: list[dict]) -> list[str]:
-    """Which ranks' own losses (before the data-parallel mean every rank holds) were not finite, as
-    "rank R (host)": a NaN from one rank's data or device. Collective over the world, so only taken
-    where the mean is not finite, which every rank then knows."""
-    own = any(not torch.isfinite(item["lm_loss"]).all() for item in reduced)  # last pipeline stage only
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (own, socket.gethostname()))
-    return [f"rank {rank} ({host})" for rank, (not_finite, host) in enumerate(everyone) if not_finite]
+    """Which ranks' own losses (before the data-parallel mean every rank holds) were not finite. Collective
+    over the world, so only taken where the mean is not finite, which every rank then knows."""
+    return ranks_where(any(not torch.isfinite(item["lm_loss"]).all() for item in reduced))  # the last stage's
 
 
 def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool) -> list[dict]:
