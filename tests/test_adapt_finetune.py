@@ -1398,6 +1398,27 @@ def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
         deepspeed_config(cfg, world_size=2)
 
 
+@pytest.mark.parametrize("precision, section, key", [("bf16", "bf16", "check_grad_overflow"),
+                                                   ("fp32", "zero_optimization", "compute_grad_norm")])
+def test_a_deepspeed_json_that_applies_non_finite_gradients_is_refused(workspace, tmp_path, precision, section, key):
+    """DeepSpeed finds a step's NaN or inf gradients (and leaves its update out) by its overflow check in
+    bf16, by the gradient norm in fp32. A JSON turning that off (a speed option) let one NaN step make
+    every weight NaN: each later checkpoint held them, the export too, and the run ended with exit code 0.
+    Refused before anything runs; the other precision, which the key does not guard, is left alone."""
+    unchecked = tmp_path / "ds.json"
+    ds = {"zero_optimization": {"stage": 2}}
+    ds.setdefault(section, {})[key] = False
+    unchecked.write_text(json.dumps(ds))
+    overrides = [f"deepspeed={unchecked}", "train.grad_clip=0"]  # DeepSpeed clips by the norm it is told to skip
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), overrides + [f"train.precision={precision}"])
+    with pytest.raises(ConfigError, match=f"deepspeed: .* sets {section}.{key} = false: under "
+                                          f"train.precision={precision} DeepSpeed then applies"):
+        deepspeed_config(cfg, world_size=2)
+    other = load_finetune_config(str(workspace / "adapt.yaml"),
+                                 overrides + [f"train.precision={'fp32' if precision == 'bf16' else 'bf16'}"])
+    assert deepspeed_config(other, world_size=2)[section][key] is False
+
+
 def test_a_universal_checkpoint_load_is_refused(workspace, tmp_path):
     """DeepSpeed's universal checkpoints need state that Hugging Face models do not record (ds_to_universal
     refuses adapt's checkpoints, and a universal load of one failed after the model loaded, calling it

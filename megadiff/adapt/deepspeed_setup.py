@@ -21,6 +21,11 @@ from megadiff.config import ConfigError
 
 AUTO = "auto"
 
+# what finds a step's NaN or inf gradients in DeepSpeed, which then leaves its update out (the run counts and bounds
+# those steps: train.max_skipped_nan_iters): fp16's loss scaler always; in bf16 its overflow check, in fp32 the
+# gradient norm. A JSON turning that off made one NaN step every weight's, in each later checkpoint and the export
+GRADIENT_CHECKS = {"bf16": ("bf16", "check_grad_overflow"), "fp32": ("zero_optimization", "compute_grad_norm")}
+
 
 def _fill(section: dict, key: str, value, where: str) -> None:
     current = section.get(key, AUTO)
@@ -53,10 +58,19 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
         raise ConfigError(f"deepspeed: {cfg.deepspeed} sets checkpoint.load_universal, but megadiff adapt's "
                           "checkpoints are DeepSpeed's own, which it resumes as written (as many ranks, the same "
                           "ZeRO-3 or not, bf16 or not): remove it")
+    _refuse_unchecked_gradients(ds, train.precision, cfg.deepspeed)
     for precision in ("bf16", "fp16"):
         _fill(ds.setdefault(precision, {}), "enabled", train.precision == precision, f"{precision}.")
     ds.setdefault("steps_per_print", 2**31 - 1)  # megadiff logs; keep DeepSpeed's own step log quiet
     return ds
+
+
+def _refuse_unchecked_gradients(ds: dict, precision: str, path: str) -> None:
+    section, key = GRADIENT_CHECKS.get(precision, (None, None))
+    if section is not None and ds.get(section, {}).get(key) is False:
+        raise ConfigError(f"deepspeed: {path} sets {section}.{key} = false: under train.precision={precision} "
+                          "DeepSpeed then applies a step's NaN or inf gradients, and one such step makes every "
+                          "weight NaN (in each later checkpoint and the export): remove it")
 
 
 # a param group's key: its parameters never decay, whatever train.weight_decay (read again on resume)
