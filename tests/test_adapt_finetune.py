@@ -558,19 +558,18 @@ def test_a_failing_step_leaves_no_empty_stalls_file_and_fails_the_wandb_run(work
     assert exit_codes(wandb_runs(output)) == [1]
 
 
-def poisoned_from(rank: int, world_size: int, config: str, overrides: list[str], first_poisoned: int,
-                  report: str) -> None:
-    """`megadiff adapt` in spawned ranks whose last rank's logits are NaN from iteration `first_poisoned` on (its
-    loss and gradients, and so the global batch's); each rank writes what the run raised to `report`.RANK."""
+def poisoned_at(rank: int, world_size: int, config: str, overrides: list[str], poisoned: list[int],
+                report: str) -> None:
+    """`megadiff adapt` in spawned ranks whose last rank's logits are NaN at the `poisoned` iterations (its loss
+    and gradients, and so the global batch's); each rank writes what the run raised to `report`.RANK."""
     from megadiff.adapt import finetune as module
     from megadiff.errors import MegadiffError
 
     original = module._train_iteration
 
     def train_iteration(engine, reader, iteration, grad_accum):
-        poisoned = rank == world_size - 1 and iteration >= first_poisoned
         hook = engine.module.lm_head.register_forward_hook(lambda _module, _inputs, logits: logits * math.nan) \
-            if poisoned else None
+            if rank == world_size - 1 and iteration in poisoned else None
         try:
             return original(engine, reader, iteration, grad_accum)
         finally:
@@ -600,8 +599,8 @@ def test_non_finite_steps_are_counted_and_stop_every_rank_before_a_save(workspac
         monkeypatch.setenv(name, value)
     output, report = tmp_path / "poisoned", tmp_path / "raised"
     overrides = [f"output_dir={output}", "train.iters=6", "checkpoint.save_interval=1", "logging.log_interval=1"]
-    run_ranks(2, poisoned_from, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=1"], 2,
-              str(report))
+    run_ranks(2, poisoned_at, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=1"],
+              list(range(2, 7)), str(report))
     outcomes = {Path(f"{report}.{rank}").read_text() for rank in range(2)}
     assert len(outcomes) == 1
     said = outcomes.pop()
@@ -613,10 +612,29 @@ def test_non_finite_steps_are_counted_and_stop_every_rank_before_a_save(workspac
     before, skipped = _trained_weights(output, 1), _trained_weights(output, 2)
     assert before.keys() == skipped.keys() and all(torch.equal(before[k], skipped[k]) for k in before)
     # resumed from iteration 2 (one skip) with a bound of 2: iterations 3 and 4 make three
-    run_ranks(2, poisoned_from, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=2"], 3,
-              str(report))
+    run_ranks(2, poisoned_at, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=2"],
+              list(range(3, 7)), str(report))
     assert Path(f"{report}.0").read_text().startswith("iteration 4: 3 steps skipped")
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000003"
+
+
+def test_a_skipped_step_leaves_the_means_of_its_interval_finite(workspace, tmp_path, monkeypatch):
+    """Recorded every 2 iterations, the NaN of iteration 2 (skipped by DeepSpeed) made the mean loss of
+    iterations 1-2 NaN, hiding iteration 1's. As in pre-training, the record holds the updating steps' mean
+    and the skipped step's own loss as skipped_loss; the reference is the same run recorded every iteration."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    records = {}
+    for interval in (1, 2):
+        output = tmp_path / f"every{interval}"
+        run_ranks(1, poisoned_at, str(workspace / "adapt.yaml"),
+                  [f"output_dir={output}", f"logging.log_interval={interval}"], [2], str(tmp_path / "report"))
+        records[interval] = read_metrics(output)
+    each = [r["lm_loss"] for r in records[1]]
+    assert math.isnan(each[1]) and [r["skipped_iterations"] for r in records[1]] == [0, 1, 1, 1]
+    assert [r["iteration"] for r in records[2]] == [2, 4]
+    assert [r["lm_loss"] for r in records[2]] == pytest.approx([each[0], (each[2] + each[3]) / 2], rel=1e-6)
+    assert math.isnan(records[2][0]["skipped_loss"]) and "skipped_loss" not in records[2][1]
 
 
 def failing_as_deepspeed_starts(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:

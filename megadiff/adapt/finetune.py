@@ -176,7 +176,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
     import deepspeed
 
-    from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
+    from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at
 
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
     # before the minutes of start-up (model, head selection, DeepSpeed, checkpoint): a preemption signal
@@ -251,15 +251,15 @@ def finetune(cfg: FinetuneConfig) -> int:
                     loss, lr, non_finite_ranks = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
                 non_finite_step = _skipped_for_non_finite(engine, cfg.train.precision)
                 skipped += non_finite_step
-                # on every rank (the loss is the global batch's): each saves them with its checkpoint
-                unrecorded.add(loss, time.perf_counter() - began)
-                if records_at(iteration, cfg.logging.log_interval, cfg.train.iters):
-                    mean_loss, seconds = unrecorded.take()
-                    if writer is not None:
-                        writer.log({"iteration": iteration, "lm_loss": mean_loss, "lr": lr,
-                                    "grad_norm": _grad_norm(engine), "skipped_iterations": skipped,
-                                    "tokens_per_s": tokens_per_iteration / seconds,
-                                    "lambda": current_lambdas(engine.module)})
+                # on every rank (the loss is the global batch's): each saves the means with its checkpoint
+                recorded = record_step(unrecorded, loss, time.perf_counter() - began, engine.was_step_applied(),
+                                       records_at(iteration, cfg.logging.log_interval, cfg.train.iters))
+                if recorded is not None and writer is not None:
+                    mean_loss, seconds, skipped_loss = recorded
+                    record = {"iteration": iteration, "lm_loss": mean_loss, "skipped_loss": skipped_loss, "lr": lr,
+                              "grad_norm": _grad_norm(engine), "skipped_iterations": skipped,
+                              "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)}
+                    writer.log({key: value for key, value in record.items() if value is not None})
                 if writer is not None and non_finite_ranks:
                     writer.print(f"iteration {iteration}: the loss not finite on {', '.join(non_finite_ranks)}")
                 # before any save, on every rank alike (the loss and the gradient norm are the global batch's): a

@@ -122,6 +122,21 @@ class StepMeans:
         return {"sums": list(self._sums), "steps": self._steps}
 
 
+def record_step(means: StepMeans, loss: float, seconds: float, updated: bool,
+                on_interval: bool) -> tuple[float, float, float | None] | None:
+    """Adds a step to `means` (an updating one: a skipped step's NaN would make its interval's mean NaN) and
+    gives what its record holds, (lm_loss, seconds, skipped_loss or None), or None where it makes none. A
+    skipped step between records is recorded alone, as it comes; one ending an interval of updating steps
+    records their means, and its own loss as skipped_loss."""
+    if updated:
+        means.add(loss, seconds)
+    if updated and not on_interval:
+        return None
+    pending = on_interval and len(means) > 0
+    mean_loss, mean_seconds = means.take() if pending else (loss, seconds)
+    return mean_loss, mean_seconds, loss if pending and not updated else None
+
+
 class MetricsWriter:
     """Write with `log(record)`; `record["iteration"]` is the step axis."""
 

@@ -30,7 +30,7 @@ from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
 from megadiff.models.sdpa_calls import sdpa_kernels_refusal_for
-from megadiff.observability.metrics import MetricsWriter, StepMeans, records_at
+from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
@@ -228,16 +228,11 @@ class Pretraining:
                     state.skipped_iterations += 1
                 elapsed = time.perf_counter() - started
                 self.checkpoints.poll()
-                if result.updated:
-                    unrecorded.add(result.loss, elapsed)
-                on_interval = records_at(state.iteration, cfg.logging.log_interval, t.iters)
-                if on_interval or not result.updated:
-                    # a skipped step between records is recorded alone, as it comes; one ending an interval of
-                    # updating steps records their means, and its own loss as skipped_loss
-                    pending = on_interval and len(unrecorded) > 0
-                    loss, seconds = unrecorded.take() if pending else (result.loss, elapsed)
-                    record = {"iteration": state.iteration, "lm_loss": loss,
-                              "skipped_loss": result.loss if pending and not result.updated else None, "lr": lr,
+                recorded = record_step(unrecorded, result.loss, elapsed, result.updated,
+                                       records_at(state.iteration, cfg.logging.log_interval, t.iters))
+                if recorded is not None:
+                    loss, seconds, skipped_loss = recorded
+                    record = {"iteration": state.iteration, "lm_loss": loss, "skipped_loss": skipped_loss, "lr": lr,
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
                               "skipped_iterations": state.skipped_iterations,
                               "skipped_spikes": state.skipped_spikes if self.spike_guard else None,
