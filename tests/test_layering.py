@@ -22,7 +22,7 @@ ALLOWED = {
     # a checkpoint's single-process model is built here, below both convert and inference, which use it
     "checkpoint": {"config", "data", "errors", "files", "helper_processes", "models", "parallel"},
     "convert": {"checkpoint", "config", "console", "data", "errors", "files", "models"},
-    "cli": {"config", "errors"},
+    "cli": {"config", "console", "errors"},  # console: what a command does once its output's reader went away
 }
 
 
