@@ -474,6 +474,21 @@ def test_a_file_named_twice_is_refused(tmp_path):
                             f"data.prefix={tmp_path / 'out'}"))
 
 
+def test_a_directory_reads_the_files_its_linked_directories_hold(tmp_path):
+    """A corpus directory linking shards kept elsewhere: their documents were left out without a word (pathlib's
+    rglob does not enter links), while a glob of the same directory read them. A link to an enclosing
+    directory (a loop) adds nothing."""
+    elsewhere, corpus = tmp_path / "elsewhere", tmp_path / "corpus"
+    for directory, name in ((corpus, "a"), (elsewhere, "b")):
+        directory.mkdir()
+        (directory / f"{name}.jsonl").write_text(json.dumps({"text": f"Shard {name}."}) + "\n")
+    (corpus / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "loop").symlink_to(corpus, target_is_directory=True)
+    prepare(data_config(tmp_path, f"data.sources=[{corpus}]", f"data.prefix={tmp_path / 'out'}"))
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(tmp_path / "out") == [tokenizer.encode(f"Shard {name}.") + [tokenizer.eod] for name in "ab"]
+
+
 def test_a_prefix_inside_its_source_directory_does_not_read_its_own_files(tmp_path, capsys):
     source = tmp_path / "corpus"
     source.mkdir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -86,6 +87,22 @@ def _readable_files(paths: Iterable[Path], key: str, ignored: tuple[Path, ...]) 
     return sorted(path for path in files if builder_for(path))
 
 
+def _files_under(directory: Path) -> Iterator[Path]:
+    """Every file under `directory`, through links to directories too: a corpus directory often links shards kept
+    elsewhere, which pathlib's rglob passed by without a word. A link back to a directory it lies in (a loop) is
+    not entered."""
+    enclosing = {str(directory): {os.path.realpath(directory)}}  # each directory walked: the real paths it lies in
+    for root, subdirectories, files in os.walk(directory, followlinks=True):
+        above = enclosing.pop(root)
+        for name in list(subdirectories):
+            real = os.path.realpath(os.path.join(root, name))
+            if real in above:
+                subdirectories.remove(name)
+            else:
+                enclosing[os.path.join(root, name)] = above | {real}
+        yield from (Path(root, name) for name in files)
+
+
 def _looks_local(entry: str) -> bool:
     """A name that is no hub dataset's ("owner/name"): deeper, or under a local directory."""
     parts = Path(entry).parts
@@ -102,7 +119,7 @@ def _files_of(entry: str, key: str, ignored: tuple[Path, ...]) -> Optional[list[
         return files
     path = Path(entry).expanduser()
     if path.is_dir():
-        files = _readable_files(path.rglob("*"), key, ignored)
+        files = _readable_files(_files_under(path), key, ignored)
         if not files:
             raise DataError(f"{key}: directory {path} holds no {kinds} files")
         return files
