@@ -489,6 +489,15 @@ def test_a_directory_reads_the_files_its_linked_directories_hold(tmp_path):
     assert read_back(tmp_path / "out") == [tokenizer.encode(f"Shard {name}.") + [tokenizer.eod] for name in "ab"]
 
 
+def test_a_file_a_directory_holds_twice_through_a_link_is_refused(tmp_path):
+    """latest.jsonl -> shard-1.jsonl beside it: the shard's documents were trained on twice."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "shard-1.jsonl").write_text(json.dumps({"text": "Once."}) + "\n")
+    (tmp_path / "corpus" / "latest.jsonl").symlink_to(tmp_path / "corpus" / "shard-1.jsonl")
+    with pytest.raises(DataError, match=r"data.sources\[0\]: .*shard-1.jsonl is the same file as .*latest.jsonl"):
+        prepare(data_config(tmp_path, f"data.sources=[{tmp_path / 'corpus'}]", f"data.prefix={tmp_path / 'out'}"))
+
+
 def test_a_prefix_inside_its_source_directory_does_not_read_its_own_files(tmp_path, capsys):
     source = tmp_path / "corpus"
     source.mkdir()

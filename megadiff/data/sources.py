@@ -90,7 +90,7 @@ def _readable_files(paths: Iterable[Path], key: str, ignored: tuple[Path, ...]) 
 def _files_under(directory: Path) -> Iterator[Path]:
     """Every file under `directory`, through links to directories too: a corpus directory often links shards kept
     elsewhere, which pathlib's rglob passed by without a word. A link back to a directory it lies in (a loop) is
-    not entered."""
+    not entered; the files of one reached twice otherwise are refused as named twice."""
     enclosing = {str(directory): {os.path.realpath(directory)}}  # each directory walked: the real paths it lies in
     for root, subdirectories, files in os.walk(directory, followlinks=True):
         above = enclosing.pop(root)
@@ -143,7 +143,7 @@ def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[So
                         "or set data.bundled_corpus")
     ignored = tuple(Path(p).resolve() for p in ignored)
     sources: list[Source] = []
-    named_by: dict[Path, str] = {}  # each file, by the entry that named it first
+    named_by: dict[Path, tuple[str, Path]] = {}  # each real file, by the entry and path that named it first
     for i, entry in enumerate(entries):
         key = f"data.sources[{i}]"
         files = _files_of(entry, key, ignored)
@@ -153,10 +153,9 @@ def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[So
         # lists, made Sources once: growing a Source's tuple file by file was quadratic in a directory's files
         groups: list[tuple[str, list[Path]]] = []
         for path in files:
-            first = named_by.setdefault(path.resolve(), key)
-            if first != key:  # e.g. a directory and one of its files: its documents would be trained on twice
-                raise DataError(f"{key}: {path} is also one of {first}'s files; name each file once (to weigh a "
-                                "source more, prepare it as a prefix of its own and give data.blend weights)")
+            first = named_by.setdefault(path.resolve(), (key, path))
+            if first != (key, path):  # its documents would be trained on twice
+                raise _named_twice(key, path, *first)
             builder = builder_for(path)
             if groups and groups[-1][0] == builder:
                 groups[-1][1].append(path)
@@ -164,6 +163,14 @@ def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[So
                 groups.append((builder, [path]))
         sources.extend(Source(key, builder, tuple(paths)) for builder, paths in groups)
     return sources
+
+
+def _named_twice(key: str, path: Path, first_key: str, first_path: Path) -> DataError:
+    """A file two entries name (a directory and one of its files), or one entry through a link (a directory
+    holding latest.jsonl -> shard-42.jsonl)."""
+    what = f"the same file as {first_path} (a link)" if first_key == key else f"also one of {first_key}'s files"
+    return DataError(f"{key}: {path} is {what}; name each file once (to weigh a source more, prepare it as a "
+                     "prefix of its own and give data.blend weights)")
 
 
 def _hub_source(key: str, name: str) -> Source:
