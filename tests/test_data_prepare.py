@@ -773,6 +773,29 @@ def test_compressed_sources_read_as_their_uncompressed_texts(tmp_path):
     assert read_back(tmp_path / "packed" / "out") == read_back(tmp_path / "plain" / "out")
 
 
+def test_a_txt_files_byte_order_mark_is_no_text(tmp_path, capsys):
+    """A BOM (which Windows editors write) marks the encoding: it began each such txt document with tokens of its own,
+    compressed or not, where a jsonl's is dropped. Data prepared with it is prepared again."""
+    import gzip
+
+    text, bom = "In the beginning God created the heaven and the earth.\n", b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + text.encode())
+    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(bom + text.encode()))
+    (tmp_path / "c.jsonl").write_bytes(bom + json.dumps({"text": text}).encode() + b"\n")
+    config = data_config(tmp_path, f"data.sources=[{tmp_path}]", f"data.prefix={tmp_path / 'out' / 'out'}")
+    prepare(config)
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(tmp_path / "out" / "out") == [tokenizer.encode(text) + [tokenizer.eod]] * 3
+
+    manifest_file = tmp_path / "out" / "out.manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["fingerprint"]["txt_bom"]  # as an earlier version wrote it
+    manifest_file.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    prepare(config)
+    assert "up to date" not in capsys.readouterr().out
+
+
 def test_a_source_rewritten_at_the_same_size_is_prepared_again(tmp_path, capsys):
     """An edited source whose size happens to stay the same (a corrected typo) is told apart by its
     modification time: it must be prepared again, not served as the old text's tokens."""

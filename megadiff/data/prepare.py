@@ -240,6 +240,8 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
     return {
         "sources": [source.fingerprint() for source in sources],
         "text_key": data.text_key,
+        # a txt file's BOM dropped (before: read as a character beginning its document)
+        **({"txt_bom": "dropped"} if any(source.builder == "text" for source in sources) else {}),
         # a pair encoded as one text (before: its prompt and response apart, which changed SentencePiece's text)
         **({"response_key": data.response_key, "pair_encoding": "one text"} if data.response_key is not None else {}),
         # encoded as one text (before: piece by piece, which split tokens at the turns' edges)

@@ -19,6 +19,7 @@ from megadiff.data.errors import DataError
 BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".txt": "text", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz")
 TEXT_TYPES = ("string", "large_string")
+UTF8_BOM = "\ufeff"
 
 
 @dataclass(frozen=True)
@@ -223,9 +224,17 @@ def _load(source: Source, cache_dir: str):
         files = [str(f) for f in source.files if f.stat().st_size]
         if not files:
             return None
-        return datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
+        table = datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
+        return _without_bom(table) if source.builder == "text" else table
     except Exception as err:  # datasets raises many types; all mean the same thing here
         raise _unloadable(source, err) from err
+
+
+def _without_bom(table):
+    """A txt file's text without the UTF-8 BOM before it (Windows editors write one): it marks the encoding, it is
+    no text; read as U+FEFF it began the document with tokens of its own, where the json reader drops it. The text
+    builder's `encoding` is not given to a compressed file's reader, so it is dropped here."""
+    return table.map(lambda record: {"text": record["text"].removeprefix(UTF8_BOM)})
 
 
 def _column(table, source: Source, setting: str, key: str, name: str):
