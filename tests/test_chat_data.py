@@ -177,6 +177,29 @@ def test_a_tokenizer_without_offsets_encodes_the_turns_apart():
     assert tokenizer.decode([i for i, masked in zip(ids, mask) if not masked]) == "Who begat Enos?"
 
 
+def test_a_content_that_is_no_text_is_refused_where_the_template_writes_it_as_python(tmp_path):
+    """A null content (a ShareGPT turn without its value) or OpenAI's list of parts: Tulu's template wrote "None" or
+    the list's Python text into the document, which the model was trained on. A template that leaves a null
+    content out (as tool-calling templates do) prepares it."""
+    tulu = str(Path(CHATML).with_name("tulu.jinja"))
+    question = {"role": "user", "content": "Who begat Enos?"}
+    for name, reply in (("null", None), ("parts", [{"type": "text", "text": "Seth."}])):
+        sources = write_conversations(tmp_path / name, [[question, {"role": "assistant", "content": reply}]] * 2)
+        with pytest.raises(DataError, match=r"message 1 \(assistant\) .* holds \w+ content, which the chat template"):
+            prepare(build_config({}, chat_overrides(sources, tmp_path / name / "out", template=tulu)).data)
+    leaving_out_null = template_file(tmp_path, (
+        "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\\n' -}}{%- if m['content'] is not none -%}"
+        "{{- m['content'] + '\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"))
+    conversation = [question, {"role": "assistant", "content": None}, {"role": "assistant", "content": "Seth."}]
+    sources = write_conversations(tmp_path / "handled", [conversation] * 2)
+    prepare(build_config({}, chat_overrides(sources, tmp_path / "handled" / "out", template=leaving_out_null)).data)
+    tokenizer = load_tokenizer("cl100k_base")
+    rendered = tokenizer.encode("<|user|>\nWho begat Enos?\n<|assistant|>\n<|assistant|>\nSeth.\n") + [tokenizer.eod]
+    dataset = IndexedDataset(str(tmp_path / "handled" / "out"))
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [rendered] * 2
+
+
 def test_the_tulu_template_renders_open_instructs_format(tmp_path, small_tokenizer_dir):
     """configs/chat/tulu.jinja (configs/adapt/daa.yaml's) writes what open-instruct's Tulu 2 encoder
     concatenates (contents stripped), and the loss falls on each assistant's content, its EOS and the

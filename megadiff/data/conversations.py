@@ -181,11 +181,32 @@ def _render(messages: list[dict], template: str, variables: dict, generation_pro
     return rendered[0], [tuple(span) for span in indices[0]] if marked else []
 
 
+def _refuse_contents_written_as_python(messages: list[dict], text: str, template: str, variables: dict) -> None:
+    """A content that is no text, null or OpenAI's list of parts, which the template (Tulu's, SmolLM2's) wrote as
+    Python writes it: the model was trained on "None" or "[{'type': 'text', ...}]" without a word. Templates that
+    handle them (a tool call's null content, Llama 3's parts) write no such text and pass."""
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        if content is None and "content" in message:
+            emptied = [*messages[:index], {**message, "content": ""}, *messages[index + 1:]]
+            written = text.count("None") > _render(emptied, template, variables)[0].count("None")
+        else:
+            written = isinstance(content, (list, dict)) and str(content) in text
+        if written:
+            raise DataError(f"data.messages_key: message {index} ({message['role']}) of {str(messages)[:120]!r} "
+                            f"holds {type(content).__name__} content, which the chat template writes as the text "
+                            f"{str(content)[:60]!r}; give each message's content as a string (a list of parts' "
+                            "texts joined), or use a template that handles such content")
+
+
 def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character ranges of the assistant's turns in it."""
     if GENERATION_BLOCK.search(template):
-        return _render(messages, template, variables, marked=True)
+        text, spans = _render(messages, template, variables, marked=True)
+        _refuse_contents_written_as_python(messages, text, template, variables)
+        return text, spans
     text, _ = _render(messages, template, variables)
+    _refuse_contents_written_as_python(messages, text, template, variables)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
