@@ -796,6 +796,33 @@ def test_a_txt_files_byte_order_mark_is_no_text(tmp_path, capsys):
     assert "up to date" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("bad, problem", [('"a string"', "a JSON str, not an object"), ("[1, 2]", "a JSON list"),
+                                          ('{"text": "x\\ud800"}', "no Unicode text: it escapes a lone surrogate"),
+                                          ('{"text": "cut sh', "not JSON")])
+def test_a_json_line_that_is_no_record_is_named_by_its_line(tmp_path, bad, problem):
+    """Arrow's reader named a row counted from its block's start ("row 0" for a file's third line): the line is
+    named by its number in the file, compressed or not."""
+    import gzip
+
+    lines = [json.dumps({"text": f"Verse {i}."}) for i in range(5)]
+    lines[2] = bad
+    content = ("\n".join(lines) + "\n").encode()
+    for name, data in (("bad.jsonl", content), ("bad.jsonl.gz", gzip.compress(content))):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=rf"data.sources\[0\]: .*{name} could not be read: line 3 is {problem}"):
+            prepare(data_config(tmp_path, f"data.sources=[{tmp_path / name}]", f"data.prefix={tmp_path / 'out'}"))
+
+
+def test_a_truncated_compressed_jsonl_is_refused_naming_it(tmp_path):
+    """Looking for the bad line must not replace the reader's refusal with a traceback of its own."""
+    import gzip
+
+    packed = gzip.compress("".join(json.dumps({"text": f"Verse {i}."}) + "\n" for i in range(5000)).encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[:-2000])
+    with pytest.raises(DataError, match=r"data.sources\[0\]: .*cut.jsonl.gz could not be read: Compressed file ended"):
+        prepare(data_config(tmp_path, f"data.sources=[{tmp_path / 'cut.jsonl.gz'}]", f"data.prefix={tmp_path / 'out'}"))
+
+
 def test_a_source_rewritten_at_the_same_size_is_prepared_again(tmp_path, capsys):
     """An edited source whose size happens to stay the same (a corrected typo) is told apart by its
     modification time: it must be prepared again, not served as the old text's tokens."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,11 +53,16 @@ def _suffixes(path: Path) -> list[str]:
     return [suffix.lower() for suffix in path.suffixes]
 
 
-def builder_for(path: Path) -> Optional[str]:
+def _data_suffix(path: Path) -> Optional[str]:
+    """The suffix naming what a file holds, behind a compression's: corpus.JSONL.gz -> ".jsonl"."""
     suffixes = _suffixes(path)
     if suffixes and suffixes[-1] in COMPRESSIONS:
         suffixes = suffixes[:-1]
-    return BUILDERS.get(suffixes[-1]) if suffixes else None
+    return suffixes[-1] if suffixes else None
+
+
+def builder_for(path: Path) -> Optional[str]:
+    return BUILDERS.get(_data_suffix(path))
 
 
 def _unread_compression(path: Path) -> Optional[str]:
@@ -227,7 +233,51 @@ def _load(source: Source, cache_dir: str):
         table = datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
         return _without_bom(table) if source.builder == "text" else table
     except Exception as err:  # datasets raises many types; all mean the same thing here
-        raise _unloadable(source, err) from err
+        raise _unreadable_line(source) or _unloadable(source, err) from err
+
+
+def _unreadable_line(source: Source) -> Optional[DataError]:
+    """The first line of a json-lines source that is no record, named by its number in its file: Arrow's reader
+    counts its rows from the start of the block it was reading (a bad line 70,124 was "row 25455")."""
+    json_lines = [path for path in source.files if source.builder == "json" and _data_suffix(path) != ".json"]
+    for path in json_lines:  # a .json file may hold one array of records over many lines
+        try:
+            found = _first_bad_line(path)
+        except Exception:  # a file that cannot be read through (a truncated .gz): the reader's own error says why
+            return None
+        if found is not None:
+            number, problem = found
+            return DataError(f"{source.key}: {path} could not be read: line {number} is {problem}; one JSON "
+                             "object a line is read (a jsonl file)")
+    return None
+
+
+def _first_bad_line(path: Path) -> Optional[tuple[int, str]]:
+    """(number, problem) of the first line of a json-lines file that is no record."""
+    import fsspec
+
+    with fsspec.open(str(path), "rb", compression="infer") as lines:
+        for number, line in enumerate(lines, 1):
+            problem = _record_problem(line)
+            if problem is not None:
+                return number, problem
+    return None
+
+
+def _record_problem(line: bytes) -> Optional[str]:
+    """What makes a json-lines line no record, or None for a record (or a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line.decode("utf-8"))
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except UnicodeEncodeError:
+        return "no Unicode text: it escapes a lone surrogate (such as \\ud800)"
+    except ValueError as err:
+        return f"not JSON ({err})"
+    return None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
 
 
 def _without_bom(table):
