@@ -511,6 +511,23 @@ def test_a_prefix_inside_its_source_directory_does_not_read_its_own_files(tmp_pa
     assert "up to date" in capsys.readouterr().out
 
 
+def test_a_source_directory_holding_the_cache_directory_does_not_read_what_runs_wrote_there(tmp_path):
+    """data.sources=[data] with the default data.cache_dir, data/cache: a demo run's bundled corpus (kjv.jsonl) and
+    megatron's index descriptions (.txt) were prepared with the user's documents. Naming a directory of the cache
+    itself still reads it."""
+    data, cache = tmp_path / "data", tmp_path / "data" / "cache"
+    (cache / "corpus").mkdir(parents=True)
+    (cache / "indices").mkdir()
+    (data / "mine.jsonl").write_text(json.dumps({"text": "My own document."}) + "\n")
+    (cache / "corpus" / "kjv.jsonl").write_text(json.dumps({"text": "In the beginning."}) + "\n")
+    (cache / "indices" / "0123-GPTDataset-train-description.txt").write_text('{"class": "GPTDataset"}')
+    tokenizer = load_tokenizer("cl100k_base")
+    for entry, text in ((data, "My own document."), (cache / "corpus", "In the beginning.")):
+        prefix = tmp_path / "out" / entry.name
+        prepare(build_config({}, [f"data.cache_dir={cache}", f"data.sources=[{entry}]", f"data.prefix={prefix}"]).data)
+        assert read_back(prefix) == [tokenizer.encode(text) + [tokenizer.eod]]
+
+
 def _prepared_page(tmp_path: Path, text: str, tokenizer_dir: Path):
     """`text` as one web page prepared with `tokenizer_dir`: the tokenizer and the page's ids."""
     source = tmp_path / "web.jsonl"

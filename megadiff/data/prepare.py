@@ -161,8 +161,11 @@ def _plan(data: DataConfig) -> _Plan:
     prefix = data_prefix(data)
     entries = [str(write_bundled_corpus(data.bundled_corpus, corpus_dir(data)))] if data.bundled_corpus \
         else data.sources
-    # a prefix inside a source directory must not read its own manifest and parts as sources
-    sources = resolve_sources(entries, ignored=(manifest_path(prefix), parts_dir(prefix)))
+    # a prefix inside a source directory must not read its own manifest and parts as sources, nor a source directory
+    # holding data.cache_dir (data/ holds data/cache by default) what runs write there: a bundled corpus's
+    # jsonl, megatron's index descriptions (.txt)
+    ignored = (manifest_path(prefix), parts_dir(prefix), Path(data.cache_dir))
+    sources = resolve_sources(entries, ignored=ignored)
     tokenizer = load_tokenizer(data.tokenizer)
     chat_template = resolve_chat_template(data, tokenizer)
     parts = [part for source in sources for part in source.parts()]

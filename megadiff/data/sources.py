@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -116,9 +117,17 @@ def _looks_local(entry: str) -> bool:
     return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
 
 
+def _starting_directory(entry: str) -> Path:
+    """Where a path or glob entry starts: its components before the first wildcard."""
+    parts = Path(entry).expanduser().parts
+    return Path(*itertools.takewhile(lambda part: not glob.has_magic(part), parts))
+
+
 def _files_of(entry: str, key: str, ignored: tuple[Path, ...]) -> Optional[list[Path]]:
-    """The local files an entry names, or None when it names no local path (a hub dataset)."""
+    """The local files an entry names, or None when it names no local path (a hub dataset). The `ignored`
+    places it starts in are not left out: an entry naming data.cache_dir/corpus reads it."""
     kinds = "json/jsonl/txt/parquet"
+    ignored = tuple(place for place in ignored if not _is_ignored(_starting_directory(entry), (place,)))
     if glob.has_magic(entry):
         files = _readable_files((Path(p) for p in glob.glob(entry, recursive=True)), key, ignored)
         if not files:
@@ -144,7 +153,7 @@ def _files_of(entry: str, key: str, ignored: tuple[Path, ...]) -> Optional[list[
 
 def resolve_sources(entries: list[str], ignored: Iterable[Path] = ()) -> list[Source]:
     """Check every entry exists now, before any work; consecutive files of one kind load together.
-    Directories and globs leave out the `ignored` files and directories (what prepare-data writes)."""
+    Directories and globs leave out the `ignored` files and directories (what megadiff writes)."""
     if not entries:
         raise DataError("data.sources: empty; list the files to prepare (json/jsonl/txt/parquet) "
                         "or set data.bundled_corpus")
