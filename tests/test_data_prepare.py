@@ -489,6 +489,30 @@ def test_a_directory_reads_the_files_its_linked_directories_hold(tmp_path):
     assert read_back(tmp_path / "out") == [tokenizer.encode(f"Shard {name}.") + [tokenizer.eod] for name in "ab"]
 
 
+def test_a_directory_or_glob_with_a_file_it_cannot_reach_is_refused(tmp_path, monkeypatch):
+    """A shard linked from a file system not mounted here, or a subdirectory that cannot be listed (its
+    permissions): both were passed by without a word, their documents left out."""
+    corpus = tmp_path / "corpus"
+    (corpus / "locked").mkdir(parents=True)
+    (corpus / "a.jsonl").write_text(json.dumps({"text": "Reached."}) + "\n")
+    (corpus / "locked" / "b.jsonl").write_text(json.dumps({"text": "Behind permissions."}) + "\n")
+    (corpus / "shard.jsonl").symlink_to(tmp_path / "unmounted" / "shard.jsonl")
+    for entry in (corpus, f"'{corpus}/*.jsonl'"):
+        with pytest.raises(DataError, match=r"data.sources\[0\]: .*shard.jsonl links to .*unmounted.*, which does "):
+            prepare(data_config(tmp_path, f"data.sources=[{entry}]", f"data.prefix={tmp_path / 'out'}"))
+    (corpus / "shard.jsonl").unlink()
+    scandir = os.scandir
+
+    def unlistable(path="."):
+        if Path(path) == corpus / "locked":  # root reads any directory: its refusal is simulated
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unlistable)
+    with pytest.raises(DataError, match=r"data.sources\[0\]: .*locked cannot be listed \(Permission denied\)"):
+        prepare(data_config(tmp_path, f"data.sources=[{corpus}]", f"data.prefix={tmp_path / 'out'}"))
+
+
 def test_a_file_a_directory_holds_twice_through_a_link_is_refused(tmp_path):
     """latest.jsonl -> shard-1.jsonl beside it: the shard's documents were trained on twice."""
     (tmp_path / "corpus").mkdir()

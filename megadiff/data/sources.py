@@ -8,6 +8,7 @@ source is checked when the plan is made, before any tokenizing: a hub name must 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import itertools
 import json
@@ -90,17 +91,35 @@ def _refuse_unread_compression(files: list[Path], key: str) -> None:
 
 def _readable_files(paths: Iterable[Path], key: str, ignored: tuple[Path, ...]) -> list[Path]:
     """The files among `paths` a builder reads, but the `ignored` ones, sorted."""
-    files = [path for path in paths if path.is_file() and not _is_ignored(path, ignored)]
+    paths = [path for path in paths if not _is_ignored(path, ignored)]
+    _refuse_dangling_links(paths, key)
+    files = [path for path in paths if path.is_file()]
     _refuse_unread_compression(files, key)
     return sorted(path for path in files if builder_for(path))
 
 
-def _files_under(directory: Path) -> Iterator[Path]:
+def _refuse_dangling_links(paths: list[Path], key: str) -> None:
+    """A data file's link whose target is missing (a shard on a file system not mounted here): passed by as no
+    file, its documents were left out without a word."""
+    dangling = sorted(path for path in paths if builder_for(path) and path.is_symlink() and not path.exists())
+    if dangling:
+        raise DataError(f"{key}: {dangling[0]} links to {os.readlink(dangling[0])}, which does not exist (a file "
+                        "system not mounted here?); its documents would be left out")
+
+
+def _refuse_unlisted(key: str, error: OSError) -> None:
+    """os.walk's onerror: a directory that cannot be listed is refused, where os.walk (and rglob before it) passed
+    by it and its files without a word."""
+    raise DataError(f"{key}: {error.filename} cannot be listed ({error.strerror}): its files would be left out")
+
+
+def _files_under(directory: Path, key: str) -> Iterator[Path]:
     """Every file under `directory`, through links to directories too: a corpus directory often links shards kept
     elsewhere, which pathlib's rglob passed by without a word. A link back to a directory it lies in (a loop) is
     not entered; the files of one reached twice otherwise are refused as named twice."""
     enclosing = {str(directory): {os.path.realpath(directory)}}  # each directory walked: the real paths it lies in
-    for root, subdirectories, files in os.walk(directory, followlinks=True):
+    refuse_unlisted = functools.partial(_refuse_unlisted, key)
+    for root, subdirectories, files in os.walk(directory, onerror=refuse_unlisted, followlinks=True):
         above = enclosing.pop(root)
         for name in list(subdirectories):
             real = os.path.realpath(os.path.join(root, name))
@@ -135,7 +154,7 @@ def _files_of(entry: str, key: str, ignored: tuple[Path, ...]) -> Optional[list[
         return files
     path = Path(entry).expanduser()
     if path.is_dir():
-        files = _readable_files(_files_under(path), key, ignored)
+        files = _readable_files(_files_under(path, key), key, ignored)
         if not files:
             raise DataError(f"{key}: directory {path} holds no {kinds} files")
         return files
