@@ -311,7 +311,12 @@ def _record_problem(line: bytes) -> Optional[str]:
 def _without_bom(table):
     """A txt file's text without the UTF-8 BOM before it (Windows editors write one): it marks the encoding, it is
     no text; read as U+FEFF it began the document with tokens of its own, where the json reader drops it. The text
-    builder's `encoding` is not given to a compressed file's reader, so it is dropped here."""
+    builder's `encoding` is not given to a compressed file's reader, so it is dropped here. Only a table holding
+    one is copied: a corpus of large txt files is not written to the cache again."""
+    import pyarrow.compute as pc
+
+    if not pc.any(pc.starts_with(table.data.column("text"), UTF8_BOM)).as_py():
+        return table
     return table.map(lambda record: {"text": record["text"].removeprefix(UTF8_BOM)})
 
 
