@@ -165,7 +165,7 @@ def crashing_at_step(crash_step: int, overrides: list[str], in_evaluation: bool 
 
     from megadiff.cli import entry_point
 
-    name = "run_forward_backward" if in_evaluation else "train_step"
+    name = "validation_sums" if in_evaluation else "train_step"
     original, calls = getattr(pretrain, name), []
 
     def failing(*args, **kwargs):

@@ -17,6 +17,7 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import loss_mask_prefix
 from megadiff.data.prepare import prepare
 from megadiff.data.tokenizers import load_tokenizer
+from megadiff.inference.evaluate import evaluate
 from tests.conftest import kjv_verses
 from tests.convert_worker import build_tokenizer
 from megadiff.observability.metrics import read_metrics
@@ -102,12 +103,18 @@ def test_training_samples_keep_the_loss_on_the_responses(tmp_path):
     assert all(train[i]["loss_mask"].min() == 1 for i in range(12))
 
 
+def tiny_cl100k_run(tmp_path, split: str) -> list[str]:
+    """tiny_overrides for a 2-iteration run on cl100k_base data named by the test."""
+    base = tiny_overrides(tmp_path / "unused", tmp_path / "cache") + ["model.vocab_size=100288", "train.iters=2"]
+    return [o for o in base if not o.startswith("data.tokenizer=")] + ["data.bundled_corpus=null",
+                                                                       f"data.split={split}"]
+
+
 def test_pretraining_on_prompt_response_data(tmp_path):
     """End to end: a run on responses only (averaged per token, validated) starts from another loss
     than one on every token."""
     sources, prefix = sft_corpus(tmp_path, records=200)
-    base = tiny_overrides(tmp_path / "unused", tmp_path / "cache") + ["model.vocab_size=100288", "train.iters=2"]
-    base = [o for o in base if not o.startswith("data.tokenizer=")] + ["data.bundled_corpus=null", "data.split=90,10,0"]
+    base = tiny_cl100k_run(tmp_path, "90,10,0")
     with_responses = sft_overrides(sources, prefix) + [f"output_dir={tmp_path / 'sft'}"]
     validated = ["train.per_token_loss=true", "train.eval_interval=2", "train.eval_iters=1"]
     run_pretrain(1, base + with_responses + validated)
@@ -117,6 +124,23 @@ def test_pretraining_on_prompt_response_data(tmp_path):
     assert masked[0] != pytest.approx(everything[0], rel=1e-3)
     (valid,) = [r["valid_loss"] for r in read_metrics(tmp_path / "sft") if "valid_loss" in r]
     assert np.isfinite(valid)
+
+
+def test_validation_means_over_the_response_tokens_as_evaluate_does(tmp_path):
+    """Micro-batches of one sample hold unequal numbers of response tokens: the run's valid_loss at iteration 2
+    is the mean over every response token of its 2 x 8 validation samples, as `megadiff evaluate` scores the
+    checkpoint of that iteration on them (a mean of micro-batch means weighed the tokens unequally)."""
+    sources, prefix = sft_corpus(tmp_path, records=2000)  # a valid split of more than 16 distinct samples
+    out = tmp_path / "sft"
+    run_pretrain(1, tiny_cl100k_run(tmp_path, "50,50,0") + sft_overrides(sources, prefix) + [
+        f"output_dir={out}", "train.micro_batch_size=1", "train.eval_interval=2", "train.eval_iters=2",
+        "checkpoint.save_interval=2"])
+    (valid,) = [r["valid_loss"] for r in read_metrics(out) if "valid_loss" in r]
+    report = tmp_path / "eval.json"
+    assert evaluate(str(out), sequences=16, batch_size=4, output=str(report)) == 0
+    scored = json.loads(report.read_text())
+    assert scored["sequences"] == 16
+    assert valid == pytest.approx(scored["loss"], rel=1e-6)
 
 
 def test_mistakes_are_named(tmp_path):

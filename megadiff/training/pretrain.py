@@ -45,7 +45,7 @@ from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
 from megadiff.training.state import plan_start, prepared_again, restore, training_data_digests
-from megadiff.training.step import run_forward_backward, train_step
+from megadiff.training.step import train_step, validation_sums
 from megadiff.training.throughput import Throughput, layer_lambdas
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
 
@@ -185,16 +185,17 @@ class Pretraining:
                               self.state.to_dict())
 
     def evaluate(self) -> dict[str, float]:
-        """{metric: mean loss over eval_iters batches} for each validation set (valid_loss: the blend's)."""
+        """{metric: mean loss over the loss tokens of eval_iters batches} for each validation set (valid_loss: the
+        blend's)."""
         t = self.cfg.train
         for chunk in self.engine.model:
             chunk.eval()
         results = {}
         for metric, dataset in self.valid_sets.items():
             with self._loader(dataset, 0, t.eval_iters * t.global_batch_size) as batches:
-                losses = [run_forward_backward(self.engine, batches.next_iteration(), self.num_microbatches,
-                                               forward_only=True) for _ in range(t.eval_iters)]
-            results[metric] = sum(losses) / len(losses)
+                loss_sum, tokens = sum(validation_sums(self.engine, batches.next_iteration(), self.num_microbatches)
+                                       for _ in range(t.eval_iters)).tolist()
+            results[metric] = loss_sum / max(tokens, 1.0)
         for chunk in self.engine.model:
             chunk.train()
         return results

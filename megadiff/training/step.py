@@ -46,16 +46,19 @@ def masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return local_sum, tokens.to(torch.int), {"lm_loss": torch.stack([local_sum.detach(), tokens])}
 
 
-def forward_step(data_iterator: Iterator, model):
+def forward_step(data_iterator: Iterator, model, *, summed: bool | None = None):
     """megatron forward_step_func: every stage reads the batch; the first uses tokens, the last labels,
-    every layer the document boundaries when the batch has them (data.document_masking)."""
+    every layer the document boundaries when the batch has them (data.document_masking). `summed` (default:
+    train.per_token_loss, the model config's) returns the loss as masked_loss_sum's (sum, tokens)."""
     batch = dict(next(data_iterator))  # a copy: the interleaved schedule gives every model chunk the same dict
     # the documents of the whole sequences: each context-parallel rank attends from its chunks to them all
     documents = document_packing(batch.pop("cu_seqlens", None), batch["tokens"].shape[1])
     batch = get_batch_on_this_cp_rank(batch)  # identity without context parallelism
     per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                            packed_seq_params=documents)
-    loss_func = masked_loss_sum if model.config.calculate_per_token_loss else masked_mean_loss
+    if summed is None:
+        summed = model.config.calculate_per_token_loss
+    loss_func = masked_loss_sum if summed else masked_mean_loss
     return per_token_loss, partial(loss_func, batch["loss_mask"])
 
 
@@ -70,25 +73,35 @@ class StepResult:
     non_finite_ranks: list[str] = field(default_factory=list)
 
 
+def _token_totals(reduced: list[dict], like: torch.Tensor) -> torch.Tensor:
+    """On the last pipeline stage: masked_loss_sum's (sum, tokens) pairs summed over micro-batches and DP x CP."""
+    totals = torch.stack([item["lm_loss"] for item in reduced]).sum(0).to(like)
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return totals
+
+
+def _from_last_stage(value: torch.Tensor) -> torch.Tensor:
+    """`value` (the last pipeline stage's) on every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return value
+
+
 def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_token: bool) -> float:
     """The schedules return losses on the last pipeline stage only: average over DP, send to all stages.
     `per_token` losses come as (sum, tokens) pairs: their sums' ratio over the whole global batch."""
     value = torch.zeros(1, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         if per_token:
-            totals = torch.stack([item["lm_loss"] for item in reduced]).sum(0).to(value)
-            dist.all_reduce(totals, group=group)
+            totals = _token_totals(reduced, value)
             value[0] = totals[0] / totals[1].clamp(min=1.0)
         else:
             # summed where they are: a float() each would wait on the device once per micro-batch
             value[0] = torch.stack([item["lm_loss"] for item in reduced]).to(value).sum() / num_microbatches
-            dist.all_reduce(value, group=group)
+            dist.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        last = parallel_state.get_pipeline_model_parallel_last_rank()
-        dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
-    return float(value[0])
+    return float(_from_last_stage(value)[0])
 
 
 def _ranks_with_non_finite_losses(reduced: list[dict]) -> list[str]:
@@ -97,12 +110,15 @@ def _ranks_with_non_finite_losses(reduced: list[dict]) -> list[str]:
     return ranks_where(any(not torch.isfinite(item["lm_loss"]).all() for item in reduced))  # the last stage's
 
 
-def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool) -> list[dict]:
-    """The schedule's run: this rank's losses of each micro-batch (on the last pipeline stage; none elsewhere)."""
+def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool,
+                      summed: bool | None = None) -> list[dict]:
+    """The schedule's run: this rank's losses of each micro-batch (on the last pipeline stage; none elsewhere);
+    `summed`: forward_step's."""
     cfg = engine.cfg
+    step_func = forward_step if summed is None else partial(forward_step, summed=summed)
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=step_func,
         data_iterator=iterators if len(engine.model) > 1 else iterators[0],
         model=engine.model,
         num_microbatches=num_microbatches,
@@ -116,6 +132,19 @@ def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, f
     """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk."""
     reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only)
     return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
+
+
+def validation_sums(engine: Engine, data_iterator, num_microbatches: int) -> torch.Tensor:
+    """Forward only: the summed loss of one global batch's loss tokens and their count, [sum, tokens] in float64
+    on every rank. Validation means over tokens (as Megatron-LM's evaluate), whatever train.per_token_loss says:
+    a mean of micro-batch means weighs the tokens of a micro-batch with few loss tokens (prompt/response data,
+    data.eod_mask_loss) more, so the curve depended on the micro-batch size and the data-parallel layout and
+    differed from `megadiff evaluate`'s mean of the same samples."""
+    reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only=True, summed=True)
+    totals = torch.zeros(2, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        totals = _token_totals(reduced, totals)
+    return _from_last_stage(totals)
 
 
 def _clip_gradients(optimizer, grad_norm: float) -> None:
