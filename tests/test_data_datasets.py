@@ -19,7 +19,7 @@ import pytest
 from megadiff.config import ConfigError, build_config
 from megadiff.data import indexed
 from megadiff.data.checks import check_training_data
-from megadiff.data.datasets import build_datasets
+from megadiff.data.datasets import build_datasets, sources_read_again
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import (
     INDEX_HEADER_BYTES, AtomicIndexedWriter, read_index, sequence_lengths, token_count, token_dtype,
@@ -63,6 +63,20 @@ def split_range(count: int, split: list[float], index: int) -> range:
     """The documents of split `index`, computed from the split weights like megatron's builder cuts them."""
     bounds = np.concatenate([[0], np.cumsum(split)]) / sum(split)
     return range(int(round(bounds[index] * count)), int(round(bounds[index + 1] * count)))
+
+
+def test_a_valid_split_asked_for_more_samples_than_it_holds_is_named(corpus, tmp_path):
+    """sources_read_again names a split asked for more samples than one pass over its documents gives (as many as
+    its tokens fill, counted here from the documents): those read some documents twice, the others none."""
+    prefix, documents = corpus
+    cfg = config(tmp_path, f"data.prefix={prefix}", "data.split=80,10,10")
+    tokens = sum(len(documents[d]) for d in split_range(len(documents), [80, 10, 10], 1))
+    distinct = (tokens - 1) // SEQ  # a sample reads SEQ + 1 tokens
+    for asked, named in ((distinct, []), (distinct + 1, [(str(prefix), distinct + 1, distinct)])):
+        _, valid, _ = build_datasets(cfg, TOKENIZER, (0, asked, 0), seed=3)
+        assert sources_read_again(valid) == named
+        passes = len(valid.document_index) / len(split_range(len(documents), [80, 10, 10], 1))
+        assert passes == (1 if asked <= distinct else 2)  # the documents of a second pass shuffled in
 
 
 def test_samples_are_consecutive_windows_of_the_shuffled_document_stream(corpus, tmp_path):

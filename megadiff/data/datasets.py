@@ -36,7 +36,7 @@ from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
 from megadiff.files import exclusive_lock
 
-__all__ = ["build_datasets", "source_config", "source_names"]
+__all__ = ["build_datasets", "source_config", "source_names", "sources_read_again"]
 
 
 def megatron_blend(data: DataConfig) -> tuple[list[str], Optional[list[float]]]:
@@ -85,6 +85,21 @@ def _check_sizes(datasets: list, num_samples: tuple[int, int, int], key: str) ->
             raise DataError(f"{key}: the {name} split was built with {len(dataset):,} samples, fewer than the "
                             f"{wanted:,} asked for (train.iters or train.eval_iters times train.global_batch_size): "
                             "training would stop partway with an IndexError; lower those, or give the blend weights")
+
+
+def sources_read_again(dataset) -> list[tuple[str, int, int]]:
+    """(prefix, samples asked of it, distinct samples its split's documents give) of each source of `dataset` (a
+    split build_datasets built) asked for more samples than one pass gives: megatron shuffles a second pass in, so
+    some of its documents are read twice (or more) and others once. Length-upsampled sources repeat by design."""
+    found = []
+    for part in getattr(dataset, "datasets", [dataset]):  # a BlendedDataset's sources, or the one
+        if isinstance(part, LengthUpsampledGPTDataset):
+            continue
+        extra = part.config.add_extra_token_to_sequence  # a sample reads seq_length + 1 tokens
+        distinct = (part._get_num_tokens_per_epoch() - extra) // part.config.sequence_length
+        if part.num_samples > distinct:
+            found.append((part.dataset_path, part.num_samples, distinct))
+    return found
 
 
 def source_config(cfg: Config, prefix: str) -> Config:

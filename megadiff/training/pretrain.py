@@ -153,6 +153,7 @@ class Pretraining:
         elif start.continues and "data" not in start.saved:
             lines.append("the checkpoint keeps no record of the data it trained on (saved by an earlier megadiff): "
                          "data prepared again since cannot be told from it (its next checkpoint records it)")
+        lines += self._validation_repeats()
         if 0 < drawn_for < self.train_samples:
             lines.append(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
                          f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "
@@ -160,6 +161,23 @@ class Pretraining:
                          "from here (some samples again, some never). To lengthen a run in one order, give "
                          "train.planned_samples when it starts")
         return lines
+
+    def _validation_repeats(self) -> list[str]:
+        """A valid split of fewer samples than an evaluation reads: its loss weighs the documents read twice more
+        than the others (not the split's mean, nor `megadiff evaluate`'s, which reads each once), said at the start
+        where train.eval_interval evaluates."""
+        from megadiff.data.datasets import sources_read_again
+
+        t = self.cfg.train
+        if not t.eval_interval:
+            return []
+        return [f"{metric}: the valid split of {prefix} holds {distinct:,} distinct samples of model.seq_length, "
+                f"fewer than the {asked:,} asked of it (train.eval_iters x train.global_batch_size = "
+                f"{t.eval_iters * t.global_batch_size:,} in all): some of its documents are read twice, others once, "
+                "and weigh unequally in the loss; lower train.eval_iters or give the valid split (data.split) more "
+                "documents"
+                for metric, dataset in self.valid_sets.items()
+                for prefix, asked, distinct in sources_read_again(dataset)]
 
     def _loader(self, dataset, consumed: int, total: int) -> IterationBatches:
         t = self.cfg.train
