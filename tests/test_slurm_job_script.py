@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # scancel takes its time (as a busy controller does): a step may end while the trap waits on it; a requeue
 # ends the batch script's run with SIGTERM, as Slurm's does
-STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; sleep 1.5', "srun": 'echo "srun $*" >> "$CALLS"',
+STANDINS = {"scancel": 'echo "scancel $*" >> "$CALLS"; touch "$FORWARDED"; sleep 1.5',
+            "srun": 'echo "srun $*" >> "$CALLS"',
             "scontrol": 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi\n'
                         'if [[ $1 == requeue ]]; then kill -TERM $PPID; fi'}
 
@@ -26,7 +27,7 @@ def _slurm_environment(tmp_path: Path, **variables: str) -> dict:
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
-            "TMPDIR": str(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
+            "FORWARDED": str(tmp_path / "forwarded"), "TMPDIR": str(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
             "SLURM_SUBMIT_DIR": str(tmp_path), **variables}
 
 
@@ -37,6 +38,7 @@ def _run_step(tmp_path: Path, step: str, usr1_after: float | None,
     (tmp_path / "config.yaml").touch()
     started = tmp_path / "started"
     started.unlink(missing_ok=True)
+    Path(env["FORWARDED"]).unlink(missing_ok=True)
     script = (f"source {ROOT / 'slurm/job.sh'} {tmp_path / 'config.yaml'}\n"
               f"run_step_requeue_on_preemption bash -c 'touch {started}; {step}'")
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -51,10 +53,17 @@ def _run_step(tmp_path: Path, step: str, usr1_after: float | None,
     return proc.returncode, output, calls.read_text() if calls.exists() else ""
 
 
+def _ends_once_signalled(code: int) -> str:
+    """A step that ends with `code` once the batch script's trap has forwarded SIGUSR1 (30 s at most): a fixed
+    sleep ended before the signal came on a loaded machine, and the test failed by chance."""
+    return f'for _ in $(seq 600); do [[ -e $FORWARDED ]] && break; sleep 0.05; done; exit {code}'
+
+
 @pytest.mark.parametrize("step,usr1_after,code,requeued", [
-    ("sleep 1; exit 0", 0.3, 0, False),   # ends while the trap forwards the signal: done, not preempted
-    ("sleep 1; exit 3", 0.3, 0, True),    # failed once asked to stop (e.g. killed while saving): requeued
-    ("sleep 1; exit 75", 0.3, 0, True),   # stopped for the preemption: requeued
+    (_ends_once_signalled(0), 0.3, 0, False),   # ends while the trap forwards the signal: done, not preempted
+    (_ends_once_signalled(3), 0.3, 0, True),    # failed once asked to stop (e.g. killed while saving): requeued
+    (_ends_once_signalled(75), 0.3, 0, True),   # stopped for the preemption: requeued
+    (_ends_once_signalled(3), 1.2, 0, True),    # the signal late, as on a loaded machine: the same
     ("exit 75", None, 0, True),           # signalled directly (not through this script): requeued too
     ("exit 3", None, 3, False),
 ])
@@ -70,13 +79,13 @@ def test_the_step_s_own_exit_code_decides(tmp_path, step, usr1_after, code, requ
 def test_failures_after_the_signal_are_requeued_a_few_times_in_a_row_at_most(tmp_path):
     """A save that fails on every preemption must not requeue the job for ever: three requeues without
     a committed checkpoint in a row, then the job ends with the step's exit code."""
-    failed_save = "sleep 1; exit 3"
+    failed_save = _ends_once_signalled(3)
     for restart in range(1, 4):
         returncode, output, calls = _run_step(tmp_path, failed_save, 0.3)
         assert returncode == 0 and calls.count("scontrol requeue") == restart, output
         assert f"({restart} of at most 3 in a row)" in output
     # a committed preemption checkpoint in between starts the count again
-    _run_step(tmp_path, "sleep 1; exit 75", 0.3)
+    _run_step(tmp_path, _ends_once_signalled(75), 0.3)
     _run_step(tmp_path, failed_save, 0.3)
     assert _run_step(tmp_path, failed_save, 0.3)[2].count("scontrol requeue") == 6
     _run_step(tmp_path, failed_save, 0.3)
@@ -89,11 +98,11 @@ def test_failures_after_the_signal_are_requeued_a_few_times_in_a_row_at_most(tmp
 def test_a_count_that_cannot_be_kept_ends_the_job_rather_than_requeueing_for_ever(tmp_path):
     """The submit directory unwritable (a full disk, as a save failing every time may find) or its count
     unreadable: no requeue without a committed checkpoint."""
-    returncode, output, calls = _run_step(tmp_path, "sleep 1; exit 3", 0.3, submit_dir=tmp_path / "gone")
+    returncode, output, calls = _run_step(tmp_path, _ends_once_signalled(3), 0.3, submit_dir=tmp_path / "gone")
     assert returncode == 3 and "scontrol requeue" not in calls, output
     assert "cannot be kept" in output
     (tmp_path / ".megadiff-uncommitted-requeues-4242").write_text("")  # left empty by a failed write
-    returncode, output, calls = _run_step(tmp_path, "sleep 1; exit 3", 0.3)
+    returncode, output, calls = _run_step(tmp_path, _ends_once_signalled(3), 0.3)
     assert returncode == 3 and "scontrol requeue" not in calls and "unreadable" in output, output
 
 
