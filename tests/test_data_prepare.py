@@ -311,6 +311,19 @@ def test_ensure_prepared_writes_and_prepares_the_bundled_corpus_once(tmp_path, m
     assert not (tmp_path / "unused").exists()
 
 
+def test_ensure_prepared_speaks_on_the_first_rank_only(tmp_path, monkeypatch, capsys):
+    """The checkpoint commands call it on every rank of torchrun, needles before the ranks' group forms."""
+    monkeypatch.setattr(prepare_module, "write_bundled_corpus",
+                        lambda name, directory: _kjv_subset(Path(directory), CHAPTERS))
+    cfg = build_config({}, ["data.bundled_corpus=kjv", f"data.cache_dir={tmp_path}"])
+    said = {}
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        ensure_prepared(cfg)
+        said[rank] = capsys.readouterr().out
+    assert said["1"] == "" and "up to date" in said["0"]
+
+
 def test_a_bundled_corpus_never_replaces_data_prepared_from_other_sources(corpus, tmp_path, monkeypatch):
     """A demo config (data.bundled_corpus: kjv) given data.prefix=... of one's own data: refused, the data
     kept; the corpus prepared there before is prepared again as usual (here with another tokenizer)."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
@@ -91,7 +92,16 @@ def ensure_prepared(cfg: Config) -> None:
     Data from data.sources is left to `megadiff prepare-data`, run beforehand.
     """
     if cfg.data.bundled_corpus:
-        prepare(cfg.data)
+        # the checkpoint commands call it on every rank of torchrun (needles before the ranks' group forms):
+        # each said the data was up to date
+        prepare(cfg.data, plain_console(quiet=_launched_rank() != 0))
+
+
+def _launched_rank() -> int:
+    """This process's rank: its process group's, else the one torchrun or Slurm's scripts set (RANK)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 WAIT_FOR_PREPARING_SECONDS = 60
