@@ -663,6 +663,18 @@ def test_a_run_failing_before_its_first_step_fails_its_wandb_run(workspace, tmp_
     assert not (output / "stalls").exists()
 
 
+def test_an_adaptation_s_config_read_from_elsewhere_names_the_files_it_named(workspace, tmp_path, monkeypatch):
+    """Its config.yaml, passed back from another working directory (a Slurm job submitted elsewhere), read the
+    relative model.path and data.files from there: refused, or other files, as pre-training's once did."""
+    monkeypatch.chdir(workspace)
+    output = tmp_path / "run"
+    adapt_in_a_rank(workspace, monkeypatch, failing_as_deepspeed_starts, output, tmp_path / "raised",
+                    "model.path=model", "data.files=[train.jsonl]")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_finetune_config(output / "config.yaml")
+    assert (cfg.model.path, cfg.data.files) == (str(workspace / "model"), [str(workspace / "train.jsonl")])
+
+
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_exits_for_requeue(workspace):
     """One plain process (world of one): SIGUSR1 mid-run -> checkpoint at the iteration it was in,

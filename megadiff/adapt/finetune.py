@@ -36,7 +36,7 @@ from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
 from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
-from megadiff.config.loader import config_yaml
+from megadiff.config.loader import dump_config
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
 from megadiff.errors import MegadiffError, refused_together
@@ -197,11 +197,10 @@ def finetune(cfg: FinetuneConfig) -> int:
         resumed = refused_together(lambda: resume_point(output_dir / CHECKPOINT_DIR, rank, world, ds_config))
 
         def started_on_rank_0():
-            resolved = cfg.model_dump(mode="json")
-            # quoted as config files are read (3e-4 as text stays text): it can be passed back as a config
-            (output_dir / "config.yaml").write_text(config_yaml(resolved))
+            # as pre-training's: it can be passed back as a config, its relative paths read from where the run ran
+            dump_config(cfg, output_dir / "config.yaml")
             # before the model loads: a W&B login or project problem stops the run at once, on every rank
-            return wandb_sink(output_dir, cfg.logging, resolved)
+            return wandb_sink(output_dir, cfg.logging, cfg.model_dump(mode="json"))
 
         wandb = refused_together(lambda: started_on_rank_0() if rank == 0 else None)
         writer = None

@@ -17,7 +17,7 @@ from typing import Iterable
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from megadiff.config.schema import Config
 from megadiff.config.validate import ConfigError, validate_config
@@ -42,7 +42,9 @@ SAVED_HEADER = "# megadiff: a resolved config (read with YAML 1.2 numbers)\n"
 WORKING_DIR_NOTE = "# megadiff: relative paths are from the working directory "
 # the path settings of a saved config (some may be names too: a packaged tokenizer, a Hub dataset)
 SAVED_PATH_KEYS = ("output_dir", "data.prefix", "data.sources", "data.blend", "data.cache_dir", "checkpoint.load",
-                   "data.tokenizer", "deepspeed")
+                   "data.tokenizer", "deepspeed",
+                   # an adaptation's (megadiff adapt)
+                   "model.path", "model.tokenizer", "data.files", "export_dir")
 # Keys naming a file shipped beside the config that sets them (configs/adapt/ -> ../deepspeed/zero2.json)
 FILE_RELATIVE_KEYS = ("deepspeed", "data.chat_template")
 
@@ -287,7 +289,8 @@ def config_yaml(tree: dict) -> str:
     return yaml.dump(tree, Dumper=ConfigFileDumper, sort_keys=False)
 
 
-def dump_config(cfg: Config, path: str | Path) -> None:
+def dump_config(cfg: BaseModel, path: str | Path) -> None:
+    """A run's resolved config (pre-training's Config, an adaptation's) as its config files are read back."""
     note = WORKING_DIR_NOTE + json.dumps(os.getcwd()) + "\n"
     Path(path).write_text(SAVED_HEADER + note + config_yaml(cfg.model_dump(mode="json")))
 
