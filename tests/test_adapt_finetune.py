@@ -565,23 +565,68 @@ def poisoned_at(rank: int, world_size: int, config: str, overrides: list[str], p
     from megadiff.adapt import finetune as module
     from megadiff.errors import MegadiffError
 
-    original = module._train_iteration
-
-    def train_iteration(engine, reader, iteration, grad_accum):
-        hook = engine.module.lm_head.register_forward_hook(lambda _module, _inputs, logits: logits * math.nan) \
-            if rank == world_size - 1 and iteration in poisoned else None
-        try:
-            return original(engine, reader, iteration, grad_accum)
-        finally:
-            if hook is not None:
-                hook.remove()
-
-    module._train_iteration = train_iteration
+    _poison_iterations(module, rank == world_size - 1, poisoned)
     try:
         outcome = f"finished with exit code {module.finetune(load_finetune_config(config, overrides))}"
     except MegadiffError as error:
         outcome = str(error)
     Path(f"{report}.{rank}").write_text(outcome)
+
+
+def _poison_iterations(module, poisons: bool, poisoned: list[int], on_iteration=None) -> None:
+    """Makes finetune `module`'s iterations in `poisoned` compute NaN logits where `poisons` (on this rank); each
+    iteration's engine and outcome go to on_iteration(engine, Iteration) where given."""
+    original = module._train_iteration
+
+    def train_iteration(engine, reader, iteration, grad_accum):
+        hook = engine.module.lm_head.register_forward_hook(lambda _module, _inputs, logits: logits * math.nan) \
+            if poisons and iteration in poisoned else None
+        try:
+            outcome = original(engine, reader, iteration, grad_accum)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if on_iteration is not None:
+            on_iteration(engine, outcome)
+        return outcome
+
+    module._train_iteration = train_iteration
+
+
+def annealing_steps_and_lrs(rank: int, world_size: int, config: str, overrides: list[str], poisoned: list[int],
+                            report: str) -> None:
+    """`megadiff adapt` in one spawned rank, NaN at the `poisoned` iterations; writes each iteration's lambda(t)
+    step t and the lr it used to `report` (JSON)."""
+    from megadiff.adapt import finetune as module
+    from megadiff.adapt.apply import adapted_modules
+
+    seen = []
+    _poison_iterations(module, True, poisoned,
+                       lambda engine, outcome: seen.append((adapted_modules(engine.module)[0].step, outcome.lr)))
+    module.finetune(load_finetune_config(config, overrides))
+    Path(report).write_text(json.dumps(seen))
+
+
+def test_lambda_s_annealing_follows_the_applied_updates_as_the_lr_schedule_does(workspace, tmp_path, monkeypatch):
+    """A step DeepSpeed skipped (here a NaN loss) trained nothing and leaves the lr schedule where it was: it
+    moved lambda(t) on all the same. Each step's t is now the schedule's step, whose lr the update used (the
+    reference: the schedule's own multiplier), the same in a run resumed after the skipped step."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    cfg = load_finetune_config(workspace / "adapt.yaml")
+    warmup = round(cfg.train.warmup_ratio * cfg.train.iters)
+    seen = {}
+    for run, stops in (("whole", []), ("resumed", ["checkpoint.exit_interval=2"])):
+        report, steps = tmp_path / run, []
+        for _ in range(1 + len(stops)):  # a stopped run: the same command again resumes it
+            run_ranks(1, annealing_steps_and_lrs, str(workspace / "adapt.yaml"),
+                      [f"output_dir={tmp_path / f'{run}-run'}", *stops], [2], str(report))
+            steps += json.loads(report.read_text())
+        seen[run] = steps
+    assert seen["resumed"] == seen["whole"] and len(seen["whole"]) == ITERS
+    assert [t for t, _ in seen["whole"]] == [0, 1, 1, 2]  # iteration 2's update skipped
+    assert [lr for _, lr in seen["whole"]] == pytest.approx(
+        [cfg.train.lr * lr_multiplier(t, warmup, cfg.train.iters, cfg.train.min_lr_ratio) for t, _ in seen["whole"]])
 
 
 def _trained_weights(output: Path, iteration: int) -> dict:

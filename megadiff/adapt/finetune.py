@@ -243,7 +243,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             iteration, exit_code = start, 0
             while iteration < cfg.train.iters:
                 iteration += 1
-                set_step(engine.module, iteration - 1)  # t = optimizer steps done: lambda(0) = 0 on the first
+                set_step(engine.module, _updates_applied(engine))  # lambda(0) = 0 on the first
                 torch.manual_seed(iteration_seed(cfg.train.seed, iteration, rank))
                 began = time.perf_counter()
                 with watchdog:
@@ -281,7 +281,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                                      "same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
                     break
             else:
-                set_step(engine.module, iteration)
+                set_step(engine.module, _updates_applied(engine))
                 _export(cfg, engine, tokenizer, stage, rank)
             failed = False
         finally:  # an error leaves no empty stalls file, and the metrics closed
@@ -291,6 +291,14 @@ def finetune(cfg: FinetuneConfig) -> int:
             elif wandb is not None:  # failed before the metrics writer took the W&B run over
                 wandb.close(failed=failed)
         return exit_code
+
+
+def _updates_applied(engine) -> int:
+    """lambda(t)'s t: the optimizer updates applied so far, the steps the learning rate's schedule has taken
+    (DeepSpeed steps it on applied updates only; its checkpoints keep it). The papers' t is the training
+    step: a step DeepSpeed skipped (a non-finite gradient, fp16's overflow) trained nothing, and counted, it
+    moved lambda on while the warmup waited."""
+    return engine.lr_scheduler.last_epoch
 
 
 def _skipped_for_non_finite(engine, precision: str) -> bool:
