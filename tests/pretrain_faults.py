@@ -24,15 +24,19 @@ from tests.pretrain_runs import DEMO_CONFIG
 
 
 def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_steps: list[int], report: str,
-                 factor: float = float("nan"), gradients_only: bool = False) -> None:
+                 factor: float = float("nan"), gradients_only: bool = False, masked: bool = False) -> None:
     """The losses (so the gradients) of the listed steps of this process (1 = its first) are multiplied
     by `factor`: NaN, or a spike; with `gradients_only`, only the gradients (the losses stay finite, as
-    in an fp16 overflow). Records what the parameters did around every step and the run's exit code."""
+    in an fp16 overflow); with `masked`, their loss masks are zeros instead (no loss tokens). Records what the
+    parameters did around every step and the run's exit code."""
     original_forward, original_step = step.forward_step, pretrain.train_step
     current = {"iteration": 0}
 
-    def forward_step(data_iterator, model):
-        per_token_loss, loss_func = original_forward(data_iterator, model)
+    def forward_step(data_iterator, model, **options):  # options: validation's `summed`
+        if current["iteration"] in poisoned_steps and masked:
+            data_iterator = (dict(batch, loss_mask=torch.zeros_like(batch["loss_mask"])) for batch in data_iterator)
+            return original_forward(data_iterator, model, **options)
+        per_token_loss, loss_func = original_forward(data_iterator, model, **options)
         if current["iteration"] in poisoned_steps and gradients_only:
             per_token_loss = per_token_loss.detach() + (per_token_loss - per_token_loss.detach()) * factor
         elif current["iteration"] in poisoned_steps:

@@ -682,6 +682,45 @@ def test_a_skipped_step_leaves_the_means_of_its_interval_finite(workspace, tmp_p
     assert math.isnan(records[2][0]["skipped_loss"]) and "skipped_loss" not in records[2][1]
 
 
+def adapted_with_targets_cut_at(rank: int, world_size: int, config: str, overrides: list[str], cut: list[int],
+                                report: str) -> None:
+    """`megadiff adapt` in spawned ranks whose global batches at the `cut` iterations (1-based) hold no targets,
+    as chat data whose assistant turns were all cut."""
+    from megadiff.adapt.data import IGNORED_LABEL, BatchReader
+
+    read = BatchReader.micro_batch_at
+
+    def micro_batch_at(reader, iteration, micro_step):
+        input_ids, labels = read(reader, iteration, micro_step)
+        return input_ids, torch.full_like(labels, IGNORED_LABEL) if iteration + 1 in cut else labels
+
+    BatchReader.micro_batch_at = micro_batch_at
+    Path(f"{report}.{rank}").write_text(str(finetuned(config, overrides)))
+
+
+def test_a_global_batch_without_targets_has_no_loss_and_is_not_trained_on(workspace, tmp_path, monkeypatch):
+    """Its loss was 0.0 (the target count clamped to one), recorded and averaged into its interval's mean, and
+    DeepSpeed's step moved the weights on its zero gradients (Adam's moments). Now it records no loss, the means
+    are the other steps' (the reference: the same run recorded every iteration) and the weights stay."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    records = {}
+    for interval in (1, 2):
+        output = tmp_path / f"every{interval}"
+        run_ranks(1, adapted_with_targets_cut_at, str(workspace / "adapt.yaml"),
+                  [f"output_dir={output}", f"logging.log_interval={interval}", "checkpoint.save_interval=1"], [2],
+                  str(tmp_path / "report"))
+        records[interval] = read_metrics(output)
+    each = records[1]
+    assert "lm_loss" not in each[1] and each[1]["no_loss_tokens"] is True
+    assert all("lm_loss" in record and "no_loss_tokens" not in record for record in each[:1] + each[2:])
+    assert [r["skipped_iterations"] for r in each] == [0] * ITERS
+    assert [r["lm_loss"] for r in records[2]] == pytest.approx(
+        [each[0]["lm_loss"], (each[2]["lm_loss"] + each[3]["lm_loss"]) / 2], rel=1e-6)
+    before, untrained = _trained_weights(tmp_path / "every1", 1), _trained_weights(tmp_path / "every1", 2)
+    assert all(torch.equal(before[k], untrained[k]) for k in before)
+
+
 def failing_as_deepspeed_starts(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
     """`megadiff adapt` in a spawned rank whose deepspeed.initialize raises; reports what it raised."""
     import deepspeed

@@ -101,6 +101,44 @@ def test_layouts_reproduce_one_process(single, tmp_path, world_size, layout):
     assert_same_gradients(other["grads"], single["grads"], rel=1e-4)
 
 
+def step_without_loss_tokens(rank: int, world_size: int, overrides: list[str], out_path: str) -> None:
+    """A step whose global batch has every target masked, after a step with loss tokens that fills the spike
+    guard's window; writes the step's result, whether it moved the weights and the guard's history before and
+    after it."""
+    from megadiff.training.spikes import SpikeGuard
+
+    cfg = build_config({}, MODEL + ["model.variant=diff"] + overrides, world_size)
+    initialize(cfg.parallel, SEED)
+    engine = build_engine(cfg)
+    layout_independent_weights(engine.unwrapped(), SEED)
+    engine.optimizer = build_optimizer(cfg, engine.config, engine.model)
+    guard = SpikeGuard(sigma=3.0, window=2, losses=[5.0, 5.1], grad_norms=[1.0, 1.1])
+    history = guard.history()
+    batches = global_micro_batches(cfg, 0)
+    for batch in batches:
+        batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    weights = [p.detach().clone() for p in engine.unwrapped()[0].parameters()]
+    result = train_step(engine, iter(batches), len(batches), spike_guard=guard)
+    moved = any(not torch.equal(p, w) for p, w in zip(engine.unwrapped()[0].parameters(), weights))
+    torch.save({"result": result, "moved": moved, "history": (history, guard.history())}, out_path)
+    shutdown()
+
+
+@pytest.mark.parametrize("overrides", [PER_TOKEN, []], ids=["per token", "per micro-batch"])
+def test_a_global_batch_without_loss_tokens_has_no_loss_and_is_not_applied(tmp_path, overrides):
+    """Chat data whose assistant turns were all cut: the step reported a loss of 0.0 (the masked count clamped
+    to one), which entered the spike guard's window, and Adam's moments (and weight decay) moved the weights on
+    its zero gradients. Now it has no loss, is not applied, and leaves the guard's window alone."""
+    out = tmp_path / "step.pt"
+    run_ranks(1, step_without_loss_tokens, overrides, str(out))
+    seen = torch.load(out, weights_only=False)
+    result = seen["result"]
+    assert result.loss is None and not result.updated and result.no_loss_tokens
+    assert not seen["moved"]
+    before, after = seen["history"]
+    assert after == before
+
+
 def _cross_entropies(rank: int, world_size: int, out_path: str) -> None:
     """megatron's native fused and unfused vocab-parallel cross entropies of the same bf16 logits (each
     rank holding half the vocabulary), their values and logits gradients; the fused one eager (its

@@ -248,6 +248,25 @@ def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_commit
     assert marker.exists()
 
 
+def test_a_step_without_loss_tokens_is_recorded_without_a_loss_and_not_applied(base, tmp_path):
+    """Its loss was 0.0, recorded and averaged, and the optimizer stepped on its zero gradients. The reference
+    for the means: the same run recorded every step."""
+    report, records = tmp_path / "report.json", {}
+    for interval in (1, 2):
+        run_ranks(1, poisoned_run, base + ["train.iters=4", f"logging.log_interval={interval}",
+                                           f"output_dir={tmp_path / str(interval)}"], [2], str(report),
+                  math.nan, False, True)  # masked
+        records[interval] = read_metrics(tmp_path / str(interval))
+    events, each = json.loads(report.read_text())["events"], records[1]
+    assert [(event["updated"], event["params_changed"]) for event in events] == [(True, True), (False, False),
+                                                                               (True, True), (True, True)]
+    assert "lm_loss" not in each[1] and each[1]["no_loss_tokens"] is True
+    assert [r["skipped_iterations"] for r in each] == [0] * 4
+    assert each[1]["lr"] == each[2]["lr"]  # the schedule follows the updates
+    assert [r["lm_loss"] for r in records[2]] == pytest.approx(
+        [each[0]["lm_loss"], (each[2]["lm_loss"] + each[3]["lm_loss"]) / 2])
+
+
 @pytest.mark.slow
 def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     report = tmp_path / "report.json"

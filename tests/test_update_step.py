@@ -74,8 +74,8 @@ def _poison_backward(monkeypatched_step) -> None:
     ranks hold the same reduced gradients (data- and context-parallel replicas), the reduction spreads it."""
     forward_step = monkeypatched_step.forward_step
 
-    def poisoned(data_iterator, model):
-        output, loss_func = forward_step(data_iterator, model)
+    def poisoned(data_iterator, model, **options):  # options: validation's `summed`
+        output, loss_func = forward_step(data_iterator, model, **options)
         if _is_last_rank():
             output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
         return output, loss_func

@@ -95,13 +95,14 @@ def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 
 class Iteration(NamedTuple):
-    loss: float                  # the mean over the global batch's targets
+    loss: float | None           # the mean over the global batch's targets; None: it has none (not trained on)
     lr: float                    # the lr it used
     non_finite_ranks: list[str]  # with a non-finite loss: "rank R (host)" of each rank whose own loss was not finite
 
 
 def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: int) -> Iteration:
-    """One optimizer step (grad_accum micro-steps)."""
+    """One optimizer step (grad_accum micro-steps); none where the global batch holds no targets (chat data whose
+    assistant turns were all cut): its loss is no 0, and Adam's moments would move the weights on no gradient."""
     import torch.distributed as dist
 
     lr = engine.get_lr()[0]
@@ -109,10 +110,11 @@ def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: in
                for micro_step in range(grad_accum)]
     # every target of the global batch weighs the same, however it is split into micro-batches and ranks (with a
     # loss mask they hold unequal targets): DeepSpeed averages the micro-steps' and ranks' gradients, so each
-    # micro-batch's summed loss is divided by the targets a micro-batch holds on average (at least one: a batch
-    # of prompts alone has none)
+    # micro-batch's summed loss is divided by the targets a micro-batch holds on average
     targets = _sum_over_ranks(sum((labels[:, 1:] != IGNORED_LABEL).sum() for _, labels in batches))
-    per_micro_batch = targets.clamp(min=1) / (grad_accum * dist.get_world_size())
+    if targets == 0:  # the same on every rank
+        return Iteration(None, lr, [])
+    per_micro_batch = targets / (grad_accum * dist.get_world_size())
     losses = []
     for input_ids, labels in batches:
         loss = engine(**model_inputs(input_ids, reader.document_eos), labels=labels,
@@ -248,17 +250,23 @@ def finetune(cfg: FinetuneConfig) -> int:
                 began = time.perf_counter()
                 with watchdog:
                     loss, lr, non_finite_ranks = _train_iteration(engine, reader, iteration, cfg.train.grad_accum)
-                non_finite_step = _skipped_for_non_finite(engine, cfg.train.precision)
+                stepped = loss is not None  # DeepSpeed's step flags are otherwise the last step's
+                non_finite_step = stepped and _skipped_for_non_finite(engine, cfg.train.precision)
                 skipped += non_finite_step
                 # on every rank (the loss is the global batch's): each saves the means with its checkpoint
-                recorded = record_step(unrecorded, loss, time.perf_counter() - began, engine.was_step_applied(),
+                recorded = record_step(unrecorded, loss, time.perf_counter() - began,
+                                       stepped and engine.was_step_applied(),
                                        records_at(iteration, cfg.logging.log_interval, cfg.train.iters))
                 if recorded is not None and writer is not None:
                     mean_loss, seconds, skipped_loss = recorded
                     record = {"iteration": iteration, "lm_loss": mean_loss, "skipped_loss": skipped_loss, "lr": lr,
-                              "grad_norm": _grad_norm(engine), "skipped_iterations": skipped,
+                              "grad_norm": _grad_norm(engine) if stepped else None, "skipped_iterations": skipped,
+                              "no_loss_tokens": not stepped or None,
                               "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)}
                     writer.log({key: value for key, value in record.items() if value is not None})
+                if writer is not None and not stepped:
+                    writer.print(f"iteration {iteration}: no loss tokens in the global batch (every target masked): "
+                                 "not trained on")
                 if writer is not None and non_finite_ranks:
                     writer.print(f"iteration {iteration}: the loss not finite on {', '.join(non_finite_ranks)}")
                 # before any save, on every rank alike (the loss and the gradient norm are the global batch's): a

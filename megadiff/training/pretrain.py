@@ -204,7 +204,7 @@ class Pretraining:
 
     def evaluate(self) -> dict[str, float]:
         """{metric: mean loss over the loss tokens of eval_iters batches} for each validation set (valid_loss: the
-        blend's)."""
+        blend's); none for a set whose batches hold no loss tokens."""
         t = self.cfg.train
         for chunk in self.engine.model:
             chunk.eval()
@@ -213,7 +213,8 @@ class Pretraining:
             with self._loader(dataset, 0, t.eval_iters * t.global_batch_size) as batches:
                 loss_sum, tokens = sum(validation_sums(self.engine, batches.next_iteration(), self.num_microbatches)
                                        for _ in range(t.eval_iters)).tolist()
-            results[metric] = loss_sum / max(tokens, 1.0)
+            if tokens > 0:
+                results[metric] = loss_sum / tokens
         for chunk in self.engine.model:
             chunk.train()
         return results
@@ -243,7 +244,7 @@ class Pretraining:
                     state.skipped_spikes += 1
                 elif result.overflow:
                     state.loss_scale_overflows += 1
-                elif not result.updated:
+                elif not (result.updated or result.no_loss_tokens):
                     state.skipped_iterations += 1
                 elapsed = time.perf_counter() - started
                 self.checkpoints.poll()
@@ -255,6 +256,7 @@ class Pretraining:
                               "grad_norm": result.grad_norm, "consumed_samples": state.consumed_samples,
                               "skipped_iterations": state.skipped_iterations,
                               "skipped_spikes": state.skipped_spikes if self.spike_guard else None,
+                              "no_loss_tokens": result.no_loss_tokens or None,
                               **self._loss_scale(state),
                               **self.throughput.metrics(seconds)}
                     self._log({k: v for k, v in record.items() if v is not None})
@@ -262,7 +264,10 @@ class Pretraining:
                 if result.non_finite_ranks:
                     self._say(f"iteration {state.iteration}: skipped, the loss not finite on "
                               f"{', '.join(result.non_finite_ranks)}")
-                if not (result.updated or result.spike or result.overflow) and \
+                if result.no_loss_tokens:
+                    self._say(f"iteration {state.iteration}: no loss tokens in the global batch (every target "
+                              "masked): not applied")
+                if not (result.updated or result.spike or result.overflow or result.no_loss_tokens) and \
                         state.skipped_iterations > t.max_skipped_nan_iters:
                     lambdas = layer_lambdas(self.engine.unwrapped())  # collective: every stage stops at this step
                     raise _too_many_skips(state, t.max_skipped_nan_iters, result, lambdas)

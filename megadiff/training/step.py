@@ -33,8 +33,9 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     if parallel_state.get_context_parallel_world_size() > 1:
         dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
     loss = (local_sum + (totals[0] - local_sum.detach())) / totals[1].clamp(min=1.0)
-    # clone: the schedule scales the returned loss in place by 1/num_microbatches
-    return loss, {"lm_loss": loss.detach().clone()}
+    # clone: the schedule scales the returned loss in place by 1/num_microbatches. This rank's own tokens: summed
+    # over the data- and context-parallel ranks, they say whether the global batch held any
+    return loss, {"lm_loss": loss.detach().clone(), "loss_tokens": mask.sum()}
 
 
 def masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -64,13 +65,18 @@ def forward_step(data_iterator: Iterator, model, *, summed: bool | None = None):
 
 @dataclass
 class StepResult:
-    loss: float                 # mean over micro-batches and data-parallel ranks, same on every rank
+    loss: float | None          # mean over micro-batches and data-parallel ranks, same on every rank; None: no
+    #                             loss tokens in the global batch (every target masked), whose step is not applied
     grad_norm: float | None     # None where none was taken (a non-finite loss, an fp16 overflow)
     updated: bool               # False when the step was skipped (non-finite loss or gradients, or a spike)
     spike: bool = False         # skipped by the spike guard
     overflow: bool = False      # skipped by fp16's loss scaler, which lowered the scale
     # with a non-finite loss: "rank R (host)" of each rank whose own micro-batches' loss was not finite
     non_finite_ranks: list[str] = field(default_factory=list)
+
+    @property
+    def no_loss_tokens(self) -> bool:
+        return self.loss is None
 
 
 def _token_totals(reduced: list[dict], like: torch.Tensor) -> torch.Tensor:
@@ -88,20 +94,23 @@ def _from_last_stage(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_token: bool) -> float:
+def _mean_loss_on_every_rank(reduced: list[dict], num_microbatches: int, per_token: bool) -> float | None:
     """The schedules return losses on the last pipeline stage only: average over DP, send to all stages.
-    `per_token` losses come as (sum, tokens) pairs: their sums' ratio over the whole global batch."""
-    value = torch.zeros(1, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
+    `per_token` losses come as (sum, tokens) pairs: their sums' ratio over the whole global batch. None where
+    the global batch holds no loss tokens: its mean is no loss of 0 (the masked count, clamped, made it one)."""
+    value = torch.zeros(2, dtype=torch.float64, device=compute_device())  # NCCL reduces CUDA tensors only
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         if per_token:
             totals = _token_totals(reduced, value)
-            value[0] = totals[0] / totals[1].clamp(min=1.0)
+            value[0], value[1] = totals[0] / totals[1].clamp(min=1.0), totals[1]
         else:
             # summed where they are: a float() each would wait on the device once per micro-batch
             value[0] = torch.stack([item["lm_loss"] for item in reduced]).to(value).sum() / num_microbatches
+            value[1] = torch.stack([item["loss_tokens"] for item in reduced]).to(value).sum()
             dist.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    return float(_from_last_stage(value)[0])
+            value[0] /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    loss, tokens = _from_last_stage(value).tolist()
+    return loss if tokens > 0 else None
 
 
 def _ranks_with_non_finite_losses(reduced: list[dict]) -> list[str]:
@@ -128,8 +137,10 @@ def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forw
     )
 
 
-def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int, forward_only: bool = False) -> float:
-    """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk."""
+def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int,
+                         forward_only: bool = False) -> float | None:
+    """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk. None:
+    no loss tokens in them."""
     reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only)
     return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
 
@@ -187,8 +198,8 @@ def _update(engine: Engine, loss: float, spike_guard: SpikeGuard | None) -> Step
 def train_step(engine: Engine, data_iterator, num_microbatches: int,
                before_update: Callable[[Engine], None] | None = None,
                spike_guard: SpikeGuard | None = None) -> StepResult:
-    """Forward, backward and, unless the loss or a gradient is not finite (or `spike_guard` finds the
-    loss or gradient norm spiking), an optimizer update.
+    """Forward, backward and, unless the global batch holds no loss tokens, or the loss or a gradient is not
+    finite (or `spike_guard` finds the loss or gradient norm spiking), an optimizer update.
 
     `before_update(engine)` sees the reduced gradients (param.main_grad) before the optimizer uses them.
     """
@@ -197,6 +208,8 @@ def train_step(engine: Engine, data_iterator, num_microbatches: int,
     engine.optimizer.zero_grad()
     reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only=False)
     loss = _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
+    if loss is None:  # nothing to learn from: Adam's moments (and weight decay) would still move the weights
+        return StepResult(loss=None, grad_norm=None, updated=False)
     if not math.isfinite(loss):  # the same on every rank
         return StepResult(loss=loss, grad_norm=None, updated=False,
                           non_finite_ranks=_ranks_with_non_finite_losses(reduced))
