@@ -61,6 +61,64 @@ def poisoned_run(rank: int, world_size: int, overrides: list[str], poisoned_step
             json.dump({"exit_code": exit_code, "events": events}, handle)
 
 
+class FakeGpuMemory:
+    """torch.cuda's memory counters for a run on the CPU: `held` bytes allocated, and the peak since the last
+    reset; each of torch's other attributes is torch's own."""
+
+    def __init__(self, held: int):
+        self.held = self.peak = held
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    def is_available(self) -> bool:
+        return True
+
+    def get_device_name(self) -> str:
+        return "a fake GPU"
+
+    def max_memory_allocated(self) -> int:
+        return self.peak
+
+    max_memory_reserved = max_memory_allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak = self.held
+
+
+class _TorchWithFakeGpuMemory:
+    """torch, as megadiff.training.throughput sees it, with FakeGpuMemory as torch.cuda (its tensors stay on
+    the CPU)."""
+
+    def __init__(self, memory: FakeGpuMemory):
+        self.cuda = memory
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(data, dtype=None, device=None):
+        return torch.tensor(data, dtype=dtype)
+
+
+def resumed_with_a_load_transient(rank: int, world_size: int, overrides: list[str], held: int, transient: int,
+                                  report: str) -> None:
+    """`megadiff pretrain` whose fake GPU holds `held` bytes, and `transient` more a moment while a checkpoint
+    is restored (the loaded copy of the optimizer state and weights); writes its exit code."""
+    import megadiff.training.throughput as throughput
+
+    memory = FakeGpuMemory(held)
+    throughput.torch = _TorchWithFakeGpuMemory(memory)
+    original_restore = pretrain.restore
+
+    def restore(*args, **kwargs):
+        memory.peak = max(memory.peak, held + transient)
+        return original_restore(*args, **kwargs)
+
+    pretrain.restore = restore
+    Path(report).write_text(str(main(["pretrain", str(DEMO_CONFIG), *overrides])))
+
+
 def poisoned_on_the_last_rank(rank: int, world_size: int, overrides: list[str], poisoned_steps: list[int],
                               report: str) -> None:
     """poisoned_run with the last rank's losses alone poisoned; each rank writes what it printed to

@@ -19,7 +19,7 @@ from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import (
     disk_full_while_saving, killed_while_saving, marker_refused_while_committing, poisoned_on_the_last_rank,
-    poisoned_run, signalled_while_starting,
+    poisoned_run, resumed_with_a_load_transient, signalled_while_starting,
 )
 from tests.pretrain_runs import (
     DEMO_CONFIG, ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
@@ -265,6 +265,20 @@ def test_a_step_without_loss_tokens_is_recorded_without_a_loss_and_not_applied(b
     assert each[1]["lr"] == each[2]["lr"]  # the schedule follows the updates
     assert [r["lm_loss"] for r in records[2]] == pytest.approx(
         [each[0]["lm_loss"], (each[2]["lm_loss"] + each[3]["lm_loss"]) / 2])
+
+
+def test_the_memory_peaks_are_the_training_s_not_the_checkpoint_load_s(base, tmp_path):
+    """The GPU's high-water marks were never reset: every record of a resumed run reported the moment its
+    checkpoint's load held the loaded optimizer state beside the optimizer's own. The reference: what the
+    (fake) GPU holds through training."""
+    gib, report = 2 ** 30, tmp_path / "exit_code"
+    held, output = 2 * gib, [f"output_dir={tmp_path / 'run'}", "checkpoint.save_interval=2"]
+    for iters in (2, 4):  # the second resumes from the first's checkpoint
+        run_ranks(1, resumed_with_a_load_transient, base + output + [f"train.iters={iters}"], held, 3 * gib,
+                  str(report))
+        assert report.read_text() == "0"
+    peaks = [r["max_memory_allocated_gib"] for r in read_metrics(tmp_path / "run")]
+    assert peaks == [held / gib] * 4
 
 
 @pytest.mark.slow

@@ -227,6 +227,7 @@ class Pretraining:
         unrecorded = self.unrecorded
         failed = True  # until the loop ends as planned: an error on its way out fails the W&B run
         watchdog = StallWatchdog(cfg.parallel.timeout_minutes, self.output / STALLS_DIR, self.rank)
+        self.throughput.measure_peaks_from_here()  # after the restore
         try:
             while state.iteration < t.iters:
                 started = time.perf_counter()

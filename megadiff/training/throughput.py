@@ -36,6 +36,13 @@ class Throughput:
         self.world_size = world_size
         self.peak = device_peak_tflops(cfg.logging.peak_tflops)
 
+    def measure_peaks_from_here(self) -> None:
+        """The high-water marks from the first step on: the start-up's transients are no training's memory (a
+        checkpoint's load holds its loaded optimizer state and weights beside the optimizer's own a moment,
+        which a resumed run's records all reported as their peak)."""
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
     def metrics(self, seconds: float) -> dict:
         tflops = self.flops_per_iteration / seconds / self.world_size / 1e12
         record = {"iteration_time_ms": 1000 * seconds, "tokens_per_s": self.tokens_per_iteration / seconds,
@@ -48,7 +55,7 @@ class Throughput:
 
 
 def _high_water_marks_gib() -> dict[str, float]:
-    """The most loaded rank's allocated and reserved peaks since the start of the run (pipeline
+    """The most loaded rank's allocated and reserved peaks since the run's first step (pipeline
     stages and the vocabulary's ranks differ). Collective: every rank logs the same iterations."""
     marks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
                          dtype=torch.float64, device="cuda")
