@@ -316,6 +316,8 @@ def test_ensure_prepared_speaks_on_the_first_rank_only(tmp_path, monkeypatch, ca
     monkeypatch.setattr(prepare_module, "write_bundled_corpus",
                         lambda name, directory: _kjv_subset(Path(directory), CHAPTERS))
     cfg = build_config({}, ["data.bundled_corpus=kjv", f"data.cache_dir={tmp_path}"])
+    # before the ranks' group forms (a group of one an earlier test in this process formed would say rank 0)
+    monkeypatch.setattr(prepare_module.dist, "is_initialized", lambda: False)
     said = {}
     for rank in ("1", "0"):
         monkeypatch.setenv("RANK", rank)
