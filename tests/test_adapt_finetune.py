@@ -663,18 +663,27 @@ def test_non_finite_steps_are_counted_and_stop_every_rank_before_a_save(workspac
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000003"
 
 
-def test_a_skipped_step_leaves_the_means_of_its_interval_finite(workspace, tmp_path, monkeypatch):
-    """Recorded every 2 iterations, the NaN of iteration 2 (skipped by DeepSpeed) made the mean loss of
-    iterations 1-2 NaN, hiding iteration 1's. As in pre-training, the record holds the updating steps' mean
-    and the skipped step's own loss as skipped_loss; the reference is the same run recorded every iteration."""
+def _metrics_logged_every_1_and_2(workspace, tmp_path, monkeypatch, target, overrides: list[str],
+                                  steps: list[int]) -> dict[int, list[dict]]:
+    """The metrics of one adaptation in a spawned rank (`target`, altered at `steps`), recorded every iteration
+    (the reference) and every 2, by interval; the runs' outputs are tmp_path/every1 and every2."""
     for name, value in _env(workspace).items():
         monkeypatch.setenv(name, value)
     records = {}
     for interval in (1, 2):
         output = tmp_path / f"every{interval}"
-        run_ranks(1, poisoned_at, str(workspace / "adapt.yaml"),
-                  [f"output_dir={output}", f"logging.log_interval={interval}"], [2], str(tmp_path / "report"))
+        run_ranks(1, target, str(workspace / "adapt.yaml"),
+                  [f"output_dir={output}", f"logging.log_interval={interval}", *overrides], steps,
+                  str(tmp_path / "report"))
         records[interval] = read_metrics(output)
+    return records
+
+
+def test_a_skipped_step_leaves_the_means_of_its_interval_finite(workspace, tmp_path, monkeypatch):
+    """Recorded every 2 iterations, the NaN of iteration 2 (skipped by DeepSpeed) made the mean loss of
+    iterations 1-2 NaN, hiding iteration 1's. As in pre-training, the record holds the updating steps' mean
+    and the skipped step's own loss as skipped_loss; the reference is the same run recorded every iteration."""
+    records = _metrics_logged_every_1_and_2(workspace, tmp_path, monkeypatch, poisoned_at, [], [2])
     each = [r["lm_loss"] for r in records[1]]
     assert math.isnan(each[1]) and [r["skipped_iterations"] for r in records[1]] == [0, 1, 1, 1]
     assert [r["iteration"] for r in records[2]] == [2, 4]
@@ -702,15 +711,8 @@ def test_a_global_batch_without_targets_has_no_loss_and_is_not_trained_on(worksp
     """Its loss was 0.0 (the target count clamped to one), recorded and averaged into its interval's mean, and
     DeepSpeed's step moved the weights on its zero gradients (Adam's moments). Now it records no loss, the means
     are the other steps' (the reference: the same run recorded every iteration) and the weights stay."""
-    for name, value in _env(workspace).items():
-        monkeypatch.setenv(name, value)
-    records = {}
-    for interval in (1, 2):
-        output = tmp_path / f"every{interval}"
-        run_ranks(1, adapted_with_targets_cut_at, str(workspace / "adapt.yaml"),
-                  [f"output_dir={output}", f"logging.log_interval={interval}", "checkpoint.save_interval=1"], [2],
-                  str(tmp_path / "report"))
-        records[interval] = read_metrics(output)
+    records = _metrics_logged_every_1_and_2(workspace, tmp_path, monkeypatch, adapted_with_targets_cut_at,
+                                            ["checkpoint.save_interval=1"], [2])
     each = records[1]
     assert "lm_loss" not in each[1] and each[1]["no_loss_tokens"] is True
     assert all("lm_loss" in record and "no_loss_tokens" not in record for record in each[:1] + each[2:])
