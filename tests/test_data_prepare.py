@@ -504,6 +504,21 @@ def test_a_directory_reads_the_files_its_linked_directories_hold(tmp_path):
     assert read_back(tmp_path / "out") == [tokenizer.encode(f"Shard {name}.") + [tokenizer.eod] for name in "ab"]
 
 
+def test_a_directory_leaves_out_its_hidden_files_and_directories(tmp_path):
+    """Jupyter's .ipynb_checkpoints/ copy of a shard doubled its documents; a hidden file is an editor's or a
+    tool's, not the corpus. A glob naming them still reads them."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".ipynb_checkpoints").mkdir(parents=True)
+    for path, text in ((corpus / "a.jsonl", "The corpus."), (corpus / ".ipynb_checkpoints" / "a-checkpoint.jsonl",
+                                                            "A notebook's copy."), (corpus / ".draft.jsonl", "Hidden.")):
+        path.write_text(json.dumps({"text": text}) + "\n")
+    prepare(data_config(tmp_path, f"data.sources=[{corpus}]", f"data.prefix={tmp_path / 'out'}"))
+    tokenizer = load_tokenizer("cl100k_base")
+    assert read_back(tmp_path / "out") == [tokenizer.encode("The corpus.") + [tokenizer.eod]]
+    prepare(data_config(tmp_path, f"data.sources=[{corpus}/.*.jsonl]", f"data.prefix={tmp_path / 'glob'}"))
+    assert read_back(tmp_path / "glob") == [tokenizer.encode("Hidden.") + [tokenizer.eod]]
+
+
 def test_a_directory_or_glob_with_a_file_it_cannot_reach_is_refused(tmp_path, monkeypatch):
     """A shard linked from a file system not mounted here, or a subdirectory that cannot be listed (its
     permissions): both were passed by without a word, their documents left out."""

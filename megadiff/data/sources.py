@@ -116,18 +116,24 @@ def _refuse_unlisted(key: str, error: OSError) -> None:
 def _files_under(directory: Path, key: str) -> Iterator[Path]:
     """Every file under `directory`, through links to directories too: a corpus directory often links shards kept
     elsewhere, which pathlib's rglob passed by without a word. A link back to a directory it lies in (a loop) is
-    not entered; the files of one reached twice otherwise are refused as named twice."""
+    not entered; the files of one reached twice otherwise are refused as named twice. Hidden files and directories
+    (a dot first) are tools' copies, not the corpus: Jupyter's .ipynb_checkpoints/x-checkpoint.jsonl doubled x's
+    documents, and a .git directory was walked whole."""
     enclosing = {str(directory): {os.path.realpath(directory)}}  # each directory walked: the real paths it lies in
     refuse_unlisted = functools.partial(_refuse_unlisted, key)
     for root, subdirectories, files in os.walk(directory, onerror=refuse_unlisted, followlinks=True):
         above = enclosing.pop(root)
         for name in list(subdirectories):
             real = os.path.realpath(os.path.join(root, name))
-            if real in above:
+            if real in above or _is_hidden(name):
                 subdirectories.remove(name)
             else:
                 enclosing[os.path.join(root, name)] = above | {real}
-        yield from (Path(root, name) for name in files)
+        yield from (Path(root, name) for name in files if not _is_hidden(name))
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
 
 
 def _looks_local(entry: str) -> bool:
