@@ -40,7 +40,7 @@ def _worker(rank: int, world_size: int, variant: str, out: str) -> None:
     from megadiff.config import build_config
     from megadiff.parallel import initialize, shutdown
     from megadiff.training.engine import build_engine
-    from megadiff.training.step import run_forward_backward
+    from tests.test_update_step import forward_backward
 
     cfg = build_config({}, MODEL + VARIANTS[variant] + SETTINGS, world_size)
     initialize(cfg.parallel, SEED)
@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, variant: str, out: str) -> None:
             chunk.zero_grad_buffer()
         engine.optimizer.zero_grad()
         batches = global_micro_batches(cfg, step)
-        run_forward_backward(engine, iter(batches), len(batches))
+        forward_backward(engine, batches)
         for mine, param in zip(reference, params):
             mine.grad = param.main_grad.detach().clone()
         updated, _, _ = engine.optimizer.step()

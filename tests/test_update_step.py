@@ -42,13 +42,20 @@ def _params(engine) -> list[torch.Tensor]:
     return [p.detach().clone() for chunk in engine.unwrapped() for p in chunk.parameters()]
 
 
-def _megatron_step(engine, batches: list[dict]) -> tuple[float, float]:
-    from megadiff.training.step import run_forward_backward
+def forward_backward(engine, batches: list[dict]) -> float | None:
+    """The schedule's forward and backward over `batches` (one micro-batch each), as train_step runs them, and
+    their mean loss on every rank; no update."""
+    from megadiff.training.step import _forward_backward, _mean_loss_on_every_rank
 
+    reduced = _forward_backward(engine, iter(batches), len(batches), forward_only=False)
+    return _mean_loss_on_every_rank(reduced, len(batches), engine.config.calculate_per_token_loss)
+
+
+def _megatron_step(engine, batches: list[dict]) -> tuple[float, float]:
     for chunk in engine.model:
         chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
-    loss = run_forward_backward(engine, iter(batches), len(batches))
+    loss = forward_backward(engine, batches)
     updated, grad_norm, _ = engine.optimizer.step()
     assert updated
     return loss, float(grad_norm)

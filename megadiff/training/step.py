@@ -137,14 +137,6 @@ def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forw
     )
 
 
-def run_forward_backward(engine: Engine, data_iterator, num_microbatches: int,
-                         forward_only: bool = False) -> float | None:
-    """Forward (and backward) over `num_microbatches`; `data_iterator` is one iterator per model chunk. None:
-    no loss tokens in them."""
-    reduced = _forward_backward(engine, data_iterator, num_microbatches, forward_only)
-    return _mean_loss_on_every_rank(reduced, num_microbatches, engine.config.calculate_per_token_loss)
-
-
 def validation_sums(engine: Engine, data_iterator, num_microbatches: int) -> torch.Tensor:
     """Forward only: the summed loss of one global batch's loss tokens and their count, [sum, tokens] in float64
     on every rank. Validation means over tokens (as Megatron-LM's evaluate), whatever train.per_token_loss says:
