@@ -38,7 +38,7 @@ output_type: multiple_choice
 doc_to_text: "{{context}}"
 doc_to_choice: "{{choices}}"
 doc_to_target: "{{label}}"
-metric_list: [{metric: acc}, {metric: acc_norm}]
+metric_list: [{metric: acc}, {metric: acc_norm, aggregation: median}]  # median: a bootstrapped error bar
 """,
     "kjv_rolling": """
 output_type: loglikelihood_rolling
@@ -513,7 +513,9 @@ def test_two_ranks_share_the_requests_and_report_what_one_process_reports(runs, 
     requests = [(tmp_path / name / "cache.request.json").read_text() for name in ("one", "two")]
     assert requests[0] == requests[1]
     assert_same_answers(answers(two["samples"]), answers(one["samples"]), rel=1e-5)
-    for task in TASKS:
+    for task in TASKS:  # listed in the order of one process, and the error bars bootstrapped over it alike
+        assert [sample["doc_id"] for sample in two["samples"][task]] == [
+            sample["doc_id"] for sample in one["samples"][task]], task
         for metric, value in one["results"][task].items():
             if isinstance(value, float):
                 assert two["results"][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-7), (task, metric)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import urllib.error
 import urllib.request
@@ -300,11 +301,40 @@ class MegadiffLM(TemplateLM):
     def gather_object(self, obj, dst: int = 0):
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
-        return gathered if self.rank == dst else None
+        return in_one_process_order(gathered) if self.rank == dst else None
 
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+_NONE = object()  # a rank with fewer documents has no item in the last round
+
+
+def in_one_process_order(shares: list[dict]) -> list[dict]:
+    """The ranks' per-document values, as the harness gathers them after scoring (each task's metric values
+    keyed by (metric, filter), or its logged samples), put in the order one process has them. The harness
+    chains the shares rank after rank, while rank r holds documents r, r + world, ... (its doc_iterator): a
+    bootstrapped error bar (median, f1, mcc, bleu..., resampled by index with a fixed seed) then changed with
+    the number of ranks, and --log-samples listed documents out of order. The values come interleaved back
+    as the first share, the others left empty for the harness to chain."""
+    merged: dict = {}
+    for task, first in shares[0].items():
+        per_rank = [share[task] for share in shares]
+        if isinstance(first, dict):
+            merged[task] = {key: _round_robin([values[key] for values in per_rank]) for key in first}
+        else:  # logged samples: one filter's documents after another's
+            filters = dict.fromkeys(sample["filter"] for sample in first)
+            merged[task] = [sample for name in filters for sample in _round_robin(
+                [[sample for sample in samples if sample["filter"] == name] for samples in per_rank])]
+    empty = {task: {key: [] for key in values} if isinstance(values, dict) else [] for task, values in merged.items()}
+    return [merged] + [empty] * (len(shares) - 1)
+
+
+def _round_robin(shares: list[list]) -> list:
+    """One item of each share in turn: share r's k-th item is document r + k * len(shares)."""
+    return [item for one_round in itertools.zip_longest(*shares, fillvalue=_NONE) for item in one_round
+            if item is not _NONE]
 
 
 def request_generators(seed: int, requests) -> list[torch.Generator]:
