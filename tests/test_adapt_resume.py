@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from megadiff.adapt.resume import DamagedCheckpoint, damage_named, resume_point
+from megadiff.adapt.reshard import universal_form
+from megadiff.observability.metrics import read_metrics
 from tests.distributed import megadiff_main, run_reporting_ranks
 from tests.test_adapt_finetune import REPO, _env, adapt_in_ranks, adapt_workspace, finetuned
 
@@ -117,21 +119,38 @@ def test_every_rank_of_a_rerun_names_the_damage(workspace, tmp_path):
     assert refused().count(f"{saved} cannot be resumed from (RuntimeError: ") == 2
 
 
-def test_a_rerun_on_another_number_of_ranks_is_refused_before_the_model_loads(workspace, tmp_path):
-    """ZeRO's optimizer state stays partitioned among the ranks that wrote it: a rerun on fewer ranks failed with
-    DeepSpeed's traceback once the model and its engine were built, one on more ranks was told its checkpoint was
-    copied in part. Both are refused on every rank, naming the two sizes, before the model loads."""
+def _adapt(workspace: Path, world: int, output: Path, *overrides: str):
+    with mock.patch.dict(os.environ, _env(workspace)):
+        return run_reporting_ranks(world, finetuned, str(workspace / "adapt.yaml"),
+                                   [f"output_dir={output}", f"train.grad_accum={4 // world}", *overrides], timeout=400)
+
+
+def test_a_rerun_on_another_number_of_ranks_trains_on_as_the_uninterrupted_run(workspace, tmp_path):
+    """ZeRO keeps the optimizer state partitioned among the ranks that wrote it, and DeepSpeed loads it into as
+    many: a rerun on an allocation of another size was refused. The checkpoint is converted once (rank 0) to
+    DeepSpeed's universal form, each parameter's state whole, which an engine of any size loads: 2 ranks stopped
+    at iteration 2 and rerun on 1, and 1 rerun on 2 (grad_accum making the same global batch), train on as 2
+    ranks that never stopped."""
+    _adapt(workspace, 2, tmp_path / "uninterrupted")
+    uninterrupted = read_metrics(tmp_path / "uninterrupted")
+    scheduled, measured = ("iteration", "lr"), ("lm_loss", "grad_norm")
     for written_by, rerun_on in ((2, 1), (1, 2)):
         output = tmp_path / f"run{written_by}"
-        with mock.patch.dict(os.environ, _env(workspace)):
-            run_reporting_ranks(written_by, finetuned, str(workspace / "adapt.yaml"),
-                                [f"output_dir={output}", "checkpoint.exit_interval=2"], timeout=400)
-            rerun = run_reporting_ranks(rerun_on, megadiff_main, ["adapt", str(workspace / "adapt.yaml"),
-                                                                  f"output_dir={output}"], timeout=400, expect=2)
-        said = (f"{output / 'checkpoints' / 'iter_0000002'} was written by {written_by} data-parallel rank(s), and "
-                f"this run has {rerun_on}")
-        assert rerun.stderr.count(said) == rerun_on
-        assert "Loading weights" not in rerun.stderr + rerun.stdout
+        _adapt(workspace, written_by, output, "checkpoint.exit_interval=2")
+        rerun = _adapt(workspace, rerun_on, output)
+        assert rerun.stdout.count(f"was written by {written_by} data-parallel rank(s) and this run has "
+                                  f"{rerun_on}: converting it to DeepSpeed's universal checkpoint") == 1
+        assert "resuming after iteration 2" in rerun.stdout
+        resumed = read_metrics(output)
+        assert [r["iteration"] for r in resumed] == [r["iteration"] for r in uninterrupted] == [1, 2, 3, 4]
+        for mine, theirs in zip(resumed, uninterrupted):
+            assert {k: mine[k] for k in scheduled} == {k: theirs[k] for k in scheduled}
+            assert {k: mine[k] for k in measured} == pytest.approx({k: theirs[k] for k in measured}, rel=1e-5), mine
+            assert mine["lambda"] == pytest.approx(theirs["lambda"], rel=1e-5)  # learned, in Dex
+    # a later rerun on another number of ranks reads the form converted before
+    checkpoint = output / "checkpoints" / "iter_0000002"
+    with mock.patch("subprocess.run", side_effect=AssertionError("converted again")):
+        assert universal_form(checkpoint, 0, 2) == checkpoint / "universal"
 
 
 def test_a_rerun_under_another_checkpoint_format_is_refused_before_the_model_loads(workspace, tmp_path):

@@ -53,16 +53,20 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
         raise ConfigError(f"deepspeed: {cfg.deepspeed} has a scheduler section; the schedule is megadiff's "
                           "(train.lr, train.warmup_ratio, train.min_lr_ratio): remove it")
     if ds.get("checkpoint", {}).get("load_universal"):
-        # ds_to_universal needs the universal_checkpoint_info that Megatron-DeepSpeed's models record and
-        # Hugging Face models do not: it refuses their checkpoints, and a universal load of them finds no zero/
+        # the load of every rerun would look for the universal form that only reshard.universal_form makes
         raise ConfigError(f"deepspeed: {cfg.deepspeed} sets checkpoint.load_universal, but megadiff adapt's "
-                          "checkpoints are DeepSpeed's own, which it resumes as written (as many ranks, the same "
-                          "ZeRO-3 or not, bf16 or not): remove it")
+                          "checkpoints are DeepSpeed's own, which it resumes as written, and converts to the "
+                          "universal form itself for a rerun on another number of ranks: remove it")
     _refuse_unchecked_gradients(ds, train.precision, cfg.deepspeed)
     for precision in ("bf16", "fp16"):
         _fill(ds.setdefault(precision, {}), "enabled", train.precision == precision, f"{precision}.")
     ds.setdefault("steps_per_print", 2**31 - 1)  # megadiff logs; keep DeepSpeed's own step log quiet
     return ds
+
+
+def loading_universal(ds: dict) -> dict:
+    """`ds` for an engine that loads a checkpoint's universal form (a load setting alone: saves are as before)."""
+    return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 
 def _refuse_unchecked_gradients(ds: dict, precision: str, path: str) -> None:

@@ -33,6 +33,7 @@ from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
+from megadiff.adapt.reshard import universal_form, written_by_other_ranks
 from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
@@ -197,6 +198,9 @@ def finetune(cfg: FinetuneConfig) -> int:
                                                    "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
     with claimed_run_directory(output_dir):  # before the run writes anything there
         resumed = refused_together(lambda: resume_point(output_dir / CHECKPOINT_DIR, rank, world, ds_config))
+        # before the model loads: converted once, for this and any later rerun on this number of ranks
+        universal = (universal_form(resumed, rank, world)
+                     if resumed is not None and written_by_other_ranks(resumed, world) else None)
 
         def started_on_rank_0():
             # as pre-training's: it can be passed back as a config, its relative paths read from where the run ran
@@ -212,7 +216,8 @@ def finetune(cfg: FinetuneConfig) -> int:
             torch.manual_seed(cfg.train.seed)
             tokenizer, model, reader, plan, _hf_ds_config = _prepare(cfg, ds_config, rank, world)
 
-            engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=warmup_cosine(cfg.train),
+            engine, *_ = deepspeed.initialize(model=model, config=dss.loading_universal(ds_config) if universal else
+                                              ds_config, lr_scheduler=warmup_cosine(cfg.train),
                                               model_parameters=dss.parameter_groups(model))
             leave_out_frozen_aliases(engine)
             # from_pretrained leaves the model in eval mode (and head selection measured it so): training mode
@@ -223,9 +228,9 @@ def finetune(cfg: FinetuneConfig) -> int:
             skipped = 0  # the steps whose update DeepSpeed left out for a non-finite gradient norm
             if resumed is not None:
                 # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
+                load_dir, tag = (resumed, universal.name) if universal else (checkpoint_dir, resumed.name)
                 with damage_named(resumed):
-                    _, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=resumed.name,
-                                                             load_module_strict=False)
+                    _, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
                 start = client_state["iteration"]
                 # absent from checkpoints of earlier versions, whose reruns read with the checkpoint's global batch
                 reader.resume_at(start, client_state.get("samples_read", start * reader.global_batch))

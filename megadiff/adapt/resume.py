@@ -52,7 +52,8 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int, ds_config: dict) -
     _check_loadable_here(path, world, ds_config)
     _refuse_code_in_files(path)
     shard = f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # with a bf16_ prefix under DeepSpeed's bf16 optimizer
-    if any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
+    written_here = saved_dp_world_size(path) in (None, world)  # else loaded whole (reshard.universal_form)
+    if written_here and any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
         raise DamagedCheckpoint(f"{path} lacks rank {rank}'s optimizer state ({shard}): a checkpoint copied in "
                                 f"part?{_others(path)}")
     return path
@@ -60,18 +61,20 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int, ds_config: dict) -
 
 def _check_loadable_here(checkpoint: Path, world: int, ds_config: dict) -> None:
     """Refuse a checkpoint that DeepSpeed cannot load into this run's engine, before the model loads (DeepSpeed
-    reads it once the model and its engine are built). Each failed there, or was called damaged: another number
-    of data-parallel ranks (ZeRO's optimizer state stays partitioned among the ranks that wrote it), ZeRO-3 against
-    ZeRO-1/2 (partitioned weights, other files), bf16 against another precision (other files)."""
+    reads it once the model and its engine are built). Each failed there, or was called damaged: ZeRO-3 on another
+    number of data-parallel ranks (ZeRO's optimizer state stays partitioned among the ranks that wrote it; ZeRO-1/2
+    checkpoints are converted to DeepSpeed's universal form for them), ZeRO-3 against ZeRO-1/2 (partitioned
+    weights, other files), bf16 against another precision (other files)."""
     saved = _saved_engine(checkpoint)
     if saved is None:
         return
     written_by, saved_config = saved.get("dp_world_size"), saved.get("ds_config", {})
-    if written_by is not None and written_by != world:
-        raise ConfigError(f"{checkpoint} was written by {written_by} data-parallel rank(s), and this run has {world}: "
-                          "DeepSpeed ZeRO keeps the optimizer state partitioned among the ranks that wrote it. Resume "
-                          f"on {written_by} rank(s) (train.grad_accum sets the global batch) or give a new output_dir")
     saved_stage, stage = zero_stage(saved_config), zero_stage(ds_config)
+    if written_by is not None and written_by != world and saved_stage == 3:
+        raise ConfigError(f"{checkpoint} was written by {written_by} data-parallel rank(s) under ZeRO-3, and this "
+                          f"run has {world}: DeepSpeed ZeRO-3 keeps the weights and optimizer state partitioned among "
+                          f"the ranks that wrote them. Resume on {written_by} rank(s) (train.grad_accum sets the "
+                          "global batch) or give a new output_dir")
     if (saved_stage == 3) != (stage == 3):
         raise ConfigError(f"{checkpoint} was written under ZeRO-{saved_stage}, and this run's deepspeed config asks "
                           f"for ZeRO-{stage}: DeepSpeed reads ZeRO-3 checkpoints under ZeRO-3 only, and the others "
@@ -104,6 +107,12 @@ def _what_it_names(error: pickle.UnpicklingError) -> str:
     lines = [line.strip() for line in str(error).splitlines()[1:]
              if line.strip() and not line.startswith("Check the documentation")]
     return lines[-1].removeprefix("WeightsUnpickler error: ").split(". Please use")[0] if lines else str(error)
+
+
+def saved_dp_world_size(checkpoint: Path) -> int | None:
+    """The number of data-parallel ranks that wrote `checkpoint` (None where its model states cannot be read)."""
+    saved = _saved_engine(checkpoint)
+    return None if saved is None else saved.get("dp_world_size")
 
 
 def _saved_engine(checkpoint: Path) -> dict | None:

@@ -1,0 +1,63 @@
+"""A rerun of an adaptation on another number of data-parallel ranks than its checkpoint's.
+
+ZeRO keeps the optimizer state partitioned among the ranks that wrote it, and DeepSpeed loads it only into as
+many. Its universal checkpoint is the state of each parameter whole (fp32 weights, Adam's moments, step), which
+an engine of any size loads: a rerun on a Slurm allocation of another size converts the checkpoint it resumes
+from once (`universal/` inside it, made by rank 0 on the shared checkpoint directory) and loads that.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from megadiff.adapt.resume import DamagedCheckpoint, saved_dp_world_size
+from megadiff.console import plain_console
+from megadiff.errors import refused_together
+
+UNIVERSAL_DIR = "universal"  # inside a checkpoint: its universal form (a DeepSpeed tag of the checkpoint itself)
+
+
+def written_by_other_ranks(checkpoint: Path, world: int) -> bool:
+    written_by = saved_dp_world_size(checkpoint)
+    return written_by is not None and written_by != world
+
+
+def universal_form(checkpoint: Path, rank: int, world: int) -> Path:
+    """The universal form of `checkpoint` (collective): converted by rank 0 where no earlier rerun left it, then
+    seen by every rank (a node that cannot see it holds the checkpoint directory on a disk of its own)."""
+    universal = checkpoint / UNIVERSAL_DIR
+    refused_together(lambda: _convert(checkpoint, universal, world) if rank == 0 else None)
+
+    def seen_here() -> None:
+        if not (universal / "zero").is_dir():
+            raise DamagedCheckpoint(f"{universal} (made by rank 0) is not seen here: a rerun on another number of "
+                                    "ranks needs the checkpoint directory shared by every node")
+    refused_together(seen_here)
+    return universal
+
+
+def _convert(checkpoint: Path, universal: Path, world: int) -> None:
+    if (universal / "zero").is_dir():
+        return
+    plain_console().print(f"{checkpoint.name} was written by {saved_dp_world_size(checkpoint)} data-parallel "
+                          f"rank(s) and this run has {world}: converting it to DeepSpeed's universal checkpoint, "
+                          f"{universal}")
+    partial = checkpoint / f"{UNIVERSAL_DIR}.partial"
+    shutil.rmtree(partial, ignore_errors=True)  # an earlier conversion that did not end
+    # its own process: the converter prints as it goes, and forks workers (not under this one's process group);
+    # the files it reads were checked to hold DeepSpeed's types alone (resume_point)
+    converted = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
+         "--output_folder", str(partial), "--num_extract_workers", "1", "--num_merge_workers", "1",
+         # the universal_checkpoint_info Megatron-DeepSpeed's models record (TP and PP merge patterns): a Hugging
+         # Face model has neither, and the converter refuses its checkpoint without it
+         "--inject_missing_state"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=False)
+    if converted.returncode != 0:
+        said = (converted.stderr or converted.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise DamagedCheckpoint(f"{checkpoint} could not be converted for {world} rank(s) (DeepSpeed's "
+                                f"ds_to_universal: {said[0]}): rerun on {saved_dp_world_size(checkpoint)} rank(s)")
+    os.replace(partial, universal)  # whole or absent
