@@ -126,18 +126,19 @@ def _adapt(workspace: Path, world: int, output: Path, *overrides: str):
 
 
 def test_a_rerun_on_another_number_of_ranks_trains_on_as_the_uninterrupted_run(workspace, tmp_path):
-    """ZeRO keeps the optimizer state partitioned among the ranks that wrote it, and DeepSpeed loads it into as
-    many: a rerun on an allocation of another size was refused. The checkpoint is converted once (rank 0) to
+    """ZeRO keeps the optimizer state (ZeRO-3 the weights too) partitioned among the ranks that wrote it, and
+    DeepSpeed loads it into as many: a rerun on an allocation of another size was refused. The checkpoint is converted once (rank 0) to
     DeepSpeed's universal form, each parameter's state whole, which an engine of any size loads: 2 ranks stopped
-    at iteration 2 and rerun on 1, and 1 rerun on 2 (grad_accum making the same global batch), train on as 2
-    ranks that never stopped."""
+    at iteration 2 and rerun on 1, and 1 rerun on 2 (grad_accum making the same global batch), under ZeRO-2 and
+    ZeRO-3 (partitioned weights), train on as 2 ranks that never stopped."""
     _adapt(workspace, 2, tmp_path / "uninterrupted")
     uninterrupted = read_metrics(tmp_path / "uninterrupted")
     scheduled, measured = ("iteration", "lr"), ("lm_loss", "grad_norm")
-    for written_by, rerun_on in ((2, 1), (1, 2)):
-        output = tmp_path / f"run{written_by}"
-        _adapt(workspace, written_by, output, "checkpoint.exit_interval=2")
-        rerun = _adapt(workspace, rerun_on, output)
+    zero3 = f"deepspeed={workspace / 'zero3_all.json'}"
+    for written_by, rerun_on, *stage in ((2, 1), (1, 2), (2, 1, zero3)):
+        output = tmp_path / f"run{written_by}{rerun_on}{len(stage)}"
+        _adapt(workspace, written_by, output, "checkpoint.exit_interval=2", *stage)
+        rerun = _adapt(workspace, rerun_on, output, *stage)
         assert rerun.stdout.count(f"was written by {written_by} data-parallel rank(s) and this run has "
                                   f"{rerun_on}: converting it to DeepSpeed's universal checkpoint") == 1
         assert "resuming after iteration 2" in rerun.stdout

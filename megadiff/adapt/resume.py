@@ -61,25 +61,18 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int, ds_config: dict) -
 
 def _check_loadable_here(checkpoint: Path, world: int, ds_config: dict) -> None:
     """Refuse a checkpoint that DeepSpeed cannot load into this run's engine, before the model loads (DeepSpeed
-    reads it once the model and its engine are built). Each failed there, or was called damaged: ZeRO-3 on another
-    number of data-parallel ranks (ZeRO's optimizer state stays partitioned among the ranks that wrote it; ZeRO-1/2
-    checkpoints are converted to DeepSpeed's universal form for them), ZeRO-3 against ZeRO-1/2 (partitioned
-    weights, other files), bf16 against another precision (other files)."""
+    reads it once the model and its engine are built). Each failed there, or was called damaged: ZeRO-3 against
+    ZeRO-1/2 (partitioned weights, other files), bf16 against another precision (other files). Another number of
+    data-parallel ranks loads its universal form (reshard.universal_form)."""
     saved = _saved_engine(checkpoint)
     if saved is None:
         return
-    written_by, saved_config = saved.get("dp_world_size"), saved.get("ds_config", {})
-    saved_stage, stage = zero_stage(saved_config), zero_stage(ds_config)
-    if written_by is not None and written_by != world and saved_stage == 3:
-        raise ConfigError(f"{checkpoint} was written by {written_by} data-parallel rank(s) under ZeRO-3, and this "
-                          f"run has {world}: DeepSpeed ZeRO-3 keeps the weights and optimizer state partitioned among "
-                          f"the ranks that wrote them. Resume on {written_by} rank(s) (train.grad_accum sets the "
-                          "global batch) or give a new output_dir")
+    saved_stage, stage = zero_stage(saved.get("ds_config", {})), zero_stage(ds_config)
     if (saved_stage == 3) != (stage == 3):
         raise ConfigError(f"{checkpoint} was written under ZeRO-{saved_stage}, and this run's deepspeed config asks "
                           f"for ZeRO-{stage}: DeepSpeed reads ZeRO-3 checkpoints under ZeRO-3 only, and the others "
                           f"under ZeRO-1/2 only. Resume under ZeRO-{saved_stage} or give a new output_dir")
-    saved_precision, precision = _precision(saved_config), _precision(ds_config)
+    saved_precision, precision = _precision(saved.get("ds_config", {})), _precision(ds_config)
     if (saved_precision == "bf16") != (precision == "bf16"):
         raise ConfigError(f"{checkpoint} was written in {saved_precision}, and this run trains in {precision}: "
                           "DeepSpeed keeps bf16 optimizer state in files of their own. Resume with "
