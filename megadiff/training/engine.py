@@ -15,6 +15,7 @@ from megatron.core.utils import unwrap_model
 from megadiff.config import Config
 from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
 from megadiff.models.differential_attention import sum_partial_gradients
+from megadiff.training.multi_tensor import use_sync_free_fallbacks
 
 
 @dataclass
@@ -95,6 +96,7 @@ def build_optimizer(cfg: Config, config: MegadiffTransformerConfig, model: list)
         overlap_param_gather=cfg.parallel.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model)
+    use_sync_free_fallbacks()  # the gradient norm each step takes, read from the device at once
     # megatron builds every group with train.weight_decay and leaves the norms' and lambda's wd_mult of 0 to
     # its scheduler's first step: an engine stepped without one (the parity tests, bench) decayed them
     for group in optimizer.param_groups:
