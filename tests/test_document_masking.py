@@ -222,3 +222,69 @@ def test_what_documents_give_is_derived_once_per_tensor_for_a_few_tensors():
     tensors[1][1] = 4  # modified in place: derived anew
     value(1, "bounds")
     assert made[-1] == (1, "bounds") and len(made) == 8
+
+
+class _FakeGpuCopies:
+    """torch.Tensor.to and pin_memory where a CPU-only torch cannot copy to a GPU: a copy to CUDA returns the
+    tensor itself and records (its source was pinned, non_blocking)."""
+
+    def __init__(self, monkeypatch):
+        self.copies: list[tuple[bool, bool]] = []
+        to = torch.Tensor.to
+
+        def fake_to(tensor, *args, **kwargs):
+            target = kwargs.get("device", args[0] if args else None)
+            if isinstance(target, torch.device) and target.type == "cuda":
+                self.copies.append((getattr(tensor, "pinned_here", False), kwargs.get("non_blocking", False)))
+                return tensor
+            return to(tensor, *args, **kwargs)
+
+        def fake_pin_memory(tensor):
+            pinned = tensor.clone()
+            pinned.pinned_here = True
+            return pinned
+
+        monkeypatch.setattr(torch.Tensor, "to", fake_to)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin_memory)
+
+
+class _OnGpu:
+    """A [B, N, H, d] stand-in for a CUDA tensor: what the kernel's document bounds read of q and k."""
+
+    def __init__(self, *shape):
+        self.shape, self.device = torch.Size(shape), torch.device("cuda", 0)
+
+
+def test_the_kernels_document_bounds_reach_the_gpu_without_waiting_for_it(monkeypatch):
+    """torch copies pageable host memory to a GPU and then synchronises the stream: the bounds, copied in each
+    micro-batch's first layer, stalled the host until the GPU had run everything queued before them."""
+    pytest.importorskip("triton")
+    from megadiff.ops.triton_kernel import _documents
+
+    fake = _FakeGpuCopies(monkeypatch)
+    _documents(torch.tensor(CU_SEQLENS), True, _OnGpu(2, N, 2, 4), _OnGpu(2, N, 1, 4))
+    assert fake.copies == [(True, True), (True, True)]  # starts and ends: pinned, queued
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_document_masked_kernel_step_never_synchronises_with_the_gpu():
+    pytest.importorskip("triton")
+    from megadiff.ops.triton_kernel import paired_differential_attention_triton
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, N, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, N, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    lam = torch.tensor(0.3, device="cuda", requires_grad=True)
+
+    def step():  # a new cu_seqlens each time, as each micro-batch brings
+        out = paired_differential_attention_triton(q, k, v, lam, cu_seqlens=torch.tensor(CU_SEQLENS))
+        out.float().square().sum().backward()
+
+    step()  # the autotuner measures (and synchronises) once per shape
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megadiff.ops import differential_attention, softmax_attention
-from megadiff.ops.common import document_counts, lambda_per_head, sum_since
+from megadiff.ops.common import copied_to, document_counts, lambda_per_head, sum_since
 from megadiff.ops.documents import (
     DerivedPerTensor, document_bounds, document_spans, one_document_each, prefix_cu_seqlens,
 )
@@ -99,9 +99,9 @@ def context_parallel_differential_attention(q1, k1, q2, k2, v, lam, *, integral:
         outputs.append(result)
     if integral:
         batch, seq = k1.shape[:2]
-        device = outputs[0].device  # made there, or copied once: a copy from the host waits for the GPU
+        device = outputs[0].device  # made there, or copied once (queued: ops.common.copied_to)
         starts = (torch.zeros(batch, seq, dtype=torch.long, device=device) if spans is None
-                  else _derived(cu_seqlens, ("starts", device), lambda: document_bounds(spans)[0].to(device)))
+                  else _derived(cu_seqlens, ("starts", device), lambda: copied_to(document_bounds(spans)[0], device)))
         outputs = _add_integral_term(outputs, first_map_outputs, lam, starts, q1.shape[0] // 2)
     return torch.cat(outputs, dim=1)
 

@@ -51,6 +51,16 @@ def _run_compiled(function, *args):
         return function(*args)
 
 
+def copied_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor made here, on `device`, queued rather than waited for: torch copies from pageable host memory
+    to a GPU and then synchronises the stream, so a micro-batch's document bounds, copied in its first layer, held
+    the host until the GPU had run every kernel queued before them. Copied from pinned memory, torch's pinned
+    cache keeps the buffer until the copy has run."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def triton_fits(head_dim: int, value_dim: int) -> bool:
     """Whether the fused kernel's tiles hold heads this wide."""
     return max(head_dim, value_dim) <= TRITON_MAX_HEAD_DIM

@@ -19,7 +19,7 @@ import torch
 
 from megadiff.ops import triton_bwd, triton_fwd
 from megadiff.ops.common import (
-    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, compiled_on, lambda_per_head, map_pairs, triton_fits,
+    TRITON_DTYPES, TRITON_MAX_HEAD_DIM, check_shapes, compiled_on, copied_to, lambda_per_head, map_pairs, triton_fits,
 )
 from megadiff.ops.documents import DerivedPerTensor, document_bounds, document_lengths, document_spans
 from megadiff.ops.integral import first_map_gradients, integral_added
@@ -66,8 +66,7 @@ def _documents(cu_seqlens, causal: bool, q: torch.Tensor, k: torch.Tensor) -> Do
 
     def make() -> Documents:
         starts, ends = document_bounds(document_spans(cu_seqlens, k.shape[0], n_k))
-        return Documents(*(t.to(device=q.device, dtype=torch.int32).contiguous()
-                           for t in (starts[:, n_k - n_q:], ends)))
+        return Documents(*(copied_to(t.to(torch.int32).contiguous(), q.device) for t in (starts[:, n_k - n_q:], ends)))
     return _documents_of_tensors(cu_seqlens, (k.shape[0], n_q, n_k, q.device), make)
 
 
