@@ -19,6 +19,7 @@ from megadiff.adapt import (
 )
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.adapt.documents import document_position_ids, model_inputs
+from megadiff.adapt.apply import adapted_modules
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.modeling_adapted import install_adapters
 from megadiff.adapt.selection import attention_entropy, head_importance
@@ -562,3 +563,21 @@ def test_without_calibration_data_the_configured_count_of_random_batches_is_meas
     with pytest.warns(UserWarning, match="random tokens"):
         apply_dex(tiny_model("llama"), {"calibration_batches": 3})
     assert len(measured) == 3 and all(int(batch.max()) < VOCAB for batch in measured)
+
+
+def test_the_logged_lambdas_are_read_from_the_device_at_once(monkeypatch):
+    """Every logged step reads each layer's lambda: one read in all (each waits on a GPU), whatever the depth,
+    with the values a float() of each gives."""
+    model = apply_dex(tiny_model("llama"), {"selection": "all", "lambda_learn_init": 0.3})
+    set_step(model, 3)
+    with torch.no_grad():
+        model(tokens())
+    expected = {f"layer_{layer}": float(module.last_lambda) for layer, module in enumerate(adapted_modules(model))}
+    reads = []
+    for name in ("item", "tolist", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda tensor, *args, _original=original, _name=name, **kwargs:
+                            reads.append(_name) or _original(tensor, *args, **kwargs))
+    assert current_lambdas(model) == expected
+    assert len(reads) == 1

@@ -147,11 +147,11 @@ def set_step(model: nn.Module, step: int) -> None:
 
 def current_lambdas(model: nn.Module) -> dict[str, float]:
     """lambda(t) of each adapted layer as computed in its last forward ('layer_<i>', 0-based)."""
-    values = {}
-    for module in adapted_modules(model):
-        lam = module.last_lambda
-        if lam is None:
-            with torch.no_grad():
-                lam = module.current_lambda()
-        values[f"layer_{module.layer_idx}"] = float(lam)
-    return values
+    modules = adapted_modules(model)
+    if not modules:
+        return {}
+    with torch.no_grad():
+        lambdas = [module.current_lambda() if module.last_lambda is None else module.last_lambda for module in modules]
+    # read from the device at once: a float() each waited on it once per layer, at every logged step
+    values = torch.cat([lam.reshape(1).float() for lam in lambdas]).tolist()
+    return {f"layer_{module.layer_idx}": value for module, value in zip(modules, values)}
