@@ -1,5 +1,5 @@
-"""megatron's stand-ins for apex's / TransformerEngine's multi-tensor kernels, where neither is installed (the
-local backend's usual install), replaced by ones that compute the same numbers without a host synchronisation
+"""megatron's stand-in for apex's / TransformerEngine's multi-tensor l2 norm, where neither is installed (the
+local backend's usual install), replaced by one that computes the same number without a host synchronisation
 per parameter.
 
 megatron's local l2 norm (every step's gradient norm) made a host tensor of the parameters' norms with
