@@ -23,6 +23,7 @@ from megadiff.adapt.apply import adapted_modules
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.modeling_adapted import install_adapters
 from megadiff.adapt.selection import attention_entropy, head_importance
+from tests.test_host_syncs import ReadCounter
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "mistral": (MistralConfig, MistralForCausalLM)}
@@ -565,7 +566,7 @@ def test_without_calibration_data_the_configured_count_of_random_batches_is_meas
     assert len(measured) == 3 and all(int(batch.max()) < VOCAB for batch in measured)
 
 
-def test_the_logged_lambdas_are_read_from_the_device_at_once(monkeypatch):
+def test_the_logged_lambdas_are_read_from_the_device_at_once():
     """Every logged step reads each layer's lambda: one read in all (each waits on a GPU), whatever the depth,
     with the values a float() of each gives."""
     model = apply_dex(tiny_model("llama"), {"selection": "all", "lambda_learn_init": 0.3})
@@ -573,11 +574,7 @@ def test_the_logged_lambdas_are_read_from_the_device_at_once(monkeypatch):
     with torch.no_grad():
         model(tokens())
     expected = {f"layer_{layer}": float(module.last_lambda) for layer, module in enumerate(adapted_modules(model))}
-    reads = []
-    for name in ("item", "tolist", "__float__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda tensor, *args, _original=original, _name=name, **kwargs:
-                            reads.append(_name) or _original(tensor, *args, **kwargs))
-    assert current_lambdas(model) == expected
-    assert len(reads) == 1
+    with ReadCounter() as reads:
+        reads.counting = True
+        assert current_lambdas(model) == expected
+    assert sum(reads.sites.values()) == 1, reads.sites
