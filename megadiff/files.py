@@ -93,12 +93,13 @@ def iteration_dir(checkpoints_dir: str | Path, iteration: int) -> Path:
 
 
 def commit_iteration(checkpoints_dir: Path, iteration: int, marker: str, marker_text: str,
-                     keep_last: int | None) -> None:
+                     keep_last: int | None, kept_before: int | None = None) -> None:
     """One process, once every rank's files of the staged iteration_dir are complete: commit_staged with the
-    `marker` file of `checkpoints_dir`, then the checkpoints beyond `keep_last` removed."""
+    `marker` file of `checkpoints_dir`, then the checkpoints beyond `keep_last` removed (remove_older_numbered's
+    `kept_before` kept)."""
     commit_staged(iteration_dir(checkpoints_dir, iteration), checkpoints_dir / marker, marker_text)
     if keep_last:
-        remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last)
+        remove_older_numbered(checkpoints_dir, ITERATION_PREFIX, iteration, keep_last, kept_before)
 
 
 def numbered_dirs(directory: str | Path, prefix: str) -> list[tuple[int, Path]]:
@@ -107,14 +108,20 @@ def numbered_dirs(directory: str | Path, prefix: str) -> list[tuple[int, Path]]:
                   if path.is_dir() and path.name.removeprefix(prefix).isdigit())
 
 
-def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep: int) -> None:
-    """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`, and
-    those being read (removed at a later call). Later numbers (a run restarted from an earlier checkpoint left
-    them) are not counted, so the one just committed can never be removed."""
+def remove_older_numbered(directory: str | Path, prefix: str, newest: int, keep: int,
+                          kept_before: int | None = None) -> None:
+    """Of the directories `<prefix><number>` (checkpoints), keep the last `keep` numbered up to `newest`, the
+    newest numbered below `kept_before` (a training run's last checkpoint before the streak of skipped steps it is
+    in: those saved during it hold its weights again, and would rotate away the one to go back to), and those
+    being read (removed at a later call). Later numbers (a run restarted from an earlier checkpoint left them)
+    are not counted, so the one just committed can never be removed."""
     for leftover in Path(directory).glob(f"{prefix}*{REMOVING_SUFFIX}"):  # a removal killed part way
         shutil.rmtree(leftover, ignore_errors=True)
-    for _, path in [entry for entry in numbered_dirs(directory, prefix) if entry[0] <= newest][:-keep]:
-        _remove_unless_read(path)
+    older = [entry for entry in numbered_dirs(directory, prefix) if entry[0] <= newest]
+    before = [entry for entry in older if kept_before is not None and entry[0] < kept_before]
+    for entry in older[:-keep]:
+        if entry not in before[-1:]:
+            _remove_unless_read(entry[1])
 
 
 # in a directory being read (a checkpoint that generate or convert loads while its run goes on training)

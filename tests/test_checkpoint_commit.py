@@ -18,15 +18,26 @@ def _saved(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.is_dir())
 
 
-def _commit_staged(directory, iteration: int, keep_last: int) -> None:
+def _commit_staged(directory, iteration: int, keep_last: int, kept_before: int | None = None) -> None:
     _staging_dir(directory, iteration).mkdir()
-    commit_iteration(directory, iteration, LATEST_FILE, f"{iteration}\n", keep_last)
+    commit_iteration(directory, iteration, LATEST_FILE, f"{iteration}\n", keep_last, kept_before)
 
 
 def test_keep_last_removes_the_oldest(tmp_path):
     for iteration in (100, 200, 300):
         _commit_staged(tmp_path, iteration, keep_last=2)
     assert _saved(tmp_path) == ["iter_0000200", "iter_0000300"] and read_latest_iteration(tmp_path) == 300
+
+
+def test_keep_last_keeps_the_last_checkpoint_before_the_streak_of_skips_the_run_is_in(tmp_path):
+    """Saves 100..500, a streak of skipped steps from 250 (saves 300..500 repeat 200's weights): keep_last=2 keeps
+    the last two and 200; once the run updates again (no streak), retention is keep_last's alone."""
+    streak_from = {100: None, 200: None, 300: 250, 400: 250, 500: 250, 600: None}
+    for iteration, since in streak_from.items():
+        _commit_staged(tmp_path, iteration, keep_last=2, kept_before=since)
+        saved = sorted(streak_from)[:sorted(streak_from).index(iteration) + 1]
+        expected = set(saved[-2:]) | ({max(i for i in saved if i < since)} if since else set())
+        assert _saved(tmp_path) == [iteration_dir(tmp_path, i).name for i in sorted(expected)], iteration
 
 
 def test_keep_last_leaves_a_checkpoint_being_read_until_a_later_commit(tmp_path):
@@ -210,7 +221,7 @@ def test_a_writer_s_commit_carries_the_run_s_config_and_applies_its_keep_last(tm
     writer.cfg, writer.keep_last = build_config({}, ["model.num_layers=3"]), 1
     for iteration in (2, 4):
         _staging_dir(tmp_path, iteration).mkdir()
-        writer._commit_fn(iteration)()
+        writer._commit_fn(iteration, None)()
     assert _saved(tmp_path) == ["iter_0000004"] and read_latest_iteration(tmp_path) == 4
     assert checkpoint_config(iteration_dir(tmp_path, 4)).model.num_layers == 3
 

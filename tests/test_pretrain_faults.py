@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, read_latest_iteration
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, read_latest_iteration, saved_iterations
 from megadiff.observability.metrics import read_metrics
 from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
@@ -318,6 +318,29 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(base, tmp_path):
     assert exit_codes(sorted((tmp_path / "stops" / "wandb").glob("offline-run-*"))) == [1]  # W&B says: failed
     assert [e["iteration"] for e in result["events"]] == [1, 2, 3, 4, 5]  # stopped at the third skip
     assert read_latest_iteration(tmp_path / "stops" / CHECKPOINTS_DIR) == 4
+
+
+def test_keep_last_keeps_the_last_checkpoint_before_a_streak_of_skipped_steps(base, tmp_path):
+    """Every step NaN from the 4th (an lr blown up), a checkpoint at every step, keep_last=2: the saves of the
+    skipped steps, which hold the 3rd step's weights again, rotated every checkpoint before the streak away.
+    The last one before it is kept, and a rerun from it trains as a run never poisoned."""
+    out, report, first_poisoned = tmp_path / "blown", tmp_path / "report.json", 4
+    run = base + ["train.iters=8", "checkpoint.save_interval=1", "checkpoint.keep_last=2", "checkpoint.async_save=true"]
+    run_ranks(1, poisoned_run, run + ["train.max_skipped_nan_iters=3", f"output_dir={out}"],
+              list(range(first_poisoned, 9)), str(report))
+    events = json.loads(report.read_text())["events"]
+    stopped = events[-1]["iteration"]  # the step that stops the run saves nothing
+    saved = list(range(1, stopped))
+    before_streak = max(i for i in saved if i < first_poisoned)
+    checkpoints = out / CHECKPOINTS_DIR
+    assert saved_iterations(checkpoints) == sorted({*saved[-2:], before_streak})
+    assert read_latest_iteration(checkpoints) == saved[-1]
+    # going back: the marker moved to the checkpoint before the streak, the rerun unpoisoned
+    (checkpoints / LATEST_FILE).write_text(f"{before_streak}\n")
+    run_pretrain_in_ranks(1, run + [f"output_dir={out}"])
+    reference = tmp_path / "reference"
+    run_pretrain_in_ranks(1, run + [f"output_dir={reference}"])
+    assert losses(out) == losses(reference)
 
 
 def test_a_step_skipped_for_its_gradients_records_their_norm(base, tmp_path):

@@ -90,7 +90,10 @@ class CheckpointWriter:
         self.queue = AsyncCallsQueue() if async_save else None
         self.in_flight: int | None = None  # the iteration of the background save not yet committed
 
-    def save(self, iteration: int, chunks: list, optimizer, train_state: dict) -> None:
+    def save(self, iteration: int, chunks: list, optimizer, train_state: dict,
+             kept_before: int | None = None) -> None:
+        """`kept_before`: the iteration where the run's current streak of skipped steps began, if it is in one:
+        keep_last then keeps the newest checkpoint saved before it too (files.remove_older_numbered)."""
         self.wait()  # one save in flight at a time: its commit must precede the next one's
         staging = _staging_dir(self.dir, iteration)
         with self._failure_reported(iteration):
@@ -99,7 +102,7 @@ class CheckpointWriter:
             state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
             state[TRAIN_STATE_KEY] = train_state
             state[RNG_KEY] = _rng_sharded_object(_rng_states())
-            commit = self._commit_fn(iteration)
+            commit = self._commit_fn(iteration, kept_before)
             if self.queue is None:
                 dist_checkpointing.save(state, str(staging))
                 wait_for_ranks()
@@ -139,16 +142,16 @@ class CheckpointWriter:
                     write()
         refused_together(guarded)
 
-    def _commit_fn(self, iteration: int):
+    def _commit_fn(self, iteration: int, kept_before: int | None):
         def commit() -> None:
-            self._on_rank_zero(iteration, lambda: self._commit(iteration))
+            self._on_rank_zero(iteration, lambda: self._commit(iteration, kept_before))
         return commit
 
-    def _commit(self, iteration: int) -> None:
+    def _commit(self, iteration: int, kept_before: int | None) -> None:
         dump_config(self.cfg, _staging_dir(self.dir, iteration) / CONFIG_FILE)
         if self.tokenizer is not None:
             self.tokenizer.save_hf(_staging_dir(self.dir, iteration) / TOKENIZER_DIR)
-        commit_iteration(self.dir, iteration, LATEST_FILE, f"{iteration}\n", self.keep_last)
+        commit_iteration(self.dir, iteration, LATEST_FILE, f"{iteration}\n", self.keep_last, kept_before)
 
     def poll(self) -> None:
         """Commit background saves that every rank has finished (collective: call on every rank)."""

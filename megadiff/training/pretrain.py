@@ -200,7 +200,7 @@ class Pretraining:
             self.state.spike_history = self.spike_guard.history()
         self.engine.gather_updated_params()
         self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
-                              self.state.to_dict())
+                              self.state.to_dict(), kept_before=self.state.skipping_since)
 
     def evaluate(self) -> dict[str, float]:
         """{metric: mean loss over the loss tokens of eval_iters batches} for each validation set (valid_loss: the
@@ -247,6 +247,7 @@ class Pretraining:
                     state.loss_scale_overflows += 1
                 elif not (result.updated or result.no_loss_tokens):
                     state.skipped_iterations += 1
+                state.skipping_since = _skipping_since(state, result)
                 elapsed = time.perf_counter() - started
                 self.checkpoints.poll()
                 recorded = record_step(unrecorded, result.loss, elapsed, result.updated,
@@ -325,6 +326,17 @@ class Pretraining:
             self.metrics.print(message)
 
 
+def _skipping_since(state, result) -> int | None:
+    """The first iteration of the streak of skipped steps the run is in after `result`'s step (state.iteration):
+    a non-finite or spiking step starts or continues one, an update ends it; fp16's loss scaler finding its scale
+    and a batch without loss tokens leave it as it was."""
+    if result.updated:
+        return None
+    if result.overflow or result.no_loss_tokens:
+        return state.skipping_since
+    return state.iteration if state.skipping_since is None else state.skipping_since
+
+
 def _too_many_skips(state, max_skipped: int, result, lambdas: dict[str, float]) -> TrainingError:
     # the gradient norm where the step took one: with a finite loss, it alone says what was not finite
     gradient = "" if result.grad_norm is None else f", gradient norm {result.grad_norm}"
@@ -333,7 +345,8 @@ def _too_many_skips(state, max_skipped: int, result, lambdas: dict[str, float]) 
                          f"or gradient (train.max_skipped_nan_iters = {max_skipped}, over the whole run); last loss "
                          f"{result.loss}{ranks}{gradient}{_lambdas_not_finite(lambdas)}. The weights were never "
                          "updated from them: lower train.lr, or resume from the last checkpoint (which carries the "
-                         "count: raise train.max_skipped_nan_iters)")
+                         "count: raise train.max_skipped_nan_iters); checkpoint.keep_last keeps the last one saved "
+                         f"before iteration {state.skipping_since}, where this streak of skips began, to go back to")
 
 
 def _lambdas_not_finite(lambdas: dict[str, float]) -> str:

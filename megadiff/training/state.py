@@ -42,6 +42,9 @@ class TrainState:
     skipped_iterations: int = 0
     skipped_spikes: int = 0
     loss_scale_overflows: int = 0  # fp16: steps its loss scaler skipped
+    # the first iteration of the streak of steps skipped for a non-finite loss or gradient, or a spike, that the
+    # run is in (None once a step updates): checkpoint.keep_last keeps the last checkpoint saved before it
+    skipping_since: int | None = None
     spike_history: dict = field(default_factory=dict)  # the spike guard's window (training/spikes.py)
     scheduler: dict | None = None
     layout: dict = field(default_factory=dict)
