@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 from megadiff.config import build_config, data_parallel_size
 from megadiff.parallel import initialize, shutdown
 from megadiff.training.engine import build_engine, build_optimizer
-from megadiff.training.step import train_step
+from megadiff.training.step import train_step, validation_sums
 from tests.distributed import run_ranks
 from tests.parity_worker import MODEL, SEED, full_gradients, global_micro_batches, layout_independent_weights
 
@@ -137,6 +137,37 @@ def test_a_global_batch_without_loss_tokens_has_no_loss_and_is_not_applied(tmp_p
     assert not seen["moved"]
     before, after = seen["history"]
     assert after == before
+
+
+def validation_forwards(rank: int, world_size: int, out_path: str) -> None:
+    """validation_sums of one global batch of uneven loss masks, its reference means, and whether each forward
+    it ran left an autograd graph (activations held for a backward that never comes)."""
+    cfg = build_config({}, MODEL + ["model.variant=diff"], world_size)
+    initialize(cfg.parallel, SEED)
+    engine = build_engine(cfg)
+    layout_independent_weights(engine.unwrapped(), SEED)
+    engine.unwrapped()[0].eval()
+    batches = global_micro_batches(cfg, 0)
+    for index, batch in enumerate(batches):
+        batch["loss_mask"] = loss_masks(index, batch["labels"].shape, even=False)
+    graphs = []
+    hook = engine.unwrapped()[0].register_forward_hook(lambda module, inputs, output: graphs.append(output.grad_fn))
+    loss_sum, tokens = validation_sums(engine, iter(batches), len(batches)).tolist()
+    hook.remove()
+    torch.save({"mean": loss_sum / tokens, "reference": reference_losses(engine, batches)[0],
+                "graphs": [graph is not None for graph in graphs]}, out_path)
+    shutdown()
+
+
+def test_validation_builds_no_autograd_graph_and_means_over_loss_tokens(tmp_path):
+    """The periodic valid_loss ran its forwards with autograd on: every micro-batch's activations were held for a
+    backward that never comes (training's activation memory again, in every evaluation). It runs them without,
+    its mean over the loss tokens the model's own per-token losses give."""
+    out = tmp_path / "validation.pt"
+    run_ranks(1, validation_forwards, str(out))
+    seen = torch.load(out)
+    assert seen["mean"] == pytest.approx(seen["reference"], rel=1e-6)
+    assert seen["graphs"] == [False] * 4  # global batch 8 / micro-batch 2
 
 
 def _cross_entropies(rank: int, world_size: int, out_path: str) -> None:

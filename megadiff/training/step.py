@@ -137,6 +137,7 @@ def _forward_backward(engine: Engine, data_iterator, num_microbatches: int, forw
     )
 
 
+@torch.no_grad()  # megatron's forward-only schedules leave autograd on: each forward would keep its activations
 def validation_sums(engine: Engine, data_iterator, num_microbatches: int) -> torch.Tensor:
     """Forward only: the summed loss of one global batch's loss tokens and their count, [sum, tokens] in float64
     on every rank. Validation means over tokens (as Megatron-LM's evaluate), whatever train.per_token_loss says:
