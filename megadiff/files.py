@@ -62,10 +62,12 @@ def staging_dir(final: Path) -> Path:
     return final.with_name(final.name + STAGING_SUFFIX)
 
 
-def remove_staging_leftovers(directory: str | Path) -> None:
-    """What saves killed before their commit left (one process, before a save)."""
-    for leftover in Path(directory).glob(f"*{STAGING_SUFFIX}"):
+def remove_staging_leftovers(directory: str | Path) -> list[str]:
+    """What saves killed before their commit left (one process, before a save, or as a run starts); their names."""
+    leftovers = sorted(Path(directory).glob(f"*{STAGING_SUFFIX}"))
+    for leftover in leftovers:
         shutil.rmtree(leftover)
+    return [leftover.name for leftover in leftovers]
 
 
 def publish_staged(final: Path) -> None:

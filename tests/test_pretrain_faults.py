@@ -126,6 +126,27 @@ def test_a_run_failing_with_loader_workers_exits(base, tmp_path, in_evaluation):
     assert proc.returncode == 1 and "RuntimeError: an unexpected failure at step 2" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_background_save_an_error_left_uncommitted_is_removed_as_the_rerun_starts(base, tmp_path):
+    """An unexpected error (a CUDA error's stand-in) at step 5, iteration 4's background save written but never
+    committed (its commit runs at the next step): the rerun resumed from iteration 2 without a word, the partial
+    files left until its first save. It removes them as it starts, says so, and trains as the uninterrupted run."""
+    out = tmp_path / "crashed"
+    run = base + ["train.iters=6", "checkpoint.save_interval=2", "checkpoint.keep_last=2", "checkpoint.async_save=true"]
+    crash = f"from tests.pretrain_faults import crashing_at_step; crashing_at_step(5, {run + [f'output_dir={out}']!r})"
+    proc = subprocess.run([sys.executable, "-c", crash], env=environment(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert "RuntimeError: an unexpected failure at step 5" in proc.stderr, proc.stderr[-3000:]
+    checkpoints = out / CHECKPOINTS_DIR
+    assert read_latest_iteration(checkpoints) == 2 and (checkpoints / "iter_0000004.partial").is_dir()
+    rerun = run_pretrain_in_ranks(1, run + [f"output_dir={out}"])
+    assert f"removed iter_0000004.partial from {checkpoints}: a save the last run began and never committed" in \
+        rerun.stdout and f"resumed from {checkpoints / 'iter_0000002'}" in rerun.stdout, rerun.stdout[-3000:]
+    assert saved_iterations(checkpoints) == [4, 6] and not list(checkpoints.glob("*.partial"))
+    reference = tmp_path / "reference"
+    run_pretrain_in_ranks(1, run + [f"output_dir={reference}"])
+    assert losses(out) == losses(reference)
+
+
 def test_a_second_run_on_a_directory_in_use_is_refused(base, tmp_path, capsys):
     """Two runs on one output_dir (launched twice, a requeued job whose predecessor still runs) wrote their
     checkpoints and metrics among each other's, and the second resumed from the first's: rank 0 holds the

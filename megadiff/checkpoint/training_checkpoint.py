@@ -3,8 +3,9 @@
 A save writes `iter_NNNNNNN.partial/` with megatron dist_checkpointing, then (after every rank
 finished) rank 0 renames it to `iter_NNNNNNN/` and only then rewrites the latest marker. A crash
 at any point (kill -9 included) leaves the previous checkpoint and marker untouched; leftover
-`.partial` directories are removed by the next save. With `async_save` the files are written in
-the background and the commit runs when every rank's write has finished.
+`.partial` directories are removed by the next save (pre-training: as its next run starts). With
+`async_save` the files are written in the background and the commit runs when every rank's write
+has finished.
 
 The training state (iteration, consumed samples, LR schedule, ...) is a plain dict stored in
 dist_checkpointing's common state. RNG states are stored per global rank and restored only when

@@ -26,6 +26,7 @@ from megadiff.config import (
     refuse_a_file_for_directory, short_warmup_warning,
 )
 from megadiff.errors import MegadiffError, refused_together
+from megadiff.files import remove_staging_leftovers
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
@@ -94,6 +95,10 @@ class Pretraining:
             check_fits(self.model_states, device_bytes)
             memory_warning = activations_warning(self.model_states, activations, device_bytes)
         start = refused_together(lambda: plan_start(cfg))  # its refusals come before data and model
+        # a background save the last run never committed (an error stopped it first): its files, taking a
+        # checkpoint's space, go now, not at this run's first save, and the start says the run goes back before it
+        abandoned = refused_together(
+            lambda: remove_staging_leftovers(self.output / CHECKPOINTS_DIR) if self.rank == 0 else [])
         # a node seeing an older checkpoint resumed from it; what the tokenizer reads, wherever its copy is
         check_ranks_agree({}, {"starts from a checkpoint": start.path is not None,
                                "starts at iteration, samples": list(start.position()), "tokenizer": start.tokenizer})
@@ -125,13 +130,14 @@ class Pretraining:
                                          tensorboard=cfg.logging.tensorboard, total_iterations=cfg.train.iters,
                                          console_keys=CONSOLE_KEYS,
                                          wandb=self._wandb)
-            for line in self._start_report(activations, memory_warning, how, start, drawn_for, changed_data):
+            for line in self._start_report(activations, memory_warning, how, start, drawn_for, changed_data,
+                                           abandoned):
                 self.metrics.print(line)
 
     def _start_report(self, activations, memory_warning: str | None, how: str, start, drawn_for: int,
-                      changed_data: list[str]) -> list[str]:
+                      changed_data: list[str], abandoned: list[str]) -> list[str]:
         """What rank 0 says as the run starts: its layout, memory and start, then what differs from the run it
-        continues."""
+        continues; `abandoned`: the uncommitted saves of an earlier run removed."""
         cfg, t = self.cfg, self.cfg.train
         memory = f"model states {self.model_states.total / GIB:.2f} GiB"
         if not isinstance(activations, str):
@@ -139,6 +145,10 @@ class Pretraining:
         lines = [f"megadiff pretrain: {cfg.model.variant} model, {self.world} rank{'s' * (self.world > 1)} "
                  f"(TP {cfg.parallel.tensor}, PP {cfg.parallel.pipeline}, CP {cfg.parallel.context}, "
                  f"DP {self.dp}); {memory} on the most loaded rank; {how}; metrics and checkpoints in {self.output}"]
+        if abandoned:
+            lines.append(f"removed {', '.join(abandoned)} from {self.output / CHECKPOINTS_DIR}: a save the last run "
+                         "began and never committed (it stopped before every rank's files were written), so its "
+                         "iterations are trained again")
         lines += [warning for warning in (memory_warning, short_warmup_warning(t),
                                           tensor_parallel_across_nodes(cfg.parallel)) if warning]
         if start.position_changes:
