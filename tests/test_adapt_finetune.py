@@ -23,6 +23,7 @@ from megadiff.adapt.schedule import lr_multiplier
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
+from megadiff.files import iteration_dir
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import reserved_port, run_ranks, run_reporting_ranks
 from tests.test_chat_data import CHATML
@@ -661,6 +662,29 @@ def test_non_finite_steps_are_counted_and_stop_every_rank_before_a_save(workspac
               list(range(3, 7)), str(report))
     assert Path(f"{report}.0").read_text().startswith("iteration 4: 3 steps skipped")
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000003"
+
+
+def test_keep_last_keeps_the_last_checkpoint_before_a_streak_of_skipped_steps(workspace, tmp_path, monkeypatch):
+    """NaN from iteration 3 on, a checkpoint at every iteration, keep_last=2: the saves of the skipped steps
+    (their weights the second's again) rotated every checkpoint before the streak away. The last one before it
+    is kept, and a rerun from it with the poison gone records the uninterrupted run's losses."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    output, report, first_poisoned = tmp_path / "blown", tmp_path / "raised", 3
+    overrides = [f"output_dir={output}", "train.iters=6", "checkpoint.save_interval=1", "checkpoint.keep_last=2"]
+    run_ranks(1, poisoned_at, str(workspace / "adapt.yaml"), overrides + ["train.max_skipped_nan_iters=2"],
+              list(range(first_poisoned, 7)), str(report))
+    stopped = int(Path(f"{report}.0").read_text().split(":")[0].removeprefix("iteration "))
+    saved = list(range(1, stopped))  # the stopping step saves nothing
+    expected = sorted({*saved[-2:], max(i for i in saved if i < first_poisoned)})
+    checkpoints = output / "checkpoints"
+    assert sorted(int(p.name.removeprefix("iter_")) for p in checkpoints.glob("iter_*")) == expected
+    (checkpoints / "latest").write_text(iteration_dir(checkpoints, first_poisoned - 1).name)
+    run_ranks(1, poisoned_at, str(workspace / "adapt.yaml"), overrides, [], str(report))
+    reference = tmp_path / "reference"
+    run_ranks(1, poisoned_at, str(workspace / "adapt.yaml"), [f"output_dir={reference}", *overrides[1:]], [],
+              str(report))
+    assert [r["lm_loss"] for r in read_metrics(output)] == [r["lm_loss"] for r in read_metrics(reference)]
 
 
 def _metrics_logged_every_1_and_2(workspace, tmp_path, monkeypatch, target, overrides: list[str],

@@ -179,7 +179,7 @@ def finetune(cfg: FinetuneConfig) -> int:
     checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
     import deepspeed
 
-    from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at
+    from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at, streak_start
 
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
     # before the minutes of start-up (model, head selection, DeepSpeed, checkpoint): a preemption signal
@@ -226,6 +226,8 @@ def finetune(cfg: FinetuneConfig) -> int:
             checkpoint_dir = output_dir / CHECKPOINT_DIR
             start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
             skipped = 0  # the steps whose update DeepSpeed left out for a non-finite gradient norm
+            # the first iteration of the streak of such steps the run is in: keep_last keeps the checkpoint before it
+            skipping_since = None
             if resumed is not None:
                 # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
                 load_dir, tag = (resumed, universal.name) if universal else (checkpoint_dir, resumed.name)
@@ -236,6 +238,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 reader.resume_at(start, client_state.get("samples_read", start * reader.global_batch))
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
                 skipped = client_state.get("skipped_iterations", 0)  # likewise
+                skipping_since = client_state.get("skipping_since")  # likewise
                 resume_schedule(engine.lr_scheduler, cfg.train)
                 keep_this_runs_adam_settings(engine.optimizer, cfg.train)
             if rank == 0:
@@ -258,6 +261,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                 stepped = loss is not None  # DeepSpeed's step flags are otherwise the last step's
                 non_finite_step = stepped and _skipped_for_non_finite(engine, cfg.train.precision)
                 skipped += non_finite_step
+                skipping_since = streak_start(skipping_since, iteration, skipped=non_finite_step,
+                                              updated=stepped and engine.was_step_applied())
                 # on every rank (the loss is the global batch's): each saves the means with its checkpoint
                 recorded = record_step(unrecorded, loss, time.perf_counter() - began,
                                        stepped and engine.was_step_applied(),
@@ -284,7 +289,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
                     _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
                           {"iteration": iteration, "unrecorded": unrecorded.state(), "skipped_iterations": skipped,
-                           "samples_read": reader.samples_read(iteration)})
+                           "skipping_since": skipping_since, "samples_read": reader.samples_read(iteration)})
                 if exit_now and iteration < cfg.train.iters:
                     exit_code = stop.exit_after_checkpoint(rank)
                     if writer is not None:
@@ -363,7 +368,8 @@ def leave_out_frozen_aliases(engine) -> None:
 def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: int | None,
           client_state: dict) -> None:
     """DeepSpeed's checkpoint, written under a staging name, renamed and committed by its `latest` file once
-    every rank has written its part, then the checkpoints beyond `keep_last` removed. DeepSpeed's rank 0
+    every rank has written its part, then the checkpoints beyond `keep_last` removed (not the last one before
+    client_state's streak of skipped steps: those saved during it hold its weights again). DeepSpeed's rank 0
     writes `latest` before the ranks' closing barrier: killed while another rank still wrote (a preemption's
     grace period running out), a run left `latest` naming a checkpoint that no requeue could load, and a
     checkpoint's name on a directory that keep_last counted."""
@@ -377,7 +383,8 @@ def _save(engine, checkpoint_dir: Path, iteration: int, rank: int, keep_last: in
     engine.save_checkpoint(str(checkpoint_dir), tag=staging_dir(final).name, client_state=client_state,
                            save_latest=False, exclude_frozen_parameters=True)
     if rank == 0:  # save_checkpoint ends with that barrier: every rank's files are written
-        commit_iteration(checkpoint_dir, iteration, LATEST_FILE, final.name, keep_last)
+        commit_iteration(checkpoint_dir, iteration, LATEST_FILE, final.name, keep_last,
+                         client_state["skipping_since"])
 
 
 def finetune_from_config(config_path: str, overrides: list[str]) -> int:

@@ -137,6 +137,15 @@ def record_step(means: StepMeans, loss: float, seconds: float, updated: bool,
     return mean_loss, mean_seconds, loss if pending and not updated else None
 
 
+def streak_start(since: int | None, iteration: int, skipped: bool, updated: bool) -> int | None:
+    """The first iteration of the streak of skipped steps (a non-finite loss or gradient, a spike) a run is in
+    after `iteration`, given the streak's start `since` before it: an update ends the streak, a skipped step
+    starts or continues it, any other step (no loss tokens, fp16's loss scaler finding its scale) leaves it."""
+    if updated:
+        return None
+    return iteration if skipped and since is None else since
+
+
 class MetricsWriter:
     """Write with `log(record)`; `record["iteration"]` is the step axis."""
 

@@ -31,7 +31,7 @@ from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
 from megadiff.models.sdpa_calls import sdpa_kernels_refusal_for
-from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at
+from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at, streak_start
 from megadiff.observability.profiling import IterationProfiler
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
@@ -257,7 +257,9 @@ class Pretraining:
                     state.loss_scale_overflows += 1
                 elif not (result.updated or result.no_loss_tokens):
                     state.skipped_iterations += 1
-                state.skipping_since = _skipping_since(state, result)
+                state.skipping_since = streak_start(state.skipping_since, state.iteration, updated=result.updated,
+                                                    skipped=not (result.updated or result.overflow
+                                                                 or result.no_loss_tokens))
                 elapsed = time.perf_counter() - started
                 self.checkpoints.poll()
                 recorded = record_step(unrecorded, result.loss, elapsed, result.updated,
@@ -334,17 +336,6 @@ class Pretraining:
     def _say(self, message: str) -> None:
         if self.metrics is not None:
             self.metrics.print(message)
-
-
-def _skipping_since(state, result) -> int | None:
-    """The first iteration of the streak of skipped steps the run is in after `result`'s step (state.iteration):
-    a non-finite or spiking step starts or continues one, an update ends it; fp16's loss scaler finding its scale
-    and a batch without loss tokens leave it as it was."""
-    if result.updated:
-        return None
-    if result.overflow or result.no_loss_tokens:
-        return state.skipping_since
-    return state.iteration if state.skipping_since is None else state.skipping_since
 
 
 def _too_many_skips(state, max_skipped: int, result, lambdas: dict[str, float]) -> TrainingError:
