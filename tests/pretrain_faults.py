@@ -7,6 +7,7 @@ import functools
 import io
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -238,3 +239,22 @@ def crashing_at_step(crash_step: int, overrides: list[str], in_evaluation: bool 
 
     setattr(pretrain, name, failing)
     sys.exit(entry_point(["pretrain", str(DEMO_CONFIG), *overrides]))
+
+
+def loaded_while_its_run_saves(rank: int, world_size: int, overrides: list[str], source_checkpoints: str,
+                               report: str) -> None:
+    """`megadiff pretrain` starting from checkpoint.load, a run still training (`source_checkpoints`): while this
+    run builds its model, after it chose the checkpoint to load, that run commits a newer one with keep_last=1."""
+    original_build = pretrain.build_engine
+    checkpoints = Path(source_checkpoints)
+
+    def build_engine(cfg):
+        if rank == 0:
+            newest = training_checkpoint.read_latest_iteration(checkpoints)
+            newer = files.iteration_dir(checkpoints, newest + 1)
+            shutil.copytree(files.iteration_dir(checkpoints, newest), files.staging_dir(newer))
+            files.commit_iteration(checkpoints, newest + 1, LATEST_FILE, f"{newest + 1}\n", keep_last=1)
+        return original_build(cfg)
+
+    pretrain.build_engine = build_engine
+    _report_pretrain(rank, overrides, report)

@@ -18,8 +18,8 @@ from megadiff.observability.metrics import read_metrics
 from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import (
-    disk_full_while_saving, killed_while_saving, marker_refused_while_committing, poisoned_on_the_last_rank,
-    poisoned_run, resumed_with_a_load_transient, signalled_while_starting,
+    disk_full_while_saving, killed_while_saving, loaded_while_its_run_saves, marker_refused_while_committing,
+    poisoned_on_the_last_rank, poisoned_run, resumed_with_a_load_transient, signalled_while_starting,
 )
 from tests.pretrain_runs import (
     DEMO_CONFIG, ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
@@ -145,6 +145,24 @@ def test_a_background_save_an_error_left_uncommitted_is_removed_as_the_rerun_sta
     reference = tmp_path / "reference"
     run_pretrain_in_ranks(1, run + [f"output_dir={reference}"])
     assert losses(out) == losses(reference)
+
+
+def test_a_checkpoint_loaded_from_a_run_still_training_is_kept_until_loaded(base, tmp_path):
+    """checkpoint.load of a run that trains on with keep_last=1 (a decay or a length extension branched off it):
+    that run committed a newer checkpoint while this one built its data and model, removed the one this run had
+    chosen, and the load failed minutes into the start, calling the checkpoint cut short. It is kept until
+    loaded (removed at that run's next save), and the branch trains as one started without the concurrent save."""
+    source = tmp_path / "source"
+    run_pretrain_in_ranks(1, base + ["train.iters=2", f"output_dir={source}"])
+    reference, report = tmp_path / "reference", tmp_path / "report.json"
+    branch = base + ["train.iters=4", f"checkpoint.load={source}"]
+    run_pretrain_in_ranks(1, branch + [f"output_dir={reference}"])
+    run_ranks(1, loaded_while_its_run_saves, branch + [f"output_dir={tmp_path / 'branch'}"],
+              str(source / CHECKPOINTS_DIR), str(report))
+    result = json.loads(report.read_text())
+    assert result["exit_code"] == 0, result["stderr"][-3000:]
+    assert losses(tmp_path / "branch") == losses(reference)
+    assert saved_iterations(source / CHECKPOINTS_DIR) == [2, 3] and read_latest_iteration(source / CHECKPOINTS_DIR) == 3
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused(base, tmp_path, capsys):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE, reading_checkpoint
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
     Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
@@ -95,23 +95,29 @@ class Pretraining:
             check_fits(self.model_states, device_bytes)
             memory_warning = activations_warning(self.model_states, activations, device_bytes)
         start = refused_together(lambda: plan_start(cfg))  # its refusals come before data and model
-        # a background save the last run never committed (an error stopped it first): its files, taking a
-        # checkpoint's space, go now, not at this run's first save, and the start says the run goes back before it
-        abandoned = refused_together(
-            lambda: remove_staging_leftovers(self.output / CHECKPOINTS_DIR) if self.rank == 0 else [])
-        # a node seeing an older checkpoint resumed from it; what the tokenizer reads, wherever its copy is
-        check_ranks_agree({}, {"starts from a checkpoint": start.path is not None,
-                               "starts at iteration, samples": list(start.position()), "tokenizer": start.tokenizer})
-        # W&B before data and model: a login or project problem should stop the run before them
-        self._wandb = refused_together(
-            lambda: wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None)
-        t = cfg.train
-        self.train_samples, drawn_for = start.data_samples(cfg)
-        self.datasets, self.valid_sets, tokenizer, data_now = _prepare_data(cfg, self.train_samples)
-        self.document_eod = tokenizer.eod if cfg.data.document_masking else None
-        self.engine: Engine = build_engine(cfg)
-        self.scheduler = build_scheduler(cfg, self.engine.optimizer)
-        self.state, how = restore(cfg, start, self.engine, self.scheduler)
+        with contextlib.ExitStack() as loading:
+            # checkpoint.load of a run still training: kept from that run's keep_last until it is loaded, minutes of
+            # data and model later (removed meanwhile, the load failed, calling the checkpoint cut short)
+            if start.path is not None and not start.own:
+                refused_together(lambda: loading.enter_context(reading_checkpoint(start.path)))
+            # a background save the last run never committed (an error stopped it first): its files, taking a
+            # checkpoint's space, go now, not at this run's first save, and the start says the run goes back before it
+            abandoned = refused_together(
+                lambda: remove_staging_leftovers(self.output / CHECKPOINTS_DIR) if self.rank == 0 else [])
+            # a node seeing an older checkpoint resumed from it; what the tokenizer reads, wherever its copy is
+            check_ranks_agree({}, {"starts from a checkpoint": start.path is not None,
+                                   "starts at iteration, samples": list(start.position()),
+                                   "tokenizer": start.tokenizer})
+            # W&B before data and model: a login or project problem should stop the run before them
+            self._wandb = refused_together(
+                lambda: wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None)
+            t = cfg.train
+            self.train_samples, drawn_for = start.data_samples(cfg)
+            self.datasets, self.valid_sets, tokenizer, data_now = _prepare_data(cfg, self.train_samples)
+            self.document_eod = tokenizer.eod if cfg.data.document_masking else None
+            self.engine: Engine = build_engine(cfg)
+            self.scheduler = build_scheduler(cfg, self.engine.optimizer)
+            self.state, how = restore(cfg, start, self.engine, self.scheduler)
         self.state.data_samples = self.train_samples
         changed_data, self.state.data = prepared_again(self.state.data, data_now), data_now
         self.unrecorded = StepMeans(self.state.unrecorded)  # the steps since the last record
