@@ -62,6 +62,24 @@ def test_each_record_is_its_prompt_then_its_response_with_the_response_masked_in
     assert prepare(data) == stats  # up to date: nothing redone
 
 
+def test_a_record_without_its_prompt_is_skipped_and_counted(tmp_path, capsys):
+    """A null or missing prompt (a key misspelt in some records) was read as an empty one: its response was
+    trained on as an answer to nothing, and the summary counted nothing skipped."""
+    records = [{"question": " Who begat Enos?", "answer": " Seth."}, {"question": None, "answer": " Cainan."},
+               {"answer": " Mahalaleel."}, {"Question": " misspelt", "answer": " Jared."},
+               {"question": "", "answer": " Enoch."}]  # an empty prompt is given, not missing: kept
+    write_records(tmp_path / "src" / "a.jsonl", records)
+    stats = prepare(build_config({}, sft_overrides(tmp_path / "src", tmp_path / "out" / "sft")).data)
+    kept = [record for record in records if record.get("question") is not None]
+    assert (stats["documents"], stats["skipped_empty"], stats["skipped_missing"]) == (len(kept), 3, 3)
+    tokenizer, tokens = load_tokenizer("cl100k_base"), IndexedDataset(str(tmp_path / "out" / "sft"))
+    mask = IndexedDataset(loss_mask_prefix(tmp_path / "out" / "sft"))
+    for i, record in enumerate(kept):
+        assert_pair(tokenizer, tokens[i].tolist(), mask[i].tolist(), record["question"], record["answer"])
+    summary = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "3 without the field 'question' (data.text_key) or 'answer' (data.response_key), 0 empty" in summary
+
+
 def assert_pair(tokenizer, ids: list[int], mask: list[int], prompt: str, response: str) -> None:
     """The pair's text exactly, then the EOD; the loss on the tokens from the first holding response
     characters (one at the edge may hold the prompt's last ones) through the EOD."""

@@ -255,8 +255,10 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
         "text_key": data.text_key,
         # a txt file's BOM dropped (before: read as a character beginning its document)
         **({"txt_bom": "dropped"} if any(source.builder == "text" for source in sources) else {}),
-        # a pair encoded as one text (before: its prompt and response apart, which changed SentencePiece's text)
-        **({"response_key": data.response_key, "pair_encoding": "one text"} if data.response_key is not None else {}),
+        # a pair encoded as one text (before: its prompt and response apart, which changed SentencePiece's text);
+        # a record without its prompt skipped (before: its response was trained on alone)
+        **({"response_key": data.response_key, "pair_encoding": "one text", "without_prompt": "skipped"}
+           if data.response_key is not None else {}),
         # encoded as one text (before: piece by piece, which split tokens at the turns' edges)
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest(),
             "conversation_encoding": "one text"} if chat_template is not None else {}),
@@ -303,14 +305,26 @@ def _prepare_part(plan: _Plan, index: int, encoder: Encoder, progress: Progress)
     return stats
 
 
-def _deciding_field(data: DataConfig) -> tuple[str, tuple[str, str]]:
-    """(column, (setting, field)) of what a record without it is skipped for: its text, response or conversation."""
-    return list(record_fields(data.text_key, data.response_key, data.messages_key).items())[-1]
+def _deciding_fields(data: DataConfig) -> dict[str, tuple[str, str]]:
+    """{column: (setting, field)} of what a record without any of them is skipped for: its text, its prompt and
+    response (a response without its prompt would teach answering a question never asked), or its conversation."""
+    return record_fields(data.text_key, data.response_key, data.messages_key)
+
+
+def _records_missing_a_field(texts, data: DataConfig) -> int:
+    """How many records lack one of _deciding_fields (null: a misspelt key, or records of another format)."""
+    import pyarrow.compute as pc
+
+    missing = None
+    for column in _deciding_fields(data):
+        null = pc.is_null(texts.data.column(column))
+        missing = null if missing is None else pc.or_(missing, null)
+    return int(pc.sum(missing).as_py() or 0)
 
 
 def _stats(plan: _Plan, texts: int, documents: int, missing: int, tokens: int, seconds: float,
            masked: dict | None = None) -> dict:
-    """What a part or the whole holds; `missing`: the records skipped without _deciding_field (a misspelt key, or
+    """What a part or the whole holds; `missing`: the records skipped without a _deciding_fields one (a misspelt key, or
     records of another format); `masked` (MASKED_STATS), of prompt/response data and conversations."""
     return {"documents": documents, "skipped_empty": texts - documents, "skipped_missing": missing, "tokens": tokens,
             **(masked or {}), "seconds": round(seconds, 3), "tokens_per_second": round(tokens / max(seconds, 1e-9)),
@@ -323,7 +337,7 @@ def _tokenize(prefix: Path, source: Source, plan: _Plan, encoder: Encoder, progr
     try:
         data = plan.data
         texts = load_texts([source], record_fields(data.text_key, data.response_key, data.messages_key), work_dir)
-        missing = texts.data.column(_deciding_field(data)[0]).null_count
+        missing = _records_missing_a_field(texts, data)
         documents, tokens, masked = 0, 0, dict.fromkeys(MASKED_STATS, 0)
         task = progress.add_task(label, total=len(texts), tokens=0)
         start = time.perf_counter()
@@ -389,8 +403,8 @@ def _skipped(stats: dict, data: DataConfig) -> str:
         return ""
     if not missing:
         return f" ({skipped:,} empty skipped)"
-    _, (setting, key) = _deciding_field(data)
-    return f" ({skipped:,} skipped: {missing:,} without the field {key!r} ({setting}), {skipped - missing:,} empty)"
+    fields = " or ".join(f"{key!r} ({setting})" for setting, key in _deciding_fields(data).values())
+    return f" ({skipped:,} skipped: {missing:,} without the field {fields}, {skipped - missing:,} empty)"
 
 
 def _print_summary(console: Console, prefixes: list[str], stats: dict, data: DataConfig) -> None:

@@ -41,15 +41,15 @@ def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], t
                  dtype: str) -> EncodedPairs:
     """Each pair -> document_start (Llama's BOS), the prompt and response encoded as one text, EOD; the loss on
     the tokens holding response characters and on the EOD. A pair with an empty response (it would teach
-    nothing) is skipped."""
+    nothing) or without a prompt (null: the response would be taught as an answer to nothing) is skipped."""
     tokenizer = load_tokenizer(tokenizer_spec)
     start = document_start(tokenizer)
     documents = []
     for prompt, response in zip(prompts, responses):
-        if not response:
+        if not response or prompt is None:
             documents.append(([], []))
             continue
-        ids, mask = _encode_pair(prompt or "", response, tokenizer)
+        ids, mask = _encode_pair(prompt, response, tokenizer)
         documents.append((start + ids + [tokenizer.eod], [0] * len(start) + mask + [1]))
     return _masked(documents, dtype)
 
