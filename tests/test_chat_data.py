@@ -140,6 +140,35 @@ def test_a_conversation_is_encoded_as_its_chat_prompt():
             assert ids[:-1] == encode_prompt(tokenizer, prompt, chat=True)
 
 
+def chatml_with_default_system(generation: str = "", end_generation: str = "") -> str:
+    """ChatML with Qwen2.5's default system turn where messages[0] is none (which an empty conversation cannot
+    render), its assistant's text (content, "<|im_end|>" and "\\n", as the prefix rule takes it) between the two."""
+    return ("{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}"
+            "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}"
+            f"{{%- if m['role'] == 'assistant' %}}{generation}{{{{- m['content'] + '<|im_end|>\\n' }}}}{end_generation}"
+            "{%- else %}{{- m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_conversation_opening_with_the_assistant_is_masked_as_transformers_marks_it(small_tokenizer_dir):
+    """A conversation whose first turn is the assistant's (a greeting, ShareGPT records opening with "gpt") has no
+    turns before it, which a template reading messages[0] failed to render: prepare-data stopped on the record."""
+    from transformers import AutoTokenizer
+
+    from megadiff.data.conversations import encode_conversation
+
+    marked = chatml_with_default_system("{%- generation %}", "{%- endgeneration %}")
+    hf = AutoTokenizer.from_pretrained(str(small_tokenizer_dir))
+    messages = [{"role": "assistant", "content": "Peace be with you."}, {"role": "user", "content": "Who begat Enos?"},
+                {"role": "assistant", "content": "Seth."}]
+    for template in (chatml_with_default_system(), marked):
+        ids, mask = encode_conversation(messages, template, load_tokenizer(str(small_tokenizer_dir)))
+        expected = hf.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), list(expected["assistant_masks"]))
+        assert mask[-1] == 1  # the EOD ends the assistant's turn
+
+
 class WithoutOffsets:
     """A tokenizer that gives no character offsets (a slow, Python one): every other call is the wrapped one's."""
 

@@ -211,7 +211,7 @@ def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tu
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, _ = _render(messages[:index], template, variables, generation_prompt=True)
+        before = _text_before_reply(messages, index, template, variables)
         through, _ = _render(messages[:index + 1], template, variables)
         if not (through.startswith(before) and text.startswith(through)):
             raise DataError(f"data.chat_template: the template renders the turns before message {index} (an "
@@ -219,6 +219,22 @@ def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tu
                             "assistant's text with {% generation %} ... {% endgeneration %} in the template")
         spans.append((len(before), len(through)))
     return text, spans
+
+
+def _text_before_reply(messages: list[dict], index: int, template: str, variables: dict) -> str:
+    """Where assistant message `index`'s text begins: the turns before it rendered with the generation prompt.
+    A conversation opening with the assistant (a greeting) has no turns before it, which templates reading
+    messages[0] (Qwen's, Gemma's: "list object has no element 0") cannot render; there, what the template
+    writes before a lone assistant reply's content, as it writes a generation prompt."""
+    try:
+        return _render(messages[:index], template, variables, generation_prompt=True)[0]
+    except DataError:
+        if index:
+            raise
+        opened, _ = _render([{"role": "assistant", "content": REPLY}], template, variables)
+        if REPLY not in opened:
+            raise
+        return opened[:opened.index(REPLY)]
 
 
 def as_messages(conversation) -> list[dict]:
