@@ -169,6 +169,27 @@ def test_a_conversation_opening_with_the_assistant_is_masked_as_transformers_mar
         assert mask[-1] == 1  # the EOD ends the assistant's turn
 
 
+def test_a_reply_opening_with_a_character_split_across_tokens_is_masked_as_transformers_marks_it(tmp_path):
+    """A template whose generation prompt ends with a space ("Assistant: "): cl100k encodes the space with the first
+    bytes of a reply's rare first character, which tiktoken's offsets put before the character (no loss)."""
+    from transformers import AutoTokenizer
+
+    from megadiff.data.conversations import encode_conversation
+
+    tokenizer = load_tokenizer("cl100k_base")
+    tokenizer.save_hf(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    template = ("{%- for m in messages %}{%- if m['role'] == 'user' %}{{- 'User: ' + m['content'] + '\\nAssistant: ' }}"
+                "{%- else %}{%- generation %}{{- m['content'] + eos_token + '\\n' }}{%- endgeneration %}{%- endif %}"
+                "{%- endfor %}")
+    messages = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Ϗ, Seth."},
+                {"role": "user", "content": "Pray"}, {"role": "assistant", "content": "🙏 Amen"}]
+    ids, mask = encode_conversation(messages, template, tokenizer)
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), list(expected["assistant_masks"]))
+
+
 class WithoutOffsets:
     """A tokenizer that gives no character offsets (a slow, Python one): every other call is the wrapped one's."""
 

@@ -80,6 +80,20 @@ def test_a_record_without_its_prompt_is_skipped_and_counted(tmp_path, capsys):
     assert "3 without the field 'question' (data.text_key) or 'answer' (data.response_key), 0 empty" in summary
 
 
+def test_a_response_opening_with_a_character_split_across_tokens_takes_the_loss_from_its_first_byte():
+    """cl100k spells rare characters (some Greek after a word, emoji after a space) in several byte tokens:
+    tiktoken's offsets ended the token holding a response's first bytes where the next began, before the character,
+    so it took no loss and the model was never taught to begin such a response. Reference: the tokens holding any
+    of the response's bytes."""
+    from megadiff.data.tokenize_workers import _encode_pair
+
+    tokenizer = load_tokenizer("cl100k_base")
+    for prompt, response in ((" Who begat", "Ω, the last"), ("Pray:  ", "🙏 Amen"), ("祝福", "𝕏 marks it")):
+        ids, mask = _encode_pair(prompt, response, tokenizer)
+        ends = np.cumsum([len(tokenizer.encoding.decode_single_token_bytes(i)) for i in ids])
+        assert mask == (ends > len(prompt.encode())).astype(int).tolist(), (prompt, response)
+
+
 def assert_pair(tokenizer, ids: list[int], mask: list[int], prompt: str, response: str) -> None:
     """The pair's text exactly, then the EOD; the loss on the tokens from the first holding response
     characters (one at the edge may hold the prompt's last ones) through the EOD."""

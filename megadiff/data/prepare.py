@@ -51,7 +51,7 @@ from megadiff.data.manifest import (
 )
 from megadiff.data.sources import Source, load_texts, record_fields, resolve_sources
 from megadiff.data.tokenize_workers import Encoder
-from megadiff.data.tokenizers import Tokenizer, load_tokenizer
+from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, load_tokenizer
 from megadiff.files import HeldElsewhere, exclusive_lock, held_shared
 
 DOCUMENTS_PER_BATCH = 256
@@ -262,6 +262,8 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
         # encoded as one text (before: piece by piece, which split tokens at the turns' edges)
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest(),
             "conversation_encoding": "one text"} if chat_template is not None else {}),
+        # a token holding a split character's first bytes (tiktoken's) takes its loss (before: its offsets left it out)
+        **({"split_characters": "whole"} if data.masks_loss and data.tokenizer in PACKAGED_TIKTOKEN else {}),
         "tokenizer": tokenizer_fingerprint(data.tokenizer, tokenizer, documents=chat_template is None),
         "dtype": token_dtype(tokenizer.vocab_size).name,
     }

@@ -97,8 +97,7 @@ class TiktokenTokenizer:
         """encode's (or with `ordinary`, encode_ordinary's) ids, each with the (start, end) of its characters
         in `text`."""
         ids = self.encode_ordinary(text) if ordinary else self.encode(text)
-        starts = self.encoding.decode_with_offsets(ids)[1]
-        return ids, list(zip(starts, starts[1:] + [len(text)]))
+        return ids, character_spans([self.encoding.decode_single_token_bytes(i) for i in ids])
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode([i for i in ids if i < self.vocab_size and i not in self.undecodable_ids])
@@ -126,6 +125,25 @@ class TiktokenTokenizer:
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
                                      **context, **pad)
         save_for_any_transformers(hf, directory)
+
+
+def character_spans(pieces: list[bytes]) -> list[tuple[int, int]]:
+    """Each token's (start, end) in the text whose UTF-8 bytes the tokens' `pieces` are: every character any of
+    its bytes belong to, as Hugging Face's offsets give them. A character split across tokens (cl100k's rare
+    CJK characters and emoji) is in each; tiktoken's offsets ended a token where the next began, so the one
+    holding a reply's first bytes seemed to hold none of its characters and took no loss."""
+    spans, begun = [], 0  # the characters begun before the token
+    for piece in pieces:
+        goes_on = bool(piece) and _is_continuation(piece[0])  # its first byte is in a character begun before
+        start = begun - goes_on
+        begun += sum(not _is_continuation(byte) for byte in piece)
+        spans.append((start, begun))
+    return spans
+
+
+def _is_continuation(byte: int) -> bool:
+    """A UTF-8 byte that goes on with a character (10xxxxxx), not one beginning it."""
+    return 0x80 <= byte < 0xC0
 
 
 def oniguruma_pattern(pattern: str) -> str:
