@@ -190,6 +190,46 @@ def test_a_reply_opening_with_a_character_split_across_tokens_is_masked_as_trans
     assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), list(expected["assistant_masks"]))
 
 
+def llama31_tool_calls(generation: str = "", end_generation: str = "") -> str:
+    """Llama 3.1's template, its tool-call branch, as it tells a tool call: by the message holding "tool_calls"."""
+    return ("{%- for m in messages %}{%- if 'tool_calls' in m %}{%- if not m.tool_calls|length == 1 %}"
+            "{{- raise_exception('one tool call at once') }}{%- endif %}"
+            f"{{{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}}}{generation}"
+            "{{- '{\"name\": \"' + m.tool_calls[0].function.name + '\"}<|eot_id|>' }}"
+            f"{end_generation}{{%- else %}}{{{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' }}}}"
+            f"{{%- if m.role == 'assistant' %}}{generation}{{{{- m.content + '<|eot_id|>' }}}}{end_generation}"
+            "{%- else %}{{- m.content + '<|eot_id|>' }}{%- endif %}{%- endif %}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def test_parquet_conversations_are_rendered_as_their_records_hold_them(tmp_path, small_tokenizer_dir):
+    """Arrow gives every message of a parquet file each field any message has, null where it has none: a plain
+    reply held "tool_calls": None, which Llama 3.1's template took for a tool call, and prepare-data stopped on
+    data its JSON-lines copy prepared. Reference: transformers' rendering of the records as written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    call = [{"type": "function", "function": {"name": "weather", "arguments": "{}"}}]
+    conversations = [[{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Seth."}],
+                     [{"role": "user", "content": "Weather?", "name": "bob"},
+                      {"role": "assistant", "content": None, "tool_calls": call},
+                      {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]]
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"messages": c} for c in conversations]), tmp_path / "src" / "chats.parquet")
+    template = template_file(tmp_path, llama31_tool_calls())
+    prepare(build_config({}, chat_overrides(tmp_path / "src", tmp_path / "chat", str(small_tokenizer_dir),
+                                            template)).data)
+    hf = AutoTokenizer.from_pretrained(str(small_tokenizer_dir))
+    tokens, mask = IndexedDataset(str(tmp_path / "chat")), IndexedDataset(loss_mask_prefix(tmp_path / "chat"))
+    marked = llama31_tool_calls("{%- generation %}", "{%- endgeneration %}")
+    for i, messages in enumerate(conversations):
+        expected = hf.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        assert tokens[i].tolist()[:-1] == list(expected["input_ids"])
+        assert mask[i].tolist()[:-1] == list(expected["assistant_masks"])
+
+
 class WithoutOffsets:
     """A tokenizer that gives no character offsets (a slow, Python one): every other call is the wrapped one's."""
 

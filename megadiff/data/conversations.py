@@ -243,7 +243,7 @@ def as_messages(conversation) -> list[dict]:
     messages = None
     if isinstance(conversation, list) and all(isinstance(m, dict) for m in conversation):
         messages = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
-                    if "from" in m and "role" not in m else m for m in conversation]
+                    if "from" in m and "role" not in m else m for m in map(_without_filled_in_nulls, conversation)]
     if messages is None or not all(isinstance(m.get("role"), str) for m in messages):
         raise DataError(f"data.messages_key: a record's messages must be a list of {{\"role\": ..., \"content\": "
                         f"...}} (or ShareGPT's {{\"from\": ..., \"value\": ...}}) objects, found "
@@ -253,6 +253,23 @@ def as_messages(conversation) -> list[dict]:
         raise DataError(f"data.messages_key: unknown role {unknown[0]!r} in {str(conversation)[:120]!r}; the roles "
                         f"are {sorted(ROLES)} (ShareGPT's from: {sorted(SHAREGPT_ROLES)})")
     return messages
+
+
+def _without_filled_in_nulls(message: dict) -> dict:
+    """`message` without its null fields but its content (a tool call's null content is its own). A parquet
+    source's messages hold every field any message of the file has, null where one has none ("tool_calls" on
+    every plain reply), which templates asking `'tool_calls' in message` (Llama 3.1's) took for a tool call and
+    failed on; TRL drops them alike (remove_none_values)."""
+    return {key: _without_nulls(value) for key, value in message.items() if value is not None or key == "content"}
+
+
+def _without_nulls(value):
+    """`value` with the null entries of its dicts left out, at any depth (a tool call's fields)."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(entry) for key, entry in value.items() if entry is not None}
+    if isinstance(value, list):
+        return [_without_nulls(entry) for entry in value]
+    return value
 
 
 def conversation_pieces(messages: list[dict], template: str, variables: dict) -> list[tuple[str, bool]]:
