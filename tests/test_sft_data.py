@@ -94,6 +94,31 @@ def test_a_response_opening_with_a_character_split_across_tokens_takes_the_loss_
         assert mask == (ends > len(prompt.encode())).astype(int).tolist(), (prompt, response)
 
 
+def test_pairs_an_earlier_megadiff_prepared_are_said_to_need_preparing_again(tmp_path):
+    """Data prepared before records without a prompt were skipped, and before tiktoken's split characters took
+    their loss, is prepared again by prepare-data; a run reading the prefix is told."""
+    import warnings
+
+    from megadiff.data.checks import check_training_data
+    from megadiff.data.manifest import manifest_path
+
+    sources, prefix = sft_corpus(tmp_path)
+    cfg = build_config({}, sft_overrides(sources, prefix) + ["model.seq_length=16", "model.vocab_size=100288",
+                                                             "data.split=100,0,0", f"data.cache_dir={tmp_path}"])
+    tokenizer = load_tokenizer("cl100k_base")
+    recorded = json.loads(manifest_path(prefix).read_text())
+    for marker in ("without_prompt", "split_characters"):
+        del recorded["fingerprint"][marker]
+    manifest_path(prefix).write_text(json.dumps(recorded))  # as an earlier megadiff wrote it
+    with pytest.warns(UserWarning, match=r"prepared by an earlier megadiff: its records without a prompt were trained "
+                                         r"on their response alone; with tiktoken, a token holding the first bytes"):
+        check_training_data(cfg, tokenizer)
+    prepare(cfg.data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_training_data(cfg, tokenizer)
+
+
 def assert_pair(tokenizer, ids: list[int], mask: list[int], prompt: str, response: str) -> None:
     """The pair's text exactly, then the EOD; the loss on the tokens from the first holding response
     characters (one at the edge may hold the prompt's last ones) through the EOD."""

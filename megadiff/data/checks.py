@@ -24,7 +24,7 @@ from megadiff.data.indexed import (
 )
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
-from megadiff.data.tokenizers import Tokenizer, document_start
+from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, document_start
 
 SPLITS = ("train", "valid", "test")
 
@@ -81,7 +81,10 @@ def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, 
 # what the manifests of data prepared now record of its encoding, and what earlier megadiffs did otherwise
 ENCODING_CHANGES = {"conversation_encoding": "its conversations were tokenized turn by turn (the tokens at a turn's "
                                              "edges differ from a chat prompt's)",
-                    "pair_encoding": "its prompts and responses were tokenized apart"}
+                    "pair_encoding": "its prompts and responses were tokenized apart",
+                    "without_prompt": "its records without a prompt were trained on their response alone",
+                    "split_characters": "with tiktoken, a token holding the first bytes of a reply's first character "
+                                        "took no loss"}
 TOKENIZER_CHANGES = {"template_special_tokens": "its chat template's special tokens (its EOS) were read as text, "
                                                 "which the model would learn to write instead of stopping",
                      "special_texts": "the tokenizer read a document's literal </s> as its end"}
@@ -93,8 +96,12 @@ def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: C
     if manifest is None:
         return
     prepared = manifest["fingerprint"]
-    keys = {"conversation_encoding": "messages_key", "pair_encoding": "response_key"}
-    stale = [why for marker, why in ENCODING_CHANGES.items() if keys[marker] in prepared and marker not in prepared]
+    pairs, conversations = "response_key" in prepared, "messages_key" in prepared
+    tiktoken = prepared.get("tokenizer", {}).get("spec") in PACKAGED_TIKTOKEN
+    # the data each marker is recorded for now (prepare's _fingerprint)
+    marked_for = {"conversation_encoding": conversations, "pair_encoding": pairs, "without_prompt": pairs,
+                  "split_characters": (pairs or conversations) and tiktoken}
+    stale = [why for marker, why in ENCODING_CHANGES.items() if marked_for[marker] and marker not in prepared]
     stale += [why for marker, why in TOKENIZER_CHANGES.items()
               if marker not in prepared.get("tokenizer", {}) and marker in encoding("messages_key" not in prepared)]
     if stale:
