@@ -610,3 +610,21 @@ def test_data_named_for_a_run_on_the_bundled_corpus_is_read_not_replaced_by_it(t
                  f"data.prefix={tmp_path / 'prepared' / 'docs'}"]) == 0
     naive, _ = _naive_losses(run_dir, cfg, cfg.model.seq_length, 2, tmp_path / "prepared" / "docs")
     assert json.loads(out.read_text())["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)
+
+
+def test_a_prefix_named_for_a_run_on_a_blend_is_evaluated_in_its_place(tmp_path):
+    """data.prefix names the held-out text of a run that trained on a data.blend too: the run's blend, which takes
+    the place of a prefix in training, was evaluated instead."""
+    write_documents(tmp_path / "later.jsonl", first_verse=5000)
+    run_dir, cfg = held_out_run(tmp_path, "diff")
+    docs, later = cfg.data.prefix, str(tmp_path / "prepared" / "later")
+    prepare(build_config(cfg.model_dump(mode="json"), [f"data.sources=[{tmp_path / 'later.jsonl'}]",
+                                                       f"data.prefix={later}"]).data)
+    blend_run, _ = held_out_run(tmp_path / "blend", "diff", overrides=(f"data.blend=[{docs},{later}]",))
+    out = tmp_path / "report.json"
+    assert main(["evaluate", "--load", str(blend_run), "--sequences", "2", "--output", str(out),
+                 f"data.prefix={later}"]) == 0
+    naive, _ = _naive_losses(blend_run, cfg, cfg.model.seq_length, 2, Path(later))
+    report = json.loads(out.read_text())
+    assert "sources" not in report
+    assert report["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)

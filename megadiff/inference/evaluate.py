@@ -55,6 +55,9 @@ def evaluation_config(model_cfg: Config, seq_length: int | None, overrides: Iter
         # the held-out text is the data named, not a bundled corpus the run trained on: that corpus would
         # be prepared at the prefix named (a mistyped one), or refused for the data there
         overrides.insert(0, "data.bundled_corpus=null")
+    if "data.prefix" in named and "data.blend" not in named:
+        # a run's data.blend takes the place of its data.prefix: kept, it was evaluated instead of the prefix named
+        overrides.insert(0, "data.blend=[]")
     if seq_length is not None:
         overrides.append(f"model.seq_length={seq_length}")
     cfg = saved_config(model_cfg.model_dump(mode="json"), overrides)
