@@ -313,3 +313,16 @@ def test_a_run_resumed_with_its_config_yaml_from_another_directory_continues_it(
     monkeypatch.chdir(elsewhere)
     saved = checkpoint_config(latest_checkpoint(started / "part" / CHECKPOINTS_DIR))
     assert (saved.output_dir, saved.data.cache_dir) == (str(started / "part"), str(started / "cache"))
+
+
+@pytest.mark.parametrize("where", ["missing", "not-a-run"])
+def test_a_checkpoint_load_that_names_no_checkpoint_is_a_config_error_naming_the_key(tmp_path, where):
+    """A recipe's checkpoint.load (the 64K extension's 4K run), which the user may never have typed: the
+    refusal names the setting, not just a path."""
+    from megadiff.config import ConfigError, build_config
+    from megadiff.training import state
+
+    (tmp_path / "not-a-run").mkdir()
+    cfg = build_config({}, [f"checkpoint.load={tmp_path / where}", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.load: .*{where}"):
+        state.plan_start(cfg)

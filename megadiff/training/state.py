@@ -113,7 +113,10 @@ def _starting_checkpoint(cfg: Config) -> tuple[Path | None, bool]:
     if own is not None:
         return own, True
     if cfg.checkpoint.load:
-        return resolve_checkpoint_dir(cfg.checkpoint.load), False
+        try:
+            return resolve_checkpoint_dir(cfg.checkpoint.load), False
+        except CheckpointError as err:  # a recipe's load (the 64K one's 4K run) the user may never have typed
+            raise ConfigError(f"checkpoint.load: {err}") from None
     return None, False
 
 
