@@ -24,6 +24,21 @@ def test_files_inheriting_from_each_other_are_refused(tmp_path):
         load_config(tmp_path / "a.yaml")
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("train.warmup_iters=5", "train.warmup_iters: unknown key (did you mean train.lr_warmup_iters?)"),
+    ("model.hiden_size=3", "model.hiden_size: unknown key (did you mean model.hidden_size?)"),
+    ("trian.lr=1", "trian: unknown key (did you mean train?)"),
+    ("outputdir=runs/x", "outputdir: unknown key (did you mean output_dir?)"),
+    ("logging.wandb_projet=x", "logging.wandb_projet: unknown key (did you mean logging.wandb_project?)"),
+    ("model.xyz=1", "model.xyz: unknown key"),
+])
+def test_a_misspelt_key_is_refused_with_the_key_of_its_section_spelt_most_like_it(override, expected):
+    """Each suggestion is a key of the section named; a key like none of them gets none."""
+    with pytest.raises(ConfigError) as refusal:
+        build_config({}, [override])
+    assert str(refusal.value).splitlines()[1].strip() == expected
+
+
 def test_softmax_head_dim_uses_all_heads():
     cfg = build_config({}, ["model.variant=softmax", "model.hidden_size=128", "model.num_attention_heads=4"])
     assert resolved_head_dim(cfg.model) == 32

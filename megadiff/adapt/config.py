@@ -105,7 +105,7 @@ def coerce_config(config: AdaptationConfig | dict | None, methods: tuple[str, ..
     try:
         parsed = AdaptationConfig.model_validate(config)
     except ValidationError as err:
-        raise AdaptationError(format_validation_error(err)) from None
+        raise AdaptationError(format_validation_error(err, AdaptationConfig)) from None
     if parsed.method not in methods:
         raise AdaptationError(f"adaptation.method: {parsed.method!r} is not one of {methods} for this function")
     return parsed

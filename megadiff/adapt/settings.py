@@ -137,7 +137,7 @@ def load_finetune_config(path: str | Path | None, overrides: list[str] = ()) -> 
     try:
         cfg = FinetuneConfig.model_validate(apply_overrides(data, overrides))
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, FinetuneConfig)) from None
     validate_finetune(cfg)
     return cfg
 

@@ -7,6 +7,7 @@ directory of the file that sets it.
 """
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import os
@@ -230,13 +231,29 @@ def apply_overrides(data: dict, overrides: Iterable[str] = ()) -> dict:
         raise ConfigError(f"{err.full_key}: {describe_error(err)}") from None
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, schema: type[BaseModel]) -> str:
+    """pydantic's errors of validating `schema`, a line per key; a misspelt key with the known one it is nearest."""
     lines = []
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"])
-        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"].removeprefix("Value error, ")
+        message = unknown_key_message(schema, item["loc"]) if item["type"] == "extra_forbidden" \
+            else item["msg"].removeprefix("Value error, ")
         lines.append(f"{key}: {message}")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def unknown_key_message(schema: type[BaseModel], location: tuple) -> str:
+    """'unknown key', with the key of the same section spelt most like it (train.lr_warmup: lr_warmup_iters)."""
+    section = schema
+    for part in location[:-1]:
+        field = section.model_fields.get(part)
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return "unknown key"
+    nearest = difflib.get_close_matches(str(location[-1]), list(section.model_fields), n=1)
+    if not nearest:
+        return "unknown key"
+    return f"unknown key (did you mean {'.'.join([*map(str, location[:-1]), nearest[0]])}?)"
 
 
 # `${` where OmegaConf would start an interpolation, with the backslashes before it (OmegaConf's escapes)
@@ -261,7 +278,7 @@ def _validated(tree: dict) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, Config)) from None
 
 
 def saved_config(data: dict, overrides: Iterable[str] = ()) -> Config:
