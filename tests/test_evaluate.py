@@ -486,7 +486,7 @@ def test_hf_directories_transformers_cannot_load_are_named(tmp_path, capsys):
     for name, config in directories.items():
         build_tokenizer(tmp_path / name)
         (tmp_path / name / "config.json").write_text(json.dumps(config))
-        assert main(["outliers", "--hf", str(tmp_path / name), "--sequences", "1"]) == 2
+        assert main(["outliers", "--hf", str(tmp_path / name), "--sequences", "1", "data.bundled_corpus=kjv"]) == 2
         assert f"--hf {tmp_path / name} cannot be loaded: " in capsys.readouterr().err
     assert main(["outliers", "--hf", str(tmp_path / "weightless"), "--window", "0"]) == 2
     assert "--window must be at least 1, got 0" in capsys.readouterr().err
@@ -523,7 +523,7 @@ def test_hf_models_cut_short_or_of_another_layout_are_refused(tmp_path, capsys):
         tmp_path / "gpt2")
     for name, said in (("cut", "cannot be loaded: .* \\(a weights file cut short by a download or copy\\?\\)"),
                        ("gpt2", "a GPT2LMHeadModel, whose forward does not run as a Llama-like decoder's")):
-        assert main(["outliers", "--hf", str(tmp_path / name), "--sequences", "1"]) == 2
+        assert main(["outliers", "--hf", str(tmp_path / name), "--sequences", "1", "data.bundled_corpus=kjv"]) == 2
         assert re.search(f"--hf {tmp_path / name}:? {said}", capsys.readouterr().err), name
 
 
@@ -628,3 +628,21 @@ def test_a_prefix_named_for_a_run_on_a_blend_is_evaluated_in_its_place(tmp_path)
     report = json.loads(out.read_text())
     assert "sources" not in report
     assert report["loss"] == pytest.approx(naive.mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "outliers"])
+@pytest.mark.parametrize("override,refusal", [("data.prefx=docs", "data.prefx: unknown key"),
+                                              ("data.split=abc", "data.split: 'abc'"),
+                                              ("data.prefix={missing}", "data.prefix: .*missing.bin")])
+def test_bad_data_overrides_are_refused_before_the_weights_are_read(run, tmp_path, monkeypatch, capsys, command,
+                                                                    override, refusal):
+    """Refused only once the checkpoint had loaded: minutes for a large model, on every rank of a torchrun."""
+    from megadiff.inference import evaluate as evaluate_module, outliers as outliers_module
+
+    def weights_read(*args, **kwargs):
+        raise AssertionError("the weights were read before the overrides were checked")
+    for module in (evaluate_module, outliers_module):
+        monkeypatch.setattr(module, "load_model", weights_read)
+    run_dir, _ = run
+    assert main([command, "--load", str(run_dir), override.format(missing=tmp_path / "missing")]) == 2
+    assert re.search(refusal, capsys.readouterr().err)

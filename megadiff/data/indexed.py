@@ -164,16 +164,21 @@ def token_count(prefix: str | Path) -> int:
     return bin_path(prefix).stat().st_size // read_header(prefix)[0].itemsize
 
 
-def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
-    """Read <prefix>.idx and check that <prefix>.bin holds exactly the tokens it describes."""
-    bin_file, idx_file = bin_path(prefix), idx_path(prefix)
-    missing = [str(p) for p in (bin_file, idx_file) if not p.is_file()]
+def refuse_unprepared(prefix: str | Path, key: str = "data.prefix") -> None:
+    """<prefix>.bin and <prefix>.idx are there, else a DataError naming `key` (a check as cheap as a stat)."""
+    missing = [str(p) for p in (bin_path(prefix), idx_path(prefix)) if not p.is_file()]
     if missing:
         relative = "" if Path(prefix).is_absolute() else (
             f" (a relative prefix is read from the current directory, {Path.cwd()}: run where the config was made "
             "for, or give the data's path)")
         raise DataError(f"{key}: {' and '.join(missing)} not found{relative}; prepare the data first: "
                         f"megadiff prepare-data CONFIG (with data.prefix={prefix})")
+
+
+def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
+    """Read <prefix>.idx and check that <prefix>.bin holds exactly the tokens it describes."""
+    bin_file, idx_file = bin_path(prefix), idx_path(prefix)
+    refuse_unprepared(prefix, key)
     try:
         dtype, sequences, documents = read_header(prefix)
         described = INDEX_HEADER_BYTES + 12 * sequences + 8 * documents  # lengths, offsets, document indices

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.single_process import CausalLM
 from megadiff.config import Config, ConfigError
 from megadiff.config.loader import saved_config
@@ -30,8 +31,8 @@ from megadiff.config.validate import validate_data
 from megadiff.data.checks import split_documents
 from megadiff.data.datasets import build_datasets, megatron_blend, source_config
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import read_index
-from megadiff.data.locations import data_prefix, training_blend
+from megadiff.data.indexed import read_index, refuse_unprepared
+from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.hf_model import HFCausalLM, hf_run_config, hf_window, load_model
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -63,6 +64,22 @@ def evaluation_config(model_cfg: Config, seq_length: int | None, overrides: Iter
     cfg = saved_config(model_cfg.model_dump(mode="json"), overrides)
     validate_data(cfg.data)
     return cfg
+
+
+def check_before_loading(load: str | None, hf: str | None, window: int | None, seq_length: int | None,
+                         overrides: Iterable[str]) -> None:
+    """The data.* overrides and the held-out data they name, checked against the settings the checkpoint (or the
+    --hf directory's export) saved, before the minutes of reading its weights: a mistyped key or prefix was found
+    only once the model had loaded. A bundled corpus is prepared later, on first use."""
+    if (load is None) == (hf is None):
+        return  # load_model says to give one of them
+    saved = checkpoint_config(resolve_checkpoint_dir(load)) if load is not None else \
+        hf_run_config(hf, hf_window(hf, window))
+    cfg = evaluation_config(saved, seq_length, overrides)
+    prefixes, _ = training_blend(cfg.data)
+    if not cfg.data.bundled_corpus:
+        for prefix in prefixes:
+            refuse_unprepared(prefix, "data.blend" if cfg.data.blend else "data.prefix")
 
 
 def distinct_samples(cfg, split: str) -> int | None:
@@ -187,8 +204,7 @@ def evaluate(load: str | None, split: str = "valid", seq_length: int | None = No
     if frequent_bigrams is not None and not frequent_bigrams > 0:
         raise ConfigError(f"--frequent-bigrams must be > 0 (occurrences per million), got {frequent_bigrams}")
     frequent = None if frequent_bigrams is None else FrequentBigrams(frequent_bigrams, sample_tokens)
-    if hf is not None:  # its held-out text is named by the overrides (or its export's data): before its weights load
-        data_prefix(evaluation_config(hf_run_config(hf, hf_window(hf, window)), seq_length, overrides).data)
+    check_before_loading(load, hf, window, seq_length, overrides)
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model.cfg, seq_length, overrides)

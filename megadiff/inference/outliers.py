@@ -26,7 +26,9 @@ from megadiff.checkpoint.single_process import CausalLM
 from megadiff.data.datasets import source_config
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
-from megadiff.inference.evaluate import check_request, evaluation_config, held_out_dataset, sample_batches
+from megadiff.inference.evaluate import (
+    check_before_loading, check_request, evaluation_config, held_out_dataset, sample_batches,
+)
 from megadiff.inference.generate import document_eod
 from megadiff.inference.hf_attention import attention_calls, require_every_layer
 from megadiff.inference.hf_model import HFCausalLM, load_model
@@ -240,6 +242,7 @@ def outliers(load: str | None, split: str = "valid", seq_length: int | None = No
     """`megadiff outliers --load RUN` (or `--hf DIR`: a transformers model, its held-out text named
     by the data.* overrides): print (and with `output`, write as JSON) the statistics."""
     check_request("outliers", split, overrides, sequences=sequences, batch_size=batch_size)
+    check_before_loading(load, hf, window, seq_length, overrides)
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
     cfg = evaluation_config(model.cfg, seq_length, overrides)
