@@ -379,3 +379,17 @@ def test_a_chat_template_is_utf8_whatever_the_locale(tmp_path):
     subprocess.run([sys.executable, "-c", script, str(template), str(tmp_path)], check=True, capture_output=True,
                    env={**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"})
     assert "«{{ m['content'] }}»" in (tmp_path / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def test_a_split_of_one_whole_number_is_the_split_it_spells(tmp_path):
+    """`split: 100` (megatron's every-document-to-training) is read by YAML as a number: the same split as the
+    string, in a file and in an override, and its run's saved config reads back the same."""
+    from megadiff.config import dump_config
+    from megadiff.config.validate import split_shares
+
+    (tmp_path / "run.yaml").write_text("data:\n  split: 100\n")
+    as_string = build_config({}, ["data.split='100'"])
+    for cfg in (load_config(tmp_path / "run.yaml"), build_config({}, ["data.split=100"])):
+        assert cfg == as_string and split_shares(cfg.data.split) == [100.0, 0.0, 0.0]
+    dump_config(as_string, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == as_string

@@ -158,6 +158,13 @@ class DataConfig(Section):
     _read_chat_template = field_validator("chat_template")(read_chat_template)
     _expand_home = field_validator("sources", "prefix", "blend", "tokenizer", "cache_dir", mode="before")(expand_home)
 
+    @field_validator("split", mode="before")
+    @classmethod
+    def _one_share_is_a_split(cls, value):
+        """`split: 100` (every document to training, as megatron spells it) is read by YAML as a number, which
+        was refused as not a string."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @property
     def masks_loss(self) -> bool:
         """Prompt/response or conversation data: the loss only on some tokens, by a mask prepared beside them."""
