@@ -1,6 +1,8 @@
 """Config tree: YAML + overrides, and bad configs refused before any compute, naming the key."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import yaml
@@ -393,3 +395,17 @@ def test_a_split_of_one_whole_number_is_the_split_it_spells(tmp_path):
         assert cfg == as_string and split_shares(cfg.data.split) == [100.0, 0.0, 0.0]
     dump_config(as_string, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == as_string
+
+
+def test_a_shell_s_variable_in_a_config_is_refused_with_the_spelling_that_reads_it(tmp_path, monkeypatch):
+    """`${USER}` is another setting of the config to OmegaConf: the refusal gives the environment variable's
+    spelling, which then reads the variable; a mistyped setting's name gets no such hint."""
+    monkeypatch.setenv("USER", "alice")
+    (tmp_path / "run.yaml").write_text("output_dir: /scratch/${USER}/runs\n")
+    with pytest.raises(ConfigError) as refusal:
+        load_config(tmp_path / "run.yaml")
+    spelling = re.search(r"an environment variable is (\$\{oc\.env:USER\})", str(refusal.value)).group(1)
+    assert build_config({}, [f"output_dir=/scratch/{spelling}/runs"]).output_dir == "/scratch/alice/runs"
+    with pytest.raises(ConfigError) as refusal:
+        build_config({}, ["output_dir=${model.varient}"])
+    assert "oc.env" not in str(refusal.value)

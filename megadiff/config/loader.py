@@ -228,7 +228,21 @@ def apply_overrides(data: dict, overrides: Iterable[str] = ()) -> dict:
     try:
         return OmegaConf.to_container(tree, resolve=True)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"{err.full_key}: {describe_error(err)}") from None
+        raise ConfigError(f"{err.full_key}: {describe_error(err)}{environment_variable_hint(err)}") from None
+
+
+# OmegaConf's message for a `${NAME}` that names no setting of the config
+UNKNOWN_INTERPOLATION = re.compile(r"Interpolation key '([^']+)' not found")
+
+
+def environment_variable_hint(err: Exception) -> str:
+    """How to name an environment variable, where `${NAME}` was likely meant as one (a shell's `/scratch/${USER}`):
+    OmegaConf reads it as another setting of the config, and its error says only that there is none."""
+    match = UNKNOWN_INTERPOLATION.search(str(err))
+    name = match.group(1) if match else ""
+    if not (name in os.environ or re.fullmatch(r"[A-Z_][A-Z0-9_]*", name)):
+        return ""
+    return f" (${{{name}}} names a setting of the config; an environment variable is ${{oc.env:{name}}})"
 
 
 def format_validation_error(err: ValidationError, schema: type[BaseModel]) -> str:
