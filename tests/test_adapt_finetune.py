@@ -101,11 +101,13 @@ def run_adapt(workspace: Path, *overrides: str, launcher: str = "torchrun") -> s
     return result
 
 
-def adapt_in_ranks(workspace: Path, *overrides: str) -> subprocess.CompletedProcess:
+def adapt_in_ranks(workspace: Path, *overrides: str, command=None) -> subprocess.CompletedProcess:
     """run_adapt's run in the gloo ranks of tests/distributed.py (a second to start, not a launcher's ten): for
-    tests of what an adaptation does, not of how a launcher starts it (stage_runs' and the signal tests')."""
+    tests of what an adaptation does, not of how a launcher starts it (stage_runs' and the signal tests').
+    `command`: what each rank runs in place of `finetuned` (with its arguments)."""
     with mock.patch.dict(os.environ, _env(workspace)):
-        return run_reporting_ranks(2, finetuned, str(workspace / "adapt.yaml"), list(overrides), timeout=400)
+        return run_reporting_ranks(2, command or finetuned, str(workspace / "adapt.yaml"), list(overrides),
+                                   timeout=400)
 
 
 def finetuned(config: str, overrides: list[str]) -> int:
@@ -338,6 +340,34 @@ def test_bf16_with_fp32_gradient_accumulation_resumes_exactly(workspace):
     uninterrupted = [{k: r[k] for k in keys} for r in read_metrics(workspace / "bf16")]
     assert len(uninterrupted) == ITERS
     assert [{k: r[k] for k in keys} for r in read_metrics(resumed)] == uninterrupted
+
+
+def finetuned_with_fp16_on_cpu(config: str, overrides: list[str]) -> int:
+    """finetuned, with DeepSpeed's CPU accelerator taking fp16: it offers fp16 only where oneDNN has fp16 kernels,
+    though torch computes fp16 on any CPU (slowly), so DeepSpeed's fp16 path runs here as on a GPU."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+    CPU_Accelerator.supported_dtypes = lambda self: [torch.float32, torch.bfloat16, torch.float16]
+    return finetuned(config, overrides)
+
+
+@pytest.mark.slow
+def test_fp16_adaptation_follows_the_fp32_one(workspace, tmp_path):
+    """DeepSpeed's fp16 path (dynamic loss scale, fp32 master copies of the fp16 adapter weights and lambda_learn):
+    each iteration's loss, gradient norm and learning rate those of fp32 to 1e-3, lambda(t) to a few roundings
+    of fp16 (the module holds lambda_learn in fp16)."""
+    fp32, fp16 = tmp_path / "fp32", tmp_path / "fp16"
+    adapt_in_ranks(workspace, f"output_dir={fp32}")
+    adapt_in_ranks(workspace, f"output_dir={fp16}", "train.precision=fp16", command=finetuned_with_fp16_on_cpu)
+    reference, records = read_metrics(fp32), read_metrics(fp16)
+    assert [r["iteration"] for r in records] == [r["iteration"] for r in reference] == list(range(1, ITERS + 1))
+    for record, expected in zip(records, reference):
+        assert record["skipped_iterations"] == 0 and "skipped_loss" not in record
+        for key in ("lm_loss", "grad_norm", "lr"):
+            assert record[key] == pytest.approx(expected[key], rel=1e-3), (record["iteration"], key)
+        fp16_roundoff = torch.finfo(torch.float16).eps / 2
+        assert record["lambda"] == pytest.approx(expected["lambda"], rel=4 * fp16_roundoff), record["iteration"]
 
 
 def adam_settings_seen(config: str, overrides: list[str], report: str) -> int:
