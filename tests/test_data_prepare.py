@@ -940,3 +940,30 @@ def test_tokenizer_directories_of_the_same_name_get_their_own_tag(tmp_path):
     prefixes = {data_prefix(data_config(tmp_path, "data.bundled_corpus=kjv", f"data.tokenizer={directory}"))
                 for directory in (first, second)}
     assert len(prefixes) == 2
+
+
+def test_local_files_are_prepared_without_asking_the_network(tmp_path, monkeypatch):
+    """datasets pinged the hub (a download count, up to 3 s each behind a firewall that drops packets) once per
+    local file it loaded: a directory of many small files waited on the network file by file."""
+    import socket
+
+    import datasets
+    import huggingface_hub
+
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        (tmp_path / "src" / f"{i}.jsonl").write_text(json.dumps({"text": f"document {i}"}) + "\n")
+    # as on a machine without HF_HUB_OFFLINE (the suite sets it), where datasets counts downloads
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    connections = []
+
+    def refuse(address, *args, **kwargs):
+        connections.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    stats = prepare(data_config(tmp_path, f"data.sources=[{tmp_path / 'src'}]", f"data.prefix={tmp_path / 'out'}"))
+    assert stats["documents"] == 3
+    assert connections == []

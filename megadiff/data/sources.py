@@ -252,6 +252,21 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+@contextlib.contextmanager
+def _no_download_count() -> Iterator[None]:
+    """datasets sends a HEAD request to the hub (a download count, timeout 3 s) for every load of a packaged
+    builder, local json/txt/parquet files too: a directory of many files asked the network once per file, and a
+    cluster whose firewall drops the packets waited up to 3 s per file before tokenizing it."""
+    import datasets
+
+    counts = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
+
+
 def _load(source: Source, cache_dir: str):
     """The source's table (None for files without content); a txt source's one field is "text"."""
     import datasets
@@ -264,7 +279,9 @@ def _load(source: Source, cache_dir: str):
         files = [str(f) for f in source.files if f.stat().st_size]
         if not files:
             return None
-        table = datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir, **options)
+        with _no_download_count():
+            table = datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir,
+                                          **options)
         return _without_bom(table) if source.builder == "text" else table
     except Exception as err:  # datasets raises many types; all mean the same thing here
         raise _unreadable_line(source) or _unloadable(source, err) from err
