@@ -330,3 +330,33 @@ def test_throughput_counts_every_token_and_divides_the_flops_among_the_devices()
     assert record["tokens_per_s"] == pytest.approx(tokens / 2.0)
     assert record["tflops_per_device"] == pytest.approx(per_token * tokens / 2.0 / 4 / 1e12)
     assert record["mfu"] == pytest.approx(record["tflops_per_device"] / 0.5)
+
+
+def test_a_blended_source_smaller_than_its_share_is_said_to_be_read_several_times(base, tmp_path, capsys):
+    """megatron reads a source asked for more samples than its train split holds in epochs: a small corpus given
+    half the blend was read over and over, and the run said nothing of it."""
+    from megadiff.cli import main
+    from megadiff.data.indexed import token_count
+    from tests.conftest import kjv_verses
+
+    verses = kjv_verses()
+    prefixes = {}
+    for name, texts in (("large", verses[:3000]), ("small", verses[3000:3020])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+        prefixes[name] = tmp_path / "prepared" / name
+        assert main(["prepare-data", str(DEMO_CONFIG), *base, "data.bundled_corpus=null",
+                     f"data.sources=[{tmp_path / name}]", f"data.prefix={prefixes[name]}"]) == 0
+    capsys.readouterr()
+    iters, batch, seq = 10, 8, 32  # tiny_overrides' global batch and sequence length
+    assert main(["pretrain", str(DEMO_CONFIG), *base, "data.bundled_corpus=null", "data.split=1,0,0",
+                 f"data.blend=[1,{prefixes['large']},1,{prefixes['small']}]", f"train.iters={iters}",
+                 f"output_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    # one pass over a split of n tokens gives (n - 1) // seq samples (each reads seq + 1 tokens)
+    distinct = {name: (token_count(str(prefix)) - 1) // seq for name, prefix in prefixes.items()}
+    share = iters * batch // 2
+    assert distinct["small"] < share < distinct["large"]
+    said = [line for line in out.splitlines() if "distinct samples" in line and "train split" in line]
+    assert len(said) == 1, out
+    assert f"the train split of {prefixes['small']} holds {distinct['small']:,} distinct samples" in said[0]

@@ -169,7 +169,7 @@ class Pretraining:
         elif start.continues and "data" not in start.saved:
             lines.append("the checkpoint keeps no record of the data it trained on (saved by an earlier megadiff): "
                          "data prepared again since cannot be told from it (its next checkpoint records it)")
-        lines += self._validation_repeats()
+        lines += self._training_repeats() + self._validation_repeats()
         if 0 < drawn_for < self.train_samples:
             lines.append(f"train.iters: this run draws its data order for {self.train_samples:,} samples "
                          f"(what train.iters reads, or train.planned_samples), not the {drawn_for:,} its "
@@ -177,6 +177,19 @@ class Pretraining:
                          "from here (some samples again, some never). To lengthen a run in one order, give "
                          "train.planned_samples when it starts")
         return lines
+
+    def _training_repeats(self) -> list[str]:
+        """Blended sources asked for more training samples than their train split holds: megatron reads them in
+        epochs, each document several times, which changes what their weight means (a small corpus given a
+        large share is memorised), and said nothing of it."""
+        from megadiff.data.datasets import sources_read_again
+
+        key = "data.blend" if self.cfg.data.blend else "data.prefix"
+        return [f"{key}: the train split of {prefix} holds {distinct:,} distinct samples of model.seq_length, and "
+                f"this run draws {asked:,} from it (its share of the {self.train_samples:,} training samples): its "
+                f"documents are read about {asked / max(distinct, 1):.1f} times each; give it a lower weight or "
+                "more data if that is not meant"
+                for prefix, asked, distinct in sources_read_again(self.datasets[0])]
 
     def _validation_repeats(self) -> list[str]:
         """A valid split of fewer samples than an evaluation reads: its loss weighs the documents read twice more
