@@ -360,3 +360,29 @@ def test_a_blended_source_smaller_than_its_share_is_said_to_be_read_several_time
     said = [line for line in out.splitlines() if "distinct samples" in line and "train split" in line]
     assert len(said) == 1, out
     assert f"the train split of {prefixes['small']} holds {distinct['small']:,} distinct samples" in said[0]
+
+
+def test_a_run_that_never_evaluates_needs_no_valid_split(base, tmp_path, capsys):
+    """Without train.eval_interval no validation set is read, yet a prefix whose valid split held less than one
+    sample (a small source of a blend at data.split=969,30,1) was refused; the run trains as one without the split."""
+    from megadiff.cli import main
+    from megadiff.data.checks import split_documents
+    from megadiff.data.indexed import read_index
+    from tests.conftest import kjv_verses
+    from tests.pretrain_runs import losses
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text("".join(json.dumps({"text": v}) + "\n" for v in kjv_verses()[:100]))
+    seq = 200
+    data = [*base, "data.bundled_corpus=null", f"data.sources=[{tmp_path / 'corpus'}]",
+            f"data.prefix={tmp_path / 'prepared'}", f"model.seq_length={seq}", "train.iters=2"]
+    assert main(["prepare-data", str(DEMO_CONFIG), *data]) == 0
+    splits = {split: split_documents(read_index(str(tmp_path / "prepared")).sequence_lengths, split)
+              for split in ("969,30,1", "969,0,31")}
+    assert splits["969,30,1"]["valid"][2] < seq + 1  # less than a sample
+    assert splits["969,30,1"]["train"] == splits["969,0,31"]["train"]  # the same training documents
+    for split in splits:
+        assert main(["pretrain", str(DEMO_CONFIG), *data, f"data.split={split}", "train.eval_interval=null",
+                     f"output_dir={tmp_path / split}"]) == 0, capsys.readouterr().err[-3000:]
+    assert losses(tmp_path / "969,30,1") == losses(tmp_path / "969,0,31")
+    assert len(losses(tmp_path / "969,0,31")) == 2

@@ -382,8 +382,9 @@ def _lambdas_not_finite(lambdas: dict[str, float]) -> str:
 def _prepare_data(cfg: Config, train_samples: int):
     """Rank 0 prepares what is missing (the bundled corpus on a fresh checkout); all ranks build
     (train, valid, test) with `train_samples` training samples, the validation sets ({"valid_loss": the valid split, and with
-    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}), the tokenizer, and the data's
-    digests, all read while no prepare-data writes the data."""
+    train.eval_each_source "valid_loss/<name>": each blended prefix's valid split}; a valid split of None where
+    train.eval_interval never evaluates), the tokenizer, and the data's digests, all read while no prepare-data
+    writes the data."""
     from megadiff.data.datasets import build_datasets, source_config, source_names
     from megadiff.data.locations import training_blend
     from megadiff.data.prepare import ensure_prepared, not_being_prepared
@@ -394,7 +395,8 @@ def _prepare_data(cfg: Config, train_samples: int):
     dist.barrier()
     t = cfg.train
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    num_samples = (train_samples, t.eval_iters * t.global_batch_size, 0)
+    # a run that never evaluates reads no valid split: none is built, nor refused for holding less than a sample
+    num_samples = (train_samples, t.eval_iters * t.global_batch_size if t.eval_interval else 0, 0)
     prefixes, _ = training_blend(cfg.data)
     with contextlib.ExitStack() as held:
         # until every rank has opened the files (an atomic replacement leaves them theirs), and their digest is read
@@ -402,7 +404,7 @@ def _prepare_data(cfg: Config, train_samples: int):
         # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
         datasets = build_datasets(cfg, tokenizer, num_samples, t.seed)
         valid_sets = {"valid_loss": datasets[1]}
-        if t.eval_each_source and len(prefixes) > 1:
+        if t.eval_interval and t.eval_each_source and len(prefixes) > 1:
             for prefix, name in zip(prefixes, source_names(prefixes)):
                 valid_sets[f"valid_loss/{name}"] = build_datasets(source_config(cfg, prefix), tokenizer,
                                                                   (0, num_samples[1], 0), t.seed)[1]
