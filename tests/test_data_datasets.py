@@ -79,6 +79,27 @@ def test_a_valid_split_asked_for_more_samples_than_it_holds_is_named(corpus, tmp
         assert passes == (1 if asked <= distinct else 2)  # the documents of a second pass shuffled in
 
 
+def test_a_blended_source_is_named_only_where_the_blend_reads_a_token_of_it_twice(tmp_path):
+    """megatron builds each source of a blend 0.5% larger than its share: sources_read_again took that size for the
+    samples read, and named a source whose share was exactly one pass, none of whose documents is read twice."""
+    distinct = 40
+    for name in "ab":
+        # every token id once (documents of SEQ tokens, the last one longer): one pass gives `distinct` samples
+        ids = iter(range(distinct * SEQ))
+        write_documents(tmp_path / name, [np.append([next(ids) for _ in range(SEQ - 1 + (i == distinct - 1))], EOD)
+                                          for i in range(distinct)])
+    cfg = config(tmp_path, f"data.blend=[1,{tmp_path / 'a'},1,{tmp_path / 'b'}]", "data.split=1,0,0")
+    for asked in (2 * distinct, 2 * distinct + 2):
+        train = build_datasets(cfg, TOKENIZER, (asked, 0, 0), seed=0)[0]
+        read = {str(tmp_path / name): [] for name in "ab"}
+        for i in range(asked):  # the tokens a run reads of each source, from the samples themselves
+            tokens = train[i]["tokens"]
+            read[train.datasets[train.dataset_index[i]].dataset_path] += tokens[tokens != EOD].tolist()
+        twice = [prefix for prefix, tokens in read.items() if len(set(tokens)) < len(tokens)]
+        assert twice == ([] if asked == 2 * distinct else [str(tmp_path / n) for n in "ab"])
+        assert [prefix for prefix, _, _ in sources_read_again(train)] == twice
+
+
 def test_samples_are_consecutive_windows_of_the_shuffled_document_stream(corpus, tmp_path):
     prefix, documents = corpus
     cfg = config(tmp_path, f"data.prefix={prefix}", "data.split=80,10,10")

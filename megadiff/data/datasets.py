@@ -88,18 +88,27 @@ def _check_sizes(datasets: list, num_samples: tuple[int, int, int], key: str) ->
 
 
 def sources_read_again(dataset) -> list[tuple[str, int, int]]:
-    """(prefix, samples asked of it, distinct samples its split's documents give) of each source of `dataset` (a
-    split build_datasets built) asked for more samples than one pass gives: megatron shuffles a second pass in, so
+    """(prefix, samples read of it, distinct samples its split's documents give) of each source of `dataset` (a
+    split build_datasets built) read for more samples than one pass gives: megatron shuffles a second pass in, so
     some of its documents are read twice (or more) and others once. Length-upsampled sources repeat by design."""
     found = []
-    for part in getattr(dataset, "datasets", [dataset]):  # a BlendedDataset's sources, or the one
+    for part, read in _samples_read(dataset):
         if isinstance(part, LengthUpsampledGPTDataset):
             continue
         extra = part.config.add_extra_token_to_sequence  # a sample reads seq_length + 1 tokens
         distinct = (part._get_num_tokens_per_epoch() - extra) // part.config.sequence_length
-        if part.num_samples > distinct:
-            found.append((part.dataset_path, part.num_samples, distinct))
+        if read > distinct:
+            found.append((part.dataset_path, read, distinct))
     return found
+
+
+def _samples_read(dataset) -> list[tuple[object, int]]:
+    """(source, samples of it read) of a split: a BlendedDataset's reads counted from its index, not its sources'
+    sizes, which megatron makes 0.5% larger than their shares (a share of exactly one pass is read once)."""
+    if not hasattr(dataset, "dataset_index"):
+        return [(dataset, dataset.num_samples)]
+    reads = numpy.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
+    return [(part, int(count)) for part, count in zip(dataset.datasets, reads)]
 
 
 def source_config(cfg: Config, prefix: str) -> Config:
