@@ -25,6 +25,10 @@ from tests.test_adapt import tiny_model, tokens
 TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".venv" / "transformers4"
 TEXT = "Hello world, 2024! And the earth was without form."
 NEW_TOKENS = 6
+# a base model's RoPE as Llama 3.2's (base 500,000, llama3 scaling) and Qwen2's (base 1,000,000) have it, scaled from
+# 32 positions so that the scaling changes these tiny models' low frequencies
+LLAMA3_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
 # each export's tokenizer's ids of TEXT (if it has one), the logits of the ids given (or those), the greedy
 # tokens of a left-padded batch of them, and a beam search's sequences and scores (the cache reordered as beams swap)
 READ = """
@@ -74,9 +78,9 @@ def exported(root: Path, name: str, variant: str, tokenizer: str, vocab_size: in
     return convert_to_hf(root / name / "checkpoint", root / name / "hf", remote_code=remote_code)
 
 
-def adapted(root: Path, name: str, arch: str, tokenizer=None) -> Path:
+def adapted(root: Path, name: str, arch: str, tokenizer=None, **settings) -> Path:
     apply, config = ADAPTATIONS[name]
-    model = apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)])
+    model = apply(tiny_model(arch, init=0.2, **settings), config, calibration=[tokens(seed=5)])
     return save_adapted(model, root / f"{name}_{arch}", tokenizer=tokenizer)
 
 
@@ -88,8 +92,8 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
     exports = {exported(tmp_path, "diff", "diff", small, 300): None,
                exported(tmp_path, "softmax", "softmax", small, 300): None,
                exported(tmp_path, "diff_cl100k", "diff", "cl100k_base", 100277): None,
-               adapted(tmp_path, "dex-entropy", "llama"): ids,
-               adapted(tmp_path, "daa", "qwen2", AutoTokenizer.from_pretrained(small)): ids,
+               adapted(tmp_path, "dex-entropy", "llama", **LLAMA3_ROPE): ids,
+               adapted(tmp_path, "daa", "qwen2", AutoTokenizer.from_pretrained(small), rope_theta=1e6): ids,
                adapted(tmp_path, "diff_v", "mistral"): ids,
                # ids whose beams swap rows of differing histories: a running sum left unreordered shows
                exported(tmp_path, "dint", "dint", small, 300, remote_code=True): [5, 17, 42, 99, 7, 12, 250],

@@ -6,6 +6,7 @@ dict (method, heads, lambda_init, T and the step t the weights belong to), and t
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,21 @@ def adapted_config(model: nn.Module):
     return config
 
 
+def _name_rope_for_transformers4(directory: Path, config) -> None:
+    """transformers 5 keeps RoPE's base and scaling in `rope_parameters` alone, which 4.x does not read: it takes
+    `rope_theta` and `rope_scaling`, and without them builds base-10000, unscaled RoPE silently (Llama 3.2's base
+    500,000 and llama3 scaling lost, every logit changed), so config.json names both as 4.x reads them too."""
+    rope = dict(config.rope_parameters or {})
+    if "rope_theta" not in rope:
+        return
+    path = directory / "config.json"
+    fields = json.loads(path.read_text())
+    fields["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = rope
+    path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
 def _stop_at_turn_end(directory: Path, tokenizer) -> None:
     """The exported generation config stops at the chat template's end of turn too (ChatML's <|im_end|> on a base
     model whose EOS is <|endoftext|>, Qwen2's): a model tuned on conversations ends its replies there."""
@@ -68,6 +84,7 @@ def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[d
     shutil.rmtree(staged, ignore_errors=True)  # a killed export's
     model.save_pretrained(staged, state_dict=state_dict)
     config.save_pretrained(staged)  # replaces the base model's config.json
+    _name_rope_for_transformers4(staged, config)
     shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
     if tokenizer is not None:
         save_for_any_transformers(tokenizer, staged)
