@@ -22,10 +22,12 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index
 from megadiff.data.prepare import prepare
 from megadiff.inference import load_checkpoint
+from megadiff.inference import evaluate as evaluate_module
 from megadiff.inference import recall
 from megadiff.inference.evaluate import distinct_samples, evaluate, summarize
 from megadiff.inference.recall import recall_hits, sample_windows, training_bigram_rates
 from tests.conftest import kjv_verses
+from tests.convert_worker import build_tokenizer
 from tests.held_out_runs import held_out_run, write_documents
 
 
@@ -204,6 +206,28 @@ def test_a_blend_reports_each_source_and_their_weighted_mean(run, tmp_path, weig
     assert report["by_position"][1]["mean_loss"] == pytest.approx(
         sum(s * losses[:, lo:hi].mean().item() for s, losses in zip(shares, naive)), rel=1e-5)
     assert report["sequences"] == 6
+
+
+def test_a_blend_source_of_another_tokenizer_is_refused_before_any_source_is_evaluated(run, tmp_path, monkeypatch):
+    """A blend's later source prepared with another tokenizer is refused as training refuses it, and before the
+    earlier source is evaluated (hours at 64K), not when its own turn comes."""
+    run_dir, cfg = run
+    other = build_tokenizer(tmp_path / "other-tokenizer", sentencepiece_like=True)
+    other_prefix = tmp_path / "prepared" / "other"
+    prepare(build_config(cfg.model_dump(mode="json"), [f"data.sources=[{run_dir.parent / 'later.jsonl'}]",
+                                                       f"data.prefix={other_prefix}", f"data.tokenizer={other}"]).data)
+    blend = f"data.blend=[{cfg.data.prefix},{other_prefix}]"
+    with pytest.raises(DataError, match="prepared with tokenizer") as training_refusal:
+        build_datasets(build_config(cfg.model_dump(mode="json"), [blend]), load_checkpoint(run_dir).tokenizer,
+                       (1, 1, 0), seed=cfg.train.seed)
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("a source was evaluated before the blend's data was checked")
+
+    monkeypatch.setattr(evaluate_module, "position_losses", evaluated)
+    with pytest.raises(DataError) as refusal:
+        evaluate(str(run_dir), sequences=2, overrides=[blend])
+    assert str(refusal.value) == str(training_refusal.value)
 
 
 def test_a_blend_weighs_the_sources_that_have_tokens_in_a_slice():
