@@ -25,7 +25,8 @@ from megadiff.inference.needles import (
     attention_allocation, attention_rows, build_case, held_out_tokens, retrieval_grid, retrieved,
 )
 from tests.conftest import kjv_verses
-from tests.held_out_runs import held_out_run
+from tests.convert_worker import build_tokenizer
+from tests.held_out_runs import held_out_run, write_documents
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +188,27 @@ def test_lengths_the_cases_cannot_fit_are_refused_before_the_weights_are_read(ru
                              (["5"], "5 tokens are fewer than the needles, question and answer take")):
         assert main(["needles", "--load", str(runs["diff"]), "--lengths", *lengths]) == 2
         assert re.search(refusal, capsys.readouterr().err)
+
+
+def test_a_haystack_prepared_with_another_tokenizer_is_refused_as_evaluate_refuses_it(runs, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Its ids, read with the checkpoint's tokenizer, are other text: needles built its haystack of them, where
+    evaluate refuses the same data. Refused before the weights are read."""
+    from megadiff.data.prepare import prepare
+    from megadiff.inference import needles
+
+    write_documents(tmp_path / "docs.jsonl")
+    other = build_tokenizer(tmp_path / "other-tokenizer", sentencepiece_like=True)
+    prefix = f"data.prefix={tmp_path / 'prepared' / 'other'}"
+    prepare(build_config({}, [f"data.sources=[{tmp_path / 'docs.jsonl'}]", prefix, f"data.tokenizer={other}",
+                              f"data.cache_dir={tmp_path / 'cache'}"]).data)
+    capsys.readouterr()
+    assert main(["evaluate", "--load", str(runs["diff"]), prefix]) == 2
+    refusal = capsys.readouterr().err
+    assert "was prepared with tokenizer" in refusal
+    monkeypatch.setattr(needles, "load_model", lambda *args: pytest.fail("the weights were read"))
+    assert main(["needles", "--load", str(runs["diff"]), "--lengths", "160", "--trials", "1", prefix]) == 2
+    assert capsys.readouterr().err == refusal
 
 
 def test_a_bundled_corpus_found_prepared_is_said_once(runs, tmp_path, capsys):

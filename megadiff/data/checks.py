@@ -35,15 +35,11 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer, splits_read: Collecti
         raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of data.tokenizer "
                         f"{cfg.data.tokenizer!r} ({tokenizer.vocab_size} ids); set model.vocab_size >= "
                         f"{tokenizer.vocab_size}")
-    key = "data.blend" if cfg.data.blend else "data.prefix"
-    conversations = cfg.data.messages_key is not None
-    # how data of each kind (documents or conversations) is prepared now: read once, if a manifest asks
-    encoding = cache(lambda documents: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=documents))
-    # how the tokenizer splits text (a directory's hash, None for tiktoken's): the same reading, not a second one
-    splits = lambda: encoding(True).get("splits")  # noqa: E731
+    key = _data_key(cfg)
+    encoding = _encoding_reader(cfg, tokenizer)
+    check_prepared_with(cfg, tokenizer, encoding)
     for prefix in training_blend(cfg.data)[0]:
         summary, manifest = read_index(prefix, key), read_manifest(prefix)
-        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits, conversations)
         _check_splits(prefix, summary, cfg, key, splits_read)
         _warn_of_an_earlier_encoding(prefix, manifest, encoding)
         if cfg.data.masks_loss:
@@ -53,6 +49,26 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer, splits_read: Collecti
                 _check_documents_whole(prefix, manifest)
         else:
             _warn_of_a_loss_mask_left_out(prefix, manifest, key)
+
+
+def _data_key(cfg: Config) -> str:
+    return "data.blend" if cfg.data.blend else "data.prefix"
+
+
+def _encoding_reader(cfg: Config, tokenizer: Tokenizer) -> Callable[[bool], dict]:
+    """How data of each kind (documents or conversations) is prepared now: read once, if a manifest asks."""
+    return cache(lambda documents: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=documents))
+
+
+def check_prepared_with(cfg: Config, tokenizer: Tokenizer, encoding: Callable[[bool], dict] | None = None) -> None:
+    """Each prefix of cfg's data was prepared with `tokenizer` (or a copy of it): read with another, its ids would
+    stand for other text. `encoding`: an _encoding_reader the caller reads too."""
+    encoding = encoding or _encoding_reader(cfg, tokenizer)
+    # how the tokenizer splits text (a directory's hash, None for tiktoken's): the same reading, not a second one
+    splits = lambda: encoding(True).get("splits")  # noqa: E731
+    for prefix in training_blend(cfg.data)[0]:
+        _check_tokenizer(prefix, read_index(prefix, _data_key(cfg)), read_manifest(prefix), tokenizer,
+                         cfg.data.tokenizer, splits, cfg.data.messages_key is not None)
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, tokenizer: Tokenizer,

@@ -27,7 +27,7 @@ from rich.table import Table
 from megadiff.checkpoint.format import checkpoint_config, resolve_checkpoint_dir
 from megadiff.checkpoint.single_process import CausalLM, checkpoint_tokenizer
 from megadiff.config import ConfigError
-from megadiff.data.checks import split_tokens
+from megadiff.data.checks import check_prepared_with, split_tokens
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer, encode_continuing, load_tokenizer
@@ -256,6 +256,8 @@ def _check_cases_fit(load: str | None, hf: str | None, window: int | None, split
         cfg = evaluation_config(hf_run_config(hf, hf_window(hf, window)), None, overrides)
         ensure_prepared(cfg)
         tokenizer = load_tokenizer(hf, trust_remote_code=True)
+    # the haystack is read as token ids: data prepared with another tokenizer would be other text
+    check_prepared_with(cfg, tokenizer)
     for _ in draw_cases(tokenizer, held_out_tokens(cfg, split), **grid):
         pass
 
