@@ -62,6 +62,11 @@ print(json.dumps(out))
 def read_by(version: str, exports: dict[Path, list[int] | None], pythonpath: str | None = None) -> dict:
     # the beams run long enough to swap rows of differing histories (DINT's running sums then differ)
     script = READ.format(version=version, text=TEXT, new_tokens=NEW_TOKENS, beam_tokens=2 * NEW_TOKENS)
+    return run_on_exports(script, exports, pythonpath)
+
+
+def run_on_exports(script: str, exports: dict[Path, list[int] | None], pythonpath: str | None = None) -> dict:
+    """The JSON `script` prints last, given the exports and their ids as its argument."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
@@ -84,9 +89,13 @@ def adapted(root: Path, name: str, arch: str, tokenizer=None, **settings) -> Pat
     return save_adapted(model, root / f"{name}_{arch}", tokenizer=tokenizer)
 
 
-def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
+def skip_without_transformers4() -> None:
     if not (TRANSFORMERS4 / "transformers").is_dir():
         pytest.skip(f"transformers 4.x is not installed in {TRANSFORMERS4} (make test installs it)")
+
+
+def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
+    skip_without_transformers4()
     small = str(build_tokenizer(tmp_path / "tokenizer"))
     ids = tokens(batch=1, seed=3)[0].tolist()
     exports = {exported(tmp_path, "diff", "diff", small, 300): None,
@@ -109,3 +118,33 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
         assert read["new"] == expected["new"] and read["beams"] == expected["beams"], directory
         torch.testing.assert_close(torch.tensor(read["beam_scores"]), torch.tensor(expected["beam_scores"]),
                                    rtol=1e-4, atol=1e-4)
+
+
+# greedy tokens with transformers 4's static cache and without any cache (every step recomputes the whole sequence)
+STATIC_CACHE = """
+import json, sys
+import torch, transformers
+from transformers import AutoModelForCausalLM
+assert transformers.__version__.startswith("4."), transformers.__version__
+out = {}
+for directory, ids in json.loads(sys.argv[1]).items():
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        out[directory] = {cache: model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                                **settings)[0, ids.shape[1]:].tolist()
+                          for cache, settings in (("static", {"cache_implementation": "static"}),
+                                                  ("none", {"use_cache": False}))}
+print(json.dumps(out))
+"""
+
+
+def test_adapted_exports_decode_with_transformers4s_static_cache_as_without_a_cache(tmp_path):
+    """4.x's static cache writes each step's keys and values at the cache_position the attention passes it;
+    given none, it wrote every step over the first positions and the adapted models decoded other tokens."""
+    skip_without_transformers4()
+    ids = tokens(batch=1, seed=3)[0].tolist()
+    exports = {adapted(tmp_path, name, arch): ids
+               for name, arch in (("dex-entropy", "llama"), ("daa", "qwen2"), ("diff_v", "mistral"))}
+    for directory, decoded in run_on_exports(STATIC_CACHE, exports, str(TRANSFORMERS4)).items():
+        assert decoded["static"] == decoded["none"], directory

@@ -143,11 +143,14 @@ class AdaptedAttention(nn.Module):
             value = value - lam * self._project(self.v_proj, shifted)
 
         if past_key_values is not None:
+            # transformers 4's static cache writes at cache_position, and without it over the first positions
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             if method == "diff_k":  # both key maps share the cache entry, side by side in the feature dim
-                keys, value = past_key_values.update(torch.cat([key, key2], dim=-1), value, self.layer_idx)
+                keys, value = past_key_values.update(torch.cat([key, key2], dim=-1), value, self.layer_idx,
+                                                     cache_kwargs)
                 key, key2 = keys.split(self.head_dim, dim=-1)
             else:
-                key, value = past_key_values.update(key, value, self.layer_idx)
+                key, value = past_key_values.update(key, value, self.layer_idx, cache_kwargs)
 
         output, weights = self._attend(query, key, value, attention_mask, **kwargs)  # output [B, N, H, d]
         if method == "dex":
