@@ -127,10 +127,10 @@ def _adapt(workspace: Path, world: int, output: Path, *overrides: str):
 
 def test_a_rerun_on_another_number_of_ranks_trains_on_as_the_uninterrupted_run(workspace, tmp_path):
     """ZeRO keeps the optimizer state (ZeRO-3 the weights too) partitioned among the ranks that wrote it, and
-    DeepSpeed loads it into as many: a rerun on an allocation of another size was refused. The checkpoint is converted once (rank 0) to
-    DeepSpeed's universal form, each parameter's state whole, which an engine of any size loads: 2 ranks stopped
-    at iteration 2 and rerun on 1, and 1 rerun on 2 (grad_accum making the same global batch), under ZeRO-2 and
-    ZeRO-3 (partitioned weights), train on as 2 ranks that never stopped."""
+    DeepSpeed loads it into as many: a rerun on an allocation of another size was refused. The checkpoint is
+    converted once (rank 0) to DeepSpeed's universal form, each parameter's state whole, which an engine of any
+    size loads: 2 ranks stopped at iteration 2 and rerun on 1, and 1 rerun on 2 (grad_accum making the same global
+    batch), under ZeRO-2 and ZeRO-3 (partitioned weights), train on as 2 ranks that never stopped."""
     _adapt(workspace, 2, tmp_path / "uninterrupted")
     uninterrupted = read_metrics(tmp_path / "uninterrupted")
     scheduled, measured = ("iteration", "lr"), ("lm_loss", "grad_norm")

@@ -27,8 +27,9 @@ TEXT = "Hello world, 2024! And the earth was without form."
 NEW_TOKENS = 6
 # a base model's RoPE as Llama 3.2's (base 500,000, llama3 scaling) and Qwen2's (base 1,000,000) have it, scaled from
 # 32 positions so that the scaling changes these tiny models' low frequencies
-LLAMA3_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
+LLAMA3_ROPE = {"rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 32}}
 # each export's tokenizer's ids of TEXT (if it has one), the logits of the ids given (or those), the greedy
 # tokens of a left-padded batch of them, and a beam search's sequences and scores (the cache reordered as beams swap)
 READ = """

@@ -1,9 +1,10 @@
 """A rerun of an adaptation on another number of data-parallel ranks than its checkpoint's.
 
 ZeRO keeps the optimizer state (and ZeRO-3 the weights) partitioned among the ranks that wrote it, and DeepSpeed
-loads it only into as many. Its universal checkpoint is the state of each parameter whole (fp32 weights, Adam's moments, step), which
-an engine of any size loads: a rerun on a Slurm allocation of another size converts the checkpoint it resumes
-from once (`universal/` inside it, made by rank 0 on the shared checkpoint directory) and loads that.
+loads it only into as many. Its universal checkpoint is the state of each parameter whole (fp32 weights, Adam's
+moments, step), which an engine of any size loads: a rerun on a Slurm allocation of another size converts the
+checkpoint it resumes from once (`universal/` inside it, made by rank 0 on the shared checkpoint directory) and
+loads that.
 """
 from __future__ import annotations
 
