@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import multiprocessing
 import socketserver
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from megadiff.cli import main
 from megadiff.config import ConfigError
 from megadiff.convert import convert_to_hf
+from megadiff.inference.harness import bootstrap_in_this_process
 from tests.conftest import kjv_verses
 from tests.convert_worker import build_tokenizer
 from tests.test_chat_data import CHATML
@@ -76,6 +78,16 @@ def write_tasks(directory: Path) -> Path:
             f"task: {task}\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
             f"test_split: test\n{body}")
     return directory
+
+
+@pytest.fixture(autouse=True)
+def no_bootstrap_pool(monkeypatch):
+    """lm-eval bootstraps an error bar (kjv_choice's median) in a pool forked from the process, whose workers
+    could hang on a lock one of torch's threads held (two runs did under CI's load): megadiff's runs bootstrap in
+    their own process, and so do the harness's reference runs here."""
+    def forked(*args, **kwargs):
+        raise AssertionError("lm-eval forked a bootstrap pool")
+    monkeypatch.setattr(multiprocessing, "Pool", forked)
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +148,13 @@ def test_answers_equal_the_harness_hf_model_on_the_export(runs, tasks, variant, 
     # weights make as likely as any): neither does the oracle
     padded = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
     # batch 1: every request scored on its own, the oracle for our padded batches of 3
-    theirs = lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH,
-                                "trust_remote_code": variant != "diff"},
-        tasks=TASKS, batch_size=1, device="cpu", log_samples=True,
-        gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
+    with bootstrap_in_this_process():
+        theirs = lm_eval.simple_evaluate(
+            model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH,
+                                    "trust_remote_code": variant != "diff"},
+            tasks=TASKS, batch_size=1, device="cpu", log_samples=True,
+            gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
+            task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
     assert_same_answers(answers(ours["samples"]), answers(theirs["samples"]), rel=1e-4)
     for task in TASKS:
         assert ours["results"][task].keys() == theirs["results"][task].keys()
@@ -167,13 +180,14 @@ def test_chat_requests_equal_the_harness_hf_model_on_the_export(tasks, tmp_path,
                c.count("<|im_start|>assistant\n") == 2 and c.endswith("<|im_start|>assistant\n") for c in contexts)
     hf_dir = convert_to_hf(run, tmp_path / "hf")
     padded = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    theirs = lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH},
-        tasks=TASKS, batch_size=1, device="cpu", log_samples=True, num_fewshot=1, apply_chat_template=True,
-        system_instruction=system, fewshot_as_multiturn=True, random_seed=1234, numpy_random_seed=1234,
-        torch_random_seed=1234, fewshot_random_seed=1234,
-        gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
+    with bootstrap_in_this_process():
+        theirs = lm_eval.simple_evaluate(
+            model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH},
+            tasks=TASKS, batch_size=1, device="cpu", log_samples=True, num_fewshot=1, apply_chat_template=True,
+            system_instruction=system, fewshot_as_multiturn=True, random_seed=1234, numpy_random_seed=1234,
+            torch_random_seed=1234, fewshot_random_seed=1234,
+            gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
+            task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
     for task in TASKS:  # the same contexts, word for word
         assert [[request[0] for request in s["arguments"]] for s in ours["samples"][task]] == \
             [[request[0] for request in s["arguments"]] for s in theirs["samples"][task]]
@@ -195,11 +209,12 @@ def test_a_tokenizer_that_begins_texts_with_a_bos(tasks, tmp_path):
     ours = answers(megadiff_lm_eval(run, tasks, tmp_path / "ours.json", extra=("--cache", str(cache)))["samples"])
     hf_dir = convert_to_hf(run, tmp_path / "hf")
     padded = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    theirs = lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH},
-        tasks=["kjv_choice", "kjv_generate"], batch_size=1, device="cpu", log_samples=True,
-        gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
+    with bootstrap_in_this_process():
+        theirs = lm_eval.simple_evaluate(
+            model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "max_length": SEQ_LENGTH},
+            tasks=["kjv_choice", "kjv_generate"], batch_size=1, device="cpu", log_samples=True,
+            gen_kwargs={"suppress_tokens": list(range(VOCAB_IN_USE, padded))},
+            task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False))
     rolling = {key: answer for key, answer in ours.items() if key[0] == "kjv_rolling"}
     assert_same_answers({key: answer for key, answer in ours.items() if key not in rolling},
                         answers(theirs["samples"]), rel=1e-4)

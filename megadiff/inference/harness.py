@@ -25,6 +25,7 @@ import glob
 import hashlib
 import itertools
 import json
+import os
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -378,6 +379,26 @@ def few_shot_examples_as_one_process_draws() -> Iterator[None]:
         Task.build_all_requests = build
 
 
+@contextmanager
+def bootstrap_in_this_process() -> Iterator[None]:
+    """lm-eval bootstraps an error bar (median, f1, mcc, bleu...) in a multiprocessing pool forked from this
+    process, which holds torch's thread pools (and the ranks' process group): a forked worker could hang on a
+    lock a thread held at the fork, and the run with it (seen under CI's load). Its serial path draws the same
+    resamples (a generator seeded by the chunk, chunk after chunk), so the error bars are the same."""
+    before = os.environ.get(LM_EVAL_SERIAL_BOOTSTRAP)
+    os.environ[LM_EVAL_SERIAL_BOOTSTRAP] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[LM_EVAL_SERIAL_BOOTSTRAP]
+        else:
+            os.environ[LM_EVAL_SERIAL_BOOTSTRAP] = before
+
+
+LM_EVAL_SERIAL_BOOTSTRAP = "DISABLE_MULTIPROC"  # lm_eval.api.metrics.bootstrap_stderr's switch
+
+
 def require_harness() -> None:
     if HARNESS_MISSING:
         raise MegadiffError("lm-evaluation-harness is not installed: pip install 'megadiff[eval]' (or lm_eval)")
@@ -534,7 +555,7 @@ def lm_eval_cli(load: str, tasks: Sequence[str], num_fewshot: int | None = None,
             "gen_kwargs": simple_parse_args_string(gen_kwargs) if gen_kwargs else None,
             # contexts begin with it (before, caches recorded none: they were answered without it)
             **({"text_start": list(model.tokenizer.text_start)} if model.tokenizer.text_start else {})})
-    with few_shot_examples_as_one_process_draws():
+    with few_shot_examples_as_one_process_draws(), bootstrap_in_this_process():
         results = simple_evaluate(
             model=MegadiffLM(model, batch_size=batch_size, chat_template=chat_template, seed=seed), tasks=names,
             num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples, random_seed=seed,
