@@ -68,6 +68,23 @@ def _output_file(text: str) -> str:
     return text
 
 
+class _Override(str):
+    """A key=value override an option's list of numbers took in (`--lengths 64 128 data.prefix=X`): argparse's
+    nargs="+" takes every argument up to the next option."""
+
+
+def _numbers(kind: type) -> Callable[[str], object]:
+    """A number of `kind`, or an override that ends the list (parse_arguments gives it back to the overrides)."""
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            if "=" in text:
+                return _Override(text)
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+    return parse
+
+
 def _config_command(sub, name: str, target: str, help_text: str, options: tuple[str, ...] = ()):
     """A command on a config and its overrides; `options`: the arguments, added by the caller, it passes on."""
     parser = sub.add_parser(name, help=help_text)
@@ -217,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(the DIFF paper's activation outliers)", hf=True)
     needles = _checkpoint_command(sub, "needles", "multi-needle retrieval accuracy by context length and depth "
                                   "(haystack: the split's text)", hf=True)
-    needles.add_argument("--lengths", type=int, nargs="+", required=True, help="context lengths in tokens")
-    needles.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+    needles.add_argument("--lengths", type=_numbers(int), nargs="+", required=True, help="context lengths in tokens")
+    needles.add_argument("--depths", type=_numbers(float), nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                          help="where the queried needle sits: 0 = start, 1 = end")
     needles.add_argument("--needles", type=int, default=1, help="needles in each context (the paper's N)")
     needles.add_argument("--queries", type=int, default=1,
@@ -315,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     icl.add_argument("--label-key", default="label", help="e.g. coarse_label, fine_label (TREC), intent (clinc_oos)")
     icl.add_argument("--train-split", default="train", help="where demonstrations are drawn from")
     icl.add_argument("--test-split", default="test")
-    icl.add_argument("--shots", type=int, nargs="+", default=None,
+    icl.add_argument("--shots", type=_numbers(int), nargs="+", default=None,
                      help="demonstration counts (default: 1, 2, 4, ... up to the most that fit the window)")
     icl.add_argument("--examples", type=int, default=100, help="test examples (a seeded sample)")
     icl.add_argument("--orders", type=int, default=1, help="seeded orders of the same demonstrations (robustness)")
@@ -358,11 +375,27 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parallel.tensor=2`): argparse ends a command's positionals at its first option and refuses the rest."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    rest = [*_overrides_taken_by_lists(parser, args), *rest]
     if rest and hasattr(args, "overrides") and not any(item.startswith("-") for item in rest):
         args.overrides = [*args.overrides, *rest]
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args
+
+
+def _overrides_taken_by_lists(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The overrides a list of numbers took in (_numbers), taken out of it: `needles --lengths 64 128
+    data.prefix=X` was refused as an invalid int, the override read as one of the lengths."""
+    taken = []
+    for option, values in vars(args).items():
+        if isinstance(values, list) and any(isinstance(value, _Override) for value in values):
+            taken += [value for value in values if isinstance(value, _Override)]
+            numbers = [value for value in values if not isinstance(value, _Override)]
+            if not numbers:
+                parser.error(f"argument --{option.replace('_', '-')}: expected at least one number before "
+                             f"{taken[-1]}")
+            setattr(args, option, numbers)
+    return [str(value) for value in taken]
 
 
 SIGPIPE_EXIT_CODE = 141  # the shell's code for a command SIGPIPE ended

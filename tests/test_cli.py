@@ -37,6 +37,27 @@ def test_overrides_may_follow_a_commands_options(capsys):
         parse_arguments(["convert", "to-hf", "--load", "run", "--save", "hf", "stray"])  # no overrides there
 
 
+def test_overrides_may_follow_a_list_of_numbers(capsys):
+    """`needles --lengths 64 128 data.prefix=X`: the list took the override in and was refused as an invalid int;
+    it ends the list, and a list it leaves empty, a word that is neither, or a command without overrides are
+    still refused."""
+    from megadiff.cli import parse_arguments
+
+    args = parse_arguments(["needles", "--load", "run", "data.split=1,0,0", "--lengths", "64", "128", "data.prefix=x",
+                            "--depths", "0.5", "train.seed=3", "--trials", "2"])
+    assert (args.lengths, args.depths, args.trials) == ([64, 128], [0.5], 2)
+    assert args.overrides == ["data.split=1,0,0", "data.prefix=x", "train.seed=3"]
+    for argv, said in ((["needles", "--load", "run", "--lengths", "data.prefix=x"],
+                        "argument --lengths: expected at least one number before data.prefix=x"),
+                       (["needles", "--load", "run", "--lengths", "64", "sixty"],
+                        "argument --lengths: invalid int value: 'sixty'"),
+                       (["icl", "--load", "run", "--dataset", "d", "--shots", "1", "a=b"],
+                        "unrecognized arguments: a=b")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_arguments(argv)
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err, argv
+
+
 @pytest.mark.parametrize("given, said", [("0", "0 is not >= 1"), ("-8", "-8 is not >= 1"),
                                          ("x", "'x' is not a whole number")])
 def test_a_world_size_is_a_positive_number(capsys, given, said):
