@@ -148,10 +148,11 @@ def test_a_rerun_on_another_number_of_ranks_trains_on_as_the_uninterrupted_run(w
             assert {k: mine[k] for k in scheduled} == {k: theirs[k] for k in scheduled}
             assert {k: mine[k] for k in measured} == pytest.approx({k: theirs[k] for k in measured}, rel=1e-5), mine
             assert mine["lambda"] == pytest.approx(theirs["lambda"], rel=1e-5)  # learned, in Dex
-    # a later rerun on another number of ranks reads the form converted before
+    # a later rerun on another number of ranks reads the form converted before; one on the writers' has none
     checkpoint = output / "checkpoints" / "iter_0000002"
     with mock.patch("subprocess.run", side_effect=AssertionError("converted again")):
-        assert universal_form(checkpoint, 0, 2) == checkpoint / "universal"
+        assert universal_form(checkpoint, 0, 1) == checkpoint / "universal"
+        assert universal_form(checkpoint, 0, 2) is None
 
 
 def test_a_rerun_under_another_checkpoint_format_is_refused_before_the_model_loads(workspace, tmp_path):

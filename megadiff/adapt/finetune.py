@@ -33,7 +33,7 @@ from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
-from megadiff.adapt.reshard import universal_form, written_by_other_ranks
+from megadiff.adapt.reshard import universal_form
 from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
@@ -198,9 +198,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                                                    "resumes from": _latest_tag(output_dir / CHECKPOINT_DIR)})
     with claimed_run_directory(output_dir):  # before the run writes anything there
         resumed = refused_together(lambda: resume_point(output_dir / CHECKPOINT_DIR, rank, world, ds_config))
-        # before the model loads: converted once, for this and any later rerun on this number of ranks
-        universal = (universal_form(resumed, rank, world)
-                     if resumed is not None and written_by_other_ranks(resumed, world) else None)
+        # before the model loads: converted once, for this and any later rerun on another number of ranks
+        universal = universal_form(resumed, rank, world) if resumed is not None else None
 
         def started_on_rank_0():
             # as pre-training's: it can be passed back as a config, its relative paths read from where the run ran
@@ -261,11 +260,10 @@ def finetune(cfg: FinetuneConfig) -> int:
                 stepped = loss is not None  # DeepSpeed's step flags are otherwise the last step's
                 non_finite_step = stepped and _skipped_for_non_finite(engine, cfg.train.precision)
                 skipped += non_finite_step
-                skipping_since = streak_start(skipping_since, iteration, skipped=non_finite_step,
-                                              updated=stepped and engine.was_step_applied())
+                applied = stepped and engine.was_step_applied()
+                skipping_since = streak_start(skipping_since, iteration, skipped=non_finite_step, updated=applied)
                 # on every rank (the loss is the global batch's): each saves the means with its checkpoint
-                recorded = record_step(unrecorded, loss, time.perf_counter() - began,
-                                       stepped and engine.was_step_applied(),
+                recorded = record_step(unrecorded, loss, time.perf_counter() - began, applied,
                                        records_at(iteration, cfg.logging.log_interval, cfg.train.iters))
                 if recorded is not None and writer is not None:
                     mean_loss, seconds, skipped_loss = recorded

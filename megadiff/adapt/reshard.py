@@ -21,16 +21,15 @@ from megadiff.errors import refused_together
 UNIVERSAL_DIR = "universal"  # inside a checkpoint: its universal form (a DeepSpeed tag of the checkpoint itself)
 
 
-def written_by_other_ranks(checkpoint: Path, world: int) -> bool:
+def universal_form(checkpoint: Path, rank: int, world: int) -> Path | None:
+    """The universal form of `checkpoint` where it was written by another number of data-parallel ranks than
+    `world` (None otherwise; collective): converted by rank 0 where no earlier rerun left it, then seen by every
+    rank (a node that cannot see it holds the checkpoint directory on a disk of its own)."""
     written_by = saved_dp_world_size(checkpoint)
-    return written_by is not None and written_by != world
-
-
-def universal_form(checkpoint: Path, rank: int, world: int) -> Path:
-    """The universal form of `checkpoint` (collective): converted by rank 0 where no earlier rerun left it, then
-    seen by every rank (a node that cannot see it holds the checkpoint directory on a disk of its own)."""
+    if written_by is None or written_by == world:
+        return None
     universal = checkpoint / UNIVERSAL_DIR
-    refused_together(lambda: _convert(checkpoint, universal, world) if rank == 0 else None)
+    refused_together(lambda: _convert(checkpoint, universal, written_by, world) if rank == 0 else None)
 
     def seen_here() -> None:
         if not (universal / "zero").is_dir():
@@ -40,12 +39,11 @@ def universal_form(checkpoint: Path, rank: int, world: int) -> Path:
     return universal
 
 
-def _convert(checkpoint: Path, universal: Path, world: int) -> None:
+def _convert(checkpoint: Path, universal: Path, written_by: int, world: int) -> None:
     if (universal / "zero").is_dir():
         return
-    plain_console().print(f"{checkpoint.name} was written by {saved_dp_world_size(checkpoint)} data-parallel "
-                          f"rank(s) and this run has {world}: converting it to DeepSpeed's universal checkpoint, "
-                          f"{universal}")
+    plain_console().print(f"{checkpoint.name} was written by {written_by} data-parallel rank(s) and this run has "
+                          f"{world}: converting it to DeepSpeed's universal checkpoint, {universal}")
     partial = checkpoint / f"{UNIVERSAL_DIR}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # an earlier conversion that did not end
     # its own process: the converter prints as it goes, and forks workers (not under this one's process group);
@@ -60,5 +58,5 @@ def _convert(checkpoint: Path, universal: Path, world: int) -> None:
     if converted.returncode != 0:
         said = (converted.stderr or converted.stdout).strip().splitlines()[-1:] or ["no output"]
         raise DamagedCheckpoint(f"{checkpoint} could not be converted for {world} rank(s) (DeepSpeed's "
-                                f"ds_to_universal: {said[0]}): rerun on {saved_dp_world_size(checkpoint)} rank(s)")
+                                f"ds_to_universal: {said[0]}): rerun on {written_by} rank(s)")
     os.replace(partial, universal)  # whole or absent
