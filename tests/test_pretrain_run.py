@@ -22,7 +22,8 @@ from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluate
 from megadiff.models.param_count import count_parameters
 from megadiff.observability.metrics import read_metrics
-from megadiff.training.pretrain import build_scheduler
+from megadiff.training.pretrain import build_scheduler, lr_schedule_change
+from megadiff.training.state import Start
 from megadiff.training.throughput import peak_tflops_of
 from tests.pretrain_runs import DEMO_CONFIG, ROOT, environment, losses, run_pretrain_in_ranks, tiny_overrides
 
@@ -97,7 +98,7 @@ def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base,
     wsd = base + [f"output_dir={out}", "train.lr_decay_style=wsd", "train.lr_wsd_decay_iters=2", "train.min_lr=1e-4"]
     run_pretrain_in_ranks(1, wsd + ["train.iters=6", "train.exit_interval=3"])
     proc = run_pretrain_in_ranks(1, wsd + ["train.iters=8"])
-    assert "resumed from" in proc.stdout
+    assert "resumed from" in proc.stdout and "the lr schedule differs" not in proc.stdout
     # the order of a source read more than once depends on the samples it was drawn for: said where it changes
     assert "this run draws its data order for 64 samples (what train.iters reads, or train.planned_samples), not " \
            "the 48 its checkpoint's was drawn for" in proc.stdout
@@ -106,6 +107,50 @@ def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base,
     for it, lr in lrs.items():
         assert lr == pytest.approx(paper_lr(it, 5e-3, 1e-4, 2, 8, "wsd", wsd_decay=2)), it
     assert lrs[6] == pytest.approx(5e-3) and lrs[8] == pytest.approx(1e-4)  # 6: the first schedule's end
+
+
+@pytest.mark.slow
+def test_a_finished_linear_run_lengthened_says_its_lr_jumps_up_the_stretched_decay(base, tmp_path):
+    """A finished linear run (at min_lr) rerun with more iterations: the config's schedule, recomputed at the
+    checkpoint's position, takes the lr back up the longer decay. The start says so, with both lrs, as the
+    paper's formula gives them; the WSD extension above, whose lr goes on unchanged, says nothing."""
+    out = tmp_path / "lengthened"
+    linear = base + [f"output_dir={out}", "train.min_lr=1e-4"]
+    run_pretrain_in_ranks(1, linear + ["train.iters=4"])
+    proc = run_pretrain_in_ranks(1, linear + ["train.iters=8"])
+    lrs = {r["iteration"]: r["lr"] for r in read_metrics(out) if "lm_loss" in r}
+    was, now = paper_lr(4, 5e-3, 1e-4, 2, 4, "linear"), paper_lr(5, 5e-3, 1e-4, 2, 8, "linear")
+    assert lrs[4] == pytest.approx(was) and lrs[5] == pytest.approx(now)
+    assert (f"the lr schedule differs from the checkpoint's (train.iters: 4 -> 8): the lr goes from {was:.4g}, its "
+            f"update 4's, to {now:.4g} at the next") in proc.stdout
+    assert "train.lr_decay_iters=4 keeps where it ends" in proc.stdout
+
+
+WSD = ["train.lr_decay_style=wsd", "train.lr_wsd_decay_iters=20"]
+
+
+@pytest.mark.parametrize("before, after, done, jump", [
+    (["train.iters=100"], ["train.iters=200"], 100, (paper_lr(100, 3e-4, 1e-5, 10, 100, "linear"),
+                                                     paper_lr(101, 3e-4, 1e-5, 10, 200, "linear"))),
+    (["train.iters=100", *WSD], ["train.iters=200", *WSD], 90, (paper_lr(90, 3e-4, 1e-5, 10, 100, "wsd", 20), 3e-4)),
+    (["train.iters=100"], ["train.iters=100", "train.lr=6e-4"], 50, (paper_lr(50, 3e-4, 1e-5, 10, 100, "linear"),
+                                                                    paper_lr(51, 6e-4, 1e-5, 10, 100, "linear"))),
+    (["train.iters=100", *WSD], ["train.iters=200", *WSD], 60, None),  # the stable phase lengthened
+    (["train.iters=100", *WSD], ["train.iters=80", *WSD], 60, None),  # a decay branched off it at 60
+    (["train.iters=100"], ["train.iters=200"], 0, None),  # nothing trained yet
+    (["train.iters=100"], ["train.iters=200", "train.lr_decay_iters=100"], 100, None),  # the advice: at min_lr on
+])
+def test_a_continued_run_says_where_its_lr_schedule_jumps_from_its_checkpoints(before, after, done, jump):
+    """Where the config's schedule, at the checkpoint's last update, is not where the checkpoint's schedule had
+    the lr, the lr jumps at the next: said, with both lrs (the paper's formula's). The WSD workflows join on."""
+    common = ["train.lr=3e-4", "train.min_lr=1e-5", "train.lr_warmup_iters=10"]
+    start = Start(continues=True, saved={"scheduler": {"num_steps": done}},
+                  checkpoint_train=build_config({}, common + before).train)
+    said = lr_schedule_change(build_config({}, common + after).train, start)
+    if jump is None:
+        assert said is None
+    else:
+        assert f"the lr goes from {jump[0]:.4g}, its update {done}'s, to {jump[1]:.4g} at the next" in said
 
 
 @pytest.mark.slow

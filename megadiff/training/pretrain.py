@@ -13,6 +13,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, CONFIG_FILE, reading_checkpoint
 from megadiff.checkpoint.training_checkpoint import CheckpointWriter
 from megadiff.config import (
-    Config, ConfigError, data_parallel_size, dump_config, load_config, lr_decay_length, micro_batches_per_step,
-    refuse_a_file_for_directory, short_warmup_warning,
+    Config, ConfigError, TrainConfig, data_parallel_size, dump_config, load_config, lr_decay_length,
+    micro_batches_per_step, refuse_a_file_for_directory, short_warmup_warning,
 )
 from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import remove_staging_leftovers
@@ -45,7 +46,7 @@ from megadiff.rank_agreement import check_ranks_agree, claimed_run_directory, co
 from megadiff.training.batches import IterationBatches, MicroBatchSampler, micro_batch_loader
 from megadiff.training.engine import Engine, build_engine
 from megadiff.training.spikes import SpikeGuard
-from megadiff.training.state import plan_start, prepared_again, restore, training_data_digests
+from megadiff.training.state import Start, plan_start, prepared_again, restore, training_data_digests
 from megadiff.training.step import train_step, validation_sums
 from megadiff.training.throughput import Throughput, layer_lambdas
 from megadiff.watchdog import STALLS_DIR, StallWatchdog
@@ -67,13 +68,50 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     a WSD run's stable phase can be extended, or a decay branched off one of its checkpoints.
     A run shorter than its warmup (e.g. `train.iters=3` on a recipe) only warms up.
     """
-    t = cfg.train
+    return _train_scheduler(cfg.train, optimizer)
+
+
+def _train_scheduler(t: TrainConfig, optimizer) -> OptimizerParamScheduler:
     wsd = dict(lr_decay_style="WSD", wsd_decay_steps=t.lr_wsd_decay_iters, lr_wsd_decay_style=t.lr_wsd_decay_style)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
         lr_decay_steps=lr_decay_length(t), start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.iters,
         wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         **(wsd if t.lr_decay_style == "wsd" else dict(lr_decay_style=t.lr_decay_style)))
+
+
+def _lr_of_update(t: TrainConfig, update: int) -> float:
+    """The lr of the `update`-th update (from 1) under t's schedule."""
+    optimizer = SimpleNamespace(param_groups=[{}])  # the scheduler only writes each group's lr and decay
+    _train_scheduler(t, optimizer).step(update)
+    return optimizer.param_groups[0]["lr"]
+
+
+# the train keys that draw the lr schedule
+SCHEDULE_KEYS = ("iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
+                 "lr_wsd_decay_style")
+
+
+def lr_schedule_change(t: TrainConfig, start: Start) -> str | None:
+    """What a continued run whose lr schedule differs from its checkpoint's does to the lr. The config's schedule
+    wins (build_scheduler), recomputed at the checkpoint's position: a finished linear or cosine run lengthened
+    goes from min_lr back up the stretched decay, a WSD run resumed in its decay with more iterations back to the
+    peak. megatron refuses such a resume by default; megadiff runs it, and says so where the schedules part at the
+    checkpoint's last update (a WSD stable phase lengthened, or a decay branched off it, joins on unsaid)."""
+    if start.checkpoint_train is None or not (start.saved or {}).get("scheduler"):
+        return None
+    before, done = start.checkpoint_train, start.saved["scheduler"]["num_steps"]  # updates, not skipped steps
+    if done == 0:  # nothing trained yet: no lr to jump from
+        return None
+    last = _lr_of_update(before, done)
+    if math.isclose(last, _lr_of_update(t, done), rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    changed = "; ".join(f"train.{key}: {getattr(before, key)!r} -> {getattr(t, key)!r}" for key in SCHEDULE_KEYS
+                        if getattr(before, key) != getattr(t, key))
+    return (f"the lr schedule differs from the checkpoint's ({changed}): the lr goes from {last:.4g}, its update "
+            f"{done:,}'s, to {_lr_of_update(t, done + 1):.4g} at the next, where this run's schedule has it. To go on "
+            f"with the checkpoint's decay, keep its settings (train.lr_decay_iters={lr_decay_length(before)} keeps "
+            "where it ends in a lengthened run)")
 
 
 class Pretraining:
@@ -155,7 +193,7 @@ class Pretraining:
             lines.append(f"removed {', '.join(abandoned)} from {self.output / CHECKPOINTS_DIR}: a save the last run "
                          "began and never committed (it stopped before every rank's files were written), so its "
                          "iterations are trained again")
-        lines += [warning for warning in (memory_warning, short_warmup_warning(t),
+        lines += [warning for warning in (memory_warning, short_warmup_warning(t), lr_schedule_change(t, start),
                                           tensor_parallel_across_nodes(cfg.parallel)) if warning]
         if start.position_changes:
             lines.append(f"the model's positions differ from the checkpoint's ({'; '.join(start.position_changes)}): "

@@ -16,7 +16,7 @@ from megadiff.checkpoint.format import (
     CHECKPOINTS_DIR, CheckpointError, checkpoint_config, latest_checkpoint, resolve_checkpoint_dir,
 )
 from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
-from megadiff.config import Config, ConfigError, padded_vocab_size, resolved_architecture
+from megadiff.config import Config, ConfigError, TrainConfig, padded_vocab_size, resolved_architecture
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import tokenizer_identity
 from megadiff.data.prepared_dataset import prepared_files_digest
@@ -142,6 +142,8 @@ class Start:
     tokenizer: str | None = None    # tokenizer_identity of the run's data.tokenizer
     data_changes: list[str] = field(default_factory=list)  # "key: before -> now" of DATA_ORDER_KEYS, if it continues
     position_changes: list[str] = field(default_factory=list)  # "model.key: before -> now" of POSITION_KEYS
+    # the schedule the checkpoint's run trained on, if this run continues it: the lr may jump where this run's differs
+    checkpoint_train: TrainConfig | None = None
 
     def position(self) -> tuple[int, int]:
         """(iterations done, samples consumed) the run starts from."""
@@ -229,7 +231,8 @@ def plan_start(cfg: Config) -> Start:
                           f"a new output_dir from the checkpoint with checkpoint.load={path} "
                           "checkpoint.reset_iteration=true")
     start = Start(path, own, saved, load_optimizer, continues, data_changes=changes if continues else [],
-                  position_changes=positions, tokenizer=tokenizer)
+                  position_changes=positions, tokenizer=tokenizer,
+                  checkpoint_train=saved_cfg.train if continues else None)
     (iteration, consumed), batch = start.position(), cfg.train.global_batch_size
     if start.continues and not own and iteration >= cfg.train.iters:
         raise ConfigError(f"train.iters: {path} is at iteration {iteration}, and this run continues its count up to "
