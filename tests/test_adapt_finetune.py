@@ -306,16 +306,19 @@ def test_a_longer_rerun_follows_its_own_schedule_from_its_first_step(workspace, 
     # as a plan from before plans recorded the base model and the data
     fingerprint, data = plan.pop("base_model"), plan.pop("data")
     plan_file.write_text(json.dumps(plan))
-    adapt_in_ranks(workspace, f"output_dir={output}", *rerun)
+    longer = adapt_in_ranks(workspace, f"output_dir={output}", *rerun)
     recorded = json.loads(plan_file.read_text())
     assert (recorded["base_model"], recorded["data"]) == (fingerprint, data)  # recorded by the rerun
-    train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
+    first, train = (load_finetune_config(str(workspace / "adapt.yaml"), overrides).train for overrides in ([], rerun))
     warmup = round(train.warmup_ratio * train.iters)
     expected = [train.lr * lr_multiplier(step, warmup, train.iters, train.min_lr_ratio) for step in range(2, 6)]
     assert [r["lr"] for r in read_metrics(output)][2:] == pytest.approx(expected)
+    was = first.lr * lr_multiplier(2, round(first.warmup_ratio * first.iters), first.iters, first.min_lr_ratio)
+    assert f"update 3 takes lr {expected[0]:.4g}, where the checkpoint's schedule had {was:.4g}" in longer.stdout
     recorded.pop("data")  # a plan from the versions that recorded the base model alone
     plan_file.write_text(json.dumps(recorded))
-    adapt_in_ranks(workspace, f"output_dir={output}", *rerun)  # nothing left to train, the plan read all the same
+    # nothing left to train, the plan read all the same; its own schedule goes on unsaid
+    assert "the lr schedule differs" not in adapt_in_ranks(workspace, f"output_dir={output}", *rerun).stdout
     assert json.loads(plan_file.read_text())["data"] == data
 
 
@@ -1663,7 +1666,7 @@ def test_head_selection_needs_at_least_one_calibration_batch(workspace):
 def test_the_schedule_warms_up_for_the_rounded_share_and_a_resume_follows_the_reruns_schedule():
     """warmup_ratio x iters is rounded to whole warmup steps (1.8 -> 2), and a run resumed from a checkpoint with
     another lr and iters continues on the rerun's schedule at the step the loaded state reached, not the saving
-    run's peak or a step behind."""
+    run's peak or a step behind, and says how its lr jumps there."""
     from megadiff.adapt.schedule import resume_schedule, warmup_cosine
     from megadiff.adapt.settings import TrainSection
 
@@ -1678,11 +1681,18 @@ def test_the_schedule_warms_up_for_the_rounded_share_and_a_resume_follows_the_re
         scheduler.step()
     assert warmup == 2 and lrs == pytest.approx(
         [first.lr * lr_multiplier(step, warmup, first.iters, first.min_lr_ratio) for step in range(steps)])
+    same = warmup_cosine(first)(optimizer)
+    same.load_state_dict(scheduler.state_dict())
+    assert resume_schedule(same, first) is None  # the same schedule goes on unsaid
     rerun = TrainSection(iters=40, warmup_ratio=0.09, lr=5e-4)
     resumed = warmup_cosine(rerun)(optimizer)
     resumed.load_state_dict(scheduler.state_dict())  # as DeepSpeed's load_checkpoint restores it
-    resume_schedule(resumed, rerun)
+    said = resume_schedule(resumed, rerun)
     rerun_warmup = round(rerun.warmup_ratio * rerun.iters)
+    # the jump, said: the rerun's lr at the checkpoint's position, and the lr the saving run's schedule had next
+    was = first.lr * lr_multiplier(steps, warmup, first.iters, first.min_lr_ratio)
+    now = rerun.lr * lr_multiplier(steps, rerun_warmup, rerun.iters, rerun.min_lr_ratio)
+    assert f"update {steps + 1} takes lr {now:.4g}, where the checkpoint's schedule had {was:.4g}" in said
     for step in (steps, steps + 1):
         assert optimizer.param_groups[0]["lr"] == pytest.approx(
             rerun.lr * lr_multiplier(step, rerun_warmup, rerun.iters, rerun.min_lr_ratio))

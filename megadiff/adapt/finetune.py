@@ -227,6 +227,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             skipped = 0  # the steps whose update DeepSpeed left out for a non-finite gradient norm
             # the first iteration of the streak of such steps the run is in: keep_last keeps the checkpoint before it
             skipping_since = None
+            schedule_change = None  # what a rerun's other lr schedule does to the lr, said as it starts
             if resumed is not None:
                 # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
                 load_dir, tag = (resumed, universal.name) if universal else (checkpoint_dir, resumed.name)
@@ -238,7 +239,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
                 skipped = client_state.get("skipped_iterations", 0)  # likewise
                 skipping_since = client_state.get("skipping_since")  # likewise
-                resume_schedule(engine.lr_scheduler, cfg.train)
+                schedule_change = resume_schedule(engine.lr_scheduler, cfg.train)
                 keep_this_runs_adam_settings(engine.optimizer, cfg.train)
             if rank == 0:
                 writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
@@ -248,6 +249,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                 writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                              f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
                              + (f"resuming after iteration {start}" if start else "starting"))
+                if schedule_change:
+                    writer.print(schedule_change)
             tokens_per_iteration = cfg.train.micro_batch_size * cfg.train.grad_accum * world * cfg.data.seq_length
             iteration, exit_code = start, 0
             while iteration < cfg.train.iters:

@@ -32,10 +32,18 @@ def _scheduler(optimizer, multiplier):
     return LambdaLR(optimizer, multiplier)
 
 
-def resume_schedule(scheduler: LambdaLR, train: TrainSection) -> None:
+def resume_schedule(scheduler: LambdaLR, train: TrainSection) -> str | None:
     """After a checkpoint is loaded: this run's schedule from the next step on. The loaded state holds the
     saving run's peak lr (as the scheduler's base) and the lr its schedule set last, others where
-    train.lr, train.iters or the warmup changed."""
+    train.lr, train.iters or the warmup changed. Returns what the change does to the lr, to be said: a
+    lengthened run steps back up its stretched cosine (or into a longer warmup), without a word otherwise."""
+    was = scheduler.get_last_lr()[0]  # the checkpoint's schedule's lr for the next update
     scheduler.base_lrs = [train.lr] * len(scheduler.optimizer.param_groups)
     for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
         group["lr"] = train.lr * multiplier(scheduler.last_epoch)
+    now = scheduler.optimizer.param_groups[0]["lr"]
+    if math.isclose(was, now, rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    return (f"the lr schedule differs from the checkpoint's (train.lr, train.iters, train.warmup_ratio or "
+            f"train.min_lr_ratio): update {scheduler.last_epoch + 1:,} takes lr {now:.4g}, where the checkpoint's "
+            f"schedule had {was:.4g}; this run's config sets the schedule, at the checkpoint's position")
