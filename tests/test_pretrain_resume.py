@@ -77,6 +77,22 @@ def test_rerun_continues_bit_for_bit(base, runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rerun_without_the_spike_guard_keeps_no_window_for_a_later_one(base, tmp_path):
+    """The spike guard's window is of the steps just before a checkpoint. A run that turns it off (after a part
+    with it) saves none, as a run that never had it: a later rerun turning it on again starts from an empty
+    window, not the one saved iterations before, against which its first steps would be judged."""
+    guard = ["train.skip_spike_sigma=6", "train.spike_window=2"]
+    switched, never = tmp_path / "switched", tmp_path / "never"
+    run_pretrain_in_ranks(1, base + guard + [f"output_dir={switched}", f"train.exit_interval={STOP}"])
+    assert read_train_state(latest_checkpoint(switched / CHECKPOINTS_DIR))["spike_history"]["losses"]
+    run_pretrain_in_ranks(1, base + [f"output_dir={switched}"])
+    run_pretrain_in_ranks(1, base + [f"output_dir={never}"])
+    histories = [read_train_state(latest_checkpoint(run / CHECKPOINTS_DIR))["spike_history"]
+                 for run in (switched, never)]
+    assert histories[0] == histories[1]
+
+
+@pytest.mark.slow
 def test_resume_into_another_layout_continues_the_curve(base, runs, tmp_path):
     """The TP=2 x DP=2 checkpoint resumed by one process: resharded model and optimizer state."""
     resumed = tmp_path / "resharded"

@@ -263,8 +263,9 @@ class Pretraining:
     def _save(self) -> None:
         self.state.scheduler = self.scheduler.state_dict()
         self.state.unrecorded = self.unrecorded.state()
-        if self.spike_guard is not None:
-            self.state.spike_history = self.spike_guard.history()
+        # the window of the steps just before this one: none without the guard (the window a checkpoint of an earlier
+        # run with it held, kept, judged the first steps of a later run turning it on again against long-gone ones)
+        self.state.spike_history = self.spike_guard.history() if self.spike_guard is not None else {}
         self.engine.gather_updated_params()
         self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
                               self.state.to_dict(), kept_before=self.state.skipping_since)
