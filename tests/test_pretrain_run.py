@@ -22,7 +22,7 @@ from megadiff.inference import load_checkpoint
 from megadiff.inference.evaluate import evaluate
 from megadiff.models.param_count import count_parameters
 from megadiff.observability.metrics import read_metrics
-from megadiff.training.pretrain import build_scheduler, lr_schedule_change
+from megadiff.training.pretrain import build_scheduler, lr_schedule_change, nothing_left_to_train
 from megadiff.training.state import Start
 from megadiff.training.throughput import peak_tflops_of
 from tests.pretrain_runs import DEMO_CONFIG, ROOT, environment, losses, run_pretrain_in_ranks, tiny_overrides
@@ -124,6 +124,18 @@ def test_a_finished_linear_run_lengthened_says_its_lr_jumps_up_the_stretched_dec
     assert (f"the lr schedule differs from the checkpoint's (train.iters: 4 -> 8): the lr goes from {was:.4g}, its "
             f"update 4's, to {now:.4g} at the next") in proc.stdout
     assert "train.lr_decay_iters=4 keeps where it ends" in proc.stdout
+    # rerun with train.iters lowered below the checkpoint's iteration: nothing trained, and said
+    proc = run_pretrain_in_ranks(1, linear + ["train.iters=6"])
+    assert "train.iters=6: the run's checkpoint is already at iteration 8, past it: nothing is trained" in proc.stdout
+    assert {r["iteration"]: r["lr"] for r in read_metrics(out) if "lm_loss" in r} == lrs
+
+
+@pytest.mark.parametrize("iteration, said", [(99, None), (100, "nothing is left to train"),
+                                             (120, "already at iteration 120, past it")])
+def test_a_rerun_at_or_past_its_last_iteration_says_it_trains_nothing(iteration, said):
+    start = Start(continues=True, saved={"iteration": iteration, "consumed_samples": 0})
+    message = nothing_left_to_train(build_config({}, ["train.iters=100"]).train, start)
+    assert message is None if said is None else said in message
 
 
 WSD = ["train.lr_decay_style=wsd", "train.lr_wsd_decay_iters=20"]

@@ -114,6 +114,18 @@ def lr_schedule_change(t: TrainConfig, start: Start) -> str | None:
             "where it ends in a lengthened run)")
 
 
+def nothing_left_to_train(t: TrainConfig, start: Start) -> str | None:
+    """A run rerun at or past its train.iters trains nothing: said, as a lowered train.iters is likely a mistake
+    (a requeue of a finished run is not, and is told it is done)."""
+    iteration = start.position()[0]
+    if not start.continues or iteration < t.iters:
+        return None
+    if iteration == t.iters:
+        return f"train.iters: the run is already at iteration {iteration:,}, its last: nothing is left to train"
+    return (f"train.iters={t.iters}: the run's checkpoint is already at iteration {iteration:,}, past it: nothing is "
+            f"trained. Give train.iters above {iteration:,} to go on")
+
+
 class Pretraining:
     def __init__(self, cfg: Config, preemption: PreemptionHandler):
         """`preemption`: installed as the run began, with train.exit_duration_minutes as its budget."""
@@ -194,7 +206,8 @@ class Pretraining:
                          "began and never committed (it stopped before every rank's files were written), so its "
                          "iterations are trained again")
         lines += [warning for warning in (memory_warning, short_warmup_warning(t), lr_schedule_change(t, start),
-                                          tensor_parallel_across_nodes(cfg.parallel)) if warning]
+                                          nothing_left_to_train(t, start), tensor_parallel_across_nodes(cfg.parallel))
+                  if warning]
         if start.position_changes:
             lines.append(f"the model's positions differ from the checkpoint's ({'; '.join(start.position_changes)}): "
                          "its weights are trained on with them")
