@@ -49,7 +49,7 @@ def test_export_generates_what_megadiff_generates(models, name):
     checkpoint, _, model = models[name]
     eod = model.generation_config.eos_token_id
     # every id, as transformers may draw the padded vocabulary's (megadiff leaves them out by default)
-    ours = generate(load_checkpoint(checkpoint), PROMPT, max_new_tokens=NEW_TOKENS, stop_id=eod,
+    ours = generate(load_checkpoint(checkpoint), PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=[eod],
                     decodable=torch.ones(model.config.vocab_size, dtype=torch.bool))
     theirs = hf_greedy(model, torch.tensor([PROMPT]))[0].tolist()
     assert theirs[:len(ours)] == ours

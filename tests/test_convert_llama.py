@@ -399,3 +399,46 @@ def test_a_chat_runs_export_stops_generating_at_the_end_of_a_turn(tmp_path):
         [tokenizer.eod, end]
     assert _generation_config(GenerationConfig(eos_token_id=tokenizer.eod), tokenizer, plain).eos_token_id == \
         tokenizer.eod
+
+
+@pytest.mark.parametrize("listed_in", ["generation_config.json", "config.json"])
+def test_generation_stops_at_every_eos_the_models_generation_config_names(tmp_path, capsys, listed_in):
+    """A Llama 3 Instruct's generate() stops at several EOS ids (its generation config lists <|end_of_text|>
+    beside its tokenizer's <|eot_id|>; older directories list them in config.json alone). After from-hf, megadiff
+    stopped at the tokenizer's EOS alone, running on past <|end_of_text|>, and so did transformers on the
+    checkpoint's export, whose list had lost it."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from megadiff.inference.generate import generate_cli
+
+    source, new_tokens = tmp_path / "llama", 12
+    llama = stock_llama(source, tied=False, bos="<|end_of_text|>")
+    hf_tokenizer = AutoTokenizer.from_pretrained(source)
+    end_of_text = hf_tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    assert end_of_text != hf_tokenizer.eos_token_id
+    prompt = TEXT[:40]
+    ids = hf_tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():  # <|end_of_text|> made likelier than the third greedy token, wherever that is positive
+        third = int(llama.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None)[0, -1])
+        llama.lm_head.weight[end_of_text] = 2 * llama.lm_head.weight[third]
+    eos = [end_of_text, hf_tokenizer.eos_token_id]
+    if listed_in == "config.json":
+        llama.config.eos_token_id = eos
+        llama.save_pretrained(source)
+        (source / "generation_config.json").unlink()
+    else:
+        llama.save_pretrained(source)
+        GenerationConfig(bos_token_id=end_of_text, eos_token_id=eos).save_pretrained(source)
+
+    def transformers_reply(directory) -> list[int]:
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+
+    expected = transformers_reply(source)
+    assert expected[-1] == end_of_text and len(expected) < new_tokens  # it stopped there
+    checkpoint = convert_from_hf(source, tmp_path / "megadiff")
+    capsys.readouterr()
+    generate_cli(str(checkpoint), prompt, max_new_tokens=new_tokens)
+    assert capsys.readouterr().out == prompt + hf_tokenizer.decode(expected[:-1]) + "\n"
+    assert transformers_reply(convert_to_hf(checkpoint, tmp_path / "back")) == expected

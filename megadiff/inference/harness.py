@@ -46,7 +46,7 @@ from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import write_atomically
 from megadiff.inference.chat_prompts import checkpoint_chat_template, encode_prompt, render_chat
 from megadiff.inference.generate import (
-    check_generation, document_eod, generate_batch, stop_texts_check,
+    check_generation, document_eod, generate_batch, reply_text, stop_texts_check,
 )
 from megadiff.inference.generate_file import prompt_generator
 from megadiff.checkpoint.single_process import LOSS_CHUNK_TOKENS, CausalLM, load_checkpoint
@@ -273,7 +273,8 @@ class MegadiffLM(TemplateLM):
                     batch = members[start:start + self.batch_size]
                     new = self._decode([plans[i] for i in batch], [generators[i] for i in batch])
                     for index, new_ids in zip(batch, new):
-                        answers[index] = postprocess_generated_text(self.tok.decode(new_ids), plans[index].until, None)
+                        answers[index] = postprocess_generated_text(reply_text(self.tok, new_ids), plans[index].until,
+                                                                    None)
                         self.cache_hook.add_partial("generate_until", requests[index].args, answers[index])
                         bar.advance(1, len(plans[index].prompt) + len(new_ids))
         return answers
@@ -291,7 +292,7 @@ class MegadiffLM(TemplateLM):
     def _decode(self, plans: Sequence[GenerationPlan], generators: list[torch.Generator]) -> list[list[int]]:
         """The new ids of plans alike in their decoding, each plan's tokens drawn with its own generator."""
         max_new, temperature, top_k, top_p = plans[0].decoding
-        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, stop_id=self.eot_token_id,
+        return generate_batch(self.model, [plan.prompt for plan in plans], max_new, stop_ids=self.tok.eos_ids,
                               stops=[stop_texts_check(self.tok, plan.until) for plan in plans],
                               temperature=temperature, top_k=top_k, top_p=top_p, generator=generators)
 
