@@ -25,7 +25,7 @@ from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
 from megadiff.files import iteration_dir
 from megadiff.observability.metrics import read_metrics
-from tests.distributed import reserved_port, run_ranks, run_reporting_ranks
+from tests.distributed import megadiff_main, reserved_port, run_ranks, run_reporting_ranks
 from tests.test_chat_data import CHATML
 from tests.wandb_log import exit_codes, logged_history_and_config
 
@@ -1370,6 +1370,24 @@ def test_deepspeed_auto_values_and_schedule(workspace):
     cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 17)) for k in range(1, 17)]
     assert steps[4:] == pytest.approx(cosine) and all(a > b for a, b in zip(steps[3:], steps[4:]))
     assert all(lr_multiplier(s, 0, 5, min_ratio=0.0) > 0 for s in range(5))
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_embeds_is_refused_before_any_work(workspace, small_tokenizer_dir,
+                                                                                    tmp_path):
+    """Another model's tokenizer, or tokens added without resize_token_embeddings: the first batch holding an id
+    past the embedding failed on an IndexError (a device-side assert on a GPU), after the data and weights loaded."""
+    from transformers import AutoTokenizer
+
+    rows = json.loads((workspace / "model" / "config.json").read_text())["vocab_size"]
+    assert len(AutoTokenizer.from_pretrained(small_tokenizer_dir)) > rows
+    with mock.patch.dict(os.environ, _env(workspace)):
+        refused = run_reporting_ranks(2, megadiff_main, ["adapt", str(workspace / "adapt.yaml"),
+                                                         f"output_dir={tmp_path / 'run'}",
+                                                         f"model.tokenizer={small_tokenizer_dir}"],
+                                      timeout=400, expect=2)
+    said = f"model.tokenizer: {small_tokenizer_dir} has 512 ids, but the model in {workspace / 'model'} embeds {rows} "
+    assert refused.stderr.count(said) == 2, refused.stderr[-2000:]
+    assert "Loading weights" not in refused.stderr + refused.stdout
 
 
 def test_a_special_tokens_text_in_a_document_is_text(workspace, tmp_path):

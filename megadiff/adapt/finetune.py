@@ -36,7 +36,7 @@ from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
 from megadiff.adapt.reshard import universal_form
 from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
-from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, load_finetune_config
+from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, check_tokenizer_fits, load_finetune_config
 from megadiff.config.loader import dump_config
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
@@ -145,6 +145,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
 
     stage = dss.zero_stage(ds_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    check_tokenizer_fits(tokenizer, cfg)
     if cfg.data.chat_template is not None:  # the export is chatted with as it was tuned
         tokenizer.chat_template = chat_template_of(cfg.data, HFTokenizer("model.tokenizer", tokenizer))
     # the data first: its refusals (template, fields, too few tokens) come before minutes of loading weights

@@ -275,6 +275,18 @@ def _check_directories(cfg: FinetuneConfig) -> None:
                           "and an export replaces its directory whole; give a new or empty directory")
 
 
+def check_tokenizer_fits(tokenizer, cfg: FinetuneConfig) -> None:
+    """Refuse a tokenizer with ids the model has no embedding row for (another model's, or tokens added without
+    resize_token_embeddings): the first batch holding one failed on an IndexError, a device-side assert on a GPU,
+    after the data and the weights had loaded."""
+    rows = read_model_config(cfg.model.path).get("vocab_size")
+    if rows is not None and len(tokenizer) > rows:
+        raise ConfigError(f"model.tokenizer: {cfg.model.tokenizer or cfg.model.path} has {len(tokenizer):,} ids, but "
+                          f"the model in {cfg.model.path} embeds {rows:,} (its config.json's vocab_size): give the "
+                          "model's own tokenizer, or resize the model's embeddings to it "
+                          "(model.resize_token_embeddings(len(tokenizer))) and save it")
+
+
 def validate_finetune(cfg: FinetuneConfig) -> None:
     """Everything that can be checked without loading weights."""
     _check_directories(cfg)
