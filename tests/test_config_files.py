@@ -234,8 +234,12 @@ def test_a_saved_configs_interpolation_is_read_as_written_not_with_the_readers_e
     assert "the reader's token" not in (tmp_path / "written.yaml").read_text()
 
 
-@pytest.mark.parametrize("written, value", [(r"run-\${x}", "run-${x}"), (r"\\\${x}", "\\" + "${x}")],
-                         ids=["escaped interpolation", "backslash before it"])
+ESCAPED_INTERPOLATIONS = pytest.mark.parametrize(
+    "written, value", [(r"run-\${x}", "run-${x}"), (r"\\\${x}", "\\" + "${x}")],
+    ids=["escaped interpolation", "backslash before it"])
+
+
+@ESCAPED_INTERPOLATIONS
 def test_a_run_config_with_an_escaped_interpolation_reads_back_as_saved(tmp_path, written, value):
     """Its saved config holds the literal `${x}`: reading it back (resume, convert, evaluate) resolved it again."""
     from megadiff.config.loader import saved_config
@@ -244,3 +248,15 @@ def test_a_run_config_with_an_escaped_interpolation_reads_back_as_saved(tmp_path
     assert cfg.logging.wandb_run_name == value
     dump_config(cfg, tmp_path / "config.yaml")
     assert saved_config(read_saved_config(tmp_path / "config.yaml")) == cfg
+
+
+@ESCAPED_INTERPOLATIONS
+def test_a_run_config_with_an_escaped_interpolation_runs_again_from_its_saved_config(tmp_path, written, value):
+    """`megadiff pretrain RUN/config.yaml` (and adapt's) reads the saved config as a config file: its literal `${x}`
+    was resolved again, failing (no setting x) or reading another setting's value."""
+    cfg = build_config({"output_dir": str(tmp_path / written), "logging": {"wandb_run_name": written}})
+    assert cfg.logging.wandb_run_name == value
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert load_config(tmp_path / "config.yaml", ["train.iters=7"]) == cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"iters": 7})})

@@ -171,6 +171,8 @@ def load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     data = read_yaml_file(path)
     anchor_relative_paths(data, path.parent)
     anchor_saved_paths(data, path)  # a run's config.yaml, resumed from elsewhere
+    if is_saved_config(path):  # resolved when it was written: a `${` in it is one its run's value holds
+        data = as_written(data)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -326,12 +328,21 @@ def dump_config(cfg: BaseModel, path: str | Path) -> None:
     Path(path).write_text(SAVED_HEADER + note + config_yaml(cfg.model_dump(mode="json")))
 
 
+def _first_lines(path: Path) -> tuple[str, str]:
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return file.readline(), file.readline()
+
+
+def is_saved_config(path: Path) -> bool:
+    """Whether dump_config wrote the file (a run's or checkpoint's config.yaml), as its first line says."""
+    return _first_lines(path)[0] == SAVED_HEADER
+
+
 def saved_working_dir(path: Path) -> str | None:
     """The working directory a saved config's note names (None: a config of a user's, or saved before notes)."""
-    with open(path, encoding="utf-8", errors="replace") as file:
-        if file.readline() != SAVED_HEADER:
-            return None
-        note = file.readline()
+    header, note = _first_lines(path)
+    if header != SAVED_HEADER:
+        return None
     return json.loads(note[len(WORKING_DIR_NOTE):]) if note.startswith(WORKING_DIR_NOTE) else None
 
 
