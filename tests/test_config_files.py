@@ -260,3 +260,29 @@ def test_a_run_config_with_an_escaped_interpolation_runs_again_from_its_saved_co
     assert load_config(tmp_path / "config.yaml") == cfg
     assert load_config(tmp_path / "config.yaml", ["train.iters=7"]) == cfg.model_copy(
         update={"train": cfg.train.model_copy(update={"iters": 7})})
+
+
+@pytest.mark.parametrize("setting, written, value", [
+    ("train.seed", "010", 10), ("data.split", "0755", "0755"), ("data.tokenizer", "no", "no"),
+    ("logging.wandb_run_name", "off", "off"), ("logging.wandb_project", "1:30", "1:30"),
+    ("logging.wandb_run_name", "0o17", "0o17"), ("logging.tensorboard", "off", False)])
+def test_yaml_11_octals_base_60_numbers_and_yes_no_read_as_written(tmp_path, setting, written, value):
+    """YAML 1.1 (PyYAML's, OmegaConf's) read 010 as 8, 1:30 as 90 and no/off as false: a seed changed silently, a
+    tokenizer or run name `no` was refused as not a string. Files and overrides read them as YAML 1.2 does, and a
+    saved config quotes them for YAML 1.1 readers too."""
+    section, key = setting.split(".")
+    (tmp_path / "run.yaml").write_text(f"{section}:\n  {key}: {written}\n")
+    from_file = load_config(tmp_path / "run.yaml")
+    assert getattr(getattr(from_file, section), key) == value
+    assert load_config(None, [f"{setting}={written}"]) == from_file
+    dump_config(from_file, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == from_file
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())[section][key] == value
+
+
+@pytest.mark.parametrize("written", ["1:30", "0o17"])
+def test_a_count_written_in_base_60_or_as_0o_is_refused_naming_its_key(tmp_path, written):
+    (tmp_path / "run.yaml").write_text(f"train:\n  iters: {written}\n")
+    for read in (lambda: load_config(tmp_path / "run.yaml"), lambda: load_config(None, [f"train.iters={written}"])):
+        with pytest.raises(ConfigError, match="train.iters: Input should be a valid integer"):
+            read()

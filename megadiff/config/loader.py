@@ -1,7 +1,8 @@
 """YAML + `key.sub=value` overrides -> a validated `Config`.
 
-A YAML file may name `base: other.yaml` (relative to itself) to inherit from. Files read numbers as the
-overrides do (OmegaConf's YAML 1.2 floats: 1e-4 is a float), and a key given twice in a mapping is an error.
+A YAML file may name `base: other.yaml` (relative to itself) to inherit from. Files and overrides read scalars as
+YAML 1.2 does (1e-4 is a float; 010, 1:30 and no are strings, which the schema reads per key), and a key given
+twice in a mapping is an error.
 A relative `deepspeed` or `data.chat_template` path is read from the working directory, else from the
 directory of the file that sets it.
 """
@@ -25,6 +26,8 @@ from megadiff.config.validate import ConfigError, validate_config
 from megadiff.errors import first_line
 
 FLOAT_TAG = "tag:yaml.org,2002:float"
+INT_TAG = "tag:yaml.org,2002:int"
+BOOL_TAG = "tag:yaml.org,2002:bool"
 TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 MERGE_TAG = "tag:yaml.org,2002:merge"
 # OmegaConf's float pattern for override values: YAML 1.1's needs a dot, so it reads 1e-4 as a string
@@ -32,9 +35,15 @@ YAML12_FLOAT = re.compile(r"""^(?:
      [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
     |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
-    |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X)
+# YAML 1.1's integers less its octal (010 is 8) and base 60 (1:30 is 90): a seed or count written 010 is 10, and
+# where a string is meant (a run name, a split) it stays one, as written
+YAML12_INT = re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0x[0-9a-fA-F_]+|[-+]?(?:0|[1-9][0-9_]*))$")
+# YAML 1.2's booleans: YAML 1.1 also read yes/no/on/off, and a tokenizer, run name or project called `no` became
+# false; a boolean setting still takes them (the schema reads the string)
+YAML12_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+YAML12_PATTERNS = {FLOAT_TAG: YAML12_FLOAT, INT_TAG: YAML12_INT, BOOL_TAG: YAML12_BOOL}
 # The first line of the configs megadiff writes: they are read as ConfigFileLoader reads (see read_saved_config)
 SAVED_HEADER = "# megadiff: a resolved config (read with YAML 1.2 numbers)\n"
 # Its second line: the working directory of the run that wrote it, which its relative paths (as the user typed
@@ -50,19 +59,25 @@ SAVED_PATH_KEYS = ("output_dir", "data.prefix", "data.sources", "data.blend", "d
 FILE_RELATIVE_KEYS = ("deepspeed", "data.chat_template")
 
 
-def config_file_resolvers() -> dict:
-    """PyYAML's safe implicit resolvers as OmegaConf sets them for override values: its float pattern, no dates."""
-    resolvers = {first: [(tag, pattern) for tag, pattern in candidates if tag not in (FLOAT_TAG, TIMESTAMP_TAG)]
+FIRST_CHARACTERS = {FLOAT_TAG: "-+0123456789.", INT_TAG: "-+0123456789", BOOL_TAG: "tTfF"}
+
+
+def implicit_resolvers(replaced: dict, kept: tuple[str, ...] = ()) -> dict:
+    """PyYAML's safe implicit resolvers less its dates, with the `replaced` tags' patterns ({tag: pattern}) in
+    place of its own (beside them for the `kept` tags)."""
+    resolvers = {first: [(tag, pattern) for tag, pattern in candidates
+                         if tag != TIMESTAMP_TAG and (tag not in replaced or tag in kept)]
                  for first, candidates in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    for first in "-+0123456789.":
-        resolvers.setdefault(first, []).append((FLOAT_TAG, YAML12_FLOAT))
+    for tag, pattern in replaced.items():
+        for first in FIRST_CHARACTERS[tag]:
+            resolvers.setdefault(first, []).append((tag, pattern))
     return resolvers
 
 
 class ConfigFileLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading scalars as OmegaConf reads override values, refusing duplicate keys."""
 
-    yaml_implicit_resolvers = config_file_resolvers()
+    yaml_implicit_resolvers = implicit_resolvers(YAML12_PATTERNS)
 
     def compose_mapping_node(self, anchor) -> yaml.MappingNode:
         # as written, before construction merges `<<` keys into the mappings (in place, for anchors)
@@ -106,9 +121,10 @@ class ConfigFileLoader(yaml.SafeLoader):
 
 
 class ConfigFileDumper(yaml.SafeDumper):
-    """Quotes the strings ConfigFileLoader reads as other types ('1e-4'), so a dumped config loads back the same."""
+    """Quotes the strings ConfigFileLoader or a YAML 1.1 reader (an earlier megadiff's) reads as other types
+    ('1e-4', '010', 'no'), so a dumped config loads back the same in both."""
 
-    yaml_implicit_resolvers = ConfigFileLoader.yaml_implicit_resolvers
+    yaml_implicit_resolvers = implicit_resolvers(YAML12_PATTERNS, kept=(FLOAT_TAG, INT_TAG, BOOL_TAG))
 
 
 def describe_error(err: Exception) -> str:
@@ -205,8 +221,11 @@ def parse_override(item: str) -> DictConfig:
     if comment := dropped_comment(value):
         raise ConfigError(f"override {item!r}: ' #' starts a YAML comment, which would drop {comment!r}; quote a "
                           f"value holding it (\"{key}='{value}'\") or leave the comment out")
-    try:
-        return OmegaConf.from_dotlist([item])
+    try:  # the value read as files are (OmegaConf's own reader takes 010 for 8 and no for false)
+        tree = yaml.load(value, Loader=ConfigFileLoader)
+        for part in reversed(parts):
+            tree = {part: tree}
+        return OmegaConf.create(tree)
     except (yaml.YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"override {item!r}: {describe_error(err)}") from None
 
