@@ -65,13 +65,8 @@ def kjv_verses() -> list[str]:
     return [json.loads(line)["text"] for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="session")
-def small_tokenizer_dir(tmp_path_factory) -> Path:
-    """A real byte-level BPE tokenizer (512 ids) trained on KJV text, saved as Hugging Face files.
-
-    Models over cl100k_base's 100K vocabulary are dominated by their embeddings; tests that do
-    not need cl100k itself use this one to stay small and fast.
-    """
+def save_small_tokenizer(directory: Path, verses: list[str]) -> Path:
+    """A real byte-level BPE tokenizer of SMALL_VOCAB ids trained on `verses`, saved as Hugging Face files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -80,10 +75,19 @@ def small_tokenizer_dir(tmp_path_factory) -> Path:
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=SMALL_VOCAB, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(kjv_verses()[:5000], trainer)
-    directory = tmp_path_factory.mktemp("kjv-bpe-512")
+    backend.train_from_iterator(verses, trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(str(directory))
     return directory
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(tmp_path_factory) -> Path:
+    """A real byte-level BPE tokenizer (512 ids) trained on KJV text, saved as Hugging Face files.
+
+    Models over cl100k_base's 100K vocabulary are dominated by their embeddings; tests that do
+    not need cl100k itself use this one to stay small and fast.
+    """
+    return save_small_tokenizer(tmp_path_factory.mktemp("kjv-bpe-512"), kjv_verses()[:5000])
 
 
 @contextlib.contextmanager

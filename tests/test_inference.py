@@ -285,7 +285,7 @@ def test_a_checkpoint_of_another_variant_than_its_config_names_is_refused_naming
 def test_a_tokenizer_with_more_ids_than_the_model_is_refused_before_the_weights(run, tmp_path, capsys):
     """Another tokenizer at the checkpoint's path (retrained in place): generate crashed on its first id beyond
     the embedding, after the weights were read and the prompt printed."""
-    from megadiff.checkpoint.single_process import TOKENIZER_DIR
+    from megadiff.checkpoint.format import TOKENIZER_DIR
     from megadiff.data.tokenizers import load_tokenizer
 
     replaced = _copy_of_the_checkpoint(run, tmp_path)

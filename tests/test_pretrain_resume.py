@@ -178,17 +178,17 @@ def test_a_resumed_run_draws_its_data_order_for_its_checkpoints_samples(saved, o
     assert start.data_samples(cfg) == expected
 
 
-def _planned_from(monkeypatch, saved_overrides: list[str], overrides: list[str], train_state: dict,
-                  own: bool = True):
-    """plan_start of a run with `overrides` whose output_dir holds a checkpoint of a run with `saved_overrides`
-    (or, not `own`, whose checkpoint.load names one)."""
+def _planned_from(monkeypatch, saved_overrides: list[str], overrides: list[str], train_state: dict | None,
+                  own: bool = True, path: Path = Path("iter_0000003")):
+    """plan_start of a run with `overrides` whose output_dir holds a checkpoint (at `path`) of a run with
+    `saved_overrides` (or, not `own`, whose checkpoint.load names one); a `train_state` of None: model-only."""
     from megadiff.config import build_config
     from megadiff.training import state
 
     saved_cfg = build_config({}, saved_overrides)
-    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("iter_0000003"), own))
+    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (path, own))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: saved_cfg)
-    monkeypatch.setattr(state, "read_train_state", lambda path: dict(train_state))
+    monkeypatch.setattr(state, "read_train_state", lambda path: None if train_state is None else dict(train_state))
     cfg = build_config({}, overrides)
     return state.plan_start(cfg), cfg
 
@@ -294,6 +294,30 @@ def test_a_continued_run_refuses_another_tokenizer_and_takes_a_copy_of_its_own(m
     with pytest.raises(ConfigError, match=f"data.tokenizer: {copy} reads text into other ids than "):
         _planned_from(monkeypatch, [f"data.tokenizer={small_tokenizer_dir}"], [f"data.tokenizer={copy}"],
                       {**saved, "tokenizer": tokenizer_identity("o200k_base")})
+
+
+def test_a_run_from_a_converted_checkpoint_refuses_another_tokenizer_of_its_vocabulary_size(
+        monkeypatch, small_tokenizer_dir, tmp_path):
+    """A model-only checkpoint (from-hf's, with its tokenizer copied under tokenizer/) holds no training state to
+    record its tokenizer: a run from it with another tokenizer of the same size trained on, silently."""
+    from megadiff.config import ConfigError
+    from tests.conftest import kjv_verses, save_small_tokenizer
+
+    converted = tmp_path / "converted"
+    shutil.copytree(small_tokenizer_dir, converted / "tokenizer")
+    other = save_small_tokenizer(tmp_path / "other", kjv_verses()[5000:10000])
+    assert tokenizer_identity(str(other)) != tokenizer_identity(str(small_tokenizer_dir))
+    monkeypatch.chdir(tmp_path)
+    moved_from = [f"data.tokenizer={tmp_path / 'elsewhere' / 'tokenizer'}"]  # the checkpoint was moved since
+    same, other_afresh = [f"data.tokenizer={small_tokenizer_dir}"], [f"data.tokenizer={other}",
+                                                                     "checkpoint.reset_iteration=true"]
+    for run in (same, other_afresh):
+        start, _ = _planned_from(monkeypatch, moved_from, ["checkpoint.load=converted", *run], None, own=False,
+                                 path=converted)
+        assert not start.continues
+    with pytest.raises(ConfigError, match=f"data.tokenizer: {other} reads text into other ids than "):
+        _planned_from(monkeypatch, moved_from, ["checkpoint.load=converted", f"data.tokenizer={other}"], None,
+                      own=False, path=converted)
 
 
 def test_training_state_of_a_newer_version_is_refused_by_name(monkeypatch):

@@ -29,6 +29,12 @@ CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
 
 
+def checkpoint_tokenizer_spec(checkpoint_dir: str | Path, cfg: Config) -> str:
+    """The tokenizer a checkpoint's embeddings stand for: its own copy (tokenizer/), else its data.tokenizer."""
+    local = Path(checkpoint_dir) / TOKENIZER_DIR
+    return str(local) if local.is_dir() else cfg.data.tokenizer
+
+
 class CheckpointError(MegadiffError, RuntimeError):
     """A checkpoint path that cannot be used."""
 

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megadiff.checkpoint.format import TOKENIZER_DIR, CheckpointError, checkpoint_config, reading_checkpoint
+from megadiff.checkpoint.format import (
+    CheckpointError, checkpoint_config, checkpoint_tokenizer_spec, reading_checkpoint,
+)
 from megadiff.checkpoint.gather import model_sharded_tensors
 from megadiff.checkpoint.safe_metadata import refuse_unsafe_metadata
 from megadiff.checkpoint.weights import damage_reported, load_model_weights
@@ -100,8 +102,7 @@ def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
     """Its own copy of its tokenizer (tokenizer/), else its data.tokenizer. One with more ids than the model
     has rows is another tokenizer than it was trained with (retrained or replaced at that path), whose ids
     beyond the embedding would fail at the first prompt that uses them."""
-    local = Path(checkpoint_dir) / TOKENIZER_DIR
-    spec = str(local) if local.is_dir() else cfg.data.tokenizer
+    spec = checkpoint_tokenizer_spec(checkpoint_dir, cfg)
     tokenizer = load_tokenizer(spec)
     rows = padded_vocab_size(cfg.model, cfg.parallel.tensor)
     if tokenizer.vocab_size > rows:

@@ -18,8 +18,9 @@ import torch
 from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megadiff.checkpoint.format import TOKENIZER_DIR
 from megadiff.checkpoint.single_process import (
-    PRECISIONS, TOKENIZER_DIR, CausalLM, build_single_process_model, single_process_config,
+    PRECISIONS, CausalLM, build_single_process_model, single_process_config,
 )
 from megadiff.checkpoint.weights import save_model_weights, write_failure
 from megadiff.config import Config, ModelConfig, padded_vocab_size, validate_config

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megadiff.checkpoint.format import (
-    CHECKPOINTS_DIR, CheckpointError, checkpoint_config, latest_checkpoint, resolve_checkpoint_dir,
+    CHECKPOINTS_DIR, CheckpointError, checkpoint_config, checkpoint_tokenizer_spec, latest_checkpoint,
+    resolve_checkpoint_dir,
 )
 from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
 from megadiff.config import Config, ConfigError, TrainConfig, padded_vocab_size, resolved_architecture
@@ -94,6 +95,25 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
                       f"padded to {rows} rows ({saved.model.make_vocab_size_divisible_by} x parallel.tensor="
                       f"{saved.parallel.tensor}), this run would pad it to {now} "
                       f"({cfg.model.make_vocab_size_divisible_by} x parallel.tensor={tensor}): {fix}")
+
+
+def _trained_tokenizer(path: Path, saved_cfg: Config, saved: dict | None) -> str | None:
+    """tokenizer_identity of what a checkpoint's embedding rows stand for: as its training state records it,
+    else (a model-only checkpoint) its own tokenizer's."""
+    if saved is not None:
+        return saved.get("tokenizer")
+    return tokenizer_identity(checkpoint_tokenizer_spec(path, saved_cfg))
+
+
+def _check_same_tokenizer(cfg: Config, tokenizer: str | None, trained: str | None, saved_cfg: Config,
+                          path: Path) -> None:
+    """Another tokenizer of the vocabulary's size passes every shape check, and reads text into other ids."""
+    if None in (tokenizer, trained) or tokenizer == trained:
+        return
+    raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} reads text into other ids than "
+                      f"{saved_cfg.data.tokenizer}, which {path} was trained with; keep that tokenizer, "
+                      f"or start a new output_dir from the checkpoint with checkpoint.load={path} "
+                      "checkpoint.reset_iteration=true")
 
 
 def _multiple_keeping(rows: int, cfg: Config, saved_step: int) -> int | None:
@@ -225,11 +245,10 @@ def plan_start(cfg: Config) -> Start:
     changes = _changes(pairs)
     positions = _changes([(f"model.{key}", getattr(saved_cfg.model, key), getattr(cfg.model, key))
                           for key in POSITION_KEYS])
-    if continues and None not in (tokenizer, saved.get("tokenizer")) and tokenizer != saved["tokenizer"]:
-        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} reads text into other ids than "
-                          f"{saved_cfg.data.tokenizer}, which {path} was trained with; keep that tokenizer, or start "
-                          f"a new output_dir from the checkpoint with checkpoint.load={path} "
-                          "checkpoint.reset_iteration=true")
+    # a model-only checkpoint (converted from Hugging Face) has no count to continue: its weights are taken on,
+    # with their tokenizer, unless checkpoint.reset_iteration says the run starts afresh from them
+    if continues or (saved is None and not cfg.checkpoint.reset_iteration):
+        _check_same_tokenizer(cfg, tokenizer, _trained_tokenizer(path, saved_cfg, saved), saved_cfg, path)
     start = Start(path, own, saved, load_optimizer, continues, data_changes=changes if continues else [],
                   position_changes=positions, tokenizer=tokenizer,
                   checkpoint_train=saved_cfg.train if continues else None)
