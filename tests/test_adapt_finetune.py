@@ -373,6 +373,30 @@ def test_fp16_adaptation_follows_the_fp32_one(workspace, tmp_path):
         assert record["lambda"] == pytest.approx(expected["lambda"], rel=4 * fp16_roundoff), record["iteration"]
 
 
+@pytest.mark.slow
+def test_fp16_steps_its_loss_scaler_skips_are_counted_with_the_scale_and_across_a_resume(workspace, tmp_path):
+    """A step whose fp16 gradients overflow is left out by DeepSpeed's loss scaler: it was logged as one that
+    trained, with no loss scale and no count. From 2^40 every step overflows: lambda(t), which follows the updates
+    applied, stays lambda(0) = 0; the count and the scale follow the steps, and a stopped and rerun run's the
+    uninterrupted one's."""
+    ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
+    ds["fp16"]["initial_scale_power"] = 40
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    fp16 = ("train.precision=fp16", f"deepspeed={tmp_path / 'ds.json'}")
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    adapt_in_ranks(workspace, *fp16, f"output_dir={whole}", command=finetuned_with_fp16_on_cpu)
+    records = read_metrics(whole)
+    assert all(value == 0 for record in records for value in record["lambda"].values())
+    assert [r["loss_scale_overflows"] for r in records] == [r["iteration"] for r in records] == [*range(1, ITERS + 1)]
+    scales = [r["loss_scale"] for r in records]
+    assert scales == sorted(scales, reverse=True) and scales[-1] < 2 ** 40
+    adapt_in_ranks(workspace, *fp16, f"output_dir={stopped}", "checkpoint.exit_interval=2",
+                   command=finetuned_with_fp16_on_cpu)
+    adapt_in_ranks(workspace, *fp16, f"output_dir={stopped}", command=finetuned_with_fp16_on_cpu)
+    keys = ("iteration", "loss_scale", "loss_scale_overflows")
+    assert [{k: r[k] for k in keys} for r in read_metrics(stopped)] == [{k: r[k] for k in keys} for r in records]
+
+
 def adam_settings_seen(config: str, overrides: list[str], report: str) -> int:
     """finetuned's run; rank 0 records, as each iteration begins, the settings of the torch AdamW that steps
     (inside DeepSpeed's ZeRO optimizer)."""

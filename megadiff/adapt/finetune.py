@@ -226,6 +226,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             checkpoint_dir = output_dir / CHECKPOINT_DIR
             start, unrecorded = 0, StepMeans()  # the loss and seconds of the steps since the last record
             skipped = 0  # the steps whose update DeepSpeed left out for a non-finite gradient norm
+            overflows = 0  # fp16: the steps its loss scaler left out (each lowering the scale)
             # the first iteration of the streak of such steps the run is in: keep_last keeps the checkpoint before it
             skipping_since = None
             schedule_change = None  # what a rerun's other lr schedule does to the lr, said as it starts
@@ -239,13 +240,15 @@ def finetune(cfg: FinetuneConfig) -> int:
                 reader.resume_at(start, client_state.get("samples_read", start * reader.global_batch))
                 unrecorded = StepMeans(client_state.get("unrecorded"))  # absent from checkpoints of earlier versions
                 skipped = client_state.get("skipped_iterations", 0)  # likewise
+                overflows = client_state.get("loss_scale_overflows", 0)  # likewise
                 skipping_since = client_state.get("skipping_since")  # likewise
                 schedule_change = resume_schedule(engine.lr_scheduler, cfg.train)
                 keep_this_runs_adam_settings(engine.optimizer, cfg.train)
             if rank == 0:
                 writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
                                        total_iterations=cfg.train.iters,
-                                       console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s"),
+                                       console_keys=("lm_loss", "lr", "grad_norm", "tokens_per_s", "loss_scale",
+                                                     "loss_scale_overflows"),
                                        wandb=wandb)
                 writer.print(f"adapt: {plan['method']} on {cfg.model.path}, ZeRO-{stage}, {world} rank(s), "
                              f"{len(reader.dataset)} sequences of {cfg.data.seq_length} tokens, "
@@ -265,6 +268,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                 non_finite_step = stepped and _skipped_for_non_finite(engine, cfg.train.precision)
                 skipped += non_finite_step
                 applied = stepped and engine.was_step_applied()
+                overflows += stepped and not (applied or non_finite_step)
                 skipping_since = streak_start(skipping_since, iteration, skipped=non_finite_step, updated=applied)
                 # on every rank (the loss is the global batch's): each saves the means with its checkpoint
                 recorded = record_step(unrecorded, loss, time.perf_counter() - began, applied,
@@ -274,6 +278,7 @@ def finetune(cfg: FinetuneConfig) -> int:
                     record = {"iteration": iteration, "lm_loss": mean_loss, "skipped_loss": skipped_loss, "lr": lr,
                               "grad_norm": _grad_norm(engine) if stepped else None, "skipped_iterations": skipped,
                               "no_loss_tokens": not stepped or None,
+                              **_loss_scale(engine, cfg.train.precision, overflows),
                               "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)}
                     writer.log({key: value for key, value in record.items() if value is not None})
                 if writer is not None and not stepped:
@@ -291,7 +296,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                 if exit_now or iteration % cfg.checkpoint.save_interval == 0 or iteration == cfg.train.iters:
                     _save(engine, checkpoint_dir, iteration, rank, cfg.checkpoint.keep_last,
                           {"iteration": iteration, "unrecorded": unrecorded.state(), "skipped_iterations": skipped,
-                           "skipping_since": skipping_since, "samples_read": reader.samples_read(iteration)})
+                           "loss_scale_overflows": overflows, "skipping_since": skipping_since,
+                           "samples_read": reader.samples_read(iteration)})
                 if exit_now and iteration < cfg.train.iters:
                     exit_code = stop.exit_after_checkpoint(rank)
                     if writer is not None:
@@ -326,6 +332,14 @@ def _skipped_for_non_finite(engine, precision: str) -> bool:
     global gradient norm is not finite (as a NaN or inf loss makes it), and returns as if it had stepped.
     fp16's skips are its loss scaler's, which lowers the scale, and stops the run itself at its lowest."""
     return precision != "fp16" and not engine.was_step_applied()
+
+
+def _loss_scale(engine, precision: str, overflows: int) -> dict:
+    """fp16: the loss scaler's scale and the steps it left out so far (as pre-training logs them); a step it
+    skipped was logged like one that trained."""
+    if precision != "fp16":
+        return {}
+    return {"loss_scale": float(engine.optimizer.loss_scale), "loss_scale_overflows": overflows}
 
 
 def _grad_norm(engine) -> float:
