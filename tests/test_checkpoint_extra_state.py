@@ -5,6 +5,7 @@ attention is given the same kind of extra state a TE layer has; megatron checkpo
 ShardedObject exactly as it does TE's."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -85,7 +86,8 @@ def test_a_checkpoint_lacking_a_tensor_other_than_extra_state_is_refused_naming_
 
     absent = {"decoder.layers.self_attention.core_attention._extra_state", "decoder.final_layernorm.weight"}
     monkeypatch.setattr(weights.dist_checkpointing, "load", lambda request, path, strict: (request, None, absent))
-    monkeypatch.setattr(weights, "refuse_unsafe_metadata", lambda path: None)  # no .metadata: megatron's load is mocked
+    # no .metadata: megatron's load is mocked
+    monkeypatch.setattr(weights, "metadata_read_once", lambda path: contextlib.nullcontext())
     (tmp_path / "common.pt").write_bytes(b"")  # the file load_sharded looks for before megatron reads it
     with pytest.raises(CheckpointError, match=r"lacks 1 saved tensors this run needs: decoder\.final_layernorm\."
                                               r"weight$"):

@@ -140,8 +140,12 @@ def _load_weights_alone(run, checkpoint: Path) -> None:
     load_model_weights([run[1].gpt], checkpoint)
 
 
-@pytest.mark.parametrize("read", [lambda run, checkpoint: load_checkpoint(checkpoint), _load_weights_alone],
-                         ids=["load_checkpoint", "load_model_weights"])
+CHECKPOINT_READS = pytest.mark.parametrize(
+    "read", [lambda run, checkpoint: load_checkpoint(checkpoint), _load_weights_alone],
+    ids=["load_checkpoint", "load_model_weights"])
+
+
+@CHECKPOINT_READS
 def test_a_checkpoint_metadata_that_would_run_code_is_refused_unrun(run, tmp_path, read):
     """torch's reader unpickles .metadata with pickle.load: a checkpoint from elsewhere ran the code it named."""
     import pickle
@@ -152,6 +156,28 @@ def test_a_checkpoint_metadata_that_would_run_code_is_refused_unrun(run, tmp_pat
     with pytest.raises(CheckpointError, match=f"{tampered} is damaged: .*names [a-z]+\\.open, which no checkpoint"):
         read(run, tampered)
     assert not created.exists()
+
+
+@CHECKPOINT_READS
+def test_a_checkpoint_load_reads_its_metadata_file_once(run, monkeypatch, read):
+    """The safety check, megatron's tensor check, its key validation and its load each read `.metadata` again:
+    four or five reads of a file that grows with the model, by every rank, from the storage they share."""
+    opened = []
+    real_open = io.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file).name == ".metadata":
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr("builtins.open", counting_open)
+    loaded = read(run, iteration_dir(run[0] / CHECKPOINTS_DIR, 7))
+    monkeypatch.undo()
+    assert len(opened) == 1
+    if loaded is not None:  # the weights read are the checkpoint's
+        reference = run[1].parameters_by_name()
+        assert all(torch.equal(value, reference[name]) for name, value in loaded.parameters_by_name().items())
 
 
 def test_running_out_of_memory_while_loading_is_not_called_damage(tmp_path):

@@ -19,7 +19,7 @@ from megadiff.checkpoint.format import (
     CheckpointError, checkpoint_config, checkpoint_tokenizer_spec, reading_checkpoint,
 )
 from megadiff.checkpoint.gather import model_sharded_tensors
-from megadiff.checkpoint.safe_metadata import refuse_unsafe_metadata
+from megadiff.checkpoint.safe_metadata import metadata_read_once
 from megadiff.checkpoint.weights import damage_reported, load_model_weights
 from megadiff.config import Config, ParallelConfig, padded_vocab_size
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
@@ -86,8 +86,7 @@ def check_checkpoint_tensors(model, checkpoint_dir: Path) -> None:
     """Refuse a checkpoint whose model tensors are missing, unknown or shaped differently from
     what its config.yaml describes, naming them (before dist_checkpointing's own errors)."""
     expected = {shard.key: tuple(shard.global_shape) for shard in model_sharded_tensors([model])}
-    with damage_reported(checkpoint_dir):
-        refuse_unsafe_metadata(checkpoint_dir)
+    with damage_reported(checkpoint_dir), metadata_read_once(checkpoint_dir):
         metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
     saved = {key: tuple(meta.global_shape) for key, meta in metadata.items() if key.startswith(MODEL_KEY_PREFIXES)}
     problems = [f"missing tensor {key}" for key in sorted(set(expected) - set(saved))]
@@ -219,6 +218,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Causa
         saved_cfg = checkpoint_config(checkpoint_dir)
         checkpoint_tokenizer(checkpoint_dir, saved_cfg)  # its refusals before the minutes of reading the weights
         model = build_single_process_model(single_process_config(saved_cfg, PRECISIONS.get(dtype)))
-        check_checkpoint_tensors(model, checkpoint_dir)
-        load_model_weights([model], checkpoint_dir)
+        with damage_reported(checkpoint_dir), metadata_read_once(checkpoint_dir):  # for the check and the load
+            check_checkpoint_tensors(model, checkpoint_dir)
+            load_model_weights([model], checkpoint_dir)
     return CausalLM(model, saved_cfg, checkpoint_dir)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megadiff.checkpoint.format import (
     CONFIG_FILE, CheckpointError, iteration_dir, model_keys, model_sharded_state, saved_iterations,
 )
-from megadiff.checkpoint.safe_metadata import refuse_unsafe_metadata
+from megadiff.checkpoint.safe_metadata import metadata_read_once
 from megadiff.config import Config, dump_config
 from megadiff.errors import first_line
 from megadiff.helper_processes import follow_the_trainer
@@ -100,9 +100,9 @@ def load_sharded(request: dict, checkpoint_dir: str | Path) -> dict:
     """dist_checkpointing.load of `request`; only TE's `_extra_state` may be absent from the checkpoint."""
     with damage_reported(checkpoint_dir, also=(RuntimeError,)):  # torch.load of a common.pt cut short
         require_common_file(checkpoint_dir)
-        refuse_unsafe_metadata(checkpoint_dir)
-        loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
-                                                    strict=StrictHandling.RETURN_UNEXPECTED)
+        with metadata_read_once(checkpoint_dir):
+            loaded, _, absent = dist_checkpointing.load(request, str(checkpoint_dir),
+                                                        strict=StrictHandling.RETURN_UNEXPECTED)
     required = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
     if required:
         raise CheckpointError(f"{checkpoint_dir} lacks {len(required)} saved tensors this run needs: "
