@@ -5,6 +5,7 @@ test_slurm.py resume runs started as users start them.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -311,13 +312,28 @@ def test_a_run_from_a_converted_checkpoint_refuses_another_tokenizer_of_its_voca
     moved_from = [f"data.tokenizer={tmp_path / 'elsewhere' / 'tokenizer'}"]  # the checkpoint was moved since
     same, other_afresh = [f"data.tokenizer={small_tokenizer_dir}"], [f"data.tokenizer={other}",
                                                                      "checkpoint.reset_iteration=true"]
-    for run in (same, other_afresh):
+    # the Hugging Face directory it was converted from, with vocabulary files alone: hashed otherwise, read alike
+    vocabulary_files = [f"data.tokenizer={vocabulary_files_of(small_tokenizer_dir, tmp_path / 'original')}"]
+    assert tokenizer_identity(vocabulary_files[0].split("=")[1]) != tokenizer_identity(str(small_tokenizer_dir))
+    for run in (same, other_afresh, vocabulary_files):
         start, _ = _planned_from(monkeypatch, moved_from, ["checkpoint.load=converted", *run], None, own=False,
                                  path=converted)
         assert not start.continues
     with pytest.raises(ConfigError, match=f"data.tokenizer: {other} reads text into other ids than "):
         _planned_from(monkeypatch, moved_from, ["checkpoint.load=converted", f"data.tokenizer={other}"], None,
                       own=False, path=converted)
+
+
+def vocabulary_files_of(directory: Path, into: Path) -> Path:
+    """A copy of a byte-level BPE tokenizer directory as GPT-2's vocab.json and merges.txt, without tokenizer.json."""
+    model = json.loads((directory / "tokenizer.json").read_text())["model"]
+    into.mkdir()
+    (into / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
+    (into / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (into / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", **dict.fromkeys(("eos_token", "bos_token", "unk_token"), "<|endoftext|>")}))
+    return into
 
 
 def test_training_state_of_a_newer_version_is_refused_by_name(monkeypatch):

@@ -73,6 +73,24 @@ def tokenizer_digest(directory: str | Path) -> str:
     return digest.hexdigest()
 
 
+def read_alike(spec: str, other: str) -> bool:
+    """Whether two tokenizer directories, whose tokenizer_digests differ, read text into the same ids: a directory
+    of vocabulary files alone (vocab.json and merges.txt, no tokenizer.json) hashes its files, and the copy
+    transformers saves of it (a converted checkpoint's tokenizer/) its tokenizer.json's behaviour."""
+    from transformers import AutoTokenizer
+
+    def behaviour(directory: str) -> str:
+        hf = AutoTokenizer.from_pretrained(directory)
+        return json.dumps([sorted(hf.get_vocab().items()), hf.encode(PROBE_TEXT, add_special_tokens=False)])
+
+    if not (Path(spec).is_dir() and Path(other).is_dir()):
+        return False
+    try:
+        return behaviour(spec) == behaviour(other)
+    except (OSError, ValueError):  # one transformers cannot read: not shown to be alike
+        return False
+
+
 def tokenizer_identity(spec: str) -> Optional[str]:
     """What token ids mean: the packaged encoding's name, or how a tokenizer directory splits text (a copy of it
     elsewhere is the same tokenizer); None for a spec naming neither (loading it says so)."""

@@ -19,7 +19,7 @@ from megadiff.checkpoint.format import (
 from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
 from megadiff.config import Config, ConfigError, TrainConfig, padded_vocab_size, resolved_architecture
 from megadiff.data.locations import training_blend
-from megadiff.data.manifest import tokenizer_identity
+from megadiff.data.manifest import read_alike, tokenizer_identity
 from megadiff.data.prepared_dataset import prepared_files_digest
 
 # what megatron's sample order is made from: a continued run changing one reads on from its position
@@ -97,18 +97,20 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
                       f"({cfg.model.make_vocab_size_divisible_by} x parallel.tensor={tensor}): {fix}")
 
 
-def _trained_tokenizer(path: Path, saved_cfg: Config, saved: dict | None) -> str | None:
-    """tokenizer_identity of what a checkpoint's embedding rows stand for: as its training state records it,
-    else (a model-only checkpoint) its own tokenizer's."""
+def _trained_tokenizer(path: Path, saved_cfg: Config, saved: dict | None) -> tuple[str | None, str]:
+    """(tokenizer_identity, spec) of what a checkpoint's embedding rows stand for: as its training state records
+    it, else (a model-only checkpoint) its own tokenizer's."""
     if saved is not None:
-        return saved.get("tokenizer")
-    return tokenizer_identity(checkpoint_tokenizer_spec(path, saved_cfg))
+        return saved.get("tokenizer"), saved_cfg.data.tokenizer
+    spec = checkpoint_tokenizer_spec(path, saved_cfg)
+    return tokenizer_identity(spec), spec
 
 
-def _check_same_tokenizer(cfg: Config, tokenizer: str | None, trained: str | None, saved_cfg: Config,
+def _check_same_tokenizer(cfg: Config, tokenizer: str | None, trained: tuple[str | None, str], saved_cfg: Config,
                           path: Path) -> None:
     """Another tokenizer of the vocabulary's size passes every shape check, and reads text into other ids."""
-    if None in (tokenizer, trained) or tokenizer == trained:
+    identity, spec = trained
+    if None in (tokenizer, identity) or tokenizer == identity or read_alike(cfg.data.tokenizer, spec):
         return
     raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} reads text into other ids than "
                       f"{saved_cfg.data.tokenizer}, which {path} was trained with; keep that tokenizer, "
