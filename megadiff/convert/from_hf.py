@@ -131,15 +131,6 @@ def _tokenizer(hf_dir: HFDirectory, save: Path, hf_config):
     return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer
 
 
-def _check_tokenizer_fits(directory: Path, vocab_in_use: int, rows: int) -> None:
-    """Refuse a tokenizer with ids the model has no embedding rows for (tokens added without resizing the model):
-    the check's tokens would index past the embedding, and the checkpoint would be refused by every command."""
-    if vocab_in_use > rows:
-        raise ConversionError(f"{directory}: its tokenizer has {vocab_in_use:,} ids, but the model embeds {rows:,} "
-                              "(config.json's vocab_size): tokens were added to the tokenizer, not to the model; "
-                              "call model.resize_token_embeddings(len(tokenizer)) and save the model again")
-
-
 def _save_tokenizer(hf_tokenizer, source: Path, hf_config, directory: Path) -> None:
     """The tokenizer's files, with the model's generation config, whose EOS ids generation stops at (a Llama 3
     Instruct's <|end_of_text|> beside its tokenizer's <|eot_id|>: generation_eos_ids): its generation_config.json,
@@ -187,7 +178,6 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
         raise ConversionError(f"{hf_dir.path}: weights in {hf_dtype}; pass --dtype fp32, bf16 or fp16")
     precision = dtype or PRECISIONS[hf_dtype]
     tokenizer_spec, vocab_in_use, hf_tokenizer = _tokenizer(hf_dir, out, hf_config)
-    _check_tokenizer_fits(hf_dir.path, vocab_in_use, hf_config.vocab_size)
     cfg = _megadiff_config(hf_dir, model_fields_from_hf(hf_config, hf_dir.path), hf_config.vocab_size, precision,
                            tokenizer_spec, console, pad_vocab)
     dims = Dims.of(cfg.model, family)
