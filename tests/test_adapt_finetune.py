@@ -1123,6 +1123,25 @@ def test_a_rerun_asking_for_other_planned_settings_is_refused(workspace):
 
 
 @pytest.mark.usefixtures("refused_before_running")
+def test_a_model_saved_without_its_head_is_refused_before_training(workspace, tmp_path, capsys):
+    """A LlamaModel's directory (the decoder saved without lm_head) loads in transformers as a causal LM whose
+    head it draws at random, with a note in its load report: the adaptation trained and exported a model that
+    was never the pretrained one."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from megadiff.cli import main
+
+    bare, run = tmp_path / "bare", tmp_path / "run"
+    LlamaForCausalLM.from_pretrained(workspace / "model").model.save_pretrained(bare)
+    AutoTokenizer.from_pretrained(workspace / "model").save_pretrained(bare)
+    with mock.patch.dict(os.environ):  # the adaptation's world of one sets RANK and WORLD_SIZE in this process
+        assert main(["adapt", str(workspace / "adapt.yaml"), f"model.path={bare}", f"output_dir={run}"]) == 2
+    refusal = capsys.readouterr().err
+    assert f"model.path: {bare} lacks lm_head.weight" in refusal
+    assert not (run / "metrics.jsonl").exists() and not (run / "hf").exists()
+
+
+@pytest.mark.usefixtures("refused_before_running")
 def test_a_rerun_asking_for_another_method_is_refused_before_it_records_its_config(workspace, tmp_path, capsys):
     """Refused after tokenizing and loading the weights, the rerun had already written its config.yaml: the
     run's recorded config then described a run that never happened."""

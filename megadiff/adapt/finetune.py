@@ -37,6 +37,7 @@ from megadiff.adapt.reshard import universal_form
 from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, check_tokenizer_fits, load_finetune_config
+from megadiff.config import ConfigError
 from megadiff.config.loader import dump_config
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
@@ -70,7 +71,20 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
         kwargs["device_map"] = {"": dss.device()}
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
-    return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs), hf_ds_config
+    model, loading = AutoModelForCausalLM.from_pretrained(cfg.model.path, output_loading_info=True, **kwargs)
+    _refuse_missing_weights(cfg.model.path, loading["missing_keys"])
+    return model, hf_ds_config
+
+
+def _refuse_missing_weights(model_dir: str, missing) -> None:
+    """transformers draws the weights a directory lacks at random and says so only in its load report: a
+    LlamaModel's directory (the decoder saved without its LM head) was adapted, trained and exported with a random
+    head, a model that was never the pretrained one."""
+    if missing:
+        names = sorted(missing)
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ConfigError(f"model.path: {model_dir} lacks {shown}, which transformers would draw at random (a base "
+                          "model saved without its LM head?); give the directory of the causal LM itself")
 
 
 def _node_leader_first(build):
