@@ -294,6 +294,28 @@ def test_tokens_added_to_a_tiktoken_export_come_back_with_it(tmp_path):
     assert load_tokenizer(back).vocab_size == len(hf_tokenizer) == 100279
 
 
+def test_a_tokenizer_with_ids_beyond_the_embedding_is_refused_unless_the_rows_are_padded(tmp_path):
+    """Tokens added to a Llama's tokenizer without resize_token_embeddings (a pad token, in many fine-tunes): the
+    conversion wrote a checkpoint that every loader then refused as holding another model's tokenizer, and its
+    check drew ids the Hugging Face model has no row for. --pad-vocab gives them rows."""
+    from transformers import AutoTokenizer
+
+    llama = stock_llama(tmp_path / "llama", tied=False)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    tokenizer.add_special_tokens({"pad_token": "<pad>", "additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ConversionError, match="its tokenizer has 302 ids, but the model embeds 300 "):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff")
+    assert not (tmp_path / "megadiff").exists()
+
+    checkpoint = convert_from_hf(tmp_path / "llama", tmp_path / "padded", pad_vocab=128)
+    ours = load_checkpoint(checkpoint)
+    assert ours.tokenizer.vocab_size == 302 and ours.vocab_size == 384
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[..., :300], llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+
+
 def test_weights_in_a_precision_megadiff_does_not_train_need_dtype_and_convert_with_it(tmp_path):
     """float64 weights (a research checkpoint) name the option that converts them, rather than failing as a
     missing precision deep in the conversion."""

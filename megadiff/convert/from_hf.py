@@ -144,6 +144,16 @@ def _save_tokenizer(hf_tokenizer, source: Path, hf_config, directory: Path) -> N
         GenerationConfig.from_model_config(hf_config).save_pretrained(str(directory))
 
 
+def _refuse_ids_without_rows(directory: Path, ids: int, vocab_size: int, rows: int) -> None:
+    """A tokenizer with more ids than the model has rows (tokens added without resize_token_embeddings): the
+    conversion wrote a checkpoint that every loader then refused as having another model's tokenizer."""
+    if ids > rows:
+        raise ConversionError(f"{directory}: its tokenizer has {ids:,} ids, but the model embeds {vocab_size:,} "
+                              f"(config.json vocab_size), so ids {vocab_size:,} and up have no row: pad the rows "
+                              "(--pad-vocab N pads them to a multiple of N, the new rows the mean of the others) or "
+                              "resize the embeddings in transformers first")
+
+
 def convert_from_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
                     pad_vocab: int | None = None) -> Path:
     """`pad_vocab`: pad the vocabulary's rows to a multiple of it (e.g. 128: an odd vocabulary, a Llama's
@@ -180,10 +190,11 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
     tokenizer_spec, vocab_in_use, hf_tokenizer = _tokenizer(hf_dir, out, hf_config)
     cfg = _megadiff_config(hf_dir, model_fields_from_hf(hf_config, hf_dir.path), hf_config.vocab_size, precision,
                            tokenizer_spec, console, pad_vocab)
+    rows = padded_vocab_size(cfg.model, cfg.parallel.tensor)
+    _refuse_ids_without_rows(hf_dir.path, vocab_in_use, hf_config.vocab_size, rows)
     dims = Dims.of(cfg.model, family)
     # the check's model holds the read tensors in fp32 (exactly: the checkpoint's may round them, --dtype)
     checked = build_single_process_model(single_process_config(cfg, "fp32" if check else None))
-    rows = padded_vocab_size(cfg.model, cfg.parallel.tensor)
     expected = expected_hf_shapes(dict(checked.named_parameters()), dims)
     for name in {EMBEDDING, LM_HEAD} & expected.keys():  # before padding
         expected[name] = torch.Size([hf_config.vocab_size, *expected[name][1:]])
@@ -203,9 +214,10 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
         rounded_to = next(model.parameters()).dtype
     if check:  # before anything is written
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
-            ours = megadiff_logits(CausalLM(checked, cfg), vocab_in_use)[..., :hf_config.vocab_size]  # not the padding
+            embedded = min(vocab_in_use, hf_config.vocab_size)  # the ids both models have rows for
+            ours = megadiff_logits(CausalLM(checked, cfg), embedded)[..., :hf_config.vocab_size]  # not the padding
             del checked  # before the Hugging Face model is loaded
-            theirs = hf_logits(load_hf_model(hf_dir.path, family), vocab_in_use)
+            theirs = hf_logits(load_hf_model(hf_dir.path, family), embedded)
             result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, rounded_to))
         console.print(f"megadiff convert: check passed: {result.summary()}")
     # written aside and named when whole: killed before its tokenizer, it loaded, naming a tokenizer it lacked
