@@ -316,6 +316,20 @@ def test_a_tokenizer_with_ids_beyond_the_embedding_is_refused_unless_the_rows_ar
         torch.testing.assert_close(ours(ids)[..., :300], llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
 
 
+def test_a_tokenizer_naming_no_eos_is_refused_before_anything_is_written(tmp_path):
+    """A tokenizer whose EOS only config.json names: the conversion passed its check and wrote a checkpoint that
+    pre-training, generation and load_checkpoint then refused, each needing the EOS to end documents."""
+    from transformers import AutoTokenizer
+
+    stock_llama(tmp_path / "llama", tied=False)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ConversionError, match=r"has no eos token .* config.json's eos_token_id is 0"):
+        convert_from_hf(tmp_path / "llama", tmp_path / "megadiff")
+    assert not (tmp_path / "megadiff").exists()
+
+
 def test_weights_in_a_precision_megadiff_does_not_train_need_dtype_and_convert_with_it(tmp_path):
     """float64 weights (a research checkpoint) name the option that converts them, rather than failing as a
     missing precision deep in the conversion."""

@@ -30,7 +30,9 @@ from megadiff.convert.hf_config import load_hf_config, model_fields_from_hf, sam
 from megadiff.convert.hf_io import HFDirectory, load_hf_model, read_hf_dir
 from megadiff.convert.hf_layout import ConversionError, Dims, check_tensors, expected_hf_shapes, hf_to_megatron
 from megadiff.convert.steps import step, writing_alone
-from megadiff.data.tokenizers import GENERATION_CONFIG, PACKAGED_TIKTOKEN, load_tokenizer, why_unreadable
+from megadiff.data.tokenizers import (
+    GENERATION_CONFIG, PACKAGED_TIKTOKEN, HFTokenizer, TokenizerError, load_tokenizer, why_unreadable,
+)
 from megadiff.files import publish_staged, raise_if_a_file_is_in_the_way, staging_dir
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -128,6 +130,7 @@ def _tokenizer(hf_dir: HFDirectory, save: Path, hf_config):
                               "megadiff checkpoint carries its tokenizer: save the model's tokenizer there") from None
     if packaged is not None and len(hf_tokenizer) == packaged.vocab_size:
         return source.data.tokenizer, packaged.vocab_size, None
+    _refuse_what_megadiff_cannot_read(hf_dir.path, hf_tokenizer, hf_config.eos_token_id)
     return str((save / TOKENIZER_DIR).resolve()), len(hf_tokenizer), hf_tokenizer
 
 
@@ -142,6 +145,17 @@ def _save_tokenizer(hf_tokenizer, source: Path, hf_config, directory: Path) -> N
         shutil.copyfile(source / GENERATION_CONFIG, directory / GENERATION_CONFIG)
     else:
         GenerationConfig.from_model_config(hf_config).save_pretrained(str(directory))
+
+
+def _refuse_what_megadiff_cannot_read(directory: Path, hf_tokenizer, eos_token_id) -> None:
+    """The tokenizer read as the checkpoint's readers will read it (pre-training, generate, load_checkpoint): one
+    naming no EOS (many name it in config.json alone) was converted into a checkpoint that each of them refused."""
+    try:
+        HFTokenizer(str(directory), hf_tokenizer)
+    except TokenizerError as err:
+        raise ConversionError(f"{err}: a megadiff checkpoint ends its documents with its tokenizer's EOS; name it "
+                              f"(eos_token in {directory}/tokenizer_config.json; config.json's eos_token_id is "
+                              f"{eos_token_id})") from None
 
 
 def _refuse_ids_without_rows(directory: Path, ids: int, vocab_size: int, rows: int) -> None:
