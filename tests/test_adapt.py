@@ -156,6 +156,40 @@ def test_adapted_attention_matches_naive_per_head_formula(arch, variant):
     assert_matches_naive_formula(apply(tiny_model(arch, init=0.2), config, calibration=[tokens(seed=5)]).double())
 
 
+def window_reading_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None,
+                             **kwargs):
+    """Causal attention that, as flash attention does, reads the window from its caller's `sliding_window` (not from
+    the mask transformers built): each query attends to its last `sliding_window` keys when one is passed."""
+    queries, keys = torch.arange(query.shape[-2]) + key.shape[-2] - query.shape[-2], torch.arange(key.shape[-2])
+    allowed = keys[None, :] <= queries[:, None]
+    if sliding_window is not None:
+        allowed &= queries[:, None] - keys[None, :] < sliding_window
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapted_attention_passes_the_window_its_stock_attention_passes(arch):
+    """A Llama whose config.json names a sliding_window (carried over from another architecture's) attends over
+    every position in transformers, whose Llama attention passes no window; the adapted one passed the config's to
+    the attention function, so under flash attention the adapted model attended within that window at step 0: no
+    longer the pretrained model. Qwen2's per-layer and Mistral's windows are passed as their own attention passes
+    them."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("window_reading", window_reading_attention)
+    AttentionMaskInterface.register("window_reading", sdpa_mask)
+    model = tiny_model(arch, init=0.2, sliding_window=4, attn_implementation="window_reading")
+    x = tokens(length=12)
+    with torch.no_grad():
+        expected = model(x).logits
+        for apply, config in (VARIANTS["dex-entropy"], VARIANTS["diff_k"]):
+            assert torch.equal(apply(copy.deepcopy(model), config, calibration=[tokens(seed=5)])(x).logits, expected)
+
+
 def test_daa_planned_before_the_rope_setting_was_recorded_keeps_w_daa_after_rope():
     """A DAA run planned (adaptation.json) before megadiff moved W_DAA before RoPE resumes as it began."""
     model = tiny_model("llama", init=0.2)

@@ -119,11 +119,15 @@ class AdaptedAttention(nn.Module):
             return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, type(self)._eager)
         return type(self)._eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
 
+    def _sliding_window(self):
+        """The window the architecture's own attention passes its attention function (flash attention reads it):
+        Qwen2's per layer (transformers 4.x before layer_types: the config's), Mistral's the config's."""
+        return getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+
     def _attend(self, query, key, value, attention_mask, **kwargs):
-        sliding_window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
         return self._attention_function()(self, query, key, value, attention_mask,
                                           dropout=0.0 if not self.training else self.attention_dropout,
-                                          scaling=self.scaling, sliding_window=sliding_window, **kwargs)
+                                          scaling=self.scaling, sliding_window=self._sliding_window(), **kwargs)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         method = self.adapter_method
@@ -182,6 +186,11 @@ class AdaptedAttention(nn.Module):
 class AdaptedLlamaAttention(AdaptedAttention, modeling_llama.LlamaAttention):
     _rotary = staticmethod(modeling_llama.apply_rotary_pos_emb)
     _eager = staticmethod(modeling_llama.eager_attention_forward)
+
+    def _sliding_window(self):
+        # none, as Llama's attention passes: LlamaConfig keeps a window its config.json names (carried over from
+        # another architecture's), and passed on, it cut the adapted attention to it under flash attention
+        return None
 
 
 class AdaptedQwen2Attention(AdaptedAttention, modeling_qwen2.Qwen2Attention):
