@@ -1,7 +1,7 @@
 """The one base class of errors whose message is meant for the user: the CLI prints it, no traceback."""
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 Result = TypeVar("Result")
 
@@ -14,6 +14,18 @@ def first_line(err: Exception) -> str:
     """A library's error message, whose later lines often point at places not read here (the hub), in one
     line: its first, or its type where it has no text."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def lacking_weights(directory, missing: Iterable[str]) -> str | None:
+    """The weights transformers' from_pretrained reported missing (output_loading_info's missing_keys) as a
+    refusal's text, None where none is: it draws them at random and says so only in its load report, so a
+    LlamaModel's directory (the decoder saved without its LM head) ran as a causal LM with a random head."""
+    names = sorted(missing)
+    if not names:
+        return None
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"{directory} lacks {shown}, which transformers would draw at random (a base model saved without its "
+            "LM head?): give the directory of the causal LM itself")
 
 
 def refused_together(check: Callable[[], Result]) -> Result:

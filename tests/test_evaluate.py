@@ -457,6 +457,28 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
     torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
 
 
+def test_hf_refuses_a_model_saved_without_its_head(tmp_path):
+    """A LlamaModel's directory (the decoder saved without lm_head) loads in transformers as a causal LM whose head
+    it draws at random, with a note in its load report: --hf measured that head and reported its numbers as the
+    model's. The causal LM's own directory loads, its logits those of transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megadiff.inference.hf_model import load_hf_model
+    from tests.convert_worker import build_tokenizer
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    llama.model.save_pretrained(build_tokenizer(tmp_path / "bare"))
+    with pytest.raises(ConfigError, match=f"--hf {tmp_path / 'bare'} lacks lm_head.weight, which transformers"):
+        load_hf_model(tmp_path / "bare", "fp32")
+    llama.save_pretrained(build_tokenizer(tmp_path / "whole"))
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf_model(tmp_path / "whole", "fp32").logits_at(ids, [0, 11]),
+                                   llama(ids).logits[:, [0, 11]])
+
+
 def test_a_report_cut_short_leaves_the_previous_one_whole(tmp_path, monkeypatch):
     """--output written in place: a kill (here a full disk at the sync) left a truncated JSON, and the
     last good report lost with it."""

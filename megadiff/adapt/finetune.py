@@ -41,7 +41,7 @@ from megadiff.config import ConfigError
 from megadiff.config.loader import dump_config
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.tokenizers import HFTokenizer
-from megadiff.errors import MegadiffError, refused_together
+from megadiff.errors import MegadiffError, lacking_weights, refused_together
 from megadiff.files import commit_iteration, iteration_dir, remove_staging_leftovers, staging_dir
 from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.preemption import PreemptionHandler, signal_name
@@ -72,19 +72,10 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
     model, loading = AutoModelForCausalLM.from_pretrained(cfg.model.path, output_loading_info=True, **kwargs)
-    _refuse_missing_weights(cfg.model.path, loading["missing_keys"])
+    lacking = lacking_weights(cfg.model.path, loading["missing_keys"])
+    if lacking:  # adapted, trained and exported, the random weights made a model that was never the pretrained one
+        raise ConfigError(f"model.path: {lacking}")
     return model, hf_ds_config
-
-
-def _refuse_missing_weights(model_dir: str, missing) -> None:
-    """transformers draws the weights a directory lacks at random and says so only in its load report: a
-    LlamaModel's directory (the decoder saved without its LM head) was adapted, trained and exported with a random
-    head, a model that was never the pretrained one."""
-    if missing:
-        names = sorted(missing)
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise ConfigError(f"model.path: {model_dir} lacks {shown}, which transformers would draw at random (a base "
-                          "model saved without its LM head?); give the directory of the causal LM itself")
 
 
 def _node_leader_first(build):

@@ -25,7 +25,7 @@ from megadiff.config import Config, ConfigError, build_config
 from megadiff.config.loader import as_written, read_saved_config
 from megadiff.convert.hf_io import SIDECAR_CONFIG
 from megadiff.data.tokenizers import Tokenizer, load_tokenizer
-from megadiff.errors import first_line
+from megadiff.errors import first_line, lacking_weights
 from megadiff.models.transformer_config import PRECISION_DTYPES
 from megadiff.parallel import compute_device, init_process_group
 
@@ -185,9 +185,12 @@ def load_hf_model(path: str | Path, dtype: str | None = None, window: int | None
     init_process_group(timedelta(minutes=30))
     # a directory without tokenizer files is refused before the weights are read
     tokenizer = load_tokenizer(str(path), trust_remote_code=True)
-    with _refused_by_name(path):  # weights it lacks, or cut short
-        hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
-                                                  dtype=PRECISION_DTYPES[dtype] if dtype else "auto")
+    with _refused_by_name(path):  # weights cut short
+        hf, loading = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, output_loading_info=True,
+                                                           dtype=PRECISION_DTYPES[dtype] if dtype else "auto")
+    lacking = lacking_weights(path, loading["missing_keys"])
+    if lacking:  # measured, the random weights' numbers were reported as the model's
+        raise ConfigError(f"--hf {lacking}")
     model = HFCausalLM(hf.to(compute_device()).eval(), path, window, tokenizer)
     _refuse_another_layout(model, path)
     return model
