@@ -241,10 +241,24 @@ def test_rotary_buffers_of_older_exports_are_left_behind(tmp_path):
         torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", ["shards", "pytorch_model.bin", "pytorch_model.bin before torch 1.6"])
+def _save_pytorch_shards(state: dict, directory, shards: int) -> None:
+    """pytorch_model-0000i-of-0000n.bin files and their index, as transformers 4 saved a model's weights."""
+    import json
+
+    names, weight_map = sorted(state), {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({name: state[name] for name in names[i::shards]}, directory / file)
+        weight_map.update(dict.fromkeys(names[i::shards], file))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("layout", ["shards", "pytorch_model.bin", "pytorch_model.bin before torch 1.6",
+                                    "pytorch_model.bin shards"])
 def test_weights_in_shards_or_a_pytorch_file_are_read(tmp_path, layout):
     """from-hf reads tensors from their files one layer at a time: through a shard index, and from a
-    memory-mapped pytorch_model.bin (read whole in the format of torch before 1.6)."""
+    memory-mapped pytorch_model.bin (read whole in the format of torch before 1.6), or its shards (refused as no
+    weights: many a Llama 2 fine-tune has no others)."""
     llama = stock_llama(tmp_path / "llama", tied=False)
     weights = tmp_path / "llama" / "model.safetensors"
     state = load_file(str(weights))
@@ -252,6 +266,8 @@ def test_weights_in_shards_or_a_pytorch_file_are_read(tmp_path, layout):
     if layout == "shards":
         llama.save_pretrained(tmp_path / "llama", max_shard_size="40KB")
         assert len(list((tmp_path / "llama").glob("model-*-of-*.safetensors"))) > 2
+    elif layout == "pytorch_model.bin shards":  # as transformers 4 wrote them (5 writes safetensors alone)
+        _save_pytorch_shards(state, tmp_path / "llama", shards=3)
     else:  # torch.save's format before torch 1.6 cannot be memory-mapped
         torch.save(state, tmp_path / "llama" / "pytorch_model.bin",
                    _use_new_zipfile_serialization=layout == "pytorch_model.bin")

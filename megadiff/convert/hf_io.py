@@ -33,6 +33,7 @@ SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
 CODE_DIR = Path(__file__).resolve().parent / "hf_code"
 CODE_FILES = ("configuration_megadiff.py", "modeling_megadiff.py")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+PYTORCH_INDEX = "pytorch_model.bin.index.json"
 MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default (transformers' save_pretrained writes 50 GB ones)
 WEIGHT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")  # huggingface_hub's names
 
@@ -219,13 +220,16 @@ class HFDirectory:
 
 
 def _weight_files(directory: Path) -> list[Path]:
-    index = directory / SAFETENSORS_INDEX
-    if index.is_file():
-        return sorted({directory / name for name in _read_json(index)["weight_map"].values()})
-    for pattern in ("model.safetensors", "pytorch_model.bin"):
-        if (directory / pattern).is_file():
-            return [directory / pattern]
-    raise ConversionError(f"{directory}: no weights (model.safetensors, {SAFETENSORS_INDEX} or pytorch_model.bin)")
+    """transformers' weight files, in the order it looks for them after a safetensors index; the last, shards of
+    pytorch_model.bin, are many a Llama 2 fine-tune's only weights."""
+    for name in (SAFETENSORS_INDEX, "model.safetensors", "pytorch_model.bin", PYTORCH_INDEX):
+        if not (directory / name).is_file():
+            continue
+        if name.endswith(".index.json"):
+            return sorted({directory / shard for shard in _read_json(directory / name)["weight_map"].values()})
+        return [directory / name]
+    raise ConversionError(f"{directory}: no weights (model.safetensors, {SAFETENSORS_INDEX}, pytorch_model.bin or "
+                          f"{PYTORCH_INDEX})")
 
 
 def _read_json(path: Path) -> dict:
