@@ -626,6 +626,21 @@ def test_a_loss_mask_of_as_many_documents_of_other_lengths_is_refused(corpus, tm
                                    "data.split=80,10,10"), TOKENIZER)
 
 
+def test_the_data_check_reads_each_index_once(corpus, tmp_path, monkeypatch):
+    """An index holds 4 bytes a document (GBs for a large corpus, on a shared filesystem, on every rank): the
+    pre-flight check reads each prefix's and loss mask's .idx once for all it checks."""
+    prefix = _prompt_response_data(corpus, tmp_path, [len(doc) for doc in corpus[1]], inner_eods=0)
+    read = collections.Counter()
+    for name in ("read_header", "sequence_lengths"):  # what read_index reads of an .idx
+        original = getattr(indexed, name)
+        monkeypatch.setattr(indexed, name, lambda path, *args, _name=name, _read=original: (
+            read.update([(Path(path).name, _name)]), _read(path, *args))[1])
+    check_training_data(config(tmp_path, f"data.prefix={prefix}", "data.response_key=response", "data.split=80,10,10"),
+                        TOKENIZER)
+    assert read == {(name, part): 1 for name in ("docs", "docs-loss-mask")
+                    for part in ("read_header", "sequence_lengths")}
+
+
 def test_document_masking_refuses_data_with_one_eod_inside_a_document(corpus, tmp_path):
     """Document masking cuts at every EOD: one inside a conversation already cuts it in two."""
     lengths = [len(doc) for doc in corpus[1]]

@@ -37,9 +37,9 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer, splits_read: Collecti
                         f"{tokenizer.vocab_size}")
     key = _data_key(cfg)
     encoding = _encoding_reader(cfg, tokenizer)
-    check_prepared_with(cfg, tokenizer, encoding)
-    for prefix in training_blend(cfg.data)[0]:
-        summary, manifest = read_index(prefix, key), read_manifest(prefix)
+    prepared = _read_prepared(cfg)
+    _check_tokenizers(cfg, tokenizer, encoding, prepared)
+    for prefix, summary, manifest in prepared:
         _check_splits(prefix, summary, cfg, key, splits_read)
         _warn_of_an_earlier_encoding(prefix, manifest, encoding)
         if cfg.data.masks_loss:
@@ -60,15 +60,27 @@ def _encoding_reader(cfg: Config, tokenizer: Tokenizer) -> Callable[[bool], dict
     return cache(lambda documents: tokenizer_fingerprint(cfg.data.tokenizer, tokenizer, documents=documents))
 
 
-def check_prepared_with(cfg: Config, tokenizer: Tokenizer, encoding: Callable[[bool], dict] | None = None) -> None:
+def _read_prepared(cfg: Config) -> list[tuple[str, IndexSummary, dict | None]]:
+    """(prefix, its checked index, its manifest) of each prefix of cfg's data, read once for all the checks: a
+    corpus's index is 4 bytes a document, read from a shared filesystem on every rank."""
+    key = _data_key(cfg)
+    return [(prefix, read_index(prefix, key), read_manifest(prefix)) for prefix in training_blend(cfg.data)[0]]
+
+
+def check_prepared_with(cfg: Config, tokenizer: Tokenizer) -> None:
     """Each prefix of cfg's data was prepared with `tokenizer` (or a copy of it): read with another, its ids would
-    stand for other text. `encoding`: an _encoding_reader the caller reads too."""
-    encoding = encoding or _encoding_reader(cfg, tokenizer)
+    stand for other text."""
+    _check_tokenizers(cfg, tokenizer, _encoding_reader(cfg, tokenizer), _read_prepared(cfg))
+
+
+def _check_tokenizers(cfg: Config, tokenizer: Tokenizer, encoding: Callable[[bool], dict],
+                      prepared: list[tuple[str, IndexSummary, dict | None]]) -> None:
+    """check_prepared_with on `prepared` (_read_prepared's); `encoding`: an _encoding_reader the caller reads too."""
     # how the tokenizer splits text (a directory's hash, None for tiktoken's): the same reading, not a second one
     splits = lambda: encoding(True).get("splits")  # noqa: E731
-    for prefix in training_blend(cfg.data)[0]:
-        _check_tokenizer(prefix, read_index(prefix, _data_key(cfg)), read_manifest(prefix), tokenizer,
-                         cfg.data.tokenizer, splits, cfg.data.messages_key is not None)
+    for prefix, summary, manifest in prepared:
+        _check_tokenizer(prefix, summary, manifest, tokenizer, cfg.data.tokenizer, splits,
+                         cfg.data.messages_key is not None)
 
 
 def _check_tokenizer(prefix: str, summary: IndexSummary, manifest: dict | None, tokenizer: Tokenizer,
