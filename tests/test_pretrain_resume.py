@@ -281,6 +281,39 @@ def test_a_data_prefix_given_from_the_working_directory_or_whole_is_the_same_dat
     assert start.continues and start.data_changes == []
 
 
+def test_blend_weights_are_the_same_data_order_where_megatron_normalises_them_alike(monkeypatch, tmp_path):
+    """megatron normalises data.blend's weights: [70, a, 30, b] draws the samples of [0.7, a, 0.3, b], which a rerun
+    took for another data order (a warning, and its order drawn afresh). A change is said exactly where megatron's
+    blended order differs."""
+    from megadiff.config import build_config
+    from megadiff.data.datasets import build_datasets
+    from megadiff.training import state
+    from tests.test_data_datasets import TOKENIZER, synthetic_documents, write_documents
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_documents(a, synthetic_documents(100, seed=1))
+    write_documents(b, synthetic_documents(100, seed=2))
+
+    def blend_config(weights):
+        return build_config({}, [f"data.blend=[{weights[0]},{a},{weights[1]},{b}]", "model.seq_length=16",
+                                 "model.vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}", "data.split=1,0,0"])
+
+    def megatron_order(cfg):
+        train = build_datasets(cfg, TOKENIZER, (200, 0, 0), seed=0)[0]
+        return train.dataset_index.tolist(), train.dataset_sample_index.tolist()
+
+    saved = blend_config([70, 30])
+    monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("ckpt"), True))
+    monkeypatch.setattr(state, "checkpoint_config", lambda path: saved)
+    monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 3})
+    same_orders = {}
+    for weights in ([70, 30], [0.7, 0.3], [7, 3], [60, 40]):
+        rerun = blend_config(weights)
+        same_orders[tuple(weights)] = megatron_order(rerun) == megatron_order(saved)
+        assert (state.plan_start(rerun).data_changes == []) == same_orders[tuple(weights)], weights
+    assert not same_orders[60, 40]  # weights that do change the order are still told
+
+
 def test_a_continued_run_refuses_another_tokenizer_and_takes_a_copy_of_its_own(monkeypatch, small_tokenizer_dir,
                                                                                tmp_path):
     """The embeddings' rows stand for the checkpoint's token ids: another tokenizer of the vocabulary's size

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core.datasets.utils import normalize
 
 from megadiff.checkpoint.format import (
     CHECKPOINTS_DIR, CheckpointError, checkpoint_config, checkpoint_tokenizer_spec, latest_checkpoint,
@@ -18,6 +19,7 @@ from megadiff.checkpoint.format import (
 )
 from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
 from megadiff.config import Config, ConfigError, TrainConfig, padded_vocab_size, resolved_architecture
+from megadiff.config.validate import parse_blend
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_alike, tokenizer_identity
 from megadiff.data.prepared_dataset import prepared_files_digest
@@ -199,12 +201,14 @@ def _check_known_state(saved: dict | None, where: Path) -> None:
 
 def _as_compared(name: str, value):
     """A setting as compared: the paths of data.prefix and data.blend absolute, as a checkpoint's config saved in
-    another working directory gives them, where the rerun's config may give them from its own."""
-    if name not in ("data.prefix", "data.blend"):
-        return value
-    if isinstance(value, list):
-        return [_as_compared(name, item) for item in value]
-    return os.path.abspath(value) if isinstance(value, str) and value else value
+    another working directory gives them, where the rerun's config may give them from its own; data.blend's
+    weights as megatron normalises them, which orders the samples of [70, a, 30, b] as those of [0.7, a, 0.3, b]."""
+    if name == "data.blend" and value:
+        prefixes, weights = parse_blend(value)
+        return [os.path.abspath(prefix) for prefix in prefixes], weights and normalize(weights)
+    if name == "data.prefix" and value:
+        return os.path.abspath(value)
+    return value
 
 
 def _changes(pairs: list[tuple[str, object, object]]) -> list[str]:
