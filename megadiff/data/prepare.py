@@ -7,8 +7,9 @@ one document, and <prefix>-loss-mask.bin/.idx holds 1 on each response's tokens 
 with data.messages_key a record's conversation, rendered by the chat template, makes one, the
 mask on the assistant's turns (data/conversations.py).
 
-Each source file is tokenized on its own first, into a part under <prefix>.parts/ (its own
-.bin/.idx, its manifest written last); then the parts are concatenated into <prefix>.bin/.idx,
+Each source file (consecutive small txt files together) is tokenized on its own first, into a part
+under <prefix>.parts/ (its own .bin/.idx, its manifest written last); then the parts are concatenated
+into <prefix>.bin/.idx,
 <prefix>.manifest.json is written last and the parts are deleted. A run that stops keeps its
 finished parts, so running it again tokenizes only the rest; `--part I/N` tokenizes every N-th
 part only, for N processes or nodes sharing the work before one plain run merges. A run with
