@@ -150,6 +150,24 @@ def signalled_while_starting(rank: int, world_size: int, overrides: list[str], r
     _report_pretrain(rank, overrides, report)
 
 
+def signalled_while_evaluating(rank: int, world_size: int, overrides: list[str], report: str) -> None:
+    """`megadiff pretrain` whose rank 0 gets SIGUSR1 as its first evaluation batch runs: records the run's exit code
+    and error, and the evaluation batches each rank ran (`report`.batches.RANK)."""
+    original, batches = pretrain.validation_sums, []
+
+    def validation_sums(*args, **kwargs):
+        if rank == 0 and not batches:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        batches.append(None)
+        return original(*args, **kwargs)
+
+    pretrain.validation_sums = validation_sums
+    try:
+        _report_pretrain(rank, overrides, report)
+    finally:
+        Path(f"{report}.batches.{rank}").write_text(str(len(batches)))
+
+
 def _report_pretrain(rank: int, overrides: list[str], report: str) -> None:
     """`megadiff pretrain` in this rank: rank 0 writes its exit code and what it printed to stderr to `report`,
     another rank to `<report>.rank<N>`."""

@@ -19,7 +19,8 @@ from megadiff.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER_ENV
 from tests.distributed import run_ranks
 from tests.pretrain_faults import (
     disk_full_while_saving, killed_while_saving, loaded_while_its_run_saves, marker_refused_while_committing,
-    poisoned_on_the_last_rank, poisoned_run, resumed_with_a_load_transient, signalled_while_starting,
+    poisoned_on_the_last_rank, poisoned_run, resumed_with_a_load_transient, signalled_while_evaluating,
+    signalled_while_starting,
 )
 from tests.pretrain_runs import (
     DEMO_CONFIG, ROOT, environment, losses, pretrain_command, run_pretrain_in_ranks, tiny_overrides,
@@ -285,6 +286,20 @@ def test_a_signal_while_the_run_starts_requeues_it_once_its_checkpoint_is_commit
     assert json.loads(report.read_text())["exit_code"] == REQUEUE_EXIT_CODE
     assert read_latest_iteration(output / CHECKPOINTS_DIR) == 1 and len(read_metrics(output)) == 1
     assert marker.exists()
+
+
+def test_a_signal_while_evaluating_stops_before_the_evaluation_s_next_batch(base, tmp_path):
+    """An evaluation (train.eval_iters batches, minutes at scale) ran to its end before the stop a signal asked for,
+    past the scheduler's grace: the job was killed without its checkpoint. Every rank now leaves it at the same
+    batch, logs no valid_loss of it, checkpoints the iteration and exits 75."""
+    report, output = tmp_path / "report.json", tmp_path / "evaluating"
+    run_ranks(2, signalled_while_evaluating, base + ["train.iters=5", "train.eval_interval=1", "train.eval_iters=50",
+                                                     f"output_dir={output}"], str(report))
+    assert json.loads(report.read_text())["exit_code"] == REQUEUE_EXIT_CODE
+    assert [int((tmp_path / f"report.json.batches.{rank}").read_text()) for rank in (0, 1)] == [1, 1]
+    assert read_latest_iteration(output / CHECKPOINTS_DIR) == 1
+    assert [record["iteration"] for record in read_metrics(output)] == [1]
+    assert not any("valid_loss" in record for record in read_metrics(output))
 
 
 def test_a_step_without_loss_tokens_is_recorded_without_a_loss_and_not_applied(base, tmp_path):

@@ -283,22 +283,38 @@ class Pretraining:
         self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
                               self.state.to_dict(), kept_before=self.state.skipping_since)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float] | None:
         """{metric: mean loss over the loss tokens of eval_iters batches} for each validation set (valid_loss: the
-        blend's); none for a set whose batches hold no loss tokens."""
+        blend's); none for a set whose batches hold no loss tokens. None where a stop is agreed before one of its
+        batches (a preemption signal, a spent budget): the stop waited for the whole evaluation (eval_iters
+        batches, minutes at scale), past the scheduler's grace, and the job was killed without its checkpoint."""
         t = self.cfg.train
         for chunk in self.engine.model:
             chunk.eval()
         results = {}
-        for metric, dataset in self.valid_sets.items():
-            with self._loader(dataset, 0, t.eval_iters * t.global_batch_size) as batches:
-                loss_sum, tokens = sum(validation_sums(self.engine, batches.next_iteration(), self.num_microbatches)
-                                       for _ in range(t.eval_iters)).tolist()
-            if tokens > 0:
-                results[metric] = loss_sum / tokens
-        for chunk in self.engine.model:
-            chunk.train()
+        try:
+            for metric, dataset in self.valid_sets.items():
+                with self._loader(dataset, 0, t.eval_iters * t.global_batch_size) as batches:
+                    sums = self._validation_sums(batches)
+                if sums is None:
+                    return None
+                loss_sum, tokens = sums.tolist()
+                if tokens > 0:
+                    results[metric] = loss_sum / tokens
+        finally:
+            for chunk in self.engine.model:
+                chunk.train()
         return results
+
+    def _validation_sums(self, batches: IterationBatches) -> torch.Tensor | None:
+        """(loss sum, loss tokens) of eval_iters batches, or None once every rank agrees to stop (checked before
+        each batch: every rank stops at the same one)."""
+        sums = 0
+        for _ in range(self.cfg.train.eval_iters):
+            if self.preemption.agreed(compute_device()):
+                return None
+            sums = sums + validation_sums(self.engine, batches.next_iteration(), self.num_microbatches)
+        return sums
 
     def train(self) -> int:
         cfg, t, state = self.cfg, self.cfg.train, self.state
@@ -358,7 +374,10 @@ class Pretraining:
                     raise _too_many_skips(state, t.max_skipped_nan_iters, result, lambdas)
                 if t.eval_interval and records_at(state.iteration, t.eval_interval, t.iters):  # and the last
                     valid = self.evaluate()
-                    if self.metrics is not None:
+                    if valid is None:
+                        self._say(f"iteration {state.iteration}: its evaluation left unfinished (not logged), to "
+                                  "stop now")
+                    elif self.metrics is not None:
                         # the samples read by then, which scaling laws by tokens take
                         self.metrics.log({"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                                           **valid})
