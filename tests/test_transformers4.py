@@ -149,3 +149,41 @@ def test_adapted_exports_decode_with_transformers4s_static_cache_as_without_a_ca
                for name, arch in (("dex-entropy", "llama"), ("daa", "qwen2"), ("diff_v", "mistral"))}
     for directory, decoded in run_on_exports(STATIC_CACHE, exports, str(TRANSFORMERS4)).items():
         assert decoded["static"] == decoded["none"], directory
+
+
+# what generate() does with each static cache implementation: the error it raises, or "generated"
+STATIC_IMPLEMENTATIONS = """
+import json, sys
+import torch, transformers
+from transformers import AutoModelForCausalLM
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+assert transformers.__version__.startswith("{version}"), transformers.__version__
+out = {{}}
+for directory in json.loads(sys.argv[1]):
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    out[directory] = {{}}
+    for implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+        try:
+            model.generate(torch.tensor([[5, 17, 42]]), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           cache_implementation=implementation)
+            out[directory][implementation] = "generated"
+        except Exception as error:
+            out[directory][implementation] = f"{{type(error).__name__}}: {{error}}"
+print(json.dumps(out))
+"""
+
+
+def test_remote_code_exports_refuse_transformers4s_static_caches_as_transformers5_does(tmp_path):
+    """Every remote-code variant refuses a static cache in generate() with megadiff's own message in 4.x, as in 5.x;
+    4.x failed building DINT's (KeyError 'hybrid': no static layer for its layer type) and, on its deprecated
+    "hybrid" name, every variant's (AttributeError), before the model could say that it takes a dynamic cache."""
+    skip_without_transformers4()
+    small = str(build_tokenizer(tmp_path / "tokenizer"))
+    exports = {exported(tmp_path, variant, variant, small, 300, remote_code=True): None
+               for variant in ("dint", "shared_diff", "diff")}
+    theirs = run_on_exports(STATIC_IMPLEMENTATIONS.format(version="4."), exports, str(TRANSFORMERS4))
+    ours = run_on_exports(STATIC_IMPLEMENTATIONS.format(version="5."), exports)
+    for directory in exports:
+        refusal = ours[str(directory)]["static"]
+        assert refusal.startswith("ValueError: ") and "dynamic cache" in refusal, refusal
+        assert set(theirs[str(directory)].values()) == {refusal}, (directory, theirs[str(directory)])

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.diffllama.modeling_diffllama import lambda_init_fn
@@ -50,6 +51,8 @@ except ImportError:  # transformers 4: one decorator did both, torch's init func
 CACHE_HAS_RECURRENT_STATES = hasattr(Cache, "update_recurrent_state")
 
 LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
+STATIC_CACHE_REFUSAL = ("megadiff's modeling code takes the default dynamic cache, not a static one "
+                        "(cache_implementation='static')")
 
 
 def layer_lambda_init(config: MegadiffConfig, layer_idx: int) -> float:
@@ -235,8 +238,7 @@ class MegadiffModel(MegadiffPreTrainedModel):
             raise ValueError("megadiff's differential attention runs in SDPA, which returns no attention weights: "
                              "output_attentions is not supported")
         if isinstance(attention_mask, dict) or isinstance(past_key_values, StaticCache):
-            raise ValueError("megadiff's modeling code takes the default dynamic cache, not a static one "
-                             "(cache_implementation='static')")
+            raise ValueError(STATIC_CACHE_REFUSAL)
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("attention_mask must be a [batch, past + new tokens] padding mask")
         if attention_mask is not None and bool(attention_mask.all()):
@@ -266,6 +268,13 @@ class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
         # DINT's running sum cannot be rolled back to fewer tokens: generate() refuses assisted decoding
         self._is_stateful = config.variant == "dint"
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        """Refuses the static caches before generate() builds one: transformers 4 would fail building it for
+        DINT (no static layer for its "hybrid" layer type) or on its deprecated "hybrid" name, not say why."""
+        if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+            raise ValueError(STATIC_CACHE_REFUSAL)
+        return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
 
     def _reorder_cache(self, past_key_values, beam_idx):
         """Beam search's reordering of the cache's rows (transformers 4 calls it where a model has it): in
