@@ -142,11 +142,14 @@ print(json.dumps(out))
 
 def test_adapted_exports_decode_with_transformers4s_static_cache_as_without_a_cache(tmp_path):
     """4.x's static cache writes each step's keys and values at the cache_position the attention passes it;
-    given none, it wrote every step over the first positions and the adapted models decoded other tokens."""
+    given none, it wrote every step over the first positions and the adapted models decoded other tokens. It sizes
+    its values by the keys: diff_k's two key maps, side by side in the key entry, made the values too wide to
+    write (a RuntimeError)."""
     skip_without_transformers4()
     ids = tokens(batch=1, seed=3)[0].tolist()
     exports = {adapted(tmp_path, name, arch): ids
-               for name, arch in (("dex-entropy", "llama"), ("daa", "qwen2"), ("diff_v", "mistral"))}
+               for name, arch in (("dex-entropy", "llama"), ("daa", "qwen2"), ("diff_v", "mistral"),
+                                  ("diff_k", "llama"), ("diff_k", "mistral"))}
     for directory, decoded in run_on_exports(STATIC_CACHE, exports, str(TRANSFORMERS4)).items():
         assert decoded["static"] == decoded["none"], directory
 

@@ -129,6 +129,18 @@ class AdaptedAttention(nn.Module):
                                           dropout=0.0 if not self.training else self.attention_dropout,
                                           scaling=self.scaling, sliding_window=self._sliding_window(), **kwargs)
 
+    def _cached_two_keys(self, past_key_values, key, key2, value, cache_kwargs):
+        """diff_k's two key maps and its value through the cache: the second key's first half rides beside the key,
+        its second half beside the value, so both entries have one width (transformers 4's static cache sizes
+        its values by the keys it is first given). Returns the cached key, second key and value."""
+        half = self.head_dim // 2
+        keys, values = past_key_values.update(torch.cat([key, key2[..., :half]], dim=-1),
+                                              torch.cat([value, key2[..., half:]], dim=-1), self.layer_idx,
+                                              cache_kwargs)
+        value_width = value.shape[-1]
+        second_key = torch.cat([keys[..., self.head_dim:], values[..., value_width:]], dim=-1)
+        return keys[..., :self.head_dim], second_key, values[..., :value_width]
+
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         method = self.adapter_method
         lam = self.current_lambda()
@@ -149,10 +161,8 @@ class AdaptedAttention(nn.Module):
         if past_key_values is not None:
             # transformers 4's static cache writes at cache_position, and without it over the first positions
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
-            if method == "diff_k":  # both key maps share the cache entry, side by side in the feature dim
-                keys, value = past_key_values.update(torch.cat([key, key2], dim=-1), value, self.layer_idx,
-                                                     cache_kwargs)
-                key, key2 = keys.split(self.head_dim, dim=-1)
+            if method == "diff_k":
+                key, key2, value = self._cached_two_keys(past_key_values, key, key2, value, cache_kwargs)
             else:
                 key, value = past_key_values.update(key, value, self.layer_idx, cache_kwargs)
 
