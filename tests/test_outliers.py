@@ -197,3 +197,23 @@ def _recorded_queries_and_keys_are_freed(hf_dir):
     recorder.close()
     gc.collect()
     assert seen and all(ref() is None for ref in seen)
+
+
+@pytest.mark.parametrize("variant", ["dint", "shared_diff"])
+def test_exports_of_megadiffs_own_code_are_refused_by_the_commands_reading_attention_before_any_work(
+        tmp_path, monkeypatch, capsys, variant):
+    """A DINT or Shared DIFF export runs megadiff's modeling code, which calls SDPA itself: `outliers --hf` and
+    `needles --attention --hf` read no layer's attention there. They said so only once the data was prepared
+    and the weights read, and without naming the checkpoint's command that reads it."""
+    from megadiff.inference import needles
+
+    run_dir, _ = held_out_run(tmp_path, variant)
+    assert main(["convert", "to-hf", "--load", str(run_dir), "--save", str(tmp_path / "hf")]) == 0
+    for module in (outliers, needles):
+        monkeypatch.setattr(module, "load_model", lambda *args: pytest.fail("the weights were read"))
+        monkeypatch.setattr(module, "ensure_prepared", lambda *args: pytest.fail("the data was prepared"))
+    for command, options in (("outliers", ["--sequences", "2"]), ("needles --attention", ["--lengths", "128"])):
+        name, *flags = command.split()
+        capsys.readouterr()
+        assert main([name, "--hf", str(tmp_path / "hf"), *flags, *options]) == 2
+        assert f"run `megadiff {command} --load` on the checkpoint" in capsys.readouterr().err

@@ -17,7 +17,9 @@ reader and then attends as SDPA does, so nothing of the model changes. Per layer
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -125,6 +127,20 @@ def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)
     with attention_implementation(hf, CAPTURE):
         yield
+
+
+def refuse_megadiff_modeling_code(hf: str | None, command: str) -> None:
+    """A directory of megadiff's own modeling code (model_type megadiff: a DINT or Shared DIFF export, or
+    any exported with remote code) is refused from its config.json alone: that code calls SDPA itself, not
+    transformers' attention interface, so the commands that read attention there would read no layer's,
+    and said so only after the data was prepared and the weights read, without naming what reads it."""
+    config = None if hf is None else Path(hf) / "config.json"
+    if config is None or not config.is_file():
+        return  # not an --hf run, or hf_window refuses the directory by name
+    if json.loads(config.read_text()).get("model_type") == "megadiff":
+        raise ConfigError(f"{command} --hf: {hf} holds megadiff's own modeling code, which attends through SDPA "
+                          "and not transformers' attention interface, so its attention cannot be read there; "
+                          f"run `megadiff {command} --load` on the checkpoint it was exported from")
 
 
 def require_every_layer(hf, modules: int, command: str) -> None:

@@ -32,7 +32,7 @@ from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.data.tokenizers import Tokenizer, encode_continuing, load_tokenizer
 from megadiff.inference.evaluate import check_request, evaluation_config
-from megadiff.inference.hf_attention import hf_attention_rows
+from megadiff.inference.hf_attention import hf_attention_rows, refuse_megadiff_modeling_code
 from megadiff.inference.hf_model import HFCausalLM, hf_run_config, hf_window, load_model
 from megadiff.inference.outliers import attention_maps, softmax_scale
 from megadiff.inference.progress import ProgressTask, command_progress
@@ -275,6 +275,8 @@ def needles_cli(load: str | None, lengths: Iterable[int], depths: Iterable[float
     if not 1 <= queries <= needles:
         raise ConfigError(f"--queries must be between 1 and --needles ({needles}), got {queries}")
     grid = dict(lengths=lengths, depths=depths, needles=needles, trials=trials, seed=seed, queries=queries)
+    if attention:
+        refuse_megadiff_modeling_code(hf, "needles --attention")
     if (load is None) != (hf is None):  # else load_model says to give one
         _check_cases_fit(load, hf, window, split, overrides, grid)
     model = load_model(load, hf, dtype, window)  # under torchrun it joins the ranks' process group

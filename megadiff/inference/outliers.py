@@ -30,7 +30,7 @@ from megadiff.inference.evaluate import (
     check_before_loading, check_request, evaluation_config, held_out_dataset, sample_batches,
 )
 from megadiff.inference.generate import document_eod
-from megadiff.inference.hf_attention import attention_calls, require_every_layer
+from megadiff.inference.hf_attention import attention_calls, refuse_megadiff_modeling_code, require_every_layer
 from megadiff.inference.hf_model import HFCausalLM, load_model
 from megadiff.inference.progress import ProgressTask, command_progress
 from megadiff.inference.ranks import gather_across_ranks, share, share_size, sum_across_ranks
@@ -242,6 +242,7 @@ def outliers(load: str | None, split: str = "valid", seq_length: int | None = No
     """`megadiff outliers --load RUN` (or `--hf DIR`: a transformers model, its held-out text named
     by the data.* overrides): print (and with `output`, write as JSON) the statistics."""
     check_request("outliers", split, overrides, sequences=sequences, batch_size=batch_size)
+    refuse_megadiff_modeling_code(hf, "outliers")
     check_before_loading(load, hf, window, seq_length, overrides)
     model = load_model(load, hf, dtype, window)  # first: under torchrun it joins the ranks' process group
     console = command_console()
