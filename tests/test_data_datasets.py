@@ -607,7 +607,7 @@ def _prompt_response_data(corpus, directory: Path, mask_lengths: list[int], inne
     write_documents(Path(f"{prefix}-loss-mask"), [np.ones(n, dtype=np.int64) for n in mask_lengths])
     tokenizer = {"spec": "synthetic", "vocab_size": TOKENIZER.vocab_size, "eod": EOD}
     fingerprint = {"tokenizer": tokenizer, "response_key": "response", "pair_encoding": "one text",
-                   "without_prompt": "skipped"}  # as prepared now
+                   "without_prompt": "skipped", "first_token": "context"}  # as prepared now
     write_manifest(prefix, fingerprint, {"inner_eods": inner_eods}, [prefix])
     return prefix
 

@@ -75,7 +75,8 @@ def test_a_record_without_its_prompt_is_skipped_and_counted(tmp_path, capsys):
     tokenizer, tokens = load_tokenizer("cl100k_base"), IndexedDataset(str(tmp_path / "out" / "sft"))
     mask = IndexedDataset(loss_mask_prefix(tmp_path / "out" / "sft"))
     for i, record in enumerate(kept):
-        assert_pair(tokenizer, tokens[i].tolist(), mask[i].tolist(), record["question"], record["answer"])
+        if record["question"]:  # the empty one: test_a_documents_first_token_takes_no_loss
+            assert_pair(tokenizer, tokens[i].tolist(), mask[i].tolist(), record["question"], record["answer"])
     summary = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "3 without the field 'question' (data.text_key) or 'answer' (data.response_key), 0 empty" in summary
 
@@ -94,6 +95,27 @@ def test_a_response_opening_with_a_character_split_across_tokens_takes_the_loss_
         assert mask == (ends > len(prompt.encode())).astype(int).tolist(), (prompt, response)
 
 
+def test_a_documents_first_token_takes_no_loss(tmp_path):
+    """Packed, a document's first token is the label of the EOD before it. tiktoken writes no start token, so an
+    empty prompt's response (or a response whose first characters merge with a one-space prompt) began with a
+    loss: the model learnt it from the document before. Reference: each record taken alone, its response's
+    tokens found by their bytes; a sequence's first token is never a target."""
+    records = [{"question": " Who begat Enos?", "answer": " Seth."}, {"question": "", "answer": " Enoch walked."},
+               {"question": " ", "answer": "Methuselah begat"}, {"question": "", "answer": "Lamech."}]
+    write_records(tmp_path / "src" / "a.jsonl", records)
+    prefix = tmp_path / "out" / "sft"
+    prepare(build_config({}, sft_overrides(tmp_path / "src", prefix)).data)
+    tokenizer = load_tokenizer("cl100k_base")
+    tokens, mask = IndexedDataset(str(prefix)), IndexedDataset(loss_mask_prefix(prefix))
+    assert len(tokens) == len(records)
+    for i, record in enumerate(records):
+        ids = tokenizer.encoding.encode_ordinary(record["question"] + record["answer"])
+        assert tokens[i].tolist() == ids + [tokenizer.eod]
+        ends = np.cumsum([len(tokenizer.encoding.decode_single_token_bytes(token)) for token in ids])
+        response = (ends > len(record["question"].encode())).astype(int).tolist()
+        assert mask[i].tolist() == [0] + response[1:] + [1], record
+
+
 def test_pairs_an_earlier_megadiff_prepared_are_said_to_need_preparing_again(tmp_path):
     """Data prepared before records without a prompt were skipped, and before tiktoken's split characters took
     their loss, is prepared again by prepare-data; a run reading the prefix is told."""
@@ -107,11 +129,12 @@ def test_pairs_an_earlier_megadiff_prepared_are_said_to_need_preparing_again(tmp
                                                              "data.split=100,0,0", f"data.cache_dir={tmp_path}"])
     tokenizer = load_tokenizer("cl100k_base")
     recorded = json.loads(manifest_path(prefix).read_text())
-    for marker in ("without_prompt", "split_characters"):
+    for marker in ("without_prompt", "first_token", "split_characters"):
         del recorded["fingerprint"][marker]
     manifest_path(prefix).write_text(json.dumps(recorded))  # as an earlier megadiff wrote it
     with pytest.warns(UserWarning, match=r"prepared by an earlier megadiff: its records without a prompt were trained "
-                                         r"on their response alone; with tiktoken, a token holding the first bytes"):
+                                         r"on their response alone; a document's first token .* took the loss, "
+                                         r"learnt from the document packed before it; with tiktoken, a token holding"):
         check_training_data(cfg, tokenizer)
     prepare(cfg.data)
     with warnings.catch_warnings():

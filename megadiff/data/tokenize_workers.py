@@ -40,8 +40,9 @@ def encode_documents(texts: list[Optional[str]], tokenizer_spec: str, dtype: str
 def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], tokenizer_spec: str,
                  dtype: str) -> EncodedPairs:
     """Each pair -> document_start (Llama's BOS), the prompt and response encoded as one text, EOD; the loss on
-    the tokens holding response characters and on the EOD. A pair with an empty response (it would teach
-    nothing) or without a prompt (null: the response would be taught as an answer to nothing) is skipped."""
+    the tokens holding response characters and on the EOD, but never on the document's first token. A pair with an
+    empty response (it would teach nothing) or without a prompt (null: the response would be taught as an answer
+    to nothing) is skipped; an empty prompt is given, and kept."""
     tokenizer = load_tokenizer(tokenizer_spec)
     start = document_start(tokenizer)
     documents = []
@@ -50,8 +51,15 @@ def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], t
             documents.append(([], []))
             continue
         ids, mask = _encode_pair(prompt, response, tokenizer)
-        documents.append((start + ids + [tokenizer.eod], [0] * len(start) + mask + [1]))
+        documents.append((start + ids + [tokenizer.eod], _no_loss_on_the_first([0] * len(start) + mask + [1])))
     return _masked(documents, dtype)
+
+
+def _no_loss_on_the_first(mask: list[int]) -> list[int]:
+    """Packed, a document's first token is the label of the document before it (of its EOD): that document is
+    no context for it. Without a start token (tiktoken's) an empty prompt's response, or a short prompt's token
+    merged with the response's first characters, began with a loss."""
+    return [0] + mask[1:]
 
 
 def _encode_pair(prompt: str, response: str, tokenizer) -> tuple[list[int], list[int]]:
