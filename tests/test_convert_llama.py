@@ -17,12 +17,13 @@ from megadiff.inference import load_checkpoint
 from tests.convert_worker import TEXT, build_tokenizer
 
 
-def stock_llama(directory, tied: bool, rope_theta: float = 500.0, bos: str | None = None):
+def stock_llama(directory, tied: bool, rope_theta: float = 500.0, bos: str | None = None, hidden_act: str = "silu"):
     build_tokenizer(directory, bos)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-                         tie_word_embeddings=tied, bos_token_id=1 if bos else 0, eos_token_id=0)
+                         tie_word_embeddings=tied, bos_token_id=1 if bos else 0, eos_token_id=0,
+                         hidden_act=hidden_act)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # norms away from 1 so that each one matters
@@ -57,6 +58,15 @@ def test_stock_llama_becomes_a_megadiff_softmax_checkpoint(tmp_path, tied):
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_a_llama_whose_activation_is_named_swish_converts_as_the_silu_it_is(tmp_path):
+    """transformers runs hidden_act "swish" as SiLU (ACT2FN), the same model as "silu": from-hf refused it."""
+    llama = stock_llama(tmp_path / "llama", tied=False, hidden_act="swish")
+    ours = load_checkpoint(convert_from_hf(tmp_path / "llama", tmp_path / "megadiff"))
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
 
 
 def test_a_conversion_killed_while_written_leaves_no_checkpoint_and_a_rerun_converts(tmp_path, monkeypatch):

@@ -95,10 +95,15 @@ def load_hf_config(config_dict: dict, directory):
     return config_class.from_pretrained(str(directory))
 
 
+# the names transformers' ACT2FN maps to SiLU, x * sigmoid(x): megadiff's SwiGLU gate
+SILU_NAMES = ("silu", "swish")
+
+
 def _refuse_unsupported(hf, directory) -> None:
     rope = hf.rope_parameters or {}
     checks = [
-        (getattr(hf, "hidden_act", "silu") == "silu", f"hidden_act {getattr(hf, 'hidden_act', None)!r} (megadiff: silu)"),
+        (getattr(hf, "hidden_act", "silu") in SILU_NAMES,
+         f"hidden_act {getattr(hf, 'hidden_act', None)!r} (megadiff: silu)"),
         (not getattr(hf, "attention_bias", False), "attention_bias=true (megadiff has no biases)"),
         (not getattr(hf, "mlp_bias", False), "mlp_bias=true (megadiff has no biases)"),
         (rope.get("rope_type", "default") == "default", f"rope_type {rope.get('rope_type')!r} (megadiff: default RoPE)"),
