@@ -471,6 +471,48 @@ def test_text_stream_decodes_each_token_once_and_shows_the_whole_text(run, kind)
     assert sum(decoded) < 12 * len(ids)
 
 
+CLEANED_UP_TEXT = ("the king's house isn't the queen's . can't you see , it is ours ! "
+                   "i'm sure they've gone ' home ' ") * 4
+
+
+def spaces_cleaning_tokenizer(kind: str):
+    """A WordPiece (BERT's pre-tokenizer and decoder) or Unigram (SentencePiece's Metaspace) tokenizer trained here,
+    saved with clean_up_tokenization_spaces=True as BERT's and T5's are: decode joins " ' s" into "'s"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megadiff.data.tokenizers import HFTokenizer
+
+    if kind == "WordPiece":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]", "[SEP]"])
+    else:
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=100, special_tokens=["[UNK]", "[SEP]"], unk_token="[UNK]")
+    tokenizer.train_from_iterator([CLEANED_UP_TEXT] * 4, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[SEP]",
+                                 clean_up_tokenization_spaces=True)
+    return HFTokenizer(kind, hf)
+
+
+@pytest.mark.parametrize("kind", ["WordPiece", "Unigram"])
+def test_text_stream_shows_the_text_a_tokenizer_cleaning_up_spaces_decodes(kind):
+    """Such a tokenizer's decode cleans up the spaces of the whole text: token by token, the stream showed
+    "the king ' s", which chat kept as the reply. Every piece shown is the decoded text's, never taken back."""
+    tokenizer = spaces_cleaning_tokenizer(kind)
+    ids = tokenizer.encode(CLEANED_UP_TEXT)
+    decoded = tokenizer.decode(ids)
+    assert decoded != tokenizer.hf.decode(ids, clean_up_tokenization_spaces=False)  # e.g. "queen's ." -> "queen's."
+    text, shown = TextStream(tokenizer), ""
+    for token in ids:
+        shown += text.add(token)
+        assert decoded.startswith(shown)
+    assert shown + text.rest() == decoded
+    assert len(shown) > len(decoded) // 2  # shown as it comes, not all at the end
+
+
 def test_text_stream_shows_the_text_before_its_stop_text_only(run):
     """A reply ends where the chat template closes the turn: nothing of "<|im_end|>" is shown, even
     while its first tokens could still be text; text that only began like it is shown in the end."""

@@ -27,7 +27,7 @@ import tempfile
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from megadiff.errors import MegadiffError, first_line
 
@@ -205,6 +205,9 @@ class HFTokenizer:
         self.special_texts = tuple(token.content for token in self.hf.added_tokens_decoder.values() if token.special)
         self.literal_hf = _reading_special_texts_as_text(self.hf, self.special_texts)
         self.pad = self.hf.pad_token_id
+        # what decode does to the text of the ids (" ' s" -> "'s"), or None: streamed text applies it
+        # where no later token can change its outcome (TextStream)
+        self.space_cleanup = _space_cleanup(self.hf)
 
     def encode(self, text: str) -> list[int]:
         """Special tokens' texts in `text` become their ids: for prompts and chat templates' renderings."""
@@ -227,11 +230,25 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
 
+    def decode_uncleaned(self, ids: list[int]) -> str:
+        """decode's text before its space_cleanup."""
+        return self.hf.decode(ids, clean_up_tokenization_spaces=False)
+
     def save_hf(self, directory: str | Path, model_max_length: int | None = None) -> None:
         exported = copy.copy(self.hf)
         if model_max_length is not None:  # truncation=True then cuts at the model's context, not the base model's
             exported.model_max_length = model_max_length
         save_for_any_transformers(exported, directory)
+
+
+def _space_cleanup(hf) -> Optional[Callable[[str], str]]:
+    """hf's clean_up_tokenization where its decode applies it (a WordPiece or Unigram tokenizer saved with
+    clean_up_tokenization_spaces=True; transformers 5 skips it for BPE, 4 does not: seen on a probe)."""
+    if not getattr(hf, "clean_up_tokenization_spaces", False):
+        return None
+    probe = hf.encode("a ' s , b .", add_special_tokens=False)  # spaces WordPiece's decoder keeps between tokens
+    return hf.clean_up_tokenization if hf.decode(probe) != hf.decode(probe, clean_up_tokenization_spaces=False) \
+        else None
 
 
 def generation_eos_ids(directory: str, eod: int) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ Only ids the tokenizer can decode are drawn (not the embedding's padding, nor a 
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -322,32 +323,49 @@ class TextStream:
     `stop_text`, the text before it only (`stopped` once it is decoded), held back while it may be
     the start of it. Each token decodes the few after the last completed character, with the ones
     before it for context (a tokenizer may write a token by what precedes it, e.g. a word's space),
-    not the whole reply: that was quadratic in its length."""
+    not the whole reply: that was quadratic in its length. A tokenizer whose decode cleans up spaces
+    (`space_cleanup`, " ' s" -> "'s") is decoded without it, and the cleanup applied to the text
+    no later token can change (_settled)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_text: str | None = None):
         self.tokenizer, self.stop_text, self.ids, self.shown = tokenizer, stop_text, [], ""
-        self.text = ""  # of the ids up to `_read` (once stopped: up to the stop text)
+        self.cleanup = getattr(tokenizer, "space_cleanup", None)
+        self._decode = tokenizer.decode_uncleaned if self.cleanup else tokenizer.decode
+        self.text = ""  # of the ids up to `_read` (once stopped: up to the stop text), uncleaned
         self.stopped = False
         self._context = self._read = 0  # ids[_context:_read]: the text before the undecided ids
+        self._cleaned, self._cleaned_to = "", 0  # the cleanup of text[:_cleaned_to], which no token can change
 
     def add(self, token: int) -> str:
         """The text `token` adds: empty while it ends in a character whose bytes span tokens."""
         self.ids.append(token)
         if not self.stopped:
             self._read_new()
-        end = len(self.text)
+        visible = self._settled()
+        end = len(visible)
         if self.stop_text is not None and not self.stopped:
             end = max(len(self.shown), end - len(self.stop_text) + 1)
-        piece, self.shown = self.text[len(self.shown):end], self.text[:end]
+        piece, self.shown = visible[len(self.shown):end], visible[:end]
         return piece
 
     def rest(self) -> str:
         """What is left unshown (an incomplete last character, as the tokenizer decodes it)."""
-        return self.text[len(self.shown):] + ("" if self.stopped else self._undecided())
+        text = self.text + ("" if self.stopped else self._undecided())
+        return (self.cleanup(text) if self.cleanup else text)[len(self.shown):]
+
+    def _settled(self) -> str:
+        """The text as decode gives it, up to where a later token may still change it (_SETTLED)."""
+        if self.cleanup is None:
+            return self.text
+        ends = [end.end() for end in _SETTLED.finditer(self.text, self._cleaned_to)]
+        if ends and ends[-1] > self._cleaned_to:
+            self._cleaned += self.cleanup(self.text[self._cleaned_to:ends[-1]])
+            self._cleaned_to = ends[-1]
+        return self._cleaned
 
     def _undecided(self) -> str:
-        known = self.tokenizer.decode(self.ids[self._context:self._read])
-        return self.tokenizer.decode(self.ids[self._context:])[len(known):]
+        known = self._decode(self.ids[self._context:self._read])
+        return self._decode(self.ids[self._context:])[len(known):]
 
     def _read_new(self) -> None:
         new = self._undecided()
@@ -359,6 +377,13 @@ class TextStream:
         if new and not new.endswith(INCOMPLETE_CHARACTER):
             self.text += new
             self._context, self._read = self._read, len(self.ids)
+
+
+# transformers' clean_up_tokenization deletes the space of " .", " ?", " !", " ,", " ' " (the one after "'" too),
+# " n't", " 'm", " 's", " 've" and " 're", and no other character: a match reaching past a point holds the
+# character before it, and at most 3 after its space. So whatever follows, the text is cleaned for good up to
+# a character other than a space that no pattern holds, or up to 4 characters none of them a space.
+_SETTLED = re.compile(r"(?:(?<=[^ ]{4})|(?<=[^ .?!,'nmstver]))")
 
 
 def print_continuation(model: CausalLM, prompt: str, stop_text: str | None = None, max_new_tokens: int = 32,
