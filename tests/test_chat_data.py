@@ -190,6 +190,29 @@ def test_a_reply_opening_with_a_character_split_across_tokens_is_masked_as_trans
     assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), list(expected["assistant_masks"]))
 
 
+def test_an_opening_assistant_turn_that_begins_the_document_takes_no_loss_on_its_first_token(tmp_path):
+    """A template that writes nothing before an assistant's turn, and tiktoken (no start token): the conversation's
+    first token was a target, the label of the EOD of the document packed before it. Reference: transformers'
+    assistant mask of the conversation alone, but for its first token, which no token of the document precedes."""
+    from transformers import AutoTokenizer
+
+    from megadiff.data.conversations import encode_conversation
+
+    tokenizer = load_tokenizer("cl100k_base")
+    tokenizer.save_hf(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    template = ("{%- for m in messages %}{%- if m['role'] == 'user' %}{{- 'User: ' + m['content'] + '\\n' }}"
+                "{%- else %}{%- generation %}{{- m['content'] + '\\n' }}{%- endgeneration %}{%- endif %}"
+                "{%- endfor %}")
+    messages = [{"role": "assistant", "content": "Peace be with you."}, {"role": "user", "content": "Who begat Enos?"},
+                {"role": "assistant", "content": "Seth."}]
+    ids, mask = encode_conversation(messages, template, tokenizer)
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    assert expected["assistant_masks"][0] == 1
+    assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), [0] + list(expected["assistant_masks"])[1:])
+
+
 def llama31_tool_calls(generation: str = "", end_generation: str = "") -> str:
     """Llama 3.1's template, its tool-call branch, as it tells a tool call: by the message holding "tool_calls"."""
     return ("{%- for m in messages %}{%- if 'tool_calls' in m %}{%- if not m.tool_calls|length == 1 %}"

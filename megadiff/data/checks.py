@@ -111,8 +111,8 @@ ENCODING_CHANGES = {"conversation_encoding": "its conversations were tokenized t
                                              "edges differ from a chat prompt's)",
                     "pair_encoding": "its prompts and responses were tokenized apart",
                     "without_prompt": "its records without a prompt were trained on their response alone",
-                    "first_token": "a document's first token (with tiktoken, an empty prompt's response's) took "
-                                   "the loss, learnt from the document packed before it",
+                    "first_token": "a document's first token (with tiktoken, an empty prompt's response's, or an "
+                                   "opening assistant turn's) took the loss, learnt from the document packed before it",
                     "split_characters": "with tiktoken, a token holding the first bytes of a reply's first character "
                                         "took no loss"}
 TOKENIZER_CHANGES = {"template_special_tokens": "its chat template's special tokens (its EOS) were read as text, "
@@ -130,7 +130,7 @@ def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: C
     tiktoken = prepared.get("tokenizer", {}).get("spec") in PACKAGED_TIKTOKEN
     # the data each marker is recorded for now (prepare's _fingerprint)
     marked_for = {"conversation_encoding": conversations, "pair_encoding": pairs, "without_prompt": pairs,
-                  "first_token": pairs, "split_characters": (pairs or conversations) and tiktoken}
+                  "first_token": pairs or conversations, "split_characters": (pairs or conversations) and tiktoken}
     stale = [why for marker, why in ENCODING_CHANGES.items() if marked_for[marker] and marker not in prepared]
     stale += [why for marker, why in TOKENIZER_CHANGES.items()
               if marker not in prepared.get("tokenizer", {}) and marker in encoding("messages_key" not in prepared)]

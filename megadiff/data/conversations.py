@@ -301,7 +301,15 @@ def encode_conversation(messages: Optional[list[dict]], template: str, tokenizer
             mask += [int(assistant)] * len(piece)
     if not any(mask):
         return [], []
-    return ids + [tokenizer.eod], mask + [int(messages[-1]["role"] == "assistant")]
+    return ids + [tokenizer.eod], no_loss_on_the_first(mask + [int(messages[-1]["role"] == "assistant")])
+
+
+def no_loss_on_the_first(mask: list[int]) -> list[int]:
+    """Packed, a document's first token is the label of the document before it (of its EOD): that document is
+    no context for it. Without a start token (tiktoken's) an empty prompt's response, a short prompt's token
+    merged with the response's first characters, or an assistant's opening turn a template writes nothing
+    before began with a loss."""
+    return [0] + mask[1:]
 
 
 def _encode_whole(text: str, spans: list[tuple[int, int]], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:

@@ -257,15 +257,15 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
         # a txt file's BOM dropped (before: read as a character beginning its document)
         **({"txt_bom": "dropped"} if any(source.builder == "text" for source in sources) else {}),
         # a pair encoded as one text (before: its prompt and response apart, which changed SentencePiece's text);
-        # a record without its prompt skipped (before: its response was trained on alone); a document's first token
-        # takes no loss (before: without a start token, an empty prompt's response was learnt from the document
-        # packed before it)
-        **({"response_key": data.response_key, "pair_encoding": "one text", "without_prompt": "skipped",
-            "first_token": "context"}
+        # a record without its prompt skipped (before: its response was trained on alone)
+        **({"response_key": data.response_key, "pair_encoding": "one text", "without_prompt": "skipped"}
            if data.response_key is not None else {}),
         # encoded as one text (before: piece by piece, which split tokens at the turns' edges)
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest(),
             "conversation_encoding": "one text"} if chat_template is not None else {}),
+        # a document's first token takes no loss (before: without a start token, an empty prompt's response or an
+        # opening assistant turn was learnt from the document packed before it)
+        **({"first_token": "context"} if data.masks_loss else {}),
         # a token holding a split character's first bytes (tiktoken's) takes its loss (before: its offsets left it out)
         **({"split_characters": "whole"} if data.masks_loss and data.tokenizer in PACKAGED_TIKTOKEN else {}),
         "tokenizer": tokenizer_fingerprint(data.tokenizer, tokenizer, documents=chat_template is None),

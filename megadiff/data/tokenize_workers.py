@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from megadiff.data.conversations import encode_conversation
+from megadiff.data.conversations import encode_conversation, no_loss_on_the_first
 from megadiff.data.tokenizers import document_start, load_tokenizer
 
 Encoded = tuple[np.ndarray, np.ndarray]  # (ids of the batch, concatenated; tokens per document, 0 = skipped)
@@ -51,15 +51,8 @@ def encode_pairs(prompts: list[Optional[str]], responses: list[Optional[str]], t
             documents.append(([], []))
             continue
         ids, mask = _encode_pair(prompt, response, tokenizer)
-        documents.append((start + ids + [tokenizer.eod], _no_loss_on_the_first([0] * len(start) + mask + [1])))
+        documents.append((start + ids + [tokenizer.eod], no_loss_on_the_first([0] * len(start) + mask + [1])))
     return _masked(documents, dtype)
-
-
-def _no_loss_on_the_first(mask: list[int]) -> list[int]:
-    """Packed, a document's first token is the label of the document before it (of its EOD): that document is
-    no context for it. Without a start token (tiktoken's) an empty prompt's response, or a short prompt's token
-    merged with the response's first characters, began with a loss."""
-    return [0] + mask[1:]
 
 
 def _encode_pair(prompt: str, response: str, tokenizer) -> tuple[list[int], list[int]]:
