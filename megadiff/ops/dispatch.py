@@ -79,20 +79,18 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal: bool = True, integ
     `integral_carry` (with `integral`, incremental generation): the queries are the next positions
     after those the carry has seen, the keys all positions so far; the running mean includes them.
     """
-    if integral and integral_carry is not None:
-        if cu_seqlens is not None:
-            raise ValueError("integral_carry continues one sequence: it takes no document boundaries")
-        out, first = differential_attention(q1, k1, q2, k2, v, lam, causal=causal, softmax_scale=softmax_scale,
-                                            backend=backend, return_first_map=True, logit_bits=logit_bits)
-        mean = integral_carry.running_mean(first)
-        lam_h = lambda_per_head(lam, q1.shape[2]).to(mean.dtype).view(1, 1, -1, 1)
-        out = (out.to(mean.dtype) + lam_h * mean).to(out.dtype)
-        return (out, first) if return_first_map else out
     kwargs = dict(causal=causal, integral=integral, softmax_scale=softmax_scale, return_first_map=return_first_map)
     if logit_bits is not None:
         backend = "reference"
         kwargs["logit_bits"] = logit_bits
     chosen = resolve_backend(backend, q1, v.shape[-1])
+    if integral and integral_carry is not None:
+        if cu_seqlens is not None:
+            raise ValueError("integral_carry continues one sequence: it takes no document boundaries")
+        if chosen == "triton":
+            return _kernel_continuing_the_integral(q1, k1, q2, k2, v, lam, integral_carry, **kwargs)
+        # the backend adds the carried mean to O1 - lam O2 before rounding, as its whole-sequence forward does
+        return _run(chosen, q1, k1, q2, k2, v, lam, integral_carry=integral_carry, **kwargs)
     if chosen == "triton":  # masks documents in its tiles
         return _triton_impl()(q1, k1, q2, k2, v, lam, cu_seqlens=cu_seqlens, **kwargs)
     if cu_seqlens is not None:  # one call per document
@@ -128,3 +126,14 @@ def _run(chosen: str, q1, k1, q2, k2, v, lam, **kwargs):
     if chosen == "sdpa_split_v":
         return differential_attention_sdpa(q1, k1, q2, k2, v, lam, split_v=True, **kwargs)
     return differential_attention_reference(q1, k1, q2, k2, v, lam, **kwargs)
+
+
+def _kernel_continuing_the_integral(q1, k1, q2, k2, v, lam, carry: IntegralCarry, *, integral: bool,
+                                    return_first_map: bool, **kwargs):
+    """The fused kernel's rows continuing a sequence: its epilogue writes O1 - lam O2 in the inputs' dtype, to which
+    the carried running mean is added in fp32, as the kernel's whole-sequence forward adds the integral."""
+    out, first = _triton_impl()(q1, k1, q2, k2, v, lam, return_first_map=True, **kwargs)
+    mean = carry.running_mean(first)
+    lam_h = lambda_per_head(lam, q1.shape[2]).to(mean.dtype).view(1, 1, -1, 1)
+    out = (out.to(mean.dtype) + lam_h * mean).to(out.dtype)
+    return (out, first) if return_first_map else out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megadiff.ops.common import compute_dtype
+from megadiff.ops.common import compute_dtype, running_mean
 
 
 class IntegralCarry:
@@ -38,3 +38,9 @@ class IntegralCarry:
         counts = torch.arange(self.count + 1, self.count + n + 1, device=sums.device, dtype=sums.dtype)
         self.total, self.count = sums[:, -1:], self.count + n
         return sums / counts.view(1, -1, 1, 1)
+
+
+def integral_mean(first_map_out: torch.Tensor, causal: bool, carry: IntegralCarry | None) -> torch.Tensor:
+    """The integral's running mean of A1 V: over the positions of this call, or continued from `carry`'s (decoding,
+    which `carry` then includes)."""
+    return running_mean(first_map_out, causal) if carry is None else carry.running_mean(first_map_out)

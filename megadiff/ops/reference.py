@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from megadiff.ops.common import check_shapes, compute_dtype, lambda_per_head, running_mean
+from megadiff.ops.common import check_shapes, compute_dtype, lambda_per_head
+from megadiff.ops.incremental import IntegralCarry, integral_mean
 
 
 def absmax_quantized(scores: torch.Tensor, bits: int) -> torch.Tensor:
@@ -52,8 +53,10 @@ def softmax_attention_reference(q, k, v, *, causal=True, softmax_scale=None, log
 
 
 def differential_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
-                                     return_first_map=False, logit_bits=None):
-    check_shapes(q1, k1, q2, k2, v, lam, integral)
+                                     return_first_map=False, logit_bits=None,
+                                     integral_carry: IntegralCarry | None = None):
+    """`integral_carry` (decoding): the queries continue the positions it has seen, the integral's mean with them."""
+    check_shapes(q1, k1, q2, k2, v, lam, integral and integral_carry is None)
     out_dtype = q1.dtype
     work = compute_dtype(q1.dtype)
     group = q1.shape[2] // k1.shape[2]
@@ -67,7 +70,7 @@ def differential_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, int
     out = torch.einsum("bhqk,bkhe->bqhe", a1 - lam_h * a2, v)
     first_map_out = torch.einsum("bhqk,bkhe->bqhe", a1, v) if integral or return_first_map else None
     if integral:
-        out = out + lam_h.view(1, 1, -1, 1) * running_mean(first_map_out, causal)
+        out = out + lam_h.view(1, 1, -1, 1) * integral_mean(first_map_out, causal, integral_carry)
     if return_first_map:
         return out.to(out_dtype), first_map_out.to(out_dtype)
     return out.to(out_dtype)

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megadiff.ops.common import check_shapes, compiled_on, compute_dtype, lambda_per_head, running_mean
+from megadiff.ops.common import check_shapes, compiled_on, compute_dtype, lambda_per_head
 from megadiff.ops.documents import attend_by_document
+from megadiff.ops.incremental import IntegralCarry, integral_mean
 from megadiff.ops.reference import softmax_attention_reference
 
 SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -100,8 +101,8 @@ def _one_map(q, k, v, causal, scale, split_v):
 
 
 def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral=False, softmax_scale=None,
-                                split_v=False, return_first_map=False):
-    check_shapes(q1, k1, q2, k2, v, lam, integral)
+                                split_v=False, return_first_map=False, integral_carry: IntegralCarry | None = None):
+    check_shapes(q1, k1, q2, k2, v, lam, integral and integral_carry is None)
     if split_v and v.shape[-1] % 2:
         raise ValueError(f"split_v needs an even V head width, got {v.shape[-1]}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q1.shape[-1])
@@ -113,20 +114,22 @@ def differential_attention_sdpa(q1, k1, q2, k2, v, lam, *, causal=True, integral
     # 2-4 ms), keeps an fp32 copy of O2 for the backward, and adds a dozen passes for DINT's running mean.
     # lam_h in memory: its expanded form would be another compiled variant
     combine = compiled_on(o1.device, differential_combination)
-    out = combine(o1, o2, lam_h.contiguous(), integral, causal)
+    if integral_carry is not None:  # decoding: the carry updates itself, outside a compiled graph; the rows are few
+        combine = differential_combination
+    out = combine(o1, o2, lam_h.contiguous(), integral, causal, integral_carry)
     return (out, o1) if return_first_map else out
 
 
 def differential_combination(o1: torch.Tensor, o2: torch.Tensor, lam_h: torch.Tensor, integral: bool = False,
-                             causal: bool = True) -> torch.Tensor:
-    """O1 - lam O2 (+ lam R(O1) with DINT's `integral`, R the running mean over positions, causal or not)
-    ([B, N, H, e] maps, lam_h [H]), computed in fp32 for low precision: the two maps cancel (the point of the
-    difference), and the result in the maps' dtype."""
+                             causal: bool = True, integral_carry: IntegralCarry | None = None) -> torch.Tensor:
+    """O1 - lam O2 (+ lam R(O1) with DINT's `integral`, R the running mean over positions, causal or not, continued
+    from `integral_carry`'s positions where given) ([B, N, H, e] maps, lam_h [H]), computed in fp32 for low
+    precision: the two maps cancel (the point of the difference), and the result in the maps' dtype."""
     work = compute_dtype(o1.dtype)
     first, lam_h = o1.to(work), lam_h.to(work).view(-1, 1)
     out = first - lam_h * o2.to(work)
     if integral:
-        out = out + lam_h * running_mean(first, causal)
+        out = out + lam_h * integral_mean(first, causal, integral_carry)
     return out.to(o1.dtype)
 
 
