@@ -190,3 +190,59 @@ def test_remote_code_exports_refuse_transformers4s_static_caches_as_transformers
         refusal = ours[str(directory)]["static"]
         assert refusal.startswith("ValueError: ") and "dynamic cache" in refusal, refusal
         assert set(theirs[str(directory)].values()) == {refusal}, (directory, theirs[str(directory)])
+
+
+# a DINT export's cache after a prompt, put through each of the Cache API's row operations (as beam search, contrastive
+# search and user code call them), then one more token: the logits' largest difference from the uncached forward of
+# the rows the cache then holds; and what a crop of a position gives
+CACHE_OPERATIONS = """
+import json, sys
+import torch, transformers
+from transformers import AutoModelForCausalLM
+assert transformers.__version__.startswith("{version}"), transformers.__version__
+(directory, ids), = json.loads(sys.argv[1]).items()
+model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+ids = torch.tensor(ids)
+swap, second, doubled = torch.tensor([1, 0]), torch.tensor([1]), torch.tensor([0, 0, 1, 1])
+operations = {{"reorder_cache": (lambda cache: cache.reorder_cache(swap), swap),
+              "batch_select_indices": (lambda cache: cache.batch_select_indices(swap), swap),
+              "batch_select_indices of one row": (lambda cache: cache.batch_select_indices(second), second),
+              "batch_repeat_interleave": (lambda cache: cache.batch_repeat_interleave(2), doubled)}}
+operations["crop"] = (lambda cache: cache.crop(-1), None)
+
+
+def decoded_on(operation, rows):
+    cache = model(ids[:, :-1], use_cache=True).past_key_values
+    try:
+        operation(cache)
+        if rows is None:
+            return "cropped"
+        cached = model(ids[rows, -1:], past_key_values=cache).logits[:, -1]
+    except Exception as error:
+        return f"{{type(error).__name__}}: {{error}}"
+    return (cached - model(ids[rows], use_cache=False).logits[:, -1]).abs().max().item()
+
+
+with torch.no_grad():
+    print(json.dumps({{name: decoded_on(*operation) for name, operation in operations.items()}}))
+"""
+
+
+@pytest.mark.parametrize("version", ["4.", "5."])
+def test_dint_caches_row_operations_keep_each_rows_running_sum_and_a_crop_is_refused(tmp_path, version):
+    """A DINT cache's rows selected, swapped or repeated decode on as the uncached forward of those rows: the
+    operations moved the keys and values but not the running sum (4.x's reorder_cache and batch_select_indices,
+    5.x's batch_select_indices, silently wrong; the others failing on the sum's batch size). A crop, which cannot
+    take positions out of the sum, is refused as such (4.x decoded on with the dropped token still in the sum;
+    5.x said to call activate_past_recording)."""
+    if version == "4.":
+        skip_without_transformers4()
+    small = str(build_tokenizer(tmp_path / "tokenizer"))
+    ids = tokens(batch=2, seed=3)[:, :9].tolist()
+    exports = {exported(tmp_path, "dint", "dint", small, 300, remote_code=True): ids}
+    read = run_on_exports(CACHE_OPERATIONS.format(version=version), exports,
+                          str(TRANSFORMERS4) if version == "4." else None)
+    crop = read.pop("crop")
+    for operation, difference in read.items():
+        assert isinstance(difference, float) and difference < 1e-5, (operation, difference)
+    assert crop.startswith("ValueError: ") and "running sum" in crop, crop

@@ -49,8 +49,14 @@ except ImportError:  # transformers 4: one decorator did both, torch's init func
     from transformers.utils.generic import check_model_inputs as model_inputs
 # 5.x's cache layers hold a recurrent state (DINT's running sum); 4.x's hold only keys and values
 CACHE_HAS_RECURRENT_STATES = hasattr(Cache, "update_recurrent_state")
+if CACHE_HAS_RECURRENT_STATES:  # the layer a DINT cache gets from DynamicCache(config=...): keys, values, the sum
+    from transformers.cache_utils import LinearAttentionAndFullAttentionLayer as RunningSumBaseLayer
+else:  # 4.x: a plain dynamic layer, the sum an attribute of it
+    from transformers.cache_utils import DynamicLayer as RunningSumBaseLayer
 
 LOWRANK_UPDATES = ("q1", "q2", "k1", "k2")
+CROP_REFUSAL = ("a DINT cache holds a running sum over every cached position, which cannot drop positions: "
+                "decode the kept tokens again without this cache (or from a copy.deepcopy of it taken before the rest)")
 STATIC_CACHE_REFUSAL = ("megadiff's modeling code takes the default dynamic cache, not a static one "
                         "(cache_implementation='static')")
 
@@ -83,6 +89,41 @@ def sdpa_masking(attention_mask, batch: int, query_len: int, past_len: int, devi
         if query_len == 1:
             return None, False
     return attention_mask_4d(attention_mask, batch, query_len, past_len, device), False
+
+
+class RunningSumCacheLayer(RunningSumBaseLayer):
+    """A DINT layer's cache. transformers' batch operations (batch_select_indices, batch_repeat_interleave, and 4.x's
+    reorder_cache) move the keys and values alone, so rows read another row's running sum; and a crop left the sum
+    counting the dropped positions. Here the sum follows the rows, and a crop that drops positions is refused."""
+
+    def _select_running_sum_rows(self, rows) -> None:
+        """Replaces the running sum, if any, by `rows` of it (a function of the [B, ...] tensor)."""
+        if not CACHE_HAS_RECURRENT_STATES:
+            if getattr(self, "megadiff_running_sum", None) is not None:
+                self.megadiff_running_sum = rows(self.megadiff_running_sum)
+        elif self.is_recurrent_states_initialized[0]:
+            self.recurrent_states[0] = rows(self.recurrent_states[0])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if not CACHE_HAS_RECURRENT_STATES:  # 5.x's layer reorders its recurrent state itself
+            self._select_running_sum_rows(lambda total: total.index_select(0, beam_idx.to(total.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_running_sum_rows(lambda total: total[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._select_running_sum_rows(lambda total: total.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused where it drops positions (4.x's argument: the length to keep; 5.x's: minus the positions to drop),
+        else nothing to do."""
+        length = self.get_seq_length()
+        dropped = min(-tokens_to_remove, length) if tokens_to_remove < 0 else max(length - tokens_to_remove, 0)
+        if dropped:
+            raise ValueError(CROP_REFUSAL)
 
 
 class MegadiffAttention(nn.Module):
@@ -145,6 +186,8 @@ class MegadiffAttention(nn.Module):
     @staticmethod
     def _add_cached_sum(sums: torch.Tensor, layer) -> torch.Tensor:
         """sums plus the cached sum of earlier steps; caches the new total."""
+        if type(layer) is RunningSumBaseLayer:  # as DynamicCache built it (by generate() or the user), the sum left
+            layer.__class__ = RunningSumCacheLayer  # out of its row operations: now one whose operations carry it
         if CACHE_HAS_RECURRENT_STATES:
             if not hasattr(layer, "update_recurrent_state"):
                 raise TypeError("DINT needs a cache with a recurrent state per layer: pass "
@@ -275,16 +318,6 @@ class MegadiffForCausalLM(MegadiffPreTrainedModel, GenerationMixin):
         if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
             raise ValueError(STATIC_CACHE_REFUSAL)
         return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
-
-    def _reorder_cache(self, past_key_values, beam_idx):
-        """Beam search's reordering of the cache's rows (transformers 4 calls it where a model has it): in
-        transformers 4, DINT's running sum on each cache layer is reordered with the keys and values."""
-        past_key_values.reorder_cache(beam_idx)
-        for layer in past_key_values.layers:
-            running_sum = getattr(layer, "megadiff_running_sum", None)
-            if running_sum is not None:
-                layer.megadiff_running_sum = running_sum.index_select(0, beam_idx.to(running_sum.device))
-        return past_key_values
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values: Cache | None = None,
