@@ -99,20 +99,23 @@ def _check_same_vocabulary(saved: Config, cfg: Config, where: Path) -> None:
                       f"({cfg.model.make_vocab_size_divisible_by} x parallel.tensor={tensor}): {fix}")
 
 
-def _trained_tokenizer(path: Path, saved_cfg: Config, saved: dict | None) -> tuple[str | None, str]:
-    """(tokenizer_identity, spec) of what a checkpoint's embedding rows stand for: as its training state records
-    it, else (a model-only checkpoint) its own tokenizer's."""
+def _trained_tokenizer(path: Path, saved_cfg: Config, saved: dict | None) -> tuple[str | None, str | None]:
+    """(tokenizer_identity, the tokenizer it was read from now) of what a checkpoint's embedding rows stand for: as
+    its training state records it (read as it trained: what its path holds now may have been replaced), else (a
+    model-only checkpoint) its own tokenizer's."""
     if saved is not None:
-        return saved.get("tokenizer"), saved_cfg.data.tokenizer
+        return saved.get("tokenizer"), None
     spec = checkpoint_tokenizer_spec(path, saved_cfg)
     return tokenizer_identity(spec), spec
 
 
-def _check_same_tokenizer(cfg: Config, tokenizer: str | None, trained: tuple[str | None, str], saved_cfg: Config,
-                          path: Path) -> None:
+def _check_same_tokenizer(cfg: Config, tokenizer: str | None, trained: tuple[str | None, str | None],
+                          saved_cfg: Config, path: Path) -> None:
     """Another tokenizer of the vocabulary's size passes every shape check, and reads text into other ids."""
     identity, spec = trained
-    if None in (tokenizer, identity) or tokenizer == identity or read_alike(cfg.data.tokenizer, spec):
+    if None in (tokenizer, identity) or tokenizer == identity:
+        return
+    if spec is not None and read_alike(cfg.data.tokenizer, spec):
         return
     raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} reads text into other ids than "
                       f"{saved_cfg.data.tokenizer}, which {path} was trained with; keep that tokenizer, "
