@@ -7,6 +7,8 @@ import sys
 from typing import Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID
+from rich.text import Text
 
 # What the running command does once the reader of its standard output went away (`megadiff needles ... | head`),
 # which the CLI sets for each command: a training run goes on, logging to its files, and says so (the default,
@@ -72,3 +74,60 @@ def plain_console(**options) -> Console:
     """rich's console printing text as written: with markup, a path or name holding brackets was cut
     (output_dir runs/E[v1] printed as runs/E) or raised a MarkupError (runs/F[/v1], at a run's start)."""
     return _PlainConsole(soft_wrap=True, markup=False, highlight=False, **options)
+
+
+# How often a progress line goes to a file or pipe (a Slurm log): often enough to show a job is alive, seldom enough
+# that a day's run logs a few thousand lines
+PROGRESS_LINE_SECONDS = 30.0
+
+
+def progress_bars(*columns, console: Console, disable: bool = False) -> Progress:
+    """rich's bars on a terminal; elsewhere (a Slurm log, a pipe) a plain line per task now and then: rich draws
+    its bars on terminals only, and printed nothing to a file until all the work was done (a job hours in was
+    silent), then the bars' characters."""
+    if console.is_terminal and not console.is_dumb_terminal:
+        return Progress(*columns, console=console, disable=disable)
+    return LoggedProgress(*columns, every=PROGRESS_LINE_SECONDS, console=console, disable=disable)
+
+
+class LoggedProgress(Progress):
+    """Progress as lines of text: a task's columns but its bar, every `every` seconds and once when it ends."""
+
+    def __init__(self, *columns, every: float, **options):
+        # a window of several lines: items taking longer than rich's 30 s window left it no two samples, and the
+        # ETA unknown
+        super().__init__(*columns, speed_estimate_period=10 * every, **options)
+        self.every = every
+        self._printed: dict[TaskID, tuple[float, float]] = {}  # task: when its last line was, and its count then
+
+    def start(self) -> None:
+        """No live display: to a file, rich's would only print the bars, and a blank line, once done."""
+
+    def stop(self) -> None:
+        pass
+
+    def update(self, task_id: TaskID, **changes) -> None:
+        super().update(task_id, **changes)
+        self._print_when_due(task_id)
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._print_when_due(task_id)
+
+    def _print_when_due(self, task_id: TaskID) -> None:
+        task = self._tasks[task_id]
+        if self.disable or not task.visible:
+            return
+        now = self.get_time()
+        last_time, last_completed = self._printed.get(task_id, (task.start_time or now, 0.0))
+        due = task.completed != last_completed if task.finished else now - last_time >= self.every
+        if due:
+            # as written and on one line: a log's console is 80 columns wide
+            self.console.print(self.progress_line(task_id), markup=False, highlight=False, soft_wrap=True)
+            self._printed[task_id] = (now, task.completed)
+
+    def progress_line(self, task_id: TaskID) -> str:
+        task = self._tasks[task_id]
+        shown = (column.render(task) for column in self.columns if not isinstance(column, BarColumn))
+        words = " ".join(text.plain if isinstance(text, Text) else str(text) for text in shown)
+        return " ".join(words.split())  # without the padding that aligns a terminal's columns

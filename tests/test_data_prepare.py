@@ -994,3 +994,18 @@ def test_local_files_are_prepared_without_asking_the_network(tmp_path, monkeypat
     stats = prepare(data_config(tmp_path, f"data.sources=[{tmp_path / 'src'}]", f"data.prefix={tmp_path / 'out'}"))
     assert stats["documents"] == 3
     assert connections == []
+
+
+def test_tokenizing_logs_its_progress_without_a_terminal(corpus, tmp_path, monkeypatch, capsys):
+    """Under Slurm (standard error a file) prepare-data said nothing while it tokenized a corpus for hours: rich
+    draws its bars on a terminal only. Each line's counts are those of the records and tokens read so far."""
+    monkeypatch.setattr(prepare_module, "DOCUMENTS_PER_BATCH", 5)
+    monkeypatch.setattr("megadiff.console.PROGRESS_LINE_SECONDS", 0.0)  # a line for every batch
+    prepare(data_config(tmp_path, f"data.sources=[{corpus[0]}]", f"data.prefix={tmp_path / 'out'}"))
+    tokenizer = load_tokenizer("cl100k_base")
+    records = [json.loads(line).get("text") for line in corpus[0].read_text().splitlines()]
+    tokens = [len(tokenizer.encode(text)) + 1 if text else 0 for text in records]
+    ends = [*range(5, len(records), 5), len(records)]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing")]
+    assert [" ".join(line.split()[:4]) for line in lines] == \
+        [f"tokenizing {end}/{len(records)} {sum(tokens[:end]):,} tokens" for end in ends]

@@ -38,7 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 from megadiff.config import Config, DataConfig, load_config
-from megadiff.console import plain_console
+from megadiff.console import plain_console, progress_bars
 from megadiff.data.conversations import resolve_chat_template
 from megadiff.data.corpus import write_bundled_corpus
 from megadiff.data.errors import DataError
@@ -283,9 +283,9 @@ class _TokensPerSecond(ProgressColumn):
 
 def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
     """{part index: its stats}: parts already prepared from the same file are kept, the others tokenized."""
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                        console=Console(stderr=True))
+    progress = progress_bars(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                             console=Console(stderr=True))
     stats = {}
     with Encoder(plan.data.tokenizer, plan.dtype.name, plan.data.workers) as encoder, progress:
         overall = progress.add_task("parts", total=len(indices), visible=len(indices) > 1)

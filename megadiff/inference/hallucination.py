@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from megadiff.config import ConfigError
+from megadiff.console import progress_bars
 from megadiff.errors import MegadiffError
 from megadiff.inference.records import append_record, lines_of, read_records, utf8_input
 from megadiff.inference.reporting import command_console, write_report
@@ -199,8 +200,8 @@ def judge_samples(samples: Sequence[Sample], judge: Callable[[str], str], judge_
     todo = [sample for sample in samples if sample.key(judge_model) not in records]
     console.print(f"hallucination: {len(samples) - len(todo)} of {len(samples)} outputs already judged "
                   f"({records_path}), {len(todo)} to ask {judge_model}")
-    progress = Progress(TextColumn("judging"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                        console=Console(stderr=True))
+    progress = progress_bars(TextColumn("judging"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
+                             TimeRemainingColumn(), console=Console(stderr=True))
     with progress, ThreadPoolExecutor(max_workers=workers) as pool:
         bar = progress.add_task("", total=len(todo))
         asked = {pool.submit(judge, JUDGE_INSTRUCTIONS.format(prompt=sample.prompt, reference=sample.reference,

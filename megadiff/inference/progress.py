@@ -7,15 +7,16 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from megadiff.console import progress_bars
 from megadiff.inference.ranks import reports
 from megadiff.parallel import rank_and_world
 
 
 def command_progress(command: str) -> Progress:
     """The command's bars (one task per source or grid), shown by rank 0 only."""
-    return Progress(TextColumn(f"{command} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(stderr=True),
-                    disable=not reports())
+    return progress_bars(TextColumn(f"{command} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                         TextColumn("{task.fields[rate]}"), TextColumn("eta"), TimeRemainingColumn(),
+                         console=Console(stderr=True), disable=not reports())
 
 
 class ProgressTask:
