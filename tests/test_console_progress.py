@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from rich.console import Console
 from rich.progress import MofNCompleteColumn, TextColumn
 
 from megadiff import console as console_module
 from megadiff.console import progress_bars
-from megadiff.inference.progress import command_progress
+from megadiff.inference.progress import ProgressTask, command_progress
 
 SECONDS_PER_ITEM, ITEMS, EVERY = 10.0, 12, 30.0
 
@@ -61,3 +63,11 @@ def test_a_task_ending_between_lines_says_so_once(monkeypatch):
             progress.advance(task)
         progress.update(task, description="short")  # an update after the end prints nothing more
     assert log.getvalue().splitlines() == ["short 2/2"]
+
+
+@pytest.mark.parametrize("prefix", ["data/E[v2]/text", "data/F[/v2]/text"])
+def test_a_data_prefix_holding_brackets_is_shown_as_written(capsys, prefix):
+    """evaluate's bars name the data prefix: rich read it as markup."""
+    with command_progress("evaluate") as progress:
+        ProgressTask(progress, prefix, 1).advance(1, tokens=10)
+    assert capsys.readouterr().err.startswith(f"evaluate {prefix} 1/1 ")

@@ -14,7 +14,9 @@ from megadiff.parallel import rank_and_world
 
 def command_progress(command: str) -> Progress:
     """The command's bars (one task per source or grid), shown by rank 0 only."""
-    return progress_bars(TextColumn(f"{command} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+    # the description as written: evaluate's is a data prefix, and a path holding brackets was cut (data/E[v2]
+    # shown as data/E) or raised a MarkupError (data/F[/v2], once the work was done when printing to a file)
+    return progress_bars(TextColumn(f"{command} {{task.description}}", markup=False), BarColumn(), MofNCompleteColumn(),
                          TextColumn("{task.fields[rate]}"), TextColumn("eta"), TimeRemainingColumn(),
                          console=Console(stderr=True), disable=not reports())
 
