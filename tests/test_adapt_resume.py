@@ -3,6 +3,8 @@ from inside torch.load, or DeepSpeed's bare AssertionError, before), the marker'
 from __future__ import annotations
 
 import os
+import re
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -174,3 +176,44 @@ def test_a_rerun_under_another_checkpoint_format_is_refused_before_the_model_loa
         assert "Loading weights" not in rerun.stderr + rerun.stdout
     zero1 = f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}"
     assert "resuming after iteration 2" in adapt_in_ranks(workspace, f"output_dir={output}", zero1).stdout
+
+
+FAKE_CONVERTER = '''
+import argparse, os, sys, time
+import tqdm
+parser = argparse.ArgumentParser()
+parser.add_argument("--input_folder")
+parser.add_argument("--output_folder")
+args, _ = parser.parse_known_args()
+print("*** 1. Extracting ZeRO fragments", flush=True)
+for _ in tqdm.tqdm(range({items}), mininterval=0):
+    time.sleep({seconds})
+os.makedirs(os.path.join(args.output_folder, "zero"))
+'''
+
+
+def test_the_universal_conversion_says_how_far_it_is_while_it_runs(tmp_path, monkeypatch, capfd):
+    """The converter takes many minutes on a large model's state, and printed nothing (its output was kept for an
+    error message). A converter of tqdm's output (carriage returns to a file) stands in for DeepSpeed's."""
+    items, seconds, every = 8, 0.5, 1.0
+    fake = tmp_path / "fake" / "deepspeed" / "checkpoint"
+    fake.mkdir(parents=True)
+    for package in (fake.parent, fake):
+        (package / "__init__.py").write_text("")
+    (fake / "ds_to_universal.py").write_text(FAKE_CONVERTER.format(items=items, seconds=seconds))
+    monkeypatch.setenv("PYTHONPATH", str(fake.parents[1]))
+    monkeypatch.setattr("megadiff.console.PROGRESS_LINE_SECONDS", every)
+    checkpoint = tmp_path / "iter_0000002"
+    checkpoint.mkdir()
+    torch.save({"dp_world_size": 2}, checkpoint / "mp_rank_00_model_states.pt")
+    started = time.monotonic()
+    assert universal_form(checkpoint, 0, 1) == checkpoint / "universal"
+    measured = time.monotonic() - started
+    out = capfd.readouterr().out
+    assert "\r" not in out
+    said = [line.removeprefix("iter_0000002: converting: ") for line in out.splitlines()[1:-1]]
+    done = [int(line.split("|")[2].split("/")[0]) for line in said if "|" in line]  # tqdm's "k/8 [...]"
+    # a line a second of a conversion of 4 s, counting what the converter had done
+    assert len(said) >= items * seconds / every - 2 and done == sorted(done) and 0 < done[-1] <= items, out
+    converted = re.fullmatch(r"iter_0000002: converted in (\d+) s", out.splitlines()[-1])
+    assert converted and items * seconds - 0.5 <= int(converted[1]) <= measured + 0.5, out
