@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -290,6 +291,18 @@ def test_checkpoints_rotate_and_carry_their_config(logged_run):
     assert read_latest_iteration(checkpoints) == 6
     assert checkpoint_config(checkpoints / "iter_0000006").model.hidden_size == 64
     assert (out / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_each_checkpoint_save_is_said_as_it_begins_and_ends(logged_run):
+    """A large model's save takes minutes: the log showed nothing of it."""
+    _, proc = logged_run
+    lines = proc.stdout.splitlines()
+    for saved in (2, 4, 6):  # checkpoint.save_interval=2 of 6 iterations
+        begun = lines.index(f"iteration {saved}: saving a checkpoint")
+        assert lines[begun - 1].startswith(f"iteration {saved}/6 | "), proc.stdout  # after its records
+        assert re.fullmatch(rf"iteration {saved}: checkpoint handed to the background writer in [0-9.]+ s",
+                            lines[begun + 1]), proc.stdout
 
 
 @pytest.mark.slow

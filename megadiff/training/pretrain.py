@@ -280,8 +280,13 @@ class Pretraining:
         # run with it held, kept, judged the first steps of a later run turning it on again against long-gone ones)
         self.state.spike_history = self.spike_guard.history() if self.spike_guard is not None else {}
         self.engine.gather_updated_params()
-        self.checkpoints.save(self.state.iteration, self.engine.unwrapped(), self.engine.optimizer,
+        # said before and after: a large model's save takes minutes, in which the log showed nothing
+        iteration, started = self.state.iteration, time.perf_counter()
+        self._say(f"iteration {iteration}: saving a checkpoint")
+        self.checkpoints.save(iteration, self.engine.unwrapped(), self.engine.optimizer,
                               self.state.to_dict(), kept_before=self.state.skipping_since)
+        done = "handed to the background writer" if self.cfg.checkpoint.async_save else "saved"
+        self._say(f"iteration {iteration}: checkpoint {done} in {time.perf_counter() - started:.1f} s")
 
     def evaluate(self) -> dict[str, float] | None:
         """{metric: mean loss over the loss tokens of eval_iters batches} for each validation set (valid_loss: the
