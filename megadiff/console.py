@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from typing import Iterator
 
 from rich.console import Console
@@ -68,6 +69,16 @@ def _say_going_on() -> None:
         print("megadiff: its output's reader went away: going on without printing", file=sys.stderr, flush=True)
     except OSError:  # standard error gone as well
         pass
+
+
+@contextlib.contextmanager
+def timed_step(console: Console, action: str) -> Iterator[None]:
+    """'ACTION ...' now, 'ACTION: N s' once it is done: work of minutes that prints nothing looks like a hang,
+    and a job killed meanwhile leaves its log saying what it was doing."""
+    console.print(f"{action} ...")
+    started = time.perf_counter()
+    yield
+    console.print(f"{action}: {time.perf_counter() - started:.1f} s")
 
 
 def plain_console(**options) -> Console:

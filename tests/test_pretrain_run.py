@@ -100,6 +100,7 @@ def test_a_wsd_run_stopped_in_its_stable_phase_continues_a_longer_schedule(base,
     run_pretrain_in_ranks(1, wsd + ["train.iters=6", "train.exit_interval=3"])
     proc = run_pretrain_in_ranks(1, wsd + ["train.iters=8"])
     assert "resumed from" in proc.stdout and "the lr schedule differs" not in proc.stdout
+    _assert_said_as_it_starts(proc.stdout, f"megadiff pretrain: loading {out / 'checkpoints' / 'iter_0000003'}")
     # the order of a source read more than once depends on the samples it was drawn for: said where it changes
     assert "this run draws its data order for 64 samples (what train.iters reads, or train.planned_samples), not " \
            "the 48 its checkpoint's was drawn for" in proc.stdout
@@ -291,6 +292,21 @@ def test_checkpoints_rotate_and_carry_their_config(logged_run):
     assert read_latest_iteration(checkpoints) == 6
     assert checkpoint_config(checkpoints / "iter_0000006").model.hidden_size == 64
     assert (out / "config.yaml").is_file()
+
+
+def _assert_said_as_it_starts(stdout: str, action: str) -> None:
+    """A start's step of minutes at scale is said before it begins, then with its time, before the run's first
+    line: the log showed nothing until then."""
+    lines = stdout.splitlines()
+    begun = lines.index(f"{action} ...")
+    assert re.fullmatch(rf"{re.escape(action)}: [0-9.]+ s", lines[begun + 1]), stdout
+    assert begun + 1 < next(i for i, line in enumerate(lines) if line.startswith("megadiff pretrain: diff model"))
+
+
+@pytest.mark.slow
+def test_the_start_says_it_reads_the_data(logged_run):
+    _assert_said_as_it_starts(logged_run[1].stdout,
+                              "megadiff pretrain: reading the data (its sample indexes built on a first run)")
 
 
 @pytest.mark.slow

@@ -4,24 +4,19 @@ claim on the directory it writes."""
 from __future__ import annotations
 
 import os
-import time
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 
+from megadiff.console import timed_step
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.files import claimed
 
 
-@contextmanager
-def step(console: Console, action: str) -> Iterator[None]:
+def step(console: Console, action: str) -> AbstractContextManager:
     """'megadiff convert: ACTION ...' now, 'megadiff convert: ACTION: N s' once it is done."""
-    console.print(f"megadiff convert: {action} ...")
-    started = time.perf_counter()
-    yield
-    console.print(f"megadiff convert: {action}: {time.perf_counter() - started:.1f} s")
+    return timed_step(console, f"megadiff convert: {action}")
 
 
 def writing_alone(out: Path) -> AbstractContextManager:

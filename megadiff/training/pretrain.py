@@ -26,6 +26,7 @@ from megadiff.config import (
     Config, ConfigError, TrainConfig, data_parallel_size, dump_config, load_config, lr_decay_length,
     micro_batches_per_step, refuse_a_file_for_directory, short_warmup_warning,
 )
+from megadiff.console import plain_console, timed_step
 from megadiff.errors import MegadiffError, refused_together
 from megadiff.files import remove_staging_leftovers
 from megadiff.models.memory import (
@@ -167,7 +168,10 @@ class Pretraining:
             self.document_eod = tokenizer.eod if cfg.data.document_masking else None
             self.engine: Engine = build_engine(cfg)
             self.scheduler = build_scheduler(cfg, self.engine.optimizer)
-            self.state, how = restore(cfg, start, self.engine, self.scheduler)
+            # minutes at scale, before the run's first line
+            with (timed_step(_rank_0_console(), f"megadiff pretrain: loading {start.path}")
+                  if start.path is not None else contextlib.nullcontext()):
+                self.state, how = restore(cfg, start, self.engine, self.scheduler)
         self.state.data_samples = self.train_samples
         changed_data, self.state.data = prepared_again(self.state.data, data_now), data_now
         self.unrecorded = StepMeans(self.state.unrecorded)  # the steps since the last record
@@ -474,7 +478,10 @@ def _prepare_data(cfg: Config, train_samples: int):
     # a run that never evaluates reads no valid split: none is built, nor refused for holding less than a sample
     num_samples = (train_samples, t.eval_iters * t.global_batch_size if t.eval_interval else 0, 0)
     prefixes, _ = training_blend(cfg.data)
-    with contextlib.ExitStack() as held:
+    # minutes at scale (megatron's sample indexes of a large corpus), before the run's first line
+    reading = timed_step(_rank_0_console(), "megadiff pretrain: reading the data (its sample indexes built on a "
+                                            "first run)")
+    with reading, contextlib.ExitStack() as held:
         # until every rank has opened the files (an atomic replacement leaves them theirs), and their digest is read
         refused_together(lambda: held.enter_context(not_being_prepared(prefixes)) if dist.get_rank() == 0 else None)
         # build_datasets checks the data first (vocabulary, splits, .idx/.bin) and names what is wrong
@@ -487,6 +494,10 @@ def _prepare_data(cfg: Config, train_samples: int):
         digests = training_data_digests(cfg)
         dist.barrier()
     return datasets, valid_sets, tokenizer, digests
+
+
+def _rank_0_console():
+    return plain_console(quiet=dist.get_rank() != 0)
 
 
 # inputs a node may read from its own copy, at its own path (a tokenizer directory, the checkpoint a run starts
