@@ -364,8 +364,8 @@ def vocabulary_files_of(directory: Path, into: Path) -> Path:
     (into / "vocab.json").write_text(json.dumps(model["vocab"]))
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
     (into / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    (into / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", **dict.fromkeys(("eos_token", "bos_token", "unk_token"), "<|endoftext|>")}))
+    special = dict.fromkeys(("eos_token", "bos_token", "unk_token"), "<|endoftext|>")
+    (into / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", **special}))
     return into
 
 
