@@ -169,48 +169,46 @@ def test_a_conversation_opening_with_the_assistant_is_masked_as_transformers_mar
         assert mask[-1] == 1  # the EOD ends the assistant's turn
 
 
-def test_a_reply_opening_with_a_character_split_across_tokens_is_masked_as_transformers_marks_it(tmp_path):
-    """A template whose generation prompt ends with a space ("Assistant: "): cl100k encodes the space with the first
-    bytes of a reply's rare first character, which tiktoken's offsets put before the character (no loss)."""
+def cl100k_and_transformers_masks(messages: list[dict], template: str, directory: Path):
+    """(ids, loss mask) megadiff encodes `messages` into with cl100k, and transformers' input_ids and
+    assistant_masks of them (cl100k saved in `directory` as a Hugging Face tokenizer)."""
     from transformers import AutoTokenizer
 
     from megadiff.data.conversations import encode_conversation
 
     tokenizer = load_tokenizer("cl100k_base")
-    tokenizer.save_hf(tmp_path)
-    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    tokenizer.save_hf(directory)
+    hf = AutoTokenizer.from_pretrained(str(directory))
+    ids, mask = encode_conversation(messages, template, tokenizer)
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    return ids, mask, list(expected["input_ids"]), list(expected["assistant_masks"])
+
+
+def test_a_reply_opening_with_a_character_split_across_tokens_is_masked_as_transformers_marks_it(tmp_path):
+    """A template whose generation prompt ends with a space ("Assistant: "): cl100k encodes the space with the first
+    bytes of a reply's rare first character, which tiktoken's offsets put before the character (no loss)."""
     template = ("{%- for m in messages %}{%- if m['role'] == 'user' %}{{- 'User: ' + m['content'] + '\\nAssistant: ' }}"
                 "{%- else %}{%- generation %}{{- m['content'] + eos_token + '\\n' }}{%- endgeneration %}{%- endif %}"
                 "{%- endfor %}")
     messages = [{"role": "user", "content": "Who begat Enos?"}, {"role": "assistant", "content": "Ϗ, Seth."},
                 {"role": "user", "content": "Pray"}, {"role": "assistant", "content": "🙏 Amen"}]
-    ids, mask = encode_conversation(messages, template, tokenizer)
-    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
-    assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), list(expected["assistant_masks"]))
+    ids, mask, expected_ids, expected_mask = cl100k_and_transformers_masks(messages, template, tmp_path)
+    assert (ids[:-1], mask[:-1]) == (expected_ids, expected_mask)
 
 
 def test_an_opening_assistant_turn_that_begins_the_document_takes_no_loss_on_its_first_token(tmp_path):
     """A template that writes nothing before an assistant's turn, and tiktoken (no start token): the conversation's
     first token was a target, the label of the EOD of the document packed before it. Reference: transformers'
     assistant mask of the conversation alone, but for its first token, which no token of the document precedes."""
-    from transformers import AutoTokenizer
-
-    from megadiff.data.conversations import encode_conversation
-
-    tokenizer = load_tokenizer("cl100k_base")
-    tokenizer.save_hf(tmp_path)
-    hf = AutoTokenizer.from_pretrained(str(tmp_path))
     template = ("{%- for m in messages %}{%- if m['role'] == 'user' %}{{- 'User: ' + m['content'] + '\\n' }}"
                 "{%- else %}{%- generation %}{{- m['content'] + '\\n' }}{%- endgeneration %}{%- endif %}"
                 "{%- endfor %}")
     messages = [{"role": "assistant", "content": "Peace be with you."}, {"role": "user", "content": "Who begat Enos?"},
                 {"role": "assistant", "content": "Seth."}]
-    ids, mask = encode_conversation(messages, template, tokenizer)
-    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
-    assert expected["assistant_masks"][0] == 1
-    assert (ids[:-1], mask[:-1]) == (list(expected["input_ids"]), [0] + list(expected["assistant_masks"])[1:])
+    ids, mask, expected_ids, expected_mask = cl100k_and_transformers_masks(messages, template, tmp_path)
+    assert expected_mask[0] == 1
+    assert (ids[:-1], mask[:-1]) == (expected_ids, [0] + expected_mask[1:])
 
 
 def llama31_tool_calls(generation: str = "", end_generation: str = "") -> str:
