@@ -21,6 +21,9 @@ VARIANTS = {
     "dint": ["model.variant=dint"],
     "shared_diff": ["model.variant=shared_diff", "model.lowrank_rank=3", "model.lowrank_zero_init=false"],
     "diff_constant_lambda": ["model.variant=diff", "model.lambda_init=0.5"],
+    # the DIFF paper's table 6 ablations: DIFF without GroupNorm, the Transformer with it
+    "diff_no_head_norm": ["model.variant=diff", "model.head_norm=false"],
+    "softmax_head_norm": ["model.variant=softmax", "model.head_norm=true"],
 }
 
 

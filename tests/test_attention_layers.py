@@ -70,36 +70,70 @@ def projections_shared(p: dict, x: torch.Tensor, rank: int = 3):
     return q1, q2, k1, k2, v
 
 
-def naive_layer(p: dict, x: torch.Tensor, variant: str, lambda_init: float) -> torch.Tensor:
-    """x: [seq, batch, D] -> [seq, batch, D] for one batch element at a time."""
+def projections_softmax(p: dict, x: torch.Tensor):
+    """Rows of megatron's fused QKV weight: KV_HEADS groups of [q heads of the group | k | v]."""
+    per_group = HEADS // KV_HEADS
+    rows = p["linear_qkv.weight"].view(KV_HEADS, per_group + 2, HEAD_DIM, D_MODEL)
+    q_heads = rows[:, :per_group].reshape(HEADS, HEAD_DIM, D_MODEL)
+    return [x @ w.T for w in q_heads], [x @ w.T for w in rows[:, per_group]], [x @ w.T for w in rows[:, per_group + 1]]
+
+
+def differential_heads(p: dict, xb: torch.Tensor, variant: str, lambda_init: float) -> list[torch.Tensor]:
     lam = (torch.exp((p["core_attention.lambda_q1"] * p["core_attention.lambda_k1"]).sum())
            - torch.exp((p["core_attention.lambda_q2"] * p["core_attention.lambda_k2"]).sum()) + lambda_init)
+    q1, q2, k1, k2, v = (projections_shared if variant == "shared_diff" else projections_diff)(p, xb)
+    heads = []
+    for i in range(HEADS):
+        j = i // (HEADS // KV_HEADS)
+        a1 = causal_softmax(rope(q1[i]), rope(k1[j]))
+        a2 = causal_softmax(rope(q2[i]), rope(k2[j]))
+        head = (a1 - lam * a2) @ v[j]
+        if variant == "dint":  # A3: row i is the mean of rows 1..i of A1
+            a3 = torch.cumsum(a1, 0) / torch.arange(1, SEQ + 1, dtype=a1.dtype)[:, None]
+            head = head + lam * (a3 @ v[j])
+        heads.append(head)
+    return heads
+
+
+def softmax_heads(p: dict, xb: torch.Tensor) -> list[torch.Tensor]:
+    q, k, v = projections_softmax(p, xb)
+    return [causal_softmax(rope(q[i]), rope(k[i // (HEADS // KV_HEADS)])) @ v[i // (HEADS // KV_HEADS)]
+            for i in range(HEADS)]
+
+
+def head_norm(head: torch.Tensor, p: dict, scale: float) -> torch.Tensor:
+    """The paper's GroupNorm: RMSNorm of one head's output, times a fixed scale."""
+    rms = torch.sqrt((head ** 2).mean(-1, keepdim=True) + 1e-5)
+    return scale * head / rms * p["core_attention.head_norm_weight"]
+
+
+def naive_layer(p: dict, x: torch.Tensor, variant: str, lambda_init: float, normed: bool = True) -> torch.Tensor:
+    """x: [seq, batch, D] -> [seq, batch, D] for one batch element at a time. `normed`: the head-wise norm,
+    with DIFF's (1 - lambda_init) multiplier on the differential variants (none on softmax)."""
+    scale = 1.0 if variant == "softmax" else 1 - lambda_init
     outputs = []
     for b in range(x.shape[1]):
         xb = x[:, b]
-        q1, q2, k1, k2, v = (projections_shared if variant == "shared_diff" else projections_diff)(p, xb)
-        heads = []
-        for i in range(HEADS):
-            j = i // (HEADS // KV_HEADS)
-            a1 = causal_softmax(rope(q1[i]), rope(k1[j]))
-            a2 = causal_softmax(rope(q2[i]), rope(k2[j]))
-            head = (a1 - lam * a2) @ v[j]
-            if variant == "dint":  # A3: row i is the mean of rows 1..i of A1
-                a3 = torch.cumsum(a1, 0) / torch.arange(1, SEQ + 1, dtype=a1.dtype)[:, None]
-                head = head + lam * (a3 @ v[j])
-            rms = torch.sqrt((head ** 2).mean(-1, keepdim=True) + 1e-5)
-            heads.append((1 - lambda_init) * head / rms * p["core_attention.head_norm_weight"])
+        heads = softmax_heads(p, xb) if variant == "softmax" else differential_heads(p, xb, variant, lambda_init)
+        heads = [head_norm(head, p, scale) if normed else head for head in heads]
         outputs.append(torch.cat(heads, -1) @ p["linear_proj.weight"].T)
     return torch.stack(outputs, dim=1)
 
 
-@pytest.mark.parametrize("variant", ["diff", "dint", "shared_diff", "diff_constant_lambda"])
+# layer_worker's models: (the formula's variant, lambda_init if not the depth schedule's, head-wise norm)
+FORMULAS = {"diff": ("diff", None, True), "dint": ("dint", None, True), "shared_diff": ("shared_diff", None, True),
+            "diff_constant_lambda": ("diff", 0.5, True), "diff_no_head_norm": ("diff", None, False),
+            "softmax_head_norm": ("softmax", None, True)}
+
+
+@pytest.mark.parametrize("variant", FORMULAS)
 def test_layer_matches_paper_formula(layer_results, variant):
     res = layer_results[variant]
-    lambda_init = 0.5 if variant == "diff_constant_lambda" else 0.8 - 0.6 * math.exp(-0.3 * (LAYER_NUMBER - 1))
+    formula, constant, normed = FORMULAS[variant]
+    lambda_init = constant if constant is not None else 0.8 - 0.6 * math.exp(-0.3 * (LAYER_NUMBER - 1))
     params = {k: v.double().requires_grad_() for k, v in res["params"].items()}
     x = res["x"].double().requires_grad_()
-    expected = naive_layer(params, x, variant.replace("_constant_lambda", ""), lambda_init)
+    expected = naive_layer(params, x, formula, lambda_init, normed)
     torch.testing.assert_close(res["out"].double(), expected.detach(), rtol=1e-4, atol=1e-5)
     expected.backward(res["grad_out"].double())
     torch.testing.assert_close(res["grad_x"].double(), x.grad, rtol=1e-4, atol=1e-5)

@@ -11,7 +11,7 @@ from transformers import DiffLlamaConfig, LlamaConfig
 
 from megadiff.config import ModelConfig
 from megadiff.convert.check import CAST, EXACT, compare_logits, thresholds_for
-from megadiff.convert.hf_config import build_hf_config, model_fields_from_hf
+from megadiff.convert.hf_config import build_hf_config, choose_family, model_fields_from_hf
 from megadiff.convert.hf_layout import ConversionError
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -50,6 +50,17 @@ def test_a_model_megadiff_cannot_express_is_refused_by_name(setting, named):
     the logits check is skipped."""
     with pytest.raises(ConversionError, match=rf"llama: unsupported by megadiff: {named}"):
         model_fields_from_hf(LlamaConfig(**{**SMALL, **setting}), "llama")
+
+
+@pytest.mark.parametrize("variant, head_norm", [("diff", False), ("dint", False), ("softmax", True)])
+@pytest.mark.parametrize("remote_code", [False, True])
+def test_a_head_norm_ablation_is_refused_by_the_export(variant, head_norm, remote_code):
+    """The DIFF paper's table 6 models (DIFF without GroupNorm, the Transformer with it) have no Hugging Face class:
+    exported anyway, the norm would be dropped from, or added to, another model."""
+    model = ModelConfig(variant=variant, head_norm=head_norm)
+    with pytest.raises(ConversionError, match=f"model.head_norm is {head_norm} on variant {variant}"):
+        choose_family(model, remote_code)
+    assert choose_family(ModelConfig(variant=variant, head_norm=not head_norm), remote_code)
 
 
 def test_only_weights_rounded_by_the_export_get_the_cast_thresholds():

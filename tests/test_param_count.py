@@ -106,6 +106,9 @@ MODELS = {
     "dint": ["model.variant=dint"],
     "shared_diff_gqa": ["model.variant=shared_diff", "model.lowrank_rank=5", "model.num_kv_heads=2"],
     "softmax_gqa": ["model.variant=softmax", "model.num_attention_heads=8", "model.num_kv_heads=2"],
+    # the DIFF paper's table 6 ablations: DIFF without its head-wise norm, the Transformer with one
+    "diff_no_head_norm": ["model.variant=diff", "model.head_norm=false"],
+    "softmax_head_norm": ["model.variant=softmax", "model.num_attention_heads=8", "model.head_norm=true"],
 }
 SMALL = ["model.num_layers=3", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=96",
          "model.vocab_size=300", "model.make_vocab_size_divisible_by=64", "model.seq_length=16"]

@@ -6,7 +6,8 @@ from megadiff.config.schema import (
 from megadiff.config.validate import (
     ConfigError, data_parallel_size, lr_decay_length, micro_batches_per_step, padded_vocab_size, qkv_widths,
     refuse_a_file_for_directory, resolved_architecture, resolved_ffn_hidden_size, resolved_head_dim,
-    resolved_kv_heads, short_warmup_warning, validate_config, validate_model, validate_parallel, validate_wandb,
+    resolved_head_norm, resolved_kv_heads, short_warmup_warning, validate_config, validate_model, validate_parallel,
+    validate_wandb,
 )
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "ModelConfig", "ParallelConfig", "TrainConfig", "WandbFields", "build_config", "data_parallel_size", "dump_config",
     "load_config", "lr_decay_length", "micro_batches_per_step", "padded_vocab_size", "qkv_widths",
     "refuse_a_file_for_directory", "resolved_architecture", "resolved_ffn_hidden_size", "resolved_head_dim",
-    "resolved_kv_heads", "short_warmup_warning", "validate_config", "validate_model", "validate_parallel", "validate_wandb",
+    "resolved_head_norm", "resolved_kv_heads", "short_warmup_warning", "validate_config", "validate_model",
+    "validate_parallel", "validate_wandb",
 ]

@@ -88,6 +88,10 @@ class ModelConfig(Section):
     lambda_init: Union[Literal["depth"], float] = Field(
         "depth", description="'depth': 0.8 - 0.6 exp(-0.3 (l - 1)) for layers l = 1..L")
     lambda_std: float = Field(0.1, ge=0, description="std of the normal init of the four lambda vectors")
+    head_norm: Optional[bool] = Field(
+        None, description="RMSNorm of each head's output (the DIFF paper's GroupNorm); default: on for the "
+        "differential variants (scaled by 1 - lambda_init), off for softmax. The DIFF paper's table 6 ablates it: "
+        "false on DIFF (no norm, no multiplier), true on softmax (no multiplier)")
     lowrank_rank: int = Field(0, ge=0, description="Shared DIFF: rank r of the four low-rank updates")
     lowrank_zero_init: bool = Field(True, description="Shared DIFF: B factors start at zero (update = 0)")
     init_std: float = Field(0.02, gt=0)

@@ -32,20 +32,24 @@ def resolved_head_dim(model: ModelConfig) -> int:
     return model.hidden_size // (maps_per_head * model.num_attention_heads)
 
 
+def resolved_head_norm(model: ModelConfig) -> bool:
+    return model.variant in DIFFERENTIAL_VARIANTS if model.head_norm is None else model.head_norm
+
+
 def resolved_ffn_hidden_size(model: ModelConfig) -> int:
     if model.ffn_hidden_size is not None:
         return model.ffn_hidden_size
     return -(-(8 * model.hidden_size // 3) // 64) * 64
 
 
-DERIVED_MODEL_KEYS = ("head_dim", "num_kv_heads", "ffn_hidden_size")
+DERIVED_MODEL_KEYS = ("head_dim", "num_kv_heads", "ffn_hidden_size", "head_norm")
 
 
 def resolved_architecture(model: ModelConfig) -> dict:
     """The model's settings with the derived ones resolved: null and the value it stands for (a recipe's
     explicit head_dim, a conversion's default) are the same model."""
     return {**model.model_dump(), "head_dim": resolved_head_dim(model), "num_kv_heads": resolved_kv_heads(model),
-            "ffn_hidden_size": resolved_ffn_hidden_size(model)}
+            "ffn_hidden_size": resolved_ffn_hidden_size(model), "head_norm": resolved_head_norm(model)}
 
 
 def qkv_widths(model: ModelConfig) -> tuple[int, int, int]:
@@ -90,6 +94,9 @@ def validate_model(model: ModelConfig) -> None:
     if model.sdpa_kernels is not None and differential and model.attention_backend in ("triton", "reference"):
         _fail("model.sdpa_kernels", f"model.attention_backend={model.attention_backend} makes no SDPA call; "
               "sdpa_kernels orders those of auto (off CUDA), sdpa and sdpa_split_v")
+    if model.head_norm and not differential and model.transformer_impl == "te":
+        _fail("model.head_norm", "the softmax baseline with model.transformer_impl=te runs TE's attention, which "
+              "has no head-wise norm; use model.transformer_impl=local")
     if model.sdpa_kernels is not None and not differential and model.transformer_impl == "te":
         _fail("model.sdpa_kernels", "the softmax baseline with model.transformer_impl=te runs TE's attention, "
               "not SDPA; use model.transformer_impl=local")

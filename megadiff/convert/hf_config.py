@@ -11,7 +11,7 @@ import torch
 
 from megadiff.config import (
     DIFFERENTIAL_VARIANTS, ModelConfig, resolved_architecture, resolved_ffn_hidden_size, resolved_head_dim,
-    resolved_kv_heads,
+    resolved_head_norm, resolved_kv_heads,
 )
 from megadiff.config.validate import DERIVED_MODEL_KEYS
 from megadiff.convert.hf_layout import ConversionError
@@ -24,6 +24,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "diffllama", "megadiff")
 
 def choose_family(model: ModelConfig, remote_code: bool = False) -> str:
     """Which Hugging Face class (one of SUPPORTED_MODEL_TYPES) a megadiff model becomes."""
+    if resolved_head_norm(model) != (model.variant in DIFFERENTIAL_VARIANTS):
+        raise ConversionError(
+            f"model.head_norm is {model.head_norm} on variant {model.variant} (the DIFF paper's table 6 ablation): "
+            "Llama has no head-wise norm, and DiffLlama and megadiff's modeling code always apply one")
     if model.variant == "softmax":
         return "llama"
     if model.variant != "diff" or remote_code:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from megadiff.config import (
     DIFFERENTIAL_VARIANTS, Config, micro_batches_per_step, padded_vocab_size, qkv_widths,
-    resolved_ffn_hidden_size, resolved_head_dim,
+    resolved_ffn_hidden_size, resolved_head_dim, resolved_head_norm,
 )
 from megadiff.ops.common import triton_fits
 
@@ -91,8 +91,11 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
     checkpointed = tokens * (2 * q_width + 2 * k_width + v_width) * element
     # under context parallelism the core attention saves its Q and the whole sequence's gathered K and V
     gathered = tokens * q_width * element + share.kv_tokens * (k_width + v_width) * element
+    # model.head_norm's: its input (for softmax no longer a view linear_proj keeps) and statistics
+    head_norm = rms_norm_bytes(q_width, heads, element, device) if resolved_head_norm(m) else 0
     if m.variant not in DIFFERENTIAL_VARIANTS:  # SDPA's log-sum-exp; its output is linear_proj's input (a view)
-        return gathered if share.kv_tokens != tokens else checkpointed, checkpointed, tokens * heads * FP32
+        saved = gathered if share.kv_tokens != tokens else checkpointed
+        return saved, checkpointed, tokens * (heads * FP32 + head_norm)
     saved = gathered
     backend = m.attention_backend
     if backend == "auto":  # as ops.resolve_backend chooses: V's heads are 2d wide
@@ -118,7 +121,6 @@ def _attention_core_bytes(cfg: Config, device: str, share: _RankShare) -> tuple[
     if m.variant == "dint" and (backend != "triton" or share.kv_tokens != tokens):
         compiled = device == "cuda" and share.kv_tokens == tokens
         integral = q_width * FP32 + (0 if compiled else FP32)
-    head_norm = rms_norm_bytes(q_width, heads, element, device)
     return saved, checkpointed, tokens * (outputs + statistics + combine + integral + head_norm)
 
 

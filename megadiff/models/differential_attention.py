@@ -43,6 +43,26 @@ def sum_partial_gradients(model_chunks: list) -> None:
             grad.copy_(total)
 
 
+def head_norm_weight(config, width: int) -> torch.nn.Parameter | None:
+    """The weight of the RMSNorm of each head's output (width wide), or None where model.head_norm is off."""
+    if not config.normed_heads:
+        return None
+    weight = torch.nn.Parameter(torch.ones(width, dtype=config.params_dtype))
+    setattr(weight, PARTIAL_GRADIENT, True)
+    return weight
+
+
+def head_wise_norm(out: torch.Tensor, weight: torch.Tensor | None, scale: float, eps: float) -> torch.Tensor:
+    """[s, b, heads, width] -> [s, b, heads * width]: each head's RMSNorm times `scale`, or the heads as they
+    are without a weight (model.head_norm off: the DIFF paper's ablation drops the norm and its multiplier).
+    torch's rms_norm normalises in fp32 whatever the dtype it reads and writes (bf16 in training: an fp32 copy
+    of the output cost three more passes over it, and as many in backward); the scale rides on the weight
+    rather than taking another pass."""
+    if weight is not None:
+        out = F.rms_norm(out, (out.shape[-1],), (weight * scale).to(out.dtype), eps)
+    return out.reshape(*out.shape[:2], -1)
+
+
 def layer_lambda_init(lambda_init: str | float, layer_number: int) -> float:
     """megatron's layer_number is 1-based and global (pipeline offset included)."""
     return depth_lambda_init(layer_number - 1) if lambda_init == "depth" else float(lambda_init)
@@ -65,8 +85,8 @@ class DifferentialCoreAttention(MegatronModule):
         # megatron's Float16Module casts them with every weight, the optimizer keeping fp32 master copies
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             torch.nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32)) for _ in range(4))
-        self.head_norm_weight = torch.nn.Parameter(torch.ones(2 * self.head_dim, dtype=config.params_dtype))
-        for param in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.head_norm_weight):
+        self.head_norm_weight = head_norm_weight(config, 2 * self.head_dim)
+        for param in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             setattr(param, PARTIAL_GRADIENT, True)
         self.head_norm_eps = config.layernorm_epsilon
         # set by single-process inference only (the DIFF paper's Figure 8): attention logits quantized to
@@ -92,7 +112,7 @@ class DifferentialCoreAttention(MegatronModule):
         documents = packed_documents(packed_seq_params)
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by differential attention")
-        seq, batch, d = query.shape[0], query.shape[1], self.head_dim
+        d = self.head_dim
         # [s, b, 2h, d]: adjacent megatron heads are the two maps of one differential head; keys may
         # outnumber queries (a decoding step's queries attend to the cached keys too)
         v = value.reshape(*value.shape[:2], -1, 2 * d)
@@ -112,10 +132,5 @@ class DifferentialCoreAttention(MegatronModule):
                                                     integral_carry=self.integral_carry)
         # [b, s, ...] -> [s, b, ...]: the Triton kernel wrote its output [s, b, ...] in memory (as the
         # queries are), so the norm reads it in place and linear_proj's reshape copies nothing
-        out = out.transpose(0, 1)
-        # torch's rms_norm normalises in fp32 whatever the dtype it reads and writes (bf16 in training: an
-        # fp32 copy of the output cost three more passes over it, and as many in backward); the
-        # (1 - lambda_init) factor rides on the weight rather than taking another pass
-        weight = (self.head_norm_weight * (1.0 - self.lambda_init)).to(out.dtype)
-        out = F.rms_norm(out, (2 * d,), weight, self.head_norm_eps)
-        return out.to(query.dtype).reshape(seq, batch, -1)
+        out = head_wise_norm(out.transpose(0, 1), self.head_norm_weight, 1.0 - self.lambda_init, self.head_norm_eps)
+        return out.to(query.dtype)

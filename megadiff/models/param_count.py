@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from megadiff.config import (
     DIFFERENTIAL_VARIANTS, Config, ModelConfig, data_parallel_size, load_config, padded_vocab_size, qkv_widths,
-    resolved_ffn_hidden_size, resolved_head_dim, validate_config,
+    resolved_ffn_hidden_size, resolved_head_dim, resolved_head_norm, validate_config,
 )
 
 
@@ -48,13 +48,15 @@ def count_parameters(model: ModelConfig, tensor_parallel: int = 1) -> ParamCount
         qkv = hidden * (q // 2 + k // 2 + v) + lowrank_down + 2 * r * (q // 2) + 2 * r * (k // 2)
     else:
         qkv = hidden * (q + k + v)
-    differential_extras = 4 * d + 2 * d if model.variant in DIFFERENTIAL_VARIANTS else 0
+    differential = model.variant in DIFFERENTIAL_VARIANTS
+    # lambda's four vectors, and the head-wise norm's weight (a differential head's output is 2d wide)
+    vectors = (4 * d if differential else 0) + ((2 if differential else 1) * d if resolved_head_norm(model) else 0)
     ffn = resolved_ffn_hidden_size(model)
     vocab = padded_vocab_size(model, tensor_parallel)
     return ParamCount(
-        attention=qkv + q * hidden + differential_extras,  # linear_proj reads every query head's output
-        attention_replicated=differential_extras + lowrank_down,
-        attention_vectors=differential_extras,
+        attention=qkv + q * hidden + vectors,  # linear_proj reads every query head's output
+        attention_replicated=vectors + lowrank_down,
+        attention_vectors=vectors,
         mlp=3 * hidden * ffn,
         norms=2 * hidden,
         num_layers=model.num_layers,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megadiff.config import (
-    DIFFERENTIAL_VARIANTS, Config, resolved_ffn_hidden_size, resolved_head_dim, resolved_kv_heads,
+    DIFFERENTIAL_VARIANTS, Config, resolved_ffn_hidden_size, resolved_head_dim, resolved_head_norm, resolved_kv_heads,
 )
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -29,11 +29,16 @@ class MegadiffTransformerConfig(TransformerConfig):
     variant: str = "softmax"
     lambda_init: Union[str, float] = "depth"
     lambda_std: float = 0.1
+    head_norm: Optional[bool] = None  # RMSNorm of each head's output (model.head_norm); None: the variant's default
     lowrank_rank: int = 0
     lowrank_zero_init: bool = True
     attention_backend_name: str = "auto"
     sdpa_kernels: Optional[list[str]] = None  # model.sdpa_kernels: the order SDPA's kernels are tried in
     float8_linears: bool = False  # the local layers' linears in float8 (models/float8.py, fp8_backend=torchao)
+
+    @property
+    def normed_heads(self) -> bool:
+        return self.variant in DIFFERENTIAL_VARIANTS if self.head_norm is None else self.head_norm
 
     @property
     def differential_heads(self) -> int:
@@ -103,6 +108,7 @@ def to_transformer_config(cfg: Config) -> MegadiffTransformerConfig:
         variant=m.variant,
         lambda_init=m.lambda_init,
         lambda_std=m.lambda_std,
+        head_norm=resolved_head_norm(m),
         lowrank_rank=m.lowrank_rank,
         lowrank_zero_init=m.lowrank_zero_init,
         attention_backend_name=m.attention_backend,
