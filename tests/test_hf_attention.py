@@ -202,6 +202,20 @@ def test_a_model_whose_attention_logits_are_soft_capped_is_refused(tokenizer_dir
         hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
 
 
+def test_a_model_with_attention_sinks_is_refused(tokenizer_dir):
+    """GraniteSWA (as gpt-oss) gives each head a learned sink logit, which SDPA (the capture's attention) leaves out:
+    its rows were read, and the pass run, as another model's."""
+    from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
+
+    torch.manual_seed(0)
+    model = GraniteSWAForCausalLM(GraniteSWAConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256, sliding_window=8)).eval()
+    with pytest.raises(ConfigError, match=r"GraniteSWAForCausalLM has attention sinks \(model.layers.0.self_attn"):
+        hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+
+
 @pytest.mark.parametrize("apply", [None, apply_dex, apply_daa])
 def test_a_layers_queries_keys_and_values_are_freed_before_the_next_layer_attends(tokenizer_dir, monkeypatch, apply):
     """Only each layer's rows outlive its attention: every layer's tensors of a 64K context kept to

@@ -98,6 +98,20 @@ def _layer_rows(module, calls: list[torch.Tensor]) -> torch.Tensor:
     return rows
 
 
+def _refuse_what_sdpa_leaves_out(hf) -> None:
+    """A model whose attention SDPA (which the calls go on through) and the rows read do not compute: run on,
+    the pass was another model's, every later layer's states and rows with it."""
+    softcap = getattr(hf.config, "attn_logit_softcapping", None)
+    if softcap:  # Gemma 2's
+        raise ConfigError(f"{type(hf).__name__} soft-caps its attention logits (attn_logit_softcapping={softcap}), "
+                          "which reading its attention through SDPA would not do: its attention cannot be read")
+    # gpt-oss's, GraniteSWA's: a learned logit per head beside the keys', which the attention call is given
+    sinks = [name for name, _ in hf.named_parameters() if name.endswith(".sinks")]
+    if sinks:
+        raise ConfigError(f"{type(hf).__name__} has attention sinks ({sinks[0]}, ...), which reading its attention "
+                          "through SDPA would leave out: its attention cannot be read")
+
+
 @contextmanager
 def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     """Within: every attention call of `hf`'s forward passes is shown to on_call(module, query,
@@ -109,10 +123,7 @@ def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    softcap = getattr(hf.config, "attn_logit_softcapping", None)
-    if softcap:  # Gemma 2's: SDPA, which the calls go on through, has no soft cap (nor have the rows read)
-        raise ConfigError(f"{type(hf).__name__} soft-caps its attention logits (attn_logit_softcapping={softcap}), "
-                          "which reading its attention through SDPA would not do: its attention cannot be read")
+    _refuse_what_sdpa_leaves_out(hf)
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
         attended = attention_mask
