@@ -457,6 +457,30 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
     torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
 
 
+@pytest.mark.parametrize("arch", ["Mixtral", "Qwen3Moe"])
+def test_hf_measures_a_mixture_of_experts_as_its_own_forward_does(tmp_path, arch):
+    """Mixtral's and Qwen-MoE's forward reads its decoder's router logits: --hf refused every mixture of experts
+    as "not a Llama-like decoder", though its losses and logits are those of its decoder's states and head."""
+    import transformers
+
+    from megadiff.inference.hf_model import load_hf_model
+
+    config_cls, model_cls = getattr(transformers, f"{arch}Config"), getattr(transformers, f"{arch}ForCausalLM")
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                              max_position_embeddings=32, num_local_experts=4, num_experts=4,
+                              num_experts_per_tok=2)).eval()
+    hf.save_pretrained(build_tokenizer(tmp_path))
+    model = load_hf_model(tmp_path)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    with torch.no_grad():
+        logits = hf(ids).logits
+    torch.testing.assert_close(model(ids, labels), F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
+    torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
+
+
 def test_hf_refuses_a_model_saved_without_its_head(tmp_path):
     """A LlamaModel's directory (the decoder saved without lm_head) loads in transformers as a causal LM whose head
     it draws at random, with a note in its load report: --hf measured that head and reported its numbers as the

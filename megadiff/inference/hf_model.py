@@ -125,11 +125,13 @@ class HFCausalLM:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, n, H] decoder states -> [B, n, V] as the model's own forward makes them: its forward runs
         with the decoder answering `hidden`, so what it does after the head (Granite's logits_scaling,
-        Gemma2's final_logit_softcapping, Cohere's logit_scale) is done too."""
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        Gemma2's final_logit_softcapping, Cohere's logit_scale) is done too. The answer is a mixture of experts'
+        decoder's output (its router logits None): Mixtral's, Qwen-MoE's forward reads them (for an auxiliary loss
+        it computes only when asked), and a plain decoder's output made every such model refused."""
+        from transformers.modeling_outputs import MoeModelOutputWithPast
 
         decoder = self.hf.get_decoder()
-        decoder.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+        decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=hidden)
         try:
             placeholder = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
             return self.hf(input_ids=placeholder, use_cache=False).logits
