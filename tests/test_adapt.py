@@ -19,8 +19,8 @@ from megadiff.adapt import (
 )
 from megadiff.adapt.config import AdaptationConfig
 from megadiff.adapt.documents import document_position_ids, model_inputs
-from megadiff.adapt.apply import adapted_modules
-from megadiff.adapt.export import save_adapted
+from megadiff.adapt.apply import adapt_with_plan, adapted_modules, has_tied_head
+from megadiff.adapt.export import save_adapted, save_finetuned
 from megadiff.adapt.modeling_adapted import install_adapters
 from megadiff.adapt.selection import attention_entropy, head_importance
 from tests.test_host_syncs import ReadCounter
@@ -445,6 +445,31 @@ def test_default_config_is_the_papers():
         assert layer.self_attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * i))
         assert layer.self_attn.adapter_method == "dex"
     assert trained(model) and not any("q_proj" in n or "mlp" in n for n in trained(model))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_control_keeps_the_stock_model_trains_daa_s_parameters_and_saves_it_stock(arch, tmp_path):
+    """adaptation.method finetune: a Dex recipe's head and lambda settings plan no adapter, the model computes what
+    it did, the attention modules and the LM head train (DAA's FT), and the export loads without remote code as
+    the stock class, with the trained model's logits."""
+    model = tiny_model(arch, init=0.2)
+    original, x = copy.deepcopy(model), tokens()
+    config = AdaptationConfig(method="finetune", selection="entropy", heads_fraction=0.25, calibration_batches=8)
+    plan = plan_adaptation(model, config)
+    assert plan["layers"] == []
+    adapt_with_plan(model, plan, config.trainable_patterns(has_tied_head(model)))
+    assert not adapted_modules(model) and type(model) is type(original)
+    assert trained(model) == {n for n, _ in model.named_parameters() if ".self_attn." in n} | {"lm_head.weight"}
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, original(x).logits)
+        for param in (p for p in model.parameters() if p.requires_grad):  # as training moves them
+            param.add_(0.01 * torch.randn_like(param))
+    save_finetuned(model, tmp_path / "hf")
+    assert not list((tmp_path / "hf").glob("*.py"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded) is type(original)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
 
 
 @pytest.mark.parametrize("arch,variant", [("llama", "dex-entropy"), ("qwen2", "daa-half-heads"), ("mistral", "diff_q"),

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from megadiff.adapt.config import DAA_METHODS, AdaptationConfig, AdaptationError, coerce_config
+from megadiff.adapt.config import CONTROL_METHOD, DAA_METHODS, AdaptationConfig, AdaptationError, coerce_config
 from megadiff.adapt.modeling_adapted import ADAPTED_ATTENTION, EXPORT_CLASSES, AdaptedAttention, install_adapters
 from megadiff.adapt.selection import select_heads
 from megadiff.ops.lambdas import depth_lambda_init
@@ -60,9 +60,23 @@ def validate_given_heads(heads: list[list[int]], num_layers: int, num_heads: int
 
 def plan_adaptation(model: nn.Module, config: AdaptationConfig,
                     calibration: Optional[Iterable[torch.Tensor]] = None, document_eos: Optional[int] = None) -> dict:
-    """The `adaptation` dict (see modeling_adapted) for this model: heads and lambda_init per layer.
-    `document_eos`: measure the calibration batches attending within their documents."""
+    """The `adaptation` dict (see modeling_adapted) for this model: heads and lambda_init per layer (no layer for
+    the control). `document_eos`: measure the calibration batches attending within their documents."""
     check_supported(model)
+    return {
+        "method": config.method,
+        "anneal_steps": config.anneal_steps,
+        "step": 0,
+        "lambda_learn_init": config.lambda_learn_init,
+        "daa_weight_before_rope": True,
+        # the control adapts no layer: it selects (and measures) nothing
+        "layers": [] if config.method == CONTROL_METHOD else _planned_layers(model, config, calibration, document_eos),
+    }
+
+
+def _planned_layers(model: nn.Module, config: AdaptationConfig, calibration: Optional[Iterable[torch.Tensor]],
+                    document_eos: Optional[int]) -> list[dict]:
+    """Per layer, the adapted heads and lambda_init."""
     num_layers, num_heads = len(model.model.layers), model.config.num_attention_heads
     selection = config.resolved_selection
     if selection == "given":
@@ -74,16 +88,9 @@ def plan_adaptation(model: nn.Module, config: AdaptationConfig,
             warnings.warn(f"no calibration batches given: measuring head {selection} on random tokens")
             batches = random_calibration(model, config.calibration_batches)
         heads = select_heads(model, selection, config.heads_fraction, batches, document_eos)
-    return {
-        "method": config.method,
-        "anneal_steps": config.anneal_steps,
-        "step": 0,
-        "lambda_learn_init": config.lambda_learn_init,
-        "daa_weight_before_rope": True,
-        "layers": [{"heads": row, "lambda_init": (depth_lambda_init(i) if config.lambda_init == "depth"
-                                                  else float(config.lambda_init))}
-                   for i, row in enumerate(heads)],
-    }
+    return [{"heads": row, "lambda_init": (depth_lambda_init(i) if config.lambda_init == "depth"
+                                           else float(config.lambda_init))}
+            for i, row in enumerate(heads)]
 
 
 def has_tied_head(model: nn.Module) -> bool:
@@ -104,10 +111,17 @@ def set_trainable(model: nn.Module, patterns: list[str]) -> list[str]:
     return trained
 
 
+def adapts(plan: dict) -> bool:
+    """Whether a plan installs adapters: every method's does, the control's not."""
+    return plan["method"] != CONTROL_METHOD
+
+
 def adapt_with_plan(model: nn.Module, plan: dict, trainable: list[str]) -> nn.Module:
-    """Install a planned adaptation (e.g. one saved by an earlier run) and apply the freeze policy."""
+    """Install a planned adaptation (e.g. one saved by an earlier run) and apply the freeze policy (the
+    control's plan installs nothing: its model stays the stock one)."""
     check_supported(model)
-    install_adapters(model, plan)
+    if adapts(plan):
+        install_adapters(model, plan)
     set_trainable(model, trainable)
     return model
 

@@ -15,8 +15,10 @@ from megadiff.config import ConfigError
 from megadiff.config.loader import format_validation_error
 from megadiff.config.schema import StrictNumbers
 
-Method = Literal["dex", "daa", "diff_q", "diff_k", "diff_v"]
+Method = Literal["dex", "daa", "diff_q", "diff_k", "diff_v", "finetune"]
 DAA_METHODS = ("daa",) + INPUT_METHODS
+# the papers' control (their "FT" rows): the same model fine-tuned on the same data, without any adapter
+CONTROL_METHOD = "finetune"
 
 # Parameters trained by default (fnmatch patterns on parameter names)
 LM_HEAD = "lm_head.*"
@@ -27,7 +29,12 @@ PAPER_TRAINABLE = {
     # DAA appendix E.2 (its Llama models): every parameter of the attention modules and the LM head
     # (E.1's GPT-2 kept the head frozen), the rest frozen
     **{method: ["*.self_attn.*", LM_HEAD] for method in DAA_METHODS},
+    # DAA's FT rows (appendix E: standard attention, trained as its methods are); docs/SPEC.md section 6
+    CONTROL_METHOD: ["*.self_attn.*", LM_HEAD],
 }
+
+
+NO_HEADS = "none"  # the control's selection: it adapts no head, so it measures nothing
 
 
 class AdaptationError(ConfigError):
@@ -35,7 +42,9 @@ class AdaptationError(ConfigError):
 
 
 class AdaptationConfig(StrictNumbers):
-    method: Method = Field("dex", description="dex | daa, or DAA's ablations diff_q | diff_k | diff_v")
+    method: Method = Field("dex", description="dex | daa, or DAA's ablations diff_q | diff_k | diff_v, or "
+                           "finetune: the papers' control, the same parameters trained without any adapter (the "
+                           "head and lambda settings then describe nothing, and a recipe's are ignored)")
     selection: Optional[Literal["entropy", "importance", "all"]] = Field(
         None, description="which heads of each layer to adapt: 'entropy' (highest first), 'importance' "
         "(lowest first, Michel et al. 2019) on calibration batches, or 'all'. Default: entropy for dex, "
@@ -66,7 +75,7 @@ class AdaptationConfig(StrictNumbers):
         """heads_fraction is the share of each layer's heads that entropy or importance ranks first: with every
         head or selected_heads it was ignored without a word (DAA's default selection is every head)."""
         default = type(self).model_fields["heads_fraction"].default
-        if self.heads_fraction != default and self.resolved_selection not in MEASURED_SELECTIONS:
+        if self.heads_fraction != default and self.resolved_selection not in (*MEASURED_SELECTIONS, NO_HEADS):
             chosen = "selected_heads" if self.resolved_selection == "given" else \
                 f"{self.method} with selection 'all' (every head of each layer)"
             raise ValueError(f"heads_fraction={self.heads_fraction} takes a share of the heads that selection "
@@ -87,7 +96,10 @@ class AdaptationConfig(StrictNumbers):
 
 
 def resolve_selection(method: str, selection: str | None, selected_heads: list | None) -> str:
-    """The selection a method runs: 'given' heads, else the one set, else the method's default."""
+    """The selection a method runs: none for the control, else the 'given' heads, else the one set, else the
+    method's default."""
+    if method == CONTROL_METHOD:
+        return NO_HEADS
     if selected_heads is not None:
         return "given"
     if selection is not None:

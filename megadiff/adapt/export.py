@@ -3,6 +3,7 @@
 config.json whose `model_type`/`auto_map` point at the bundled model code
 (modeling_megadiff_adapted.py, a copy of megadiff/adapt/modeling_adapted.py), the `adaptation`
 dict (method, heads, lambda_init, T and the step t the weights belong to), and the tokenizer.
+The control (adaptation.method finetune) has no adapter: save_finetuned writes its stock architecture.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from megadiff.adapt import modeling_adapted
 from megadiff.adapt.config import AdaptationError
@@ -20,7 +22,6 @@ from megadiff.adapt.settings import MODEL_CODE_MODULE
 from megadiff.data.conversations import stop_ids
 from megadiff.data.tokenizers import HFTokenizer, save_for_any_transformers
 from megadiff.files import publish_staged, staging_dir
-
 
 
 def adapted_classes(model: nn.Module) -> tuple[type, type, type]:
@@ -78,14 +79,27 @@ def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[d
     """Write the HF directory. `state_dict`: the full weights when the model's own are partitioned (ZeRO-3).
     It is written aside and named when whole: killed between the weights and the adapted config, it loaded
     as the base architecture, the adapters' weights ignored."""
-    directory = Path(directory)
-    config = adapted_config(model)
+    return _save(model, Path(directory), adapted_config(model), state_dict, tokenizer)
+
+
+def save_finetuned(model: nn.Module, directory: str | Path, state_dict: Optional[dict] = None,
+                   tokenizer=None) -> Path:
+    """The control's HF directory (adaptation.method finetune): its model is the stock architecture
+    (LlamaForCausalLM, ...), saved with its own config and no model code, so it loads without remote code."""
+    return _save(model, Path(directory), None, state_dict, tokenizer)
+
+
+def _save(model: nn.Module, directory: Path, adapted: Optional[PretrainedConfig], state_dict: Optional[dict],
+          tokenizer) -> Path:
+    """save_adapted's and save_finetuned's directory; `adapted`: the adapted config and model code replace the
+    stock ones."""
     staged = staging_dir(directory)
     shutil.rmtree(staged, ignore_errors=True)  # a killed export's
     model.save_pretrained(staged, state_dict=state_dict)
-    config.save_pretrained(staged)  # replaces the base model's config.json
-    _name_rope_for_transformers4(staged, config)
-    shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
+    if adapted is not None:
+        adapted.save_pretrained(staged)  # replaces the base model's config.json
+        shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
+    _name_rope_for_transformers4(staged, adapted or model.config)
     if tokenizer is not None:
         save_for_any_transformers(tokenizer, staged)
         _stop_at_turn_end(staged, tokenizer)

@@ -13,6 +13,9 @@ DeepSpeed ZeRO 1/2/3, under torchrun, the deepspeed launcher, Slurm, or as one p
    code 75: requeue me) and at the end; rerunning the same command continues from the latest one
    with the same data order;
 6. at the end the HF directory (export_dir) is written. <output_dir>/config.yaml is the resolved config.
+
+adaptation.method finetune, the papers' control, runs the same steps without adapters: nothing measured in 3,
+no lambda in 4, and the stock architecture exported in 6.
 """
 from __future__ import annotations
 
@@ -28,10 +31,10 @@ import numpy as np
 import torch
 
 from megadiff.adapt import deepspeed_setup as dss
-from megadiff.adapt.apply import adapt_with_plan, current_lambdas, set_step
+from megadiff.adapt.apply import adapt_with_plan, adapts, current_lambdas, set_step
 from megadiff.adapt.data import IGNORED_LABEL, BatchReader, build_packed_dataset
 from megadiff.adapt.documents import model_inputs
-from megadiff.adapt.export import save_adapted
+from megadiff.adapt.export import save_adapted, save_finetuned
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
 from megadiff.adapt.reshard import universal_form
 from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
@@ -134,13 +137,16 @@ def _train_iteration(engine, reader: BatchReader, iteration: int, grad_accum: in
     return Iteration(loss, lr, [] if math.isfinite(loss) else ranks_where(not bool(own_losses.isfinite().all())))
 
 
-def _export(cfg: FinetuneConfig, engine, tokenizer, stage: int, rank: int) -> None:
+def _export(cfg: FinetuneConfig, engine, tokenizer, plan: dict, stage: int, rank: int) -> None:
     import torch.distributed as dist
 
     state_dict = engine._consolidated_16bit_state_dict() if stage == 3 else None
-    if rank == 0:
+    if rank == 0 and adapts(plan):
         path = save_adapted(engine.module, cfg.resolved_export_dir, state_dict=state_dict, tokenizer=tokenizer)
         print(f"saved the adapted model to {path} (load with trust_remote_code=True)", flush=True)
+    elif rank == 0:
+        path = save_finetuned(engine.module, cfg.resolved_export_dir, state_dict=state_dict, tokenizer=tokenizer)
+        print(f"saved the fine-tuned model to {path} ({type(engine.module).__name__}, no remote code)", flush=True)
     dist.barrier()
 
 
@@ -264,7 +270,7 @@ def finetune(cfg: FinetuneConfig) -> int:
             iteration, exit_code = start, 0
             while iteration < cfg.train.iters:
                 iteration += 1
-                set_step(engine.module, _updates_applied(engine))  # lambda(0) = 0 on the first
+                _anneal(engine, plan)  # lambda(0) = 0 on the first
                 torch.manual_seed(iteration_seed(cfg.train.seed, iteration, rank))
                 began = time.perf_counter()
                 with watchdog:
@@ -284,7 +290,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                               "grad_norm": _grad_norm(engine) if stepped else None, "skipped_iterations": skipped,
                               "no_loss_tokens": not stepped or None,
                               **_loss_scale(engine, cfg.train.precision, overflows),
-                              "tokens_per_s": tokens_per_iteration / seconds, "lambda": current_lambdas(engine.module)}
+                              "tokens_per_s": tokens_per_iteration / seconds,
+                              "lambda": current_lambdas(engine.module) or None}  # None: the control has none
                     writer.log({key: value for key, value in record.items() if value is not None})
                 if writer is not None and not stepped:
                     writer.print(f"iteration {iteration}: no loss tokens in the global batch (every target masked): "
@@ -312,8 +319,8 @@ def finetune(cfg: FinetuneConfig) -> int:
                                      "same command to resume" + (f" (exit code {exit_code})" if stop.signalled else ""))
                     break
             else:
-                set_step(engine.module, _updates_applied(engine))
-                _export(cfg, engine, tokenizer, stage, rank)
+                _anneal(engine, plan)
+                _export(cfg, engine, tokenizer, plan, stage, rank)
             failed = False
         finally:  # an error leaves no empty stalls file, and the metrics closed
             watchdog.close()
@@ -322,6 +329,12 @@ def finetune(cfg: FinetuneConfig) -> int:
             elif wandb is not None:  # failed before the metrics writer took the W&B run over
                 wandb.close(failed=failed)
         return exit_code
+
+
+def _anneal(engine, plan: dict) -> None:
+    """The adapted layers' lambda(t) at t = the updates applied so far (the control has no lambda)."""
+    if adapts(plan):
+        set_step(engine.module, _updates_applied(engine))
 
 
 def _updates_applied(engine) -> int:

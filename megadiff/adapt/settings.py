@@ -295,7 +295,7 @@ def validate_finetune(cfg: FinetuneConfig) -> None:
     tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
     if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ConfigError(f"model.tokenizer: no tokenizer files in {tokenizer_dir}")
-    if cfg.adaptation.selected_heads is not None:
+    if cfg.adaptation.resolved_selection == "given":  # the control's are ignored, as a Dex recipe's are
         validate_given_heads(cfg.adaptation.selected_heads, hf_config["num_hidden_layers"],
                              hf_config["num_attention_heads"])
     _check_data_files(cfg.data)
