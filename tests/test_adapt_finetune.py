@@ -397,6 +397,34 @@ def test_fp16_steps_its_loss_scaler_skips_are_counted_with_the_scale_and_across_
     assert [{k: r[k] for k in keys} for r in read_metrics(stopped)] == [{k: r[k] for k in keys} for r in records]
 
 
+def fp16_outcome(rank: int, world_size: int, config: str, overrides: list[str], report: str) -> None:
+    """finetuned_with_fp16_on_cpu in a spawned rank; what it returned or raised goes to `report`."""
+    try:
+        outcome = f"finished with exit code {finetuned_with_fp16_on_cpu(config, overrides)}"
+    except MegadiffError as error:
+        outcome = str(error)
+    Path(report).write_text(outcome)
+
+
+@pytest.mark.slow
+def test_fp16_steps_skipped_under_a_static_loss_scale_are_bounded(workspace, tmp_path, monkeypatch):
+    """A static loss scale (fp16.loss_scale in a user's DeepSpeed JSON) is never lowered and never stops the run:
+    at 2^40 every step overflowed and was left out, and the run went on to its end, exporting its untrained model
+    with exit code 0. Its skips now count against train.max_skipped_nan_iters, as bf16's and fp32's do."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
+    ds["fp16"]["loss_scale"] = 2 ** 40
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    output, report = tmp_path / "static", tmp_path / "outcome"
+    run_ranks(1, fp16_outcome, str(workspace / "adapt.yaml"),
+              ["train.precision=fp16", f"deepspeed={tmp_path / 'ds.json'}", f"output_dir={output}", "train.iters=6",
+               "train.max_skipped_nan_iters=2", "checkpoint.save_interval=1"], str(report))
+    assert report.read_text().startswith("iteration 3: 3 steps skipped for a non-finite loss or gradient")
+    assert [r["skipped_iterations"] for r in read_metrics(output)] == [1, 2, 3]
+    assert (output / "checkpoints" / "latest").read_text() == "iter_0000002" and not (output / "hf").exists()
+
+
 def adam_settings_seen(config: str, overrides: list[str], report: str) -> int:
     """finetuned's run; rank 0 records, as each iteration begins, the settings of the torch AdamW that steps
     (inside DeepSpeed's ZeRO optimizer)."""

@@ -348,8 +348,11 @@ def _updates_applied(engine) -> int:
 def _skipped_for_non_finite(engine, precision: str) -> bool:
     """Whether DeepSpeed left this step's update out: it does so, silently and in every precision, when the
     global gradient norm is not finite (as a NaN or inf loss makes it), and returns as if it had stepped.
-    fp16's skips are its loss scaler's, which lowers the scale, and stops the run itself at its lowest."""
-    return precision != "fp16" and not engine.was_step_applied()
+    fp16's skips are its dynamic loss scaler's, which lowers the scale, and stops the run itself at its lowest.
+    A static one (the JSON's fp16.loss_scale) lowers and stops nothing: a run whose every step overflowed went on
+    to its end and exported its untrained model with exit code 0, so its skips are counted and bounded as these."""
+    skips_unbounded = precision != "fp16" or not engine.dynamic_loss_scale()
+    return skips_unbounded and not engine.was_step_applied()
 
 
 def _loss_scale(engine, precision: str, overflows: int) -> dict:

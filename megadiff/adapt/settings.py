@@ -86,8 +86,9 @@ class TrainSection(StrictNumbers):
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     max_skipped_nan_iters: int = Field(10, ge=0, description="the steps DeepSpeed skips for a non-finite loss or "
-                                       "gradient (bf16, fp32) a run goes on after, over the whole run (checkpoints "
-                                       "carry the count): one more stops it (exit code 3)")
+                                       "gradient (bf16, fp32; fp16 under a static loss scale) a run goes on after, "
+                                       "over the whole run (checkpoints carry the count): one more stops it (exit "
+                                       "code 3)")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                          "backward (transformers' gradient checkpointing): a layer's activations "
                                          "held at a time, for long sequences of large models (DAA's recipe)")
