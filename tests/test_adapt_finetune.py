@@ -1660,6 +1660,23 @@ def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
         deepspeed_config(cfg, world_size=2)
 
 
+@pytest.mark.parametrize("key, needed, value, said", [
+    ("managed_gradient_accumulation", True, False, "an update at every micro-step")])
+def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspace, tmp_path, key, needed, value,
+                                                                         said):
+    """megadiff calls DeepSpeed's step() after every micro-step and leaves the accumulation boundary to DeepSpeed's
+    count: managed_gradient_accumulation = false made each micro-step an update (the lr schedule ran grad_accum
+    times as fast, silently). Refused before anything runs; the value the loop needs, or "auto", is kept."""
+    path = tmp_path / "ds.json"
+    for accepted in ("auto", needed):
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: accepted}))
+        cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={path}"])
+        assert deepspeed_config(cfg, world_size=2)[key] == accepted
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: value}))
+    with pytest.raises(ConfigError, match=f"deepspeed: .* sets {key} = {json.dumps(value)}: .*{said}"):
+        deepspeed_config(cfg, world_size=2)
+
+
 @pytest.mark.parametrize("precision, section, key", [("bf16", "bf16", "check_grad_overflow"),
                                                    ("fp32", "zero_optimization", "compute_grad_norm")])
 def test_a_deepspeed_json_that_applies_non_finite_gradients_is_refused(workspace, tmp_path, precision, section, key):

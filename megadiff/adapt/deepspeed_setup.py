@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from datetime import timedelta
 
@@ -25,6 +26,15 @@ AUTO = "auto"
 # those steps: train.max_skipped_nan_iters): fp16's loss scaler always; in bf16 its overflow check, in fp32 the
 # gradient norm. A JSON turning that off made one NaN step every weight's, in each later checkpoint and the export
 GRADIENT_CHECKS = {"bf16": ("bf16", "check_grad_overflow"), "fp32": ("zero_optimization", "compute_grad_norm")}
+
+
+# DeepSpeed settings megadiff's training loop depends on, with the value it needs and what another one did: each
+# trained silently other than the adapt config says. The loop calls DeepSpeed's step() after every micro-step
+LOOP_SETTINGS = {
+    "managed_gradient_accumulation": (True, "DeepSpeed then applies an update at every micro-step, so each "
+                                      "iteration made train.grad_accum updates of one micro-batch each, and the lr "
+                                      "schedule ran train.grad_accum times as fast"),
+}
 
 
 def _fill(section: dict, key: str, value, where: str) -> None:
@@ -58,6 +68,7 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
                           "checkpoints are DeepSpeed's own, which it resumes as written, and converts to the "
                           "universal form itself for a rerun on another number of ranks: remove it")
     _refuse_unchecked_gradients(ds, train.precision, cfg.deepspeed)
+    _refuse_other_loop_settings(ds, cfg.deepspeed)
     for precision in ("bf16", "fp16"):
         _fill(ds.setdefault(precision, {}), "enabled", train.precision == precision, f"{precision}.")
     ds.setdefault("steps_per_print", 2**31 - 1)  # megadiff logs; keep DeepSpeed's own step log quiet
@@ -75,6 +86,13 @@ def _refuse_unchecked_gradients(ds: dict, precision: str, path: str) -> None:
         raise ConfigError(f"deepspeed: {path} sets {section}.{key} = false: under train.precision={precision} "
                           "DeepSpeed then applies a step's NaN or inf gradients, and one such step makes every "
                           "weight NaN (in each later checkpoint and the export): remove it")
+
+
+def _refuse_other_loop_settings(ds: dict, path: str) -> None:
+    for key, (needed, what_it_did) in LOOP_SETTINGS.items():
+        value = ds.get(key, AUTO)
+        if value != AUTO and value != needed:
+            raise ConfigError(f"deepspeed: {path} sets {key} = {json.dumps(value)}: {what_it_did}; remove it")
 
 
 # a param group's key: its parameters never decay, whatever train.weight_decay (read again on resume)
