@@ -1661,12 +1661,15 @@ def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
 
 
 @pytest.mark.parametrize("key, needed, value, said", [
-    ("managed_gradient_accumulation", True, False, "an update at every micro-step")])
+    ("managed_gradient_accumulation", True, False, "an update at every micro-step"),
+    ("gradient_allreduce_op", "mean", "sum", "the number of ranks times the global batch's")])
 def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspace, tmp_path, key, needed, value,
                                                                          said):
     """megadiff calls DeepSpeed's step() after every micro-step and leaves the accumulation boundary to DeepSpeed's
     count: managed_gradient_accumulation = false made each micro-step an update (the lr schedule ran grad_accum
-    times as fast, silently). Refused before anything runs; the value the loop needs, or "auto", is kept."""
+    times as fast, silently); its loss is normalised for averaged gradients, and gradient_allreduce_op = sum made
+    the gradient norm (logged, and clipped at train.grad_clip) the number of ranks times the global batch's.
+    Refused before anything runs; the value the loop needs, or "auto", is kept."""
     path = tmp_path / "ds.json"
     for accepted in ("auto", needed):
         path.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: accepted}))

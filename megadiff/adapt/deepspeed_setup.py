@@ -34,6 +34,9 @@ LOOP_SETTINGS = {
     "managed_gradient_accumulation": (True, "DeepSpeed then applies an update at every micro-step, so each "
                                       "iteration made train.grad_accum updates of one micro-batch each, and the lr "
                                       "schedule ran train.grad_accum times as fast"),
+    # the loss is normalised for averaged gradients (finetune._train_iteration)
+    "gradient_allreduce_op": ("mean", "DeepSpeed then sums the ranks' gradients, so the gradient norm, logged and "
+                              "clipped at train.grad_clip, is the number of ranks times the global batch's"),
 }
 
 
@@ -91,8 +94,12 @@ def _refuse_unchecked_gradients(ds: dict, precision: str, path: str) -> None:
 def _refuse_other_loop_settings(ds: dict, path: str) -> None:
     for key, (needed, what_it_did) in LOOP_SETTINGS.items():
         value = ds.get(key, AUTO)
-        if value != AUTO and value != needed:
+        if value != AUTO and _as_deepspeed_reads(value) != needed:
             raise ConfigError(f"deepspeed: {path} sets {key} = {json.dumps(value)}: {what_it_did}; remove it")
+
+
+def _as_deepspeed_reads(value):
+    return value.lower() if isinstance(value, str) else value  # its names of operations, in any case
 
 
 # a param group's key: its parameters never decay, whatever train.weight_decay (read again on resume)
