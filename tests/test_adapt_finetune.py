@@ -1701,6 +1701,27 @@ def test_a_deepspeed_json_that_applies_non_finite_gradients_is_refused(workspace
     assert deepspeed_config(other, world_size=2)[section][key] is False
 
 
+def test_a_deepspeed_json_s_bfloat16_section_is_read_as_its_bf16_section(workspace, tmp_path):
+    """DeepSpeed reads a section named by its older name, bfloat16, where there is no bf16 section, and the bf16
+    section filled from train.precision shadowed it: one enabling bf16 trained in fp32, one turning off the bf16
+    overflow check kept it on, both silently. It is read as bf16 is, and with a bf16 section beside it refused."""
+    path = tmp_path / "ds.json"
+
+    def config_with(ds: dict, precision: str) -> dict:
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **ds}))
+        cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={path}", f"train.precision={precision}"])
+        return deepspeed_config(cfg, world_size=2)
+
+    enabled = {"bfloat16": {"enabled": True}}
+    assert config_with(enabled, "bf16")["bf16"] == {"enabled": True} and "bfloat16" not in config_with(enabled, "bf16")
+    with pytest.raises(ConfigError, match="bf16.enabled = True disagrees with the adapt config"):
+        config_with(enabled, "fp32")
+    with pytest.raises(ConfigError, match="sets bf16.check_grad_overflow = false"):
+        config_with({"bfloat16": {"enabled": "auto", "check_grad_overflow": False}}, "bf16")
+    with pytest.raises(ConfigError, match="has both a bf16 and a bfloat16 section"):
+        config_with({"bf16": {"enabled": "auto"}, "bfloat16": {"enabled": "auto"}}, "bf16")
+
+
 def test_a_universal_checkpoint_load_is_refused(workspace, tmp_path):
     """DeepSpeed's universal checkpoints need state that Hugging Face models do not record (ds_to_universal
     refuses adapt's checkpoints, and a universal load of one failed after the model loaded, calling it

@@ -70,6 +70,7 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
         raise ConfigError(f"deepspeed: {cfg.deepspeed} sets checkpoint.load_universal, but megadiff adapt's "
                           "checkpoints are DeepSpeed's own, which it resumes as written, and converts to the "
                           "universal form itself for a rerun on another number of ranks: remove it")
+    _bf16_section_by_its_name(ds, cfg.deepspeed)
     _refuse_unchecked_gradients(ds, train.precision, cfg.deepspeed)
     _refuse_other_loop_settings(ds, cfg.deepspeed)
     for precision in ("bf16", "fp16"):
@@ -81,6 +82,20 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
 def loading_universal(ds: dict) -> dict:
     """`ds` for an engine that loads a checkpoint's universal form (a load setting alone: saves are as before)."""
     return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
+
+
+# DeepSpeed's older name of the bf16 section, which it reads only where there is no "bf16" section: the one added
+# here shadowed it, and its settings (its enabled among them, against train.precision) went unread
+LEGACY_BF16_SECTION = "bfloat16"
+
+
+def _bf16_section_by_its_name(ds: dict, path: str) -> None:
+    if LEGACY_BF16_SECTION not in ds:
+        return
+    if "bf16" in ds:
+        raise ConfigError(f"deepspeed: {path} has both a bf16 and a {LEGACY_BF16_SECTION} section, and DeepSpeed "
+                          f"reads the bf16 one alone: keep one")
+    ds["bf16"] = ds.pop(LEGACY_BF16_SECTION)
 
 
 def _refuse_unchecked_gradients(ds: dict, precision: str, path: str) -> None:
