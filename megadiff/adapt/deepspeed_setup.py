@@ -28,15 +28,20 @@ AUTO = "auto"
 GRADIENT_CHECKS = {"bf16": ("bf16", "check_grad_overflow"), "fp32": ("zero_optimization", "compute_grad_norm")}
 
 
-# DeepSpeed settings megadiff's training loop depends on, with the value it needs and what another one did: each
-# trained silently other than the adapt config says. The loop calls DeepSpeed's step() after every micro-step
+# DeepSpeed settings megadiff's training loop depends on (dotted: within sections), with the values it runs under
+# and what another one did: each trained other than the adapt config says, or failed only at the first step.
+# The loop calls DeepSpeed's step() after every micro-step
 LOOP_SETTINGS = {
-    "managed_gradient_accumulation": (True, "DeepSpeed then applies an update at every micro-step, so each "
+    "managed_gradient_accumulation": ((True,), "DeepSpeed then applies an update at every micro-step, so each "
                                       "iteration made train.grad_accum updates of one micro-batch each, and the lr "
                                       "schedule ran train.grad_accum times as fast"),
     # the loss is normalised for averaged gradients (finetune._train_iteration)
-    "gradient_allreduce_op": ("mean", "DeepSpeed then sums the ranks' gradients, so the gradient norm, logged and "
-                              "clipped at train.grad_clip, is the number of ranks times the global batch's"),
+    "gradient_allreduce_op": (("mean",), "DeepSpeed then sums the ranks' gradients, so the gradient norm, logged "
+                              "and clipped at train.grad_clip, is the number of ranks times the global batch's"),
+    # the batches are data-parallel: each rank reads its own samples
+    "tensor_parallel.autotp_size": ((0, 1), "adaptation trains data-parallel (ZeRO) alone, each rank reading its "
+                                    "own samples, which DeepSpeed's tensor parallelism refused at the first step, "
+                                    "once the model had loaded"),
 }
 
 
@@ -107,10 +112,19 @@ def _refuse_unchecked_gradients(ds: dict, precision: str, path: str) -> None:
 
 
 def _refuse_other_loop_settings(ds: dict, path: str) -> None:
-    for key, (needed, what_it_did) in LOOP_SETTINGS.items():
-        value = ds.get(key, AUTO)
-        if value != AUTO and _as_deepspeed_reads(value) != needed:
+    for key, (runs_under, what_it_did) in LOOP_SETTINGS.items():
+        value = _setting(ds, key)
+        if value != AUTO and _as_deepspeed_reads(value) not in runs_under:
             raise ConfigError(f"deepspeed: {path} sets {key} = {json.dumps(value)}: {what_it_did}; remove it")
+
+
+def _setting(ds: dict, dotted_key: str):
+    *sections, key = dotted_key.split(".")
+    for section in sections:
+        ds = ds.get(section, {})
+        if not isinstance(ds, dict):  # DeepSpeed's own check names it
+            return AUTO
+    return ds.get(key, AUTO)
 
 
 def _as_deepspeed_reads(value):
