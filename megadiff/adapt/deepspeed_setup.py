@@ -42,6 +42,10 @@ LOOP_SETTINGS = {
     "tensor_parallel.autotp_size": ((0, 1), "adaptation trains data-parallel (ZeRO) alone, each rank reading its "
                                     "own samples, which DeepSpeed's tensor parallelism refused at the first step, "
                                     "once the model had loaded"),
+    # a checkpoint is committed (renamed, named in `latest`) as save_checkpoint returns: its files must be written
+    "checkpoint.writer": ((None,), "megadiff commits a checkpoint once save_checkpoint has returned on every rank, "
+                          "its files written; DeepSpeed's own writers (fast, or decoupled: written in the "
+                          "background) failed as the engine started, once the model had loaded"),
 }
 
 
