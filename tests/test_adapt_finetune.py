@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -1673,7 +1674,7 @@ def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspa
     the gradient norm (logged, and clipped at train.grad_clip) the number of ranks times the global batch's;
     AutoTP's tensor parallelism failed at the first step (ranks of its group read their own samples), after the
     model loaded, and so did DeepSpeed's checkpoint writers (a decoupled one writes after save_checkpoint returns,
-    when megadiff commits the checkpoint). Refused before anything runs; the value the loop needs, or "auto", is
+    when megadiff commits the checkpoint). Refused before anything runs; the value the loop needs is
     kept."""
     path = tmp_path / "ds.json"
 
@@ -1684,10 +1685,9 @@ def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspa
             setting = {section: setting}
         return {"zero_optimization": {"stage": 2}, **setting}
 
-    for accepted in ("auto", needed):
-        path.write_text(json.dumps(json_setting(accepted)))
-        cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={path}"])
-        deepspeed_config(cfg, world_size=2)  # not refused
+    path.write_text(json.dumps(json_setting(needed)))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={path}"])
+    deepspeed_config(cfg, world_size=2)  # not refused
     path.write_text(json.dumps(json_setting(value)))
     with pytest.raises(ConfigError, match=f"deepspeed: .* sets {key} = {json.dumps(value)}: .*{said}"):
         deepspeed_config(cfg, world_size=2)
@@ -1733,6 +1733,25 @@ def test_a_deepspeed_json_s_bfloat16_section_is_read_as_its_bf16_section(workspa
         config_with({"bfloat16": {"enabled": "auto", "check_grad_overflow": False}}, "bf16")
     with pytest.raises(ConfigError, match="has both a bf16 and a bfloat16 section"):
         config_with({"bf16": {"enabled": "auto"}, "bfloat16": {"enabled": "auto"}}, "bf16")
+
+
+@pytest.mark.parametrize("setting, said", [
+    ({"amp": {"enabled": True}}, "NVIDIA Apex AMP integration has been removed"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     "offload_optimizer.device Input should be 'none', 'cpu' or 'nvme'"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}},
+     "reduce_bucket_sise Extra inputs are not permitted")])
+def test_a_deepspeed_json_deepspeed_refuses_is_refused_before_any_compute(workspace, tmp_path, setting, said):
+    """DeepSpeed read the JSON only in deepspeed.initialize: a section it has removed, a misspelt key or a bad value
+    failed there with a traceback, once the data was tokenized, the model loaded and the heads measured. Its
+    reading now comes with the adapt config's checks, for any world size (the global batch is megadiff's check)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**json.loads((REPO / "configs/deepspeed/zero2.json").read_text()), **setting}))
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={path}"])
+    with pytest.raises(ConfigError, match=f"deepspeed: .*: DeepSpeed refuses it: .*{re.escape(said)}"):
+        deepspeed_config(cfg, world_size=8)
+    shipped = load_finetune_config(str(workspace / "adapt.yaml"), [f"deepspeed={workspace / 'zero3_all.json'}"])
+    assert deepspeed_config(shipped, world_size=8)["train_batch_size"] == 8 * 2 * 2
 
 
 def test_a_universal_checkpoint_load_is_refused(workspace, tmp_path):

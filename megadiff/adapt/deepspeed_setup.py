@@ -85,7 +85,24 @@ def deepspeed_config(cfg: FinetuneConfig, world_size: int) -> dict:
     for precision in ("bf16", "fp16"):
         _fill(ds.setdefault(precision, {}), "enabled", train.precision == precision, f"{precision}.")
     ds.setdefault("steps_per_print", 2**31 - 1)  # megadiff logs; keep DeepSpeed's own step log quiet
+    _refuse_what_deepspeed_refuses(ds, cfg.deepspeed)
     return ds
+
+
+def _refuse_what_deepspeed_refuses(ds: dict, path: str) -> None:
+    """DeepSpeed's own reading of the JSON (its removed sections, an unknown or misspelt key, a value of the wrong
+    kind), before any compute: in deepspeed.initialize it came once the data was tokenized, the model loaded and
+    the heads measured, minutes into a large model's run."""
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    # the global batch was checked against the launcher's world size, which DeepSpeed reads only once ranks run
+    without_global_batch = {key: value for key, value in ds.items() if key != "train_batch_size"}
+    try:
+        DeepSpeedConfig(without_global_batch)
+    # pydantic's are ValueErrors; the others are its checks', and its reading of a value of another kind
+    except (DeepSpeedConfigError, ValueError, TypeError, AssertionError, AttributeError, KeyError) as err:
+        said = " ".join(line.strip() for line in str(err).splitlines() if not line.strip().startswith("For further"))
+        raise ConfigError(f"deepspeed: {path}: DeepSpeed refuses it: {said or type(err).__name__}") from None
 
 
 def loading_universal(ds: dict) -> dict:
