@@ -1665,7 +1665,8 @@ def test_a_deepspeed_scheduler_section_is_refused(workspace, tmp_path):
     ("managed_gradient_accumulation", True, False, "an update at every micro-step"),
     ("gradient_allreduce_op", "mean", "sum", "the number of ranks times the global batch's"),
     ("tensor_parallel.autotp_size", 1, 2, "trains data-parallel"),
-    ("checkpoint.writer", None, {"decoupled": True}, "DeepSpeed's own writers")])
+    ("checkpoint.writer", None, {"decoupled": True}, "DeepSpeed's own writers"),
+    ("wandb.enabled", False, True, "logging.wandb_project")])
 def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspace, tmp_path, key, needed, value,
                                                                          said):
     """megadiff calls DeepSpeed's step() after every micro-step and leaves the accumulation boundary to DeepSpeed's
@@ -1674,8 +1675,8 @@ def test_a_deepspeed_json_changing_how_the_loop_s_steps_train_is_refused(workspa
     the gradient norm (logged, and clipped at train.grad_clip) the number of ranks times the global batch's;
     AutoTP's tensor parallelism failed at the first step (ranks of its group read their own samples), after the
     model loaded, and so did DeepSpeed's checkpoint writers (a decoupled one writes after save_checkpoint returns,
-    when megadiff commits the checkpoint). Refused before anything runs; the value the loop needs is
-    kept."""
+    when megadiff commits the checkpoint); DeepSpeed's W&B monitor wrote into megadiff's W&B run at its own
+    step count. Refused before anything runs; the value the loop needs is kept."""
     path = tmp_path / "ds.json"
 
     def json_setting(value) -> dict:  # key's dots name the sections it is in

@@ -46,6 +46,10 @@ LOOP_SETTINGS = {
     "checkpoint.writer": ((None,), "megadiff commits a checkpoint once save_checkpoint has returned on every rank, "
                           "its files written; DeepSpeed's own writers (fast, or decoupled: written in the "
                           "background) failed as the engine started, once the model had loaded"),
+    # megadiff's metrics go to W&B through logging.wandb_project (observability/wandb_sink.py)
+    "wandb.enabled": ((False,), "DeepSpeed's own W&B monitor then writes its Train/Samples metrics into the "
+                      "run's W&B run at its sample count (or starts a stray one in the working directory); "
+                      "logging.wandb_project sends megadiff's metrics to W&B"),
 }
 
 
