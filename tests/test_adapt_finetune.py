@@ -422,6 +422,7 @@ def test_fp16_steps_skipped_under_a_static_loss_scale_are_bounded(workspace, tmp
               ["train.precision=fp16", f"deepspeed={tmp_path / 'ds.json'}", f"output_dir={output}", "train.iters=6",
                "train.max_skipped_nan_iters=2", "checkpoint.save_interval=1"], str(report))
     assert report.read_text().startswith("iteration 3: 3 steps skipped for a non-finite loss or gradient")
+    assert "lower fp16.loss_scale" in report.read_text()
     assert [r["skipped_iterations"] for r in read_metrics(output)] == [1, 2, 3]
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000002" and not (output / "hf").exists()
 

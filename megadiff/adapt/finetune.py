@@ -371,10 +371,13 @@ def _grad_norm(engine) -> float:
 def _too_many_skips(engine, iteration: int, skipped: int, max_skipped: int, loss: float,
                     non_finite_ranks: list[str]) -> NonFiniteSteps:
     ranks = f" (not finite on {', '.join(non_finite_ranks)})" if non_finite_ranks else ""
+    # a static fp16 loss scale overflows the gradients at any lr: the scale is what to lower
+    cure = "lower fp16.loss_scale in the DeepSpeed JSON (0: a dynamic one)" if engine.fp16_enabled() \
+        and not engine.dynamic_loss_scale() else "lower train.lr"
     return NonFiniteSteps(f"iteration {iteration}: {skipped} steps skipped for a non-finite loss or gradient "
                           f"(train.max_skipped_nan_iters = {max_skipped}, over the whole run); loss {loss}{ranks}, "
-                          f"gradient norm {_grad_norm(engine)}. The weights were never updated from them: lower "
-                          "train.lr, or resume from the last checkpoint (which carries the count: raise "
+                          f"gradient norm {_grad_norm(engine)}. The weights were never updated from them: {cure}, "
+                          "or resume from the last checkpoint (which carries the count: raise "
                           "train.max_skipped_nan_iters)")
 
 
