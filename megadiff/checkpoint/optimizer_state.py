@@ -15,7 +15,13 @@ With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1
      over the empty state, while the other's saves it empty and then cannot load it (a loading request
      holds every parameter's moments). Before such a save the state is created as AdamW would (zero
      moments, step 0), which leaves the next update as it was; megatron saves no step of 0 (`if step:`),
-     so a loaded state without one gets it back.
+     so a loaded state without one gets it back;
+  e) saves each parameter's state from the wrong place wherever a gradient buffer holds several buckets and one
+     ends in padding (the distributed optimizer pads every bucket to a multiple of lcm(DP, 128): a data-parallel
+     size such as 3 or 6 with parallel.overlap_grad_reduce's buckets, or the tied embedding's own bucket under
+     pipeline parallelism): it gathers the state with the padding between buckets left out, then slices it at
+     the parameters' offsets in the padded buffer. The parameters after such a padding were saved shifted into
+     their neighbours' values, and a resumed run trained from corrupted weights and moments.
 Each mend below is local to one optimizer instance and keeps megatron's own code paths.
 """
 from __future__ import annotations
@@ -42,7 +48,44 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
     else:
         for inner in _with_torch_adam(optimizer):
             _create_state_before_first_update(inner)  # (d)
-    return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=DISTRIBUTED_FORMAT)
+    distributed = _distributed(optimizer)
+    for inner in distributed:
+        inner.get_parameter_state_dp_zero = _gathered_in_buffer_layout(inner)  # (e)
+    try:
+        return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=DISTRIBUTED_FORMAT)
+    finally:
+        for inner in distributed:
+            del inner.get_parameter_state_dp_zero  # back to the class's method
+
+
+def _gathered_in_buffer_layout(inner: DistributedOptimizer):
+    """(e) megatron's gathered state, each buffer's tensors laid out as the buffer is (zeros in the padding between
+    buckets), where its `param_index_map` offsets, by which the state is then sliced per parameter, point."""
+    gather = inner.get_parameter_state_dp_zero
+
+    def gather_in_buffer_layout(*args, **kwargs):
+        state = gather(*args, **kwargs)
+        if state is not None:
+            for index, buffer in enumerate(inner.buffers):
+                for world_tensors in state[index].values():
+                    _insert_bucket_padding(buffer, world_tensors)
+        return state
+
+    return gather_in_buffer_layout
+
+
+def _insert_bucket_padding(buffer, world_tensors: dict) -> None:
+    """The buckets' unpadded state, stored one after another, moved to the buckets' offsets in `buffer`: one
+    tensor at a time, so that a large model's state is held twice only a tensor's worth."""
+    for key, coalesced in world_tensors.items():
+        if not torch.is_tensor(coalesced):  # "numel_unpadded", a count
+            continue
+        padded = torch.zeros(buffer.numel, dtype=coalesced.dtype, device=coalesced.device)
+        read = 0
+        for bucket, (start, _) in zip(buffer.buckets, buffer.bucket_indices, strict=True):
+            padded[start:start + bucket.numel_unpadded] = coalesced[read:read + bucket.numel_unpadded]
+            read += bucket.numel_unpadded
+        world_tensors[key] = padded
 
 
 def _with_torch_adam(optimizer) -> list:
