@@ -679,7 +679,6 @@ def test_a_retrained_tokenizer_directory_prepares_again_and_old_data_is_refused(
     overrides = [f"data.sources=[{source}]", f"data.prefix={tmp_path / 'out'}", f"data.tokenizer={directory}"]
     prepare(data_config(tmp_path, *overrides))
     _save_bpe(directory, verses[20000:22000])
-    load_tokenizer.cache_clear()
     tokenizer = load_tokenizer(str(directory))
     training = build_config({}, overrides + ["model.seq_length=4", "model.vocab_size=512", "data.split=1,0,0"])
     with pytest.raises(DataError, match=r"data.tokenizer: .*out was prepared with tokenizer .*, which split text "
@@ -819,7 +818,6 @@ def test_a_tokenizer_with_other_merges_but_the_same_vocabulary_hashes_otherwise(
     merges = spec["model"]["merges"]
     spec["model"]["merges"] = merges[:len(merges) // 4]  # fewer merges: the same vocabulary, longer encodings
     (directory / "tokenizer.json").write_text(json.dumps(spec))
-    load_tokenizer.cache_clear()
     tokenizer = load_tokenizer(str(directory))
     assert tokenizer.hf.get_vocab() == load_tokenizer(str(small_tokenizer_dir)).hf.get_vocab()
     assert tokenizer_digest(directory) != before

@@ -154,3 +154,26 @@ def test_an_adapted_exports_tokenizer_loads_without_a_false_model_type_warning(t
     text = " ".join(kjv_verses()[:3])
     assert loaded.encode(text) == trusted(text, add_special_tokens=False).input_ids
     assert (loaded.eod, loaded.vocab_size) == (trusted.eos_token_id, len(trusted))
+
+
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_a_tokenizer_directory_replaced_in_the_same_process_is_read_again(relative, tmp_path, monkeypatch):
+    """A notebook or sweep retrains its tokenizer into the same directory (or names it relative to another working
+    directory) between two calls: the second call reads what is there now, as a fresh process would."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import save_small_tokenizer
+
+    verses = kjv_verses()
+    for name, first in (("a", 0), ("b", 20000)):
+        save_small_tokenizer(tmp_path / name / "tok", verses[first:first + 5000])
+    monkeypatch.chdir(tmp_path / "a")
+    spec = "tok" if relative else str(tmp_path / "a" / "tok")
+    load_tokenizer(spec).encode(verses[0])  # the first tokenizer, loaded and cached
+    if relative:
+        monkeypatch.chdir(tmp_path / "b")
+    else:
+        save_small_tokenizer(tmp_path / "a" / "tok", verses[20000:25000])
+    expected = AutoTokenizer.from_pretrained(tmp_path / "b" / "tok")
+    text = " ".join(verses[:20])
+    assert load_tokenizer(spec).encode(text) == expected.encode(text, add_special_tokens=False)

@@ -21,6 +21,7 @@ import copy
 import gzip
 import importlib.util
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -392,9 +393,31 @@ def with_text_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     return ids if ids[:len(start)] == start else start + ids
 
 
-@lru_cache(maxsize=4)
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Tokenizer:
     """'cl100k_base' / 'o200k_base', or a directory holding Hugging Face tokenizer files."""
+    return _load_tokenizer(spec, trust_remote_code, _directory_state(spec))
+
+
+def _directory_state(spec: str) -> tuple | None:
+    """What a directory's tokenizer is read from: its absolute path and its files' identities, sizes and times.
+    Cached by the spec alone, a directory retrained or replaced in place (a sweep's tokenizer, a run directory used
+    again), or a relative path read from another working directory, gave a process the first tokenizer it loaded:
+    prepare-data then wrote the old tokenizer's ids under the new one's fingerprint, found up to date ever after."""
+    path = Path(spec)
+    if spec in PACKAGED_TIKTOKEN or not path.is_dir():
+        return None
+    return str(path.resolve()), tuple(sorted(_file_identity(entry) for entry in os.scandir(path) if entry.is_file()))
+
+
+def _file_identity(entry: os.DirEntry) -> tuple:
+    """A file rewritten or replaced changes one of these (a new file, another size, a later time)."""
+    stat = entry.stat()
+    return entry.name, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(spec: str, trust_remote_code: bool, directory_state: tuple | None) -> Tokenizer:
+    """load_tokenizer's work, once per spec and state of its directory (`directory_state` keys the cache only)."""
     if spec in PACKAGED_TIKTOKEN:
         return TiktokenTokenizer(spec)
     if Path(spec).is_dir():
