@@ -1946,3 +1946,48 @@ def test_a_rerun_with_another_global_batch_reads_on_from_the_samples_read(worksp
     assert read[0] == list(range(2 * 2 * first.grad_accum * first.micro_batch_size))
     rerun_samples = (second.iters - 2) * 2 * second.grad_accum * second.micro_batch_size
     assert read[1] == list(range(len(read[0]), len(read[0]) + rerun_samples))
+
+
+def adaptations_in_one_process(config: str, output: str, runs: int, report: str) -> None:
+    """`runs` adaptations one after another in this plain process (a notebook's, a sweep driver's), the process
+    group released after each as a pre-training run's end releases it; reports the signal handlers and rendezvous
+    variables before and after them, and each run's losses."""
+    import signal
+
+    from megadiff.adapt.finetune import finetune
+    from megadiff.helper_processes import PREEMPTION_SIGNALS
+    from megadiff.parallel import shutdown
+    from tests.conftest import RENDEZVOUS_VARIABLES
+
+    def held() -> dict:
+        return {"signals": [str(signal.getsignal(sig)) for sig in PREEMPTION_SIGNALS],
+                "environment": {key: os.environ.get(key) for key in RENDEZVOUS_VARIABLES}}
+
+    seen = {"before": held(), "losses": []}
+    for run in range(runs):
+        output_dir = Path(output) / f"run-{run}"
+        assert finetune(load_finetune_config(config, [f"output_dir={output_dir}", "train.iters=2"])) == 0
+        seen["losses"].append([record["lm_loss"] for record in read_metrics(output_dir) if "lm_loss" in record])
+        shutdown()
+    seen["after"] = held()
+    Path(report).write_text(json.dumps(seen))
+
+
+def adapted_in_one_process(workspace: Path, tmp_path: Path, runs: int) -> dict:
+    """adaptations_in_one_process's report, from a plain `python` process (no launcher's variables)."""
+    from tests.conftest import RENDEZVOUS_VARIABLES
+
+    report = tmp_path / "report.json"
+    program = (f"from tests.test_adapt_finetune import adaptations_in_one_process as run; "
+               f"run({str(workspace / 'adapt.yaml')!r}, {str(tmp_path)!r}, {runs}, {str(report)!r})")
+    env = {key: value for key, value in _env(workspace).items() if key not in RENDEZVOUS_VARIABLES}
+    result = subprocess.run([sys.executable, "-c", program], env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return json.loads(report.read_text())
+
+
+def test_an_adaptation_leaves_its_process_s_signal_handlers_as_it_found_them(workspace, tmp_path):
+    """After the run, SIGTERM ends the caller's process again (the run's handler, left installed, only noted it)."""
+    seen = adapted_in_one_process(workspace, tmp_path, runs=1)
+    assert seen["after"]["signals"] == seen["before"]["signals"]

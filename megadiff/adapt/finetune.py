@@ -189,15 +189,25 @@ def _latest_tag(checkpoint_dir: Path) -> str | None:
 def finetune(cfg: FinetuneConfig) -> int:
     """Run (or continue) the adaptation. Returns the process exit code: 0 when finished or stopped at
     checkpoint.exit_interval / exit_duration_minutes, REQUEUE_EXIT_CODE when stopped by SIGTERM/SIGUSR1."""
-    import deepspeed
-
-    from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at, streak_start
-
     ds_config = dss.deepspeed_config(cfg, dss.launcher_world_size())  # its errors come before any compute
     # before the minutes of start-up (model, head selection, DeepSpeed, checkpoint): a preemption signal
     # during them asks for a requeue too (the default action killed the rank); the run then stops after
     # its first iteration, with a checkpoint
     stop = PreemptionHandler(budget_minutes=cfg.checkpoint.exit_duration_minutes)
+    # a caller's process goes on after the run (a notebook, a sweep driver): left installed, the handlers kept
+    # SIGTERM from ending it
+    try:
+        return _finetune(cfg, ds_config, stop)
+    finally:
+        stop.restore()
+
+
+def _finetune(cfg: FinetuneConfig, ds_config: dict, stop: PreemptionHandler) -> int:
+    """finetune's run, `stop` installed."""
+    import deepspeed
+
+    from megadiff.observability.metrics import MetricsWriter, StepMeans, record_step, records_at, streak_start
+
     rank, world = dss.init_distributed(cfg.train.timeout_minutes)
     # DeepSpeed's ZeRO collectives call an API torch deprecates, once per call: keep the console readable
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
