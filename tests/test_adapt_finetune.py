@@ -1991,3 +1991,11 @@ def test_an_adaptation_leaves_its_process_s_signal_handlers_as_it_found_them(wor
     """After the run, SIGTERM ends the caller's process again (the run's handler, left installed, only noted it)."""
     seen = adapted_in_one_process(workspace, tmp_path, runs=1)
     assert seen["after"]["signals"] == seen["before"]["signals"]
+
+
+def test_an_adaptation_leaves_no_rendezvous_variables_in_its_process(workspace, tmp_path):
+    """A world of one sets RANK, WORLD_SIZE... for DeepSpeed: left after the run, the process's next process group
+    (a pre-training run's, load_checkpoint's) failed without MASTER_PORT, and every process it started inherited
+    them."""
+    seen = adapted_in_one_process(workspace, tmp_path, runs=1)
+    assert seen["after"]["environment"] == seen["before"]["environment"]

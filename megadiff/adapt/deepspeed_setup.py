@@ -14,6 +14,7 @@ import copy
 import json
 import os
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 
@@ -206,6 +207,24 @@ def launcher_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# what a run without a launcher sets for DeepSpeed, which reads them as it starts and while it runs
+WORLD_OF_ONE_VARIABLES = (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"))
+
+
+@contextlib.contextmanager
+def rendezvous_variables_restored() -> Iterator[None]:
+    """The run's block, after which WORLD_OF_ONE_VARIABLES are as they were before init_distributed set them."""
+    before = {key: os.environ.get(key) for key, _ in WORLD_OF_ONE_VARIABLES}
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     """Start (or join) the process group: torchrun / the deepspeed launcher / Slurm set the env;
     a plain `python -m megadiff adapt` runs as a world of one. Returns (rank, world_size)."""
@@ -213,7 +232,7 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     import torch.distributed as dist
 
     without_launcher = "MASTER_PORT" not in os.environ
-    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    for key, default in WORLD_OF_ONE_VARIABLES:
         os.environ.setdefault(key, default)
     skip_cpu_shm_comm_build()
     from deepspeed.accelerator import get_accelerator
