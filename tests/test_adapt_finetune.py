@@ -1999,3 +1999,11 @@ def test_an_adaptation_leaves_no_rendezvous_variables_in_its_process(workspace, 
     them."""
     seen = adapted_in_one_process(workspace, tmp_path, runs=1)
     assert seen["after"]["environment"] == seen["before"]["environment"]
+
+
+def test_a_second_adaptation_in_a_process_whose_group_was_released_trains_as_the_first(workspace, tmp_path):
+    """A sweep driver adapts, pre-trains (whose end releases the process group), then adapts again: the second
+    adaptation trains as the first did (it failed at its first broadcast, on DeepSpeed's clone of the released
+    group)."""
+    seen = adapted_in_one_process(workspace, tmp_path, runs=2)
+    assert seen["losses"][1] == seen["losses"][0]

@@ -242,10 +242,22 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
         # Slurm binds one GPU to each task, that GPU is device 0 whatever the local rank)
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]) % get_accelerator().device_count())
     timeout = timedelta(minutes=timeout_minutes)
+    if not dist.is_initialized():
+        _forget_an_earlier_groups_clone()
     if without_launcher and not dist.is_initialized():
         _form_world_of_one(get_accelerator().communication_backend_name(), timeout)
     deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timeout)  # adopts a group formed already
     return dist.get_rank(), dist.get_world_size()
+
+
+def _forget_an_earlier_groups_clone() -> None:
+    """DeepSpeed clones the world group once per process, for its data-parallel collectives: once that group was
+    destroyed (by a pre-training run's end, or parallel.shutdown(), in a notebook or sweep driver), the next
+    adaptation in the process failed at its first broadcast ("Group ... is not registered"). Only DeepSpeed's
+    private module variable holds the clone."""
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = None
 
 
 def _form_world_of_one(backend: str, timeout: timedelta) -> None:
