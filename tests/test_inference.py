@@ -1016,3 +1016,45 @@ def test_stop_texts_are_found_in_the_last_tokens_where_the_whole_text_first_hold
                       if any(stop in tokenizer.decode(ids[:end]) for stop in stops)), None)
         assert next((end for end in range(1, len(ids) + 1) if check(ids[:end])), None) == whole, stops
         assert max(decoded) <= 4 * max(len(stop) for stop in stops) + 2
+
+
+def pre_training_between_uses_of_a_loaded_model(checkpoint: str, overrides: list[str], report: str) -> None:
+    """In this plain process (a notebook's): a loaded model's logits, a pre-training run, the same model's logits
+    again; reports whether they are equal, and the run's losses."""
+    import json
+
+    from megadiff.config import load_config
+    from megadiff.training.pretrain import pretrain
+    from tests.pretrain_runs import DEMO_CONFIG, losses
+
+    model = load_checkpoint(checkpoint)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids)
+    cfg = load_config(DEMO_CONFIG, overrides)
+    assert pretrain(cfg) == 0
+    with torch.no_grad():
+        unchanged = torch.equal(model(ids), before)
+    Path(report).write_text(json.dumps({"unchanged": unchanged, "losses": losses(Path(cfg.output_dir))}))
+
+
+def test_a_pre_training_run_leaves_the_models_loaded_before_it_working(run, small_tokenizer_dir, tmp_path):
+    """A notebook loads a checkpoint, pre-trains another model, then uses the loaded one again: it gives the
+    logits it gave (the run's end released the model-parallel groups its layers read, and its forward failed), and
+    the run trains as in a process of its own."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.pretrain_runs import ROOT, environment, losses, run_pretrain, tiny_overrides
+
+    overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + ["train.iters=3"]
+    report = tmp_path / "report.json"
+    program = ("import sys, json; from tests.test_inference import pre_training_between_uses_of_a_loaded_model as "
+               "run; run(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])")
+    arguments = [str(run[0]), json.dumps(overrides + [f"output_dir={tmp_path / 'after'}"]), str(report)]
+    proc = subprocess.run([sys.executable, "-c", program, *arguments], env=environment(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_pretrain(1, overrides + [f"output_dir={tmp_path / 'alone'}"])
+    assert json.loads(report.read_text()) == {"unchanged": True, "losses": losses(tmp_path / "alone")}

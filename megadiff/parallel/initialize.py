@@ -1,9 +1,11 @@
 """Process groups, megatron model-parallel state and seeds."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from datetime import timedelta
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -98,6 +100,21 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
             distributed_timeout_minutes=parallel.timeout_minutes,
         )
     set_seed(seed)
+
+
+@contextlib.contextmanager
+def released_after() -> Iterator[None]:
+    """The block, then the process group and model-parallel state that it formed released. What an earlier call in
+    this process formed stays: a model load_checkpoint built reads its groups at every forward, and a pre-training
+    run that released them all broke the models a notebook or sweep driver had loaded before it."""
+    group_before, state_before = dist.is_initialized(), parallel_state.model_parallel_is_initialized()
+    try:
+        yield
+    finally:
+        if not state_before and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if not group_before and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def shutdown() -> None:

@@ -39,7 +39,7 @@ from megadiff.observability.wandb_sink import wandb_sink
 from megadiff.ops.common import triton_candidates_limit
 from megadiff.ops.dispatch import triton_unavailable
 from megadiff.parallel import (
-    compute_device, init_process_group, initialize, shutdown, tensor_parallel_across_nodes,
+    compute_device, init_process_group, initialize, released_after, tensor_parallel_across_nodes,
 )
 from megadiff.parallel.initialize import local_device
 from megadiff.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, signal_name
@@ -512,16 +512,14 @@ def pretrain(cfg: Config) -> int:
     # the rank and failed the job. Signalled before its first step, the run stops after that step.
     preemption = PreemptionHandler(budget_minutes=cfg.train.exit_duration_minutes)
     try:
-        init_process_group(timedelta(minutes=cfg.parallel.timeout_minutes))
-        try:
+        with released_after():
+            init_process_group(timedelta(minutes=cfg.parallel.timeout_minutes))
             # before the model-parallel groups: ranks of another layout would wait in forming them until the timeout
             check_ranks_agree({"output_dir": cfg.output_dir, "data.cache_dir": cfg.data.cache_dir},
                               {"config": comparable(cfg.model_dump(mode="json"), NODE_LOCAL_KEYS)})
             with claimed_run_directory(cfg.output_dir):
                 initialize(cfg.parallel, cfg.train.seed)
                 return Pretraining(cfg, preemption).train()
-        finally:
-            shutdown()
     finally:
         preemption.restore()
 
