@@ -1058,3 +1058,36 @@ def test_a_pre_training_run_leaves_the_models_loaded_before_it_working(run, smal
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_pretrain(1, overrides + [f"output_dir={tmp_path / 'alone'}"])
     assert json.loads(report.read_text()) == {"unchanged": True, "losses": losses(tmp_path / "alone")}
+
+
+def pre_training_in_another_layout_after_a_load(rank: int, world_size: int, checkpoint: str, overrides: list[str],
+                                                report: str) -> None:
+    """In each rank of a torchrun'd script: load_checkpoint (its TP 1 groups), then pre-training with
+    parallel.tensor=2; rank 0 reports the run's refusal."""
+    from megadiff.config import ConfigError, load_config
+    from megadiff.training.pretrain import pretrain
+    from tests.pretrain_runs import DEMO_CONFIG
+
+    load_checkpoint(checkpoint)
+    try:
+        pretrain(load_config(DEMO_CONFIG, overrides + ["parallel.tensor=2"], world_size=world_size))
+        refusal = "trained"
+    except ConfigError as error:
+        refusal = str(error)
+    if rank == 0:
+        Path(report).write_text(refusal)
+
+
+def test_a_run_asking_for_another_layout_than_the_process_s_groups_is_refused(run, small_tokenizer_dir, tmp_path):
+    """A script under torchrun loads a checkpoint (its model-parallel groups: TP 1), then pre-trains with TP 2: the run
+    trained silently in the loaded model's layout, its log naming TP 2, its losses other than a TP 2 run's."""
+    from tests.distributed import run_ranks
+    from tests.pretrain_runs import tiny_overrides
+
+    overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + [f"output_dir={tmp_path / 'run'}",
+                                                                           "train.iters=2"]
+    report = tmp_path / "refusal.txt"
+    run_ranks(2, pre_training_in_another_layout_after_a_load, str(run[0]), overrides, str(report))
+    assert "parallel: TP 2, PP 1, CP 1 asked, but this process holds the model-parallel groups of TP 1, PP 1, CP 1" \
+        in report.read_text()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -91,7 +91,9 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
     if not torch.cuda.is_available():
         cpu_mode.enable()
     init_process_group(timedelta(minutes=parallel.timeout_minutes))
-    if not parallel_state.model_parallel_is_initialized():
+    if parallel_state.model_parallel_is_initialized():
+        refuse_another_layout(parallel)
+    else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor,
             pipeline_model_parallel_size=parallel.pipeline,
@@ -100,6 +102,26 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
             distributed_timeout_minutes=parallel.timeout_minutes,
         )
     set_seed(seed)
+
+
+def _layout(tensor: int, pipeline: int, virtual_pipeline: int | None, context: int) -> str:
+    return f"TP {tensor}, PP {pipeline}{f' x {virtual_pipeline} chunks' if virtual_pipeline else ''}, CP {context}"
+
+
+def refuse_another_layout(parallel: ParallelConfig) -> None:
+    """The model-parallel groups an earlier call in this process formed (load_checkpoint's TP 1, an earlier run's)
+    are kept: a run asking for another layout would have trained silently in theirs (its model built for its own
+    sizes, its collectives over theirs) while its log named the one asked for."""
+    formed = _layout(parallel_state.get_tensor_model_parallel_world_size(),
+                     parallel_state.get_pipeline_model_parallel_world_size(),
+                     parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                     parallel_state.get_context_parallel_world_size())
+    asked = _layout(parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.context)
+    if formed != asked:
+        raise ConfigError(f"parallel: {asked} asked, but this process holds the model-parallel groups of {formed}, "
+                          "formed by an earlier call in it (load_checkpoint, a command run in-process): run this in "
+                          "a process of its own, or release them first (megadiff.parallel.shutdown(), after which "
+                          "the models built on them no longer run)")
 
 
 @contextlib.contextmanager
