@@ -1973,18 +1973,25 @@ def adaptations_in_one_process(config: str, output: str, runs: int, report: str)
     Path(report).write_text(json.dumps(seen))
 
 
-def adapted_in_one_process(workspace: Path, tmp_path: Path, runs: int) -> dict:
-    """adaptations_in_one_process's report, from a plain `python` process (no launcher's variables)."""
+def reported_by_a_plain_process(workspace: Path, function: str, *args) -> object:
+    """function(*args, report) (one of this module's) run in a plain `python` process (no launcher's variables):
+    what it wrote into `report` (JSON)."""
     from tests.conftest import RENDEZVOUS_VARIABLES
 
-    report = tmp_path / "report.json"
-    program = (f"from tests.test_adapt_finetune import adaptations_in_one_process as run; "
-               f"run({str(workspace / 'adapt.yaml')!r}, {str(tmp_path)!r}, {runs}, {str(report)!r})")
+    report = workspace / f"report-{os.getpid()}-{function}.json"
+    report.unlink(missing_ok=True)
+    program = f"from tests.test_adapt_finetune import {function} as run; run(*{[*args, str(report)]!r})"
     env = {key: value for key, value in _env(workspace).items() if key not in RENDEZVOUS_VARIABLES}
     result = subprocess.run([sys.executable, "-c", program], env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(report.read_text())
+
+
+def adapted_in_one_process(workspace: Path, tmp_path: Path, runs: int) -> dict:
+    """adaptations_in_one_process's report."""
+    return reported_by_a_plain_process(workspace, "adaptations_in_one_process", str(workspace / "adapt.yaml"),
+                                       str(tmp_path), runs)
 
 
 def test_an_adaptation_leaves_its_process_s_signal_handlers_as_it_found_them(workspace, tmp_path):
@@ -2007,3 +2014,36 @@ def test_a_second_adaptation_in_a_process_whose_group_was_released_trains_as_the
     group)."""
     seen = adapted_in_one_process(workspace, tmp_path, runs=2)
     assert seen["losses"][1] == seen["losses"][0]
+
+
+def interrupted_zero3_adaptation(config: str, output: str, report: str) -> None:
+    """A ZeRO-3 adaptation interrupted at its first iteration (Ctrl-C) in this plain process, its exception kept as a
+    notebook keeps the last one; then the base model loaded with from_pretrained, as the notebook goes on. Reports
+    whether its weights are the model file's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import megadiff.adapt.finetune as finetune_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    finetune_module._train_iteration = interrupted
+    cfg = load_finetune_config(config, [f"output_dir={output}", "deepspeed=configs/deepspeed/zero3.json"])
+    interruptions = []
+    try:
+        finetune_module.finetune(cfg)
+    except KeyboardInterrupt as error:
+        interruptions.append(error)  # held, with its traceback's frames, as sys.last_value holds it
+    loaded = AutoModelForCausalLM.from_pretrained(cfg.model.path).state_dict()
+    saved = load_file(Path(cfg.model.path) / "model.safetensors")
+    Path(report).write_text(json.dumps(sorted(name for name, tensor in saved.items()
+                                              if not torch.equal(loaded[name], tensor))))
+
+
+def test_an_interrupted_zero3_adaptation_leaves_from_pretrained_as_it_was(workspace, tmp_path):
+    """The run's HfDeepSpeedConfig, kept alive by the interrupted run's traceback, kept transformers' ZeRO-3 on:
+    the next from_pretrained in the process loaded through ZeRO-3's partitioning, and failed."""
+    differing = reported_by_a_plain_process(workspace, "interrupted_zero3_adaptation", str(workspace / "adapt.yaml"),
+                                            str(tmp_path / "run"))
+    assert differing == []  # every weight as the file holds it

@@ -225,6 +225,22 @@ def rendezvous_variables_restored() -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def transformers_zero3_setting_restored() -> Iterator[None]:
+    """The run's block, after which transformers' ZeRO-3 setting is the caller's again. A ZeRO-3 run's
+    HfDeepSpeedConfig turns it on for as long as the object lives, and a run stopped by an error or Ctrl-C kept it
+    alive in the traceback a notebook or REPL keeps: every later from_pretrained there loaded its model through
+    ZeRO-3's partitioning (failing on LOCAL_RANK, or its weights partitioned away). Only transformers' private
+    module variable holds the setting."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    before = hf_deepspeed._hf_deepspeed_config_weak_ref
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = before
+
+
 def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     """Start (or join) the process group: torchrun / the deepspeed launcher / Slurm set the env;
     a plain `python -m megadiff adapt` runs as a world of one. Returns (rank, world_size)."""

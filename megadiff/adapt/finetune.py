@@ -195,10 +195,10 @@ def finetune(cfg: FinetuneConfig) -> int:
     # its first iteration, with a checkpoint
     stop = PreemptionHandler(budget_minutes=cfg.checkpoint.exit_duration_minutes)
     # a caller's process goes on after the run (a notebook, a sweep driver): left installed, the handlers kept
-    # SIGTERM from ending it, and the world of one's variables failed its next process group (RANK without
-    # MASTER_PORT) and reached every process it started
+    # SIGTERM from ending it, the world of one's variables failed its next process group (RANK without
+    # MASTER_PORT) and reached every process it started, and ZeRO-3 stayed on for its later from_pretrained
     try:
-        with dss.rendezvous_variables_restored():
+        with dss.rendezvous_variables_restored(), dss.transformers_zero3_setting_restored():
             return _finetune(cfg, ds_config, stop)
     finally:
         stop.restore()
