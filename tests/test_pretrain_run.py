@@ -472,3 +472,38 @@ def test_a_run_that_never_evaluates_needs_no_valid_split(base, tmp_path, capsys)
                      f"output_dir={tmp_path / split}"]) == 0, capsys.readouterr().err[-3000:]
     assert losses(tmp_path / "969,30,1") == losses(tmp_path / "969,0,31")
     assert len(losses(tmp_path / "969,0,31")) == 2
+
+
+def interrupted_inside_the_profile_window(rank: int, world_size: int, overrides: list[str], report: str) -> None:
+    """A run interrupted (Ctrl-C) at its second iteration, inside its profiling window, in this process (a
+    notebook's, which keeps the exception and its traceback): reports whether torch's profiler is on before the
+    run and after it."""
+    import megadiff.training.pretrain as pretrain_module
+
+    trained, steps = pretrain_module.train_step, []
+
+    def interrupted_at_the_second(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+        return trained(*args, **kwargs)
+
+    pretrain_module.train_step = interrupted_at_the_second
+    enabled, interruptions = [torch.autograd._profiler_enabled()], []
+    try:
+        pretrain_module.pretrain(load_config(DEMO_CONFIG, overrides))
+    except KeyboardInterrupt as error:
+        interruptions.append(error)  # held, with its traceback's frames, as sys.last_value holds it
+    enabled.append(torch.autograd._profiler_enabled())
+    Path(report).write_text(json.dumps({"interrupted": len(interruptions), "profiler on": enabled}))
+
+
+def test_a_run_stopped_inside_its_profile_window_turns_the_profiler_off(base, tmp_path):
+    """Left on, torch's profiler recorded every later op of the process in memory (a notebook's next runs)."""
+    from tests.distributed import run_ranks
+
+    report = tmp_path / "report.json"
+    run_ranks(1, interrupted_inside_the_profile_window,
+              base + [f"output_dir={tmp_path / 'run'}", "train.iters=4", "logging.profile_iterations=[1,3]"],
+              str(report))
+    assert json.loads(report.read_text()) == {"interrupted": 1, "profiler on": [False, False]}

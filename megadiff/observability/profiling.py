@@ -54,9 +54,7 @@ class IterationProfiler:
     def stop(self, iteration: int, final: bool = False) -> list[Path]:
         """Call after `iteration` ran, and with `final` when the loop ends (a stop inside the window
         still writes what was recorded); returns the files written."""
-        if self._marker is not None:
-            self._marker.__exit__(None, None, None)
-            self._marker = None
+        self._end_marker()
         if self._profile is None or (iteration < self.window[1] and not final):
             return []
         self._profile.__exit__(None, None, None)
@@ -71,3 +69,19 @@ class IterationProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
         self._profile = None
         return written
+
+    def close(self) -> None:
+        """Ends a window left open, writing nothing: a run stopped by an error inside it left torch's profiler on
+        for the rest of the process (a notebook's, a sweep driver's), recording every later op in memory while
+        the traceback was kept."""
+        self._end_marker()
+        if self._profile is not None:
+            self._profile.__exit__(None, None, None)
+            self._profile = None
+            if self.memory:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _end_marker(self) -> None:
+        if self._marker is not None:
+            self._marker.__exit__(None, None, None)
+            self._marker = None

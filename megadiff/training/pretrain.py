@@ -416,6 +416,7 @@ class Pretraining:
         finally:
             batches.close()
             watchdog.close()
+            self.profiler.close()
             if self.metrics is not None:
                 self.metrics.close(failed=failed)
         self._say(f"stopped after iteration {state.iteration}; checkpoint in {self.output / CHECKPOINTS_DIR}")
