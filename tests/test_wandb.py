@@ -46,3 +46,38 @@ def test_a_closed_run_is_written_before_a_process_ends_without_exit_handlers(tmp
                             capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split() == ["0"]  # W&B's service had ended when close() returned
     assert exit_codes(sorted((tmp_path / "wandb").glob("offline-run-*"))) == [0 if ending == "finished" else 1]
+
+
+def a_refused_run_then_another(rank: int, world_size: int, overrides: list[str], output: str) -> None:
+    """In this process (a sweep driver's), two runs logging to W&B: the first refused after its W&B run began (its
+    data has more ids than model.vocab_size), the second trained."""
+    from pathlib import Path
+
+    from megadiff.config import load_config
+    from megadiff.data.errors import DataError
+    from megadiff.training.pretrain import pretrain
+    from tests.pretrain_runs import DEMO_CONFIG
+
+    with pytest.raises(DataError, match="model.vocab_size"):
+        pretrain(load_config(DEMO_CONFIG, overrides + [f"output_dir={Path(output) / 'refused'}",
+                                                       "model.vocab_size=100"]))
+    assert pretrain(load_config(DEMO_CONFIG, overrides + [f"output_dir={Path(output) / 'trained'}"])) == 0
+
+
+def test_a_run_refused_after_its_w_and_b_run_began_finishes_it_as_failed(small_tokenizer_dir, tmp_path):
+    """The refused run's W&B run stayed open, and W&B gave it to the next run of the process, whose curve went into
+    it, finished as a success; the next run's own W&B run stayed empty."""
+    from megadiff.observability.metrics import read_metrics
+    from tests.distributed import run_ranks
+    from tests.pretrain_runs import tiny_overrides
+    from tests.wandb_log import exit_codes, logged_history_and_config
+
+    overrides = tiny_overrides(small_tokenizer_dir, tmp_path / "cache") + ["train.iters=2",
+                                                                           "logging.wandb_project=megadiff-tests"]
+    run_ranks(1, a_refused_run_then_another, overrides, str(tmp_path))
+    refused, trained = (sorted((tmp_path / name / "wandb").glob("offline-run-*")) for name in ("refused", "trained"))
+    assert exit_codes(refused) == [1] and logged_history_and_config(refused)[0] == []
+    history, config = logged_history_and_config(trained)
+    assert exit_codes(trained) == [0] and config["output_dir"] == str(tmp_path / "trained")
+    assert [r["lm_loss"] for r in history if "lm_loss" in r] == [
+        r["lm_loss"] for r in read_metrics(tmp_path / "trained") if "lm_loss" in r]

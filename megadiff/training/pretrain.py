@@ -162,6 +162,7 @@ class Pretraining:
             # W&B before data and model: a login or project problem should stop the run before them
             self._wandb = refused_together(
                 lambda: wandb_sink(self.output, cfg.logging, cfg.model_dump(mode="json")) if self.rank == 0 else None)
+            loading.push(_finished_as_failed_on_error(self._wandb))
             t = cfg.train
             self.train_samples, drawn_for = start.data_samples(cfg)
             self.datasets, self.valid_sets, tokenizer, data_now = _prepare_data(cfg, self.train_samples)
@@ -436,6 +437,16 @@ class Pretraining:
     def _say(self, message: str) -> None:
         if self.metrics is not None:
             self.metrics.print(message)
+
+
+def _finished_as_failed_on_error(wandb):
+    """An exit callback finishing `wandb` (a W&B sink, or None) as failed where the block ends with an error (data,
+    model or checkpoint refused): left open, W&B returned it to the next run of the process (a sweep driver's, a
+    notebook's), which logged its curve into it and finished it as a success, its own W&B run left empty."""
+    def on_exit(error_type, error, traceback) -> None:
+        if error_type is not None and wandb is not None:
+            wandb.close(failed=True)
+    return on_exit
 
 
 def _too_many_skips(state, max_skipped: int, result, lambdas: dict[str, float]) -> TrainingError:
