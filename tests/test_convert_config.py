@@ -42,14 +42,23 @@ def test_a_stock_llamas_norm_epsilon_and_rope_base_are_read():
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_dropout=0.1), "attention_dropout > 0"),
     (dict(max_position_embeddings=16384, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}), "rope_type 'llama3'"),
+        "rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 4096}),
+     "rope_type 'yarn'"),
 ])
 def test_a_model_megadiff_cannot_express_is_refused_by_name(setting, named):
-    """Converted anyway, a GELU model would run as SiLU, a Llama 3.1 as plain RoPE: other models, silently where
-    the logits check is skipped."""
+    """Converted anyway, a GELU model would run as SiLU, a YaRN-scaled one as plain RoPE: other models, silently
+    where the logits check is skipped."""
     with pytest.raises(ConversionError, match=rf"llama: unsupported by megadiff: {named}"):
         model_fields_from_hf(LlamaConfig(**{**SMALL, **setting}), "llama")
+
+
+def test_llama3_scaling_out_of_range_is_refused_by_name():
+    """transformers only warns of a factor below 1 (which shortens the wavelengths it should lengthen)."""
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 0.5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    with pytest.raises(ConversionError, match=r"(?s)llama: rope_parameters .*factor.*greater than or equal to 1"):
+        model_fields_from_hf(LlamaConfig(**{**SMALL, "max_position_embeddings": 16384, "rope_parameters": rope}),
+                             "llama")
 
 
 @pytest.mark.parametrize("variant, head_norm", [("diff", False), ("dint", False), ("softmax", True)])

@@ -17,11 +17,14 @@ from megadiff.inference import load_checkpoint
 from tests.convert_worker import TEXT, build_tokenizer
 
 
-def stock_llama(directory, tied: bool, rope_theta: float = 500.0, bos: str | None = None, hidden_act: str = "silu"):
+def stock_llama(directory, tied: bool, rope_theta: float = 500.0, bos: str | None = None, hidden_act: str = "silu",
+                rope_parameters: dict | None = None):
+    """`rope_parameters`: besides the base (a scaling's)."""
     build_tokenizer(directory, bos)
+    rope = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": rope_theta}
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                         rms_norm_eps=1e-5, rope_parameters=rope,
                          tie_word_embeddings=tied, bos_token_id=1 if bos else 0, eos_token_id=0,
                          hidden_act=hidden_act)
     torch.manual_seed(0)

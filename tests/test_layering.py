@@ -17,11 +17,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megadiff"
 ALLOWED = {
     "ops": set(),
     "files": set(),  # atomic writes, locks, paths: the standard library alone, for any part to use
+    "transformers4": set(),  # what config.json names for transformers 4.x: the standard library alone
     "config": {"errors", "files"},
     "models": {"config", "ops", "errors"},
     # a checkpoint's single-process model is built here, below both convert and inference, which use it
     "checkpoint": {"config", "data", "errors", "files", "helper_processes", "models", "parallel"},
-    "convert": {"checkpoint", "config", "console", "data", "errors", "files", "models"},
+    "convert": {"checkpoint", "config", "console", "data", "errors", "files", "models", "transformers4"},
     "cli": {"config", "console", "errors"},  # console: what a command does once its output's reader went away
 }
 

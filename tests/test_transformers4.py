@@ -77,9 +77,10 @@ def run_on_exports(script: str, exports: dict[Path, list[int] | None], pythonpat
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def exported(root: Path, name: str, variant: str, tokenizer: str, vocab_size: int, remote_code: bool = False) -> Path:
+def exported(root: Path, name: str, variant: str, tokenizer: str, vocab_size: int, remote_code: bool = False,
+             settings: tuple[str, ...] = ()) -> Path:
     vocabulary = [f"data.tokenizer={tokenizer}", f"model.vocab_size={vocab_size}"]  # the later overrides MODEL's
-    cfg = build_config({}, MODEL + VARIANTS[variant] + vocabulary)
+    cfg = build_config({}, MODEL + VARIANTS[variant] + vocabulary + list(settings))
     save_in_process(cfg, root / name / "checkpoint")
     return convert_to_hf(root / name / "checkpoint", root / name / "hf", remote_code=remote_code)
 
@@ -119,6 +120,22 @@ def test_exports_read_in_transformers4_as_in_transformers5(tmp_path):
         assert read["new"] == expected["new"] and read["beams"] == expected["beams"], directory
         torch.testing.assert_close(torch.tensor(read["beam_scores"]), torch.tensor(expected["beam_scores"]),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_exports_of_a_llama3_scaled_model_read_in_transformers4_as_in_transformers5(tmp_path):
+    """transformers 4.x reads RoPE scaling from config.json's rope_scaling alone, which transformers 5 does not write:
+    a converted Llama 3.1 exported back ran there with unscaled RoPE."""
+    skip_without_transformers4()
+    small = str(build_tokenizer(tmp_path / "tokenizer"))
+    # LLAMA3_ROPE's (the other keys at their defaults, Llama 3.1's)
+    settings = ("model.rope_theta=500000", "model.rope_scaling.factor=4",
+                "model.rope_scaling.original_max_position_embeddings=32")
+    exports = {exported(tmp_path, variant, variant, small, 300, remote_code, settings): None
+               for variant, remote_code in (("softmax", False), ("diff", False), ("dint", True))}
+    theirs, ours = read_by("4.", exports, str(TRANSFORMERS4)), read_by("5.", exports)
+    for directory in exports:
+        torch.testing.assert_close(torch.tensor(theirs[str(directory)]["logits"]),
+                                   torch.tensor(ours[str(directory)]["logits"]), rtol=1e-4, atol=1e-4)
 
 
 # greedy tokens with transformers 4's static cache and without any cache (every step recomputes the whole sequence)

@@ -7,7 +7,6 @@ The control (adaptation.method finetune) has no adapter: save_finetuned writes i
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -22,6 +21,7 @@ from megadiff.adapt.settings import MODEL_CODE_MODULE
 from megadiff.data.conversations import stop_ids
 from megadiff.data.tokenizers import HFTokenizer, save_for_any_transformers
 from megadiff.files import publish_staged, staging_dir
+from megadiff.transformers4 import name_rope_for_transformers4
 
 
 def adapted_classes(model: nn.Module) -> tuple[type, type, type]:
@@ -45,21 +45,6 @@ def adapted_config(model: nn.Module):
                        "AutoModelForCausalLM": f"{MODEL_CODE_MODULE}.{model_cls.__name__}",
                        "AutoModel": f"{MODEL_CODE_MODULE}.{base_model_cls.__name__}"}
     return config
-
-
-def _name_rope_for_transformers4(directory: Path, config) -> None:
-    """transformers 5 keeps RoPE's base and scaling in `rope_parameters` alone, which 4.x does not read: it takes
-    `rope_theta` and `rope_scaling`, and without them builds base-10000, unscaled RoPE silently (Llama 3.2's base
-    500,000 and llama3 scaling lost, every logit changed), so config.json names both as 4.x reads them too."""
-    rope = dict(config.rope_parameters or {})
-    if "rope_theta" not in rope:
-        return
-    path = directory / "config.json"
-    fields = json.loads(path.read_text())
-    fields["rope_theta"] = rope.pop("rope_theta")
-    if rope.get("rope_type", "default") != "default":
-        fields["rope_scaling"] = rope
-    path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def _stop_at_turn_end(directory: Path, tokenizer) -> None:
@@ -99,7 +84,7 @@ def _save(model: nn.Module, directory: Path, adapted: Optional[PretrainedConfig]
     if adapted is not None:
         adapted.save_pretrained(staged)  # replaces the base model's config.json
         shutil.copyfile(modeling_adapted.__file__, staged / f"{MODEL_CODE_MODULE}.py")
-    _name_rope_for_transformers4(staged, adapted or model.config)
+    name_rope_for_transformers4(staged, adapted or model.config)
     if tokenizer is not None:
         save_for_any_transformers(tokenizer, staged)
         _stop_at_turn_end(staged, tokenizer)

@@ -71,6 +71,18 @@ def read_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"{value!r} is neither a file nor a Jinja template")
 
 
+class RopeScalingConfig(Section):
+    """Llama 3.1's RoPE scaling (rope_type "llama3"): the frequencies whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
+    original_max_position_embeddings / high_freq_factor kept, the ones between interpolated. The defaults are
+    Llama 3.1's (Llama 3.2's factor is 32)."""
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, ge=1)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, ge=1)
+
+
 class ModelConfig(Section):
     variant: Variant = "diff"
     num_layers: int = Field(2, ge=1)
@@ -84,6 +96,8 @@ class ModelConfig(Section):
     make_vocab_size_divisible_by: int = Field(128, ge=1)
     seq_length: int = Field(4096, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: Optional[RopeScalingConfig] = Field(
+        None, description="RoPE scaling of a converted Llama 3.x (docs/conversion.md); default: none")
     norm_eps: float = Field(1e-5, gt=0)
     lambda_init: Union[Literal["depth"], float] = Field(
         "depth", description="'depth': 0.8 - 0.6 exp(-0.3 (l - 1)) for layers l = 1..L")

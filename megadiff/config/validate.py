@@ -78,6 +78,11 @@ def validate_model(model: ModelConfig) -> None:
         _fail("model.head_dim", f"{resolved_head_dim(model)} must be even for rotary embeddings")
     if model.rope_theta != int(model.rope_theta):  # megatron-core's RoPE takes an integer base
         _fail("model.rope_theta", f"{model.rope_theta} must be an integer (megatron would use {int(model.rope_theta)})")
+    scaling = model.rope_scaling
+    if scaling is not None and scaling.high_freq_factor <= scaling.low_freq_factor:
+        # equal, the interpolation between the two divides by zero: every middle frequency NaN
+        _fail("model.rope_scaling.high_freq_factor", f"{scaling.high_freq_factor} must exceed low_freq_factor "
+              f"({scaling.low_freq_factor})")
     if model.variant == "shared_diff" and model.lowrank_rank < 1:
         _fail("model.lowrank_rank", "Shared DIFF needs a rank >= 1")
     if model.variant != "shared_diff" and model.lowrank_rank:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import ValidationError
 
 from megadiff.config import (
     DIFFERENTIAL_VARIANTS, ModelConfig, resolved_architecture, resolved_ffn_hidden_size, resolved_head_dim,
     resolved_head_norm, resolved_kv_heads,
 )
+from megadiff.config.schema import RopeScalingConfig
 from megadiff.config.validate import DERIVED_MODEL_KEYS
 from megadiff.convert.hf_layout import ConversionError
 
@@ -44,19 +46,20 @@ def _common_fields(model: ModelConfig, vocab_size: int, bos: int, eod: int, dtyp
     return dict(vocab_size=vocab_size, hidden_size=model.hidden_size,
                 intermediate_size=resolved_ffn_hidden_size(model), num_hidden_layers=model.num_layers,
                 max_position_embeddings=model.seq_length, rms_norm_eps=model.norm_eps,
-                rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+                rope_parameters=hf_rope_parameters(model),
                 tie_word_embeddings=model.tie_embeddings, bos_token_id=bos, eos_token_id=eod, pad_token_id=None,
                 dtype=dtype)
 
 
+def hf_rope_parameters(model: ModelConfig) -> dict:
+    """transformers' rope_parameters of the model's RoPE: its base, and its scaling if it has one."""
+    scaling = {} if model.rope_scaling is None else model.rope_scaling.model_dump()
+    return {"rope_type": "default", **scaling, "rope_theta": model.rope_theta}
+
+
 def build_hf_config(model: ModelConfig, family: str, vocab_size: int, bos: int, eod: int, dtype: torch.dtype):
     """The Hugging Face config of an export (vocab_size = the padded vocabulary)."""
-    config = _family_config(model, family, _common_fields(model, vocab_size, bos, eod, dtype))
-    if family != "megadiff":
-        # beside rope_parameters: transformers 4.x reads only this, and would take its default base (10000)
-        # silently
-        config.rope_theta = model.rope_theta
-    return config
+    return _family_config(model, family, _common_fields(model, vocab_size, bos, eod, dtype))
 
 
 def _family_config(model: ModelConfig, family: str, common: dict):
@@ -110,12 +113,22 @@ def _refuse_unsupported(hf, directory) -> None:
          f"hidden_act {getattr(hf, 'hidden_act', None)!r} (megadiff: silu)"),
         (not getattr(hf, "attention_bias", False), "attention_bias=true (megadiff has no biases)"),
         (not getattr(hf, "mlp_bias", False), "mlp_bias=true (megadiff has no biases)"),
-        (rope.get("rope_type", "default") == "default", f"rope_type {rope.get('rope_type')!r} (megadiff: default RoPE)"),
+        (rope.get("rope_type", "default") in ("default", "llama3"),
+         f"rope_type {rope.get('rope_type')!r} (megadiff: default RoPE or llama3 scaling)"),
         (not getattr(hf, "attention_dropout", 0.0), "attention_dropout > 0"),
     ]
     unsupported = [what for ok, what in checks if not ok]
     if unsupported:
         raise ConversionError(f"{directory}: unsupported by megadiff: {', '.join(unsupported)}")
+
+
+def _rope_scaling(rope: dict, directory) -> RopeScalingConfig | None:
+    if rope.get("rope_type", "default") == "default":
+        return None
+    try:  # transformers' own check only warns of values out of range
+        return RopeScalingConfig(**{name: rope[name] for name in RopeScalingConfig.model_fields})
+    except ValidationError as err:
+        raise ConversionError(f"{directory}: rope_parameters {rope}: {err}") from None
 
 
 def _default_or_none(value: int, default: int) -> int | None:
@@ -127,6 +140,7 @@ def model_fields_from_hf(hf, directory) -> dict:
     _refuse_unsupported(hf, directory)
     fields = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, seq_length=hf.max_position_embeddings,
                   rope_theta=float(hf.rope_parameters["rope_theta"]), norm_eps=hf.rms_norm_eps,
+                  rope_scaling=_rope_scaling(hf.rope_parameters, directory),
                   tie_embeddings=bool(hf.tie_word_embeddings))
     heads, kv_heads, d = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim
     if hf.model_type == "llama":

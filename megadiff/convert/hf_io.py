@@ -27,6 +27,7 @@ from megadiff.config.loader import read_saved_config, saved_config
 from megadiff.convert.hf_layout import ConversionError
 from megadiff.data.conversations import chat_template_of, save_chat_template, stop_ids
 from megadiff.errors import first_line
+from megadiff.transformers4 import name_rope_for_transformers4
 
 SIDECAR_CONFIG = "megadiff_config.yaml"
 SIDECAR_UNFOLDED = "megadiff_unfolded.safetensors"
@@ -136,6 +137,8 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
     from transformers import GenerationConfig
 
     config.save_pretrained(str(directory))
+    if config.model_type != "megadiff":  # whose configuration code names them for 4.x itself
+        name_rope_for_transformers4(directory, config)
     _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
         str(directory))
     _save_weights(state, directory)

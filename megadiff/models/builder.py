@@ -6,13 +6,14 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megadiff.config import Config, padded_vocab_size
+from megadiff.config.schema import RopeScalingConfig
 from megadiff.models.specs import block_spec
 from megadiff.models.transformer_config import MegadiffTransformerConfig, to_transformer_config
 
 
 def build_model_chunk(cfg: Config, config: MegadiffTransformerConfig, pre_process: bool, post_process: bool,
                       vp_stage: int | None = None) -> GPTModel:
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config, vp_stage),
         vocab_size=padded_vocab_size(cfg.model, cfg.parallel.tensor),
@@ -25,6 +26,19 @@ def build_model_chunk(cfg: Config, config: MegadiffTransformerConfig, pre_proces
         rotary_base=int(cfg.model.rope_theta),
         vp_stage=vp_stage,
     )
+    if cfg.model.rope_scaling is not None:
+        scale_rotary_frequencies(model.rotary_pos_emb, cfg.model.rope_scaling)
+    return model
+
+
+def scale_rotary_frequencies(rotary, scaling: RopeScalingConfig) -> None:
+    """Llama 3's scaling of a megatron RotaryEmbedding's frequencies, before any forward pass caches them. Its
+    constructor's rope_scaling takes the factor alone (low_freq_factor 1, high_freq_factor 4 and 8192 original
+    positions hard-coded); the method it calls takes all four."""
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings)
 
 
 def build_model(cfg: Config, config: MegadiffTransformerConfig | None = None) -> list[GPTModel]:

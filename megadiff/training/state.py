@@ -31,11 +31,11 @@ DATA_ORDER_KEYS = (("data", "prefix"), ("data", "blend"), ("data", "bundled_corp
                    ("model", "seq_length"))
 # model keys a continued run may change: they do not alter the weights' shapes or meaning (the
 # vocabulary's padding multiple: as long as the padded size stays, _check_same_vocabulary)
-CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "attention_backend", "sdpa_kernels", "transformer_impl",
-                         "make_vocab_size_divisible_by"}
+CHANGEABLE_MODEL_KEYS = {"seq_length", "rope_theta", "rope_scaling", "attention_backend", "sdpa_kernels",
+                         "transformer_impl", "make_vocab_size_divisible_by"}
 # of those, what changes every attention score the weights were trained with: said at the start (a length
 # extension changes them on purpose; a resumed run's override may not)
-POSITION_KEYS = ("seq_length", "rope_theta")
+POSITION_KEYS = ("seq_length", "rope_theta", "rope_scaling")
 
 
 @dataclass
