@@ -249,6 +249,8 @@ class _FakeWrites:
 
 
 class _FakeRequest:
+    preload_fn = None  # its writes read the state itself, staged nowhere
+
     def __init__(self, write):
         self.write, self.finalize_fns = write, []
 
@@ -467,3 +469,56 @@ def test_a_held_lock_names_its_holder_and_is_free_once_it_ends(tmp_path, monkeyp
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     assert files.hold_lock(lock) is None
+
+
+def _staged_copies_worker(rank: int, world_size: int, directory: str, out: str) -> None:
+    """An async save whose tensors, as on CUDA, are staged into new host tensors (on CPU megatron's preload hands
+    the writer the model's own): whether they are still referenced while the writer writes, and after."""
+    import gc
+    import json
+    import weakref
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from megadiff.checkpoint.training_checkpoint import CheckpointWriter
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, shutdown
+    from megadiff.training.engine import build_engine
+    from tests.parity_worker import MODEL
+
+    staged = []
+    preload = FileSystemWriterAsync.preload_tensors
+
+    def staged_on_the_host(write_buckets, non_blocking=True):
+        buckets = [(name, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
+                   for name, key, (data, tensors) in preload(write_buckets, non_blocking)]
+        staged.extend(weakref.ref(tensor) for *_, (_, tensors) in buckets for _, tensor in tensors)
+        return buckets
+
+    FileSystemWriterAsync.preload_tensors = staticmethod(staged_on_the_host)
+    cfg = build_config({}, MODEL + ["model.variant=diff"], world_size)
+    initialize(cfg.parallel, seed=0)
+    engine = build_engine(cfg)
+    writer = CheckpointWriter(directory, cfg, async_save=True)
+    writer.save(1, engine.unwrapped(), engine.optimizer, {"iteration": 1})
+    gc.collect()
+    kept_while_writing = bool(staged) and all(ref() is not None for ref in staged)
+    writer.close()
+    gc.collect()
+    released = all(ref() is None for ref in staged)
+    with open(out, "w") as handle:
+        json.dump({"kept_while_writing": kept_while_writing, "released": released}, handle)
+    shutdown()
+
+
+def test_an_async_saves_staged_host_copies_live_until_its_writer_has_written_them(tmp_path):
+    """megatron-core 0.16.1 forks the writer and drops the pinned host copies it reads (megatron PR #2288):
+    pinned memory is not copy-on-write, and the next pinned allocations (the data loader's batches) reused it
+    under the writer. The copies must stay referenced until the write has finished, and no longer."""
+    import json
+
+    from tests.distributed import run_ranks
+
+    out = tmp_path / "report.json"
+    run_ranks(1, _staged_copies_worker, str(tmp_path / "checkpoints"), str(out))
+    assert json.loads(out.read_text()) == {"kept_while_writing": True, "released": True}

@@ -90,6 +90,7 @@ class CheckpointWriter:
         start_write_results_queue()
         self.queue = AsyncCallsQueue() if async_save else None
         self.in_flight: int | None = None  # the iteration of the background save not yet committed
+        self.staged = None  # the host copies the background save's writer reads, kept until it has finished
 
     def save(self, iteration: int, chunks: list, optimizer, train_state: dict,
              kept_before: int | None = None) -> None:
@@ -112,8 +113,25 @@ class CheckpointWriter:
             else:
                 request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
                 request.add_finalize_fn(commit)
-                self.queue.schedule_async_request(request)
+                self.queue.schedule_async_request(self._keeping_staged_copies(request))
                 self.in_flight = iteration
+
+    def _keeping_staged_copies(self, request):
+        """`request` whose host copies of the tensors stay referenced here until its write has finished.
+
+        megatron-core 0.16.1 (TemporalAsyncCaller) copies the tensors to pinned host memory, forks the writer and
+        drops the copies at once (megatron PR #2288). Pinned memory is not copy-on-write across a fork: PyTorch
+        hands the freed blocks to the next pinned allocations (the data loader's batches), which could overwrite
+        what the writer was still writing: a checkpoint with other data in place of some weights or moments."""
+        preload = request.preload_fn
+        if preload is None:
+            return request
+
+        def preload_and_keep():
+            self.staged = preload()
+            return self.staged
+
+        return request._replace(preload_fn=preload_and_keep)
 
     @contextlib.contextmanager
     def _failure_reported(self, iteration: int):
@@ -167,7 +185,7 @@ class CheckpointWriter:
         if self.queue is not None and self.in_flight is not None:
             with self._failure_reported(self.in_flight):
                 if self.queue.maybe_finalize_async_calls(blocking=blocking):
-                    self.in_flight = None
+                    self.in_flight, self.staged = None, None
 
     def close(self) -> None:
         self.wait()
