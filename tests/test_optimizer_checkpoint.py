@@ -209,3 +209,77 @@ def test_a_checkpoint_of_buckets_padded_between_resumes_the_uninterrupted_run(tm
         assert report["weights_differ"] == [] and report["adam_states_equal"], rank
         uninterrupted, resumed = report["next_losses"]
         assert resumed == uninterrupted
+
+
+def _after_padding(engine) -> list[str]:
+    """The parameters whose checkpoint state megatron's unmended save shifts: those after a bucket's padding in their
+    buffer, and their tied copies on other ranks (the checkpoint holds one copy of a key: its main replica's)."""
+    import torch.distributed as dist
+
+    from megadiff.checkpoint.gather import model_sharded_tensors
+
+    keys = {id(shard.data): shard.key for shard in model_sharded_tensors(engine.unwrapped())}
+    named = [(name, param) for chunk in engine.unwrapped() for name, param in chunk.named_parameters()]
+    shifted = set()
+    for chunk in engine.model:
+        for buffer in chunk.buffers:
+            padding_ends = [end for bucket, (start, end) in zip(buffer.buckets, buffer.bucket_indices)
+                            if end - start > bucket.numel_unpadded]
+            shifted |= {keys[id(param)] for param, (start, _, _) in buffer.param_index_map.items()
+                        if padding_ends and start >= min(padding_ends)}
+    everywhere = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, shifted)
+    return sorted(name for name, param in named if keys.get(id(param)) in set().union(*everywhere))
+
+
+def _unmended_save_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    from megadiff.checkpoint import optimizer_state
+    from megadiff.checkpoint.format import CheckpointError, iteration_dir, model_sharded_state
+    from megadiff.checkpoint.training_checkpoint import CheckpointWriter, load_training_checkpoint
+    from megadiff.checkpoint.weights import load_into_chunks, load_sharded
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, shutdown
+    from megadiff.training.engine import build_engine
+
+    cfg = build_config({}, MODEL + PADDED_BETWEEN_BUCKETS, world_size)
+    initialize(cfg.parallel, seed=0)
+    trained = build_engine(cfg)
+    for _ in range(STEPS):
+        _step_all_chunks(trained, cfg)
+    mend = optimizer_state._gathered_in_buffer_layout
+    optimizer_state._gathered_in_buffer_layout = lambda inner: inner.get_parameter_state_dp_zero  # megadiff before (e)
+    writer = CheckpointWriter(checkpoints, cfg)
+    writer.save(STEPS, trained.unwrapped(), trained.optimizer, {"iteration": STEPS})
+    writer.close()
+    optimizer_state._gathered_in_buffer_layout = mend
+    checkpoint = iteration_dir(checkpoints, STEPS)
+    resumed = build_engine(cfg)
+    request = model_sharded_state(resumed.unwrapped())
+    request["optimizer"] = optimizer_state.optimizer_sharded_state(resumed.optimizer, request, is_loading=True)
+    loaded = load_sharded(request, checkpoint)
+    load_into_chunks(resumed.unwrapped(), loaded)
+    report = {"expected": _after_padding(resumed),
+              "unlike": sorted(optimizer_state.main_params_unlike_weights(resumed.optimizer, loaded["optimizer"],
+                                                                          resumed.unwrapped()))}
+    fresh = build_engine(cfg)
+    try:
+        load_training_checkpoint(checkpoint, fresh.unwrapped(), fresh.optimizer, restore_rng=False)
+    except CheckpointError as error:
+        report["refusal"] = str(error)
+    shutdown()
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(report, handle)
+
+
+def test_a_checkpoint_saved_with_shifted_optimizer_state_is_refused_naming_the_parameters(tmp_path):
+    """A checkpoint written before mend (e) holds the state of the parameters after a bucket's padding shifted into
+    their neighbours': loading it refuses (every rank), naming them, where it trained silently from corrupt weights."""
+    out = tmp_path / "report.json"
+    run_ranks(2, _unmended_save_worker, str(tmp_path / "checkpoints"), str(out))
+    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    assert any(report["expected"] for report in reports), "no padding between buckets: nothing was shifted"
+    for rank, report in enumerate(reports):
+        assert report["unlike"] == report["expected"], rank
+        assert "load_optimizer=false" in report["refusal"], rank
+        if report["expected"]:
+            assert report["expected"][0] in report["refusal"], rank

@@ -23,6 +23,9 @@ With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1
      the parameters' offsets in the padded buffer. The parameters after such a padding were saved shifted into
      their neighbours' values, and a resumed run trained from corrupted weights and moments.
 Each mend below is local to one optimizer instance and keeps megatron's own code paths.
+
+A checkpoint saved without mend (e) (before it existed) holds such shifted state: `main_params_unlike_weights`
+finds it at load, where the saved fp32 main weights, cast to the model's dtype, are not the saved weights.
 """
 from __future__ import annotations
 
@@ -86,6 +89,30 @@ def _insert_bucket_padding(buffer, world_tensors: dict) -> None:
             padded[start:start + bucket.numel_unpadded] = coalesced[read:read + bucket.numel_unpadded]
             read += bucket.numel_unpadded
         world_tensors[key] = padded
+
+
+def main_params_unlike_weights(optimizer, state: dict, chunks: list) -> list[str]:
+    """The parameters of `chunks` (holding the checkpoint's weights) whose fp32 main weights in the loaded distributed
+    optimizer `state` are not those weights: every step ends by casting its main weights into the model's, and a
+    checkpoint is written from both after it, so they agree exactly wherever the state was saved where it belongs."""
+    names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}
+    inners = _inner_optimizers(optimizer)
+    inner_states = [state] if len(inners) == 1 else [state[index] for index in range(len(inners))]
+    return [names[param] for inner, inner_state in zip(inners, inner_states, strict=True)
+            if isinstance(inner, DistributedOptimizer)
+            for index, param in enumerate(_params_in_saved_order(inner))
+            if not _is_cast_of(inner_state["param_state"][index]["param"], param)]
+
+
+def _is_cast_of(main_param: torch.Tensor, param: torch.Tensor) -> bool:
+    # megatron loads the state into host memory, whatever device the parameters are on
+    return torch.equal(main_param.to(param.device, param.dtype).view_as(param), param.detach())
+
+
+def _params_in_saved_order(inner: DistributedOptimizer) -> list:
+    """The model parameters in the order of the `fully_reshardable` state's entries (megatron's
+    `load_parameter_state_from_fully_reshardable` numbers them so)."""
+    return [param for buffer in inner.buffers for param in buffer.param_index_map]
 
 
 def _with_torch_adam(optimizer) -> list:

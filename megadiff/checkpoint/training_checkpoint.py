@@ -29,7 +29,9 @@ from megadiff.checkpoint.format import (
     CONFIG_FILE, LATEST_FILE, TOKENIZER_DIR, CheckpointError, iteration_dir, model_sharded_state,
     read_latest_iteration,
 )
-from megadiff.checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
+from megadiff.checkpoint.optimizer_state import (
+    load_optimizer_state, main_params_unlike_weights, optimizer_sharded_state,
+)
 from megadiff.checkpoint.weights import (
     damage_reported, load_into_chunks, load_sharded, require_common_file, start_write_results_queue, write_failure,
 )
@@ -200,6 +202,19 @@ def read_train_state(checkpoint_dir: str | Path) -> dict | None:
         return dist_checkpointing.load_common_state_dict(str(checkpoint_dir)).get(TRAIN_STATE_KEY)
 
 
+def _refuse_shifted_optimizer_state(checkpoint_dir, chunks: list, optimizer, state: dict) -> None:
+    """A checkpoint whose optimizer state is not its weights' (saved by a megadiff without mend (e) of
+    optimizer_state): resumed, it trained from shifted fp32 weights and moments, its loss jumping without a word."""
+    unlike = main_params_unlike_weights(optimizer, state, chunks)
+    if unlike:
+        raise CheckpointError(
+            f"{checkpoint_dir}: the optimizer's fp32 weights of {len(unlike)} parameters are not the saved weights "
+            f"({', '.join(unlike[:5])}{', ...' if len(unlike) > 5 else ''}): its optimizer state was saved shifted, "
+            "as megadiff before the mend of padded buckets saved it (parallel.overlap_grad_reduce with a data-parallel "
+            "size such as 3 or 6, or pipeline parallelism with tied embeddings). Its weights are sound: start from "
+            "them with checkpoint.load=<it> checkpoint.load_optimizer=false in a new output_dir")
+
+
 def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer, *, load_optimizer: bool = True,
                              restore_rng: bool = True) -> None:
     """Load into this rank's model chunks (any TP/PP layout) and, optionally, the optimizer.
@@ -214,7 +229,9 @@ def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer
     loaded = load_sharded(request, checkpoint_dir)
     load_into_chunks(chunks, loaded)
     if load_optimizer:
-        load_optimizer_state(optimizer, loaded["optimizer"])
+        state = loaded["optimizer"]
+        refused_together(lambda: _refuse_shifted_optimizer_state(checkpoint_dir, chunks, optimizer, state))
+        load_optimizer_state(optimizer, state)
     else:  # the optimizer's fp32 copies must follow the loaded weights
         optimizer.reload_model_params()
     if restore_rng:
