@@ -654,3 +654,24 @@ def test_a_special_text_that_begins_another_is_not_cut_from_it():
         (message,) = mark_special_texts([{"role": "user", "content": "a <s>x b <s> c"}], special)
         assert LITERAL.findall(message["content"]) == ["<s>x", "<s>"], special
         assert LITERAL.sub(lambda found: found.group(1), message["content"]) == "a <s>x b <s> c"
+
+
+# MARKED's turns written by a macro, or under a filter: Jinja buffers their output, where transformers' tracker of
+# {% generation %} blocks counts only what has reached the rendered stream (the spans land on earlier text)
+MACRO_MARKED = ("{%- macro turn(m) -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+                "{%- if m['role'] == 'assistant' -%}{%- generation -%}{{- m['content'] -}}{%- endgeneration -%}"
+                "{%- else -%}{{- m['content'] -}}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endmacro -%}"
+                "{%- for m in messages -%}{{- turn(m) -}}{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+FILTERED_MARKED = "{%- filter replace('\\r\\n', '\\n') -%}" + MARKED + "{%- endfilter -%}"  # line ends normalised
+
+
+@pytest.mark.parametrize("template", [MACRO_MARKED, FILTERED_MARKED], ids=["macro", "filter"])
+def test_generation_blocks_in_buffered_output_mark_the_assistants_text(template, tmp_path):
+    """Reference: transformers' assistant masks of MARKED, which renders the same text with its blocks inline."""
+    from megadiff.data.conversations import encode_conversation
+
+    for messages in CONVERSATIONS[:2]:
+        ids, mask, expected_ids, expected_mask = cl100k_and_transformers_masks(messages, MARKED, tmp_path)
+        assert (ids[:-1], mask[:-1]) == (expected_ids, expected_mask)
+        assert encode_conversation(messages, template, load_tokenizer("cl100k_base")) == (ids, mask)

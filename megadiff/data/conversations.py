@@ -29,6 +29,8 @@ from megadiff.data.errors import DataError
 from megadiff.data.tokenizers import Tokenizer, document_start, encode_continuing, encode_continuing_with_offsets
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# a {% generation %} or {% endgeneration %} tag, its whitespace control on either side
+GENERATION_TAG = re.compile(r"\{%(-?)\s*(end)?generation\s*(-?)%\}")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant",
                   "observation": "tool"}
 # the roles chat templates know (OpenAI's and Hugging Face's): the loss is on "assistant" turns alone
@@ -42,6 +44,9 @@ PROBE_REPLY = [{"role": "user", "content": "u"}, {"role": "assistant", "content"
 # be told apart from the template's own special tokens (Unicode noncharacters: never in text)
 LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
 LITERAL = re.compile(f"{LITERAL_OPEN}(.*?){LITERAL_CLOSE}", re.DOTALL)
+# written where a template's {% generation %} blocks open and close, to find the assistant's text by (noncharacters)
+SPAN_OPEN, SPAN_CLOSE = "\ufdd2", "\ufdd3"
+SPAN = re.compile(f"{SPAN_OPEN}([^{SPAN_OPEN}{SPAN_CLOSE}]*){SPAN_CLOSE}")
 
 
 def chat_template_of(data, tokenizer: Tokenizer) -> Optional[str]:
@@ -103,14 +108,14 @@ def render_conversation(messages: list[dict], template: str, variables: dict, ge
                         continue_final: bool = False) -> str:
     """The template's text of `messages`: then the assistant's generation prompt, or with
     `continue_final` the last message left open, for the model to go on with it."""
-    return _render(messages, template, variables, generation_prompt, continue_final=continue_final)[0]
+    return _render(messages, template, variables, generation_prompt, continue_final=continue_final)
 
 
 def turn_end(template: str, variables: dict) -> Optional[str]:
     """The text the template closes an assistant's turn with (ChatML: "<|im_end|>"), where it
     writes one after the content: where a chat model's reply ends (inside a {% generation %} block
     or after it)."""
-    text = _render(PROBE_REPLY, template, variables)[0]
+    text = _render(PROBE_REPLY, template, variables)
     end = text[text.index(REPLY) + len(REPLY):].strip() if REPLY in text else ""
     return end or None
 
@@ -166,19 +171,49 @@ def _warn_of_a_learned_turn_header(template: str, variables: dict) -> None:
 
 
 def _render(messages: list[dict], template: str, variables: dict, generation_prompt: bool = False,
-            marked: bool = False, continue_final: bool = False) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and, with `marked`, the character ranges of its {% generation %} blocks."""
+            continue_final: bool = False) -> str:
+    """The rendered text of `messages`."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
-        rendered, indices = render_jinja_template([messages], chat_template=template,
-                                                  add_generation_prompt=generation_prompt,
-                                                  return_assistant_tokens_mask=marked,
-                                                  continue_final_message=continue_final, **variables)
+        rendered, _ = render_jinja_template([messages], chat_template=template, add_generation_prompt=generation_prompt,
+                                            continue_final_message=continue_final, **variables)
     except Exception as err:  # jinja's syntax and undefined-variable errors, the template's raise_exception
         raise DataError(f"data.chat_template: the template fails on the messages {str(messages)[:120]}: "
                         f"{type(err).__name__}: {err}") from err
-    return rendered[0], [tuple(span) for span in indices[0]] if marked else []
+    return rendered[0]
+
+
+def _with_span_marks(template: str) -> str:
+    """`template` writing SPAN_OPEN and SPAN_CLOSE where its {% generation %} blocks open and close. Each tag
+    becomes a block of its own that keeps the tag's whitespace control, so the text around is trimmed alike."""
+    def marks(tag: re.Match) -> str:
+        trim_before, end, trim_after = tag.groups()
+        return f"{{%{trim_before} if true %}}{SPAN_CLOSE if end else SPAN_OPEN}{{% endif {trim_after}%}}"
+
+    return GENERATION_TAG.sub(marks, template)
+
+
+def _generation_spans(messages: list[dict], template: str, variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the character ranges of its {% generation %} blocks, found by the marks the blocks
+    write. transformers' return_assistant_tokens_mask counts the characters rendered before a block as it runs,
+    which leaves out the output Jinja holds back (a macro's, a {% filter %}'s, a {% set %} block's until it is
+    written): a block in one got the range of earlier text, and the loss fell on the turn's header."""
+    text = _render(messages, template, variables)
+    marked = _render(messages, _with_span_marks(template), variables)
+    spans, pieces, start = [], [], 0
+    for block in SPAN.finditer(marked):
+        pieces.append(marked[start:block.start()])
+        begin = sum(map(len, pieces))
+        spans.append((begin, begin + len(block.group(1))))
+        pieces.append(block.group(1))
+        start = block.end()
+    pieces.append(marked[start:])
+    if "".join(pieces) != text:  # a filter changed the text next to a mark, or blocks nest
+        raise DataError("data.chat_template: its {% generation %} blocks cannot be located in the rendered text of "
+                        f"{str(messages)[:120]!r} (a filter over them, or nested blocks); write them where their "
+                        "text is output as it is")
+    return text, spans
 
 
 def _refuse_contents_written_as_python(messages: list[dict], text: str, template: str, variables: dict) -> None:
@@ -189,7 +224,7 @@ def _refuse_contents_written_as_python(messages: list[dict], text: str, template
         content = message.get("content")
         if content is None and "content" in message:
             emptied = [*messages[:index], {**message, "content": ""}, *messages[index + 1:]]
-            written = text.count("None") > _render(emptied, template, variables)[0].count("None")
+            written = text.count("None") > _render(emptied, template, variables).count("None")
         else:
             written = isinstance(content, (list, dict)) and str(content) in text
         if written:
@@ -202,17 +237,17 @@ def _refuse_contents_written_as_python(messages: list[dict], text: str, template
 def _assistant_spans(messages: list[dict], template: str, variables: dict) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character ranges of the assistant's turns in it."""
     if GENERATION_BLOCK.search(template):
-        text, spans = _render(messages, template, variables, marked=True)
+        text, spans = _generation_spans(messages, template, variables)
         _refuse_contents_written_as_python(messages, text, template, variables)
         return text, spans
-    text, _ = _render(messages, template, variables)
+    text = _render(messages, template, variables)
     _refuse_contents_written_as_python(messages, text, template, variables)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = _text_before_reply(messages, index, template, variables)
-        through, _ = _render(messages[:index + 1], template, variables)
+        through = _render(messages[:index + 1], template, variables)
         if not (through.startswith(before) and text.startswith(through)):
             raise DataError(f"data.chat_template: the template renders the turns before message {index} (an "
                             "assistant's) differently once it follows, so its text cannot be told apart; mark the "
@@ -227,11 +262,11 @@ def _text_before_reply(messages: list[dict], index: int, template: str, variable
     messages[0] (Qwen's, Gemma's: "list object has no element 0") cannot render; there, what the template
     writes before a lone assistant reply's content, as it writes a generation prompt."""
     try:
-        return _render(messages[:index], template, variables, generation_prompt=True)[0]
+        return _render(messages[:index], template, variables, generation_prompt=True)
     except DataError:
         if index:
             raise
-        opened, _ = _render([{"role": "assistant", "content": REPLY}], template, variables)
+        opened = _render([{"role": "assistant", "content": REPLY}], template, variables)
         if REPLY not in opened:
             raise
         return opened[:opened.index(REPLY)]
