@@ -4,7 +4,9 @@ lambda(t), the freeze policy, refusals, KV-cache generation and the exported HF 
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -574,6 +576,29 @@ def test_a_chat_tuned_export_stops_generating_at_the_templates_end_of_turn(tmp_p
         tokenizer.chat_template = templates[name]
         save_adapted(model, tmp_path / name, tokenizer=tokenizer)
         assert GenerationConfig.from_pretrained(tmp_path / name).eos_token_id == expected
+
+
+def test_a_chat_tuned_export_keeps_a_base_models_sampling_settings_that_transformers_reads(tmp_path):
+    """A base model whose generation_config.json sets temperature and top_p without do_sample (Vicuna's, as
+    transformers 4.3x wrote them): from_pretrained reads it, but transformers refuses to save it once changed, and
+    the export failed after the whole adaptation. Reference: the settings as the base model's directory holds them."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tests.convert_worker import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tokenizer", bos="<|im_end|>"))
+    tokenizer.chat_template = (Path(__file__).resolve().parents[1] / "configs/chat/chatml.jinja").read_text()
+    end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    base = tiny_model("llama", eos_token_id=eos)
+    base.save_pretrained(tmp_path / "base")
+    sampling = {"temperature": 0.9, "top_p": 0.6}
+    written = json.loads((tmp_path / "base" / "generation_config.json").read_text())
+    (tmp_path / "base" / "generation_config.json").write_text(json.dumps({**written, **sampling}))
+    model = apply_dex(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), {}, calibration=[tokens(seed=5)])
+    save_adapted(model, tmp_path / "hf", tokenizer=tokenizer)
+    exported = GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert exported.eos_token_id == [eos, end]
+    assert {key: getattr(exported, key) for key in sampling} == sampling
 
 
 @pytest.mark.parametrize("bad_row", [[], [1, 1], [-1]], ids=["empty", "repeated", "negative"])

@@ -19,7 +19,7 @@ from megadiff.adapt.config import AdaptationError
 from megadiff.adapt.modeling_adapted import EXPORT_CLASSES, describe_adapters
 from megadiff.adapt.settings import MODEL_CODE_MODULE
 from megadiff.data.conversations import stop_ids
-from megadiff.data.tokenizers import HFTokenizer, save_for_any_transformers
+from megadiff.data.tokenizers import GENERATION_CONFIG, HFTokenizer, save_for_any_transformers
 from megadiff.files import publish_staged, staging_dir
 from megadiff.transformers4 import name_rope_for_transformers4
 
@@ -49,15 +49,16 @@ def adapted_config(model: nn.Module):
 
 def _stop_at_turn_end(directory: Path, tokenizer) -> None:
     """The exported generation config stops at the chat template's end of turn too (ChatML's <|im_end|> on a base
-    model whose EOS is <|endoftext|>, Qwen2's): a model tuned on conversations ends its replies there."""
-    from transformers import GenerationConfig
-
+    model whose EOS is <|endoftext|>, Qwen2's): a model tuned on conversations ends its replies there. The file's
+    other settings stay as save_pretrained wrote them from the base model's: transformers refuses to save a changed
+    GenerationConfig holding sampling settings without do_sample (Vicuna's temperature and top_p), which it reads."""
     if not tokenizer.chat_template or tokenizer.eos_token_id is None:  # no turns; megadiff's reader needs an EOS
         return
-    generation = GenerationConfig.from_pretrained(directory)
+    path = directory / GENERATION_CONFIG
+    fields = json.loads(path.read_text())
     template_reader = HFTokenizer(str(directory), tokenizer)
-    generation.eos_token_id = stop_ids(generation.eos_token_id, template_reader.chat_template, template_reader)
-    generation.save_pretrained(directory)
+    fields["eos_token_id"] = stop_ids(fields.get("eos_token_id"), template_reader.chat_template, template_reader)
+    path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def save_adapted(model: nn.Module, directory: str | Path, state_dict: Optional[dict] = None, tokenizer=None) -> Path:
