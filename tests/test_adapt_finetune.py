@@ -427,17 +427,19 @@ def test_fp16_steps_skipped_under_a_static_loss_scale_are_bounded(workspace, tmp
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000002" and not (output / "hf").exists()
 
 
-def adam_settings_seen(config: str, overrides: list[str], report: str) -> int:
+
+def optimizer_settings_seen(config: str, overrides: list[str], report: str) -> int:
     """finetuned's run; rank 0 records, as each iteration begins, the settings of the torch AdamW that steps
-    (inside DeepSpeed's ZeRO optimizer)."""
+    (inside DeepSpeed's ZeRO optimizer) and the norm the ZeRO optimizer clips the gradients at."""
     from megadiff.adapt import finetune
 
     train_iteration, seen = finetune._train_iteration, {}
 
     def recorded(engine, reader, iteration, grad_accum):
         if int(os.environ["RANK"]) == 0:
-            seen[iteration] = [{key: group[key] for key in ("betas", "eps", "weight_decay")}
-                               for group in engine.optimizer.optimizer.param_groups]
+            seen[iteration] = {"groups": [{key: group[key] for key in ("betas", "eps", "weight_decay")}
+                                          for group in engine.optimizer.optimizer.param_groups],
+                               "clip_grad": engine.optimizer.clip_grad}
             Path(report).write_text(json.dumps(seen))
         return train_iteration(engine, reader, iteration, grad_accum)
 
@@ -450,20 +452,23 @@ def adam_settings_seen(config: str, overrides: list[str], report: str) -> int:
     # DeepSpeed's BF16 optimizer wraps the AdamW otherwise
     [f"deepspeed={REPO / 'configs/deepspeed/zero1.json'}", "train.precision=bf16"],
 ])
-def test_a_rerun_trains_with_its_own_adam_settings(workspace, tmp_path, stage):
-    """Stopped after iteration 2, rerun with other betas, eps and weight decay: its steps use them (as its lr
-    schedule and clipping follow its config), not the ones the loaded optimizer state was saved with."""
+def test_a_rerun_trains_with_its_own_adam_settings_and_clipping(workspace, tmp_path, stage):
+    """Stopped after iteration 2, rerun with other betas, eps, weight decay and gradient clipping: its steps use
+    them (as its lr schedule follows its config), not the ones the loaded optimizer state was saved with."""
     output, report = tmp_path / "run", tmp_path / "seen.json"
     adapt_in_ranks(workspace, *stage, f"output_dir={output}", "checkpoint.exit_interval=2")
     rerun = [*stage, f"output_dir={output}", "train.weight_decay=0.05", "train.adam_betas=[0.8,0.9]",
-             "train.adam_eps=1e-6"]
+             "train.adam_eps=1e-6", "train.grad_clip=0.25"]
     with mock.patch.dict(os.environ, _env(workspace)):
-        run_reporting_ranks(2, adam_settings_seen, str(workspace / "adapt.yaml"), rerun, str(report), timeout=400)
+        run_reporting_ranks(2, optimizer_settings_seen, str(workspace / "adapt.yaml"), rerun, str(report),
+                            timeout=400)
     train = load_finetune_config(str(workspace / "adapt.yaml"), rerun).train
+    assert train.grad_clip != load_finetune_config(str(workspace / "adapt.yaml"), []).train.grad_clip
     expected = {"betas": list(train.adam_betas), "eps": train.adam_eps, "weight_decay": train.weight_decay}
     seen = json.loads(report.read_text())
     assert sorted(seen) == [str(iteration) for iteration in range(3, ITERS + 1)]
-    assert all(groups == [expected] * len(groups) for groups in seen.values())
+    assert all(step["groups"] == [expected] * len(step["groups"]) for step in seen.values())
+    assert all(step["clip_grad"] == train.grad_clip for step in seen.values())
 
 
 def _llama_with_attention_biases(workspace: Path, directory: Path) -> None:

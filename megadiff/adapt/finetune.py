@@ -37,7 +37,7 @@ from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted, save_finetuned
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
 from megadiff.adapt.reshard import universal_form
-from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_adam_settings, resume_point
+from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_optimizer_settings, resume_point
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, check_tokenizer_fits, load_finetune_config
 from megadiff.config import ConfigError
@@ -266,7 +266,7 @@ def _finetune(cfg: FinetuneConfig, ds_config: dict, stop: PreemptionHandler) -> 
                 overflows = client_state.get("loss_scale_overflows", 0)  # likewise
                 skipping_since = client_state.get("skipping_since")  # likewise
                 schedule_change = resume_schedule(engine.lr_scheduler, cfg.train)
-                keep_this_runs_adam_settings(engine.optimizer, cfg.train)
+                keep_this_runs_optimizer_settings(engine.optimizer, cfg.train)
             if rank == 0:
                 writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
                                        total_iterations=cfg.train.iters,

@@ -142,11 +142,15 @@ def _others(checkpoint: Path) -> str:
     return f" The run's other checkpoints: {', '.join(others)} (name one in {LATEST_FILE})" if others else ""
 
 
-def keep_this_runs_adam_settings(optimizer, train: TrainSection) -> None:
-    """After a checkpoint is loaded: Adam's betas, eps and weight decay are this run's config's. Loading the
-    optimizer state (torch's Optimizer.load_state_dict, under every ZeRO stage) replaced them with the saving
-    run's, so a rerun that changed them trained on with the old ones, silently (its clipping, a DeepSpeed engine
-    setting, and its lr schedule followed the config). Biases and norm weights stay undecayed."""
+def keep_this_runs_optimizer_settings(optimizer, train: TrainSection) -> None:
+    """After a checkpoint is loaded: Adam's betas, eps and weight decay, and the norm the gradients are clipped at,
+    are this run's config's. Loading the optimizer state replaced them with the saving run's, so a rerun that
+    changed them trained on with the old ones, silently (its lr schedule followed the config): torch's
+    Optimizer.load_state_dict restores Adam's under every ZeRO stage, and DeepSpeed's ZeRO-1/2 and BF16 optimizers
+    restore their clip_grad, which they clip with (the engine's gradient_clipping is read once, at their start).
+    Biases and norm weights stay undecayed."""
     for group in optimizer.param_groups:
         group.update(betas=tuple(train.adam_betas), eps=train.adam_eps,
                      weight_decay=0.0 if group.get(NO_WEIGHT_DECAY) else train.weight_decay)
+    if hasattr(optimizer, "clip_grad"):  # ZeRO's and the BF16 optimizer (ZeRO-0's torch one: the engine clips)
+        optimizer.clip_grad = train.grad_clip
