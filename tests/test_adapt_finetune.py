@@ -427,6 +427,25 @@ def test_fp16_steps_skipped_under_a_static_loss_scale_are_bounded(workspace, tmp
     assert (output / "checkpoints" / "latest").read_text() == "iter_0000002" and not (output / "hf").exists()
 
 
+@pytest.mark.slow
+def test_a_rerun_with_the_lowered_static_loss_scale_trains_with_it(workspace, tmp_path, monkeypatch):
+    """The cure the run above names: fp16.loss_scale lowered in the DeepSpeed JSON, the run resumed from its last
+    checkpoint. DeepSpeed's ZeRO optimizers load the saving run's loss scaler with their state, so the rerun kept
+    2^40 and stopped again at its first step. Reference: the scale this run's JSON sets."""
+    for name, value in _env(workspace).items():
+        monkeypatch.setenv(name, value)
+    ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
+    output, report = tmp_path / "static", tmp_path / "outcome"
+    for scale in (2 ** 40, 2 ** 8):
+        (tmp_path / "ds.json").write_text(json.dumps({**ds, "fp16": {**ds["fp16"], "loss_scale": scale}}))
+        run_ranks(1, fp16_outcome, str(workspace / "adapt.yaml"),
+                  ["train.precision=fp16", f"deepspeed={tmp_path / 'ds.json'}", f"output_dir={output}",
+                   "train.iters=6", "train.max_skipped_nan_iters=2", "checkpoint.save_interval=1"], str(report))
+    assert report.read_text() == "finished with exit code 0"
+    resumed = [record for record in read_metrics(output) if record["iteration"] > 2]
+    assert [r["loss_scale"] for r in resumed] == [2 ** 8] * 4
+    assert [r["skipped_iterations"] for r in resumed] == [2] * 4
+
 
 def optimizer_settings_seen(config: str, overrides: list[str], report: str) -> int:
     """finetuned's run; rank 0 records, as each iteration begins, the settings of the torch AdamW that steps

@@ -37,7 +37,9 @@ from megadiff.adapt.documents import model_inputs
 from megadiff.adapt.export import save_adapted, save_finetuned
 from megadiff.adapt.plan import adaptation_plan, checked_saved_plan
 from megadiff.adapt.reshard import universal_form
-from megadiff.adapt.resume import LATEST_FILE, damage_named, keep_this_runs_optimizer_settings, resume_point
+from megadiff.adapt.resume import (
+    LATEST_FILE, damage_named, keep_this_runs_loss_scaling, keep_this_runs_optimizer_settings, resume_point,
+)
 from megadiff.adapt.schedule import resume_schedule, warmup_cosine
 from megadiff.adapt.settings import PLAN_FILE, FinetuneConfig, check_tokenizer_fits, load_finetune_config
 from megadiff.config import ConfigError
@@ -256,6 +258,7 @@ def _finetune(cfg: FinetuneConfig, ds_config: dict, stop: PreemptionHandler) -> 
             if resumed is not None:
                 # not strict: checkpoints hold the trained parameters only, the frozen ones are the base model's
                 load_dir, tag = (resumed, universal.name) if universal else (checkpoint_dir, resumed.name)
+                configured_scaler = getattr(engine.optimizer, "loss_scaler", None)  # the load replaces it
                 with damage_named(resumed):
                     _, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
                 start = client_state["iteration"]
@@ -267,6 +270,7 @@ def _finetune(cfg: FinetuneConfig, ds_config: dict, stop: PreemptionHandler) -> 
                 skipping_since = client_state.get("skipping_since")  # likewise
                 schedule_change = resume_schedule(engine.lr_scheduler, cfg.train)
                 keep_this_runs_optimizer_settings(engine.optimizer, cfg.train)
+                keep_this_runs_loss_scaling(engine.optimizer, configured_scaler)
             if rank == 0:
                 writer = MetricsWriter(output_dir, resume_from_iteration=start, tensorboard=cfg.logging.tensorboard,
                                        total_iterations=cfg.train.iters,

@@ -154,3 +154,16 @@ def keep_this_runs_optimizer_settings(optimizer, train: TrainSection) -> None:
                      weight_decay=0.0 if group.get(NO_WEIGHT_DECAY) else train.weight_decay)
     if hasattr(optimizer, "clip_grad"):  # ZeRO's and the BF16 optimizer (ZeRO-0's torch one: the engine clips)
         optimizer.clip_grad = train.grad_clip
+
+
+def keep_this_runs_loss_scaling(optimizer, configured) -> None:
+    """After a checkpoint is loaded: the loss scaler is the one this run's DeepSpeed JSON made (`configured`, taken
+    before the load), but where both are dynamic: the saved scale and its count of good steps go on then. DeepSpeed's
+    ZeRO optimizers load the saving run's scaler with their state, so a rerun given a lower fp16.loss_scale (the cure
+    a run stopped by overflowing steps is told) kept the old one and overflowed again, or another kind of scaling
+    (static against dynamic) was ignored."""
+    loaded = getattr(optimizer, "loss_scaler", None)
+    if configured is None or loaded is None or (configured.dynamic and loaded.dynamic):
+        return
+    optimizer.loss_scaler = configured
+    optimizer.dynamic_loss_scale = configured.dynamic
