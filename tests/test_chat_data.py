@@ -633,10 +633,12 @@ def test_conversations_an_earlier_megadiff_prepared_are_said_to_need_preparing_a
     manifest = manifest_path(cfg.data.prefix)
     recorded = json.loads(manifest.read_text())
     fingerprint = recorded["fingerprint"]
-    del fingerprint["conversation_encoding"], fingerprint["tokenizer"]["template_special_tokens"]
+    del fingerprint["conversation_encoding"], fingerprint["generation_blocks"]
+    del fingerprint["tokenizer"]["template_special_tokens"]
     manifest.write_text(json.dumps(recorded))  # as an earlier megadiff wrote it
     with pytest.warns(UserWarning, match=r"was prepared by an earlier megadiff: its conversations were tokenized turn "
-                                         r"by turn .*; its chat template's special tokens \(its EOS\) were read as "
+                                         r"by turn .*; its chat template's \{% generation %\} blocks written by a "
+                                         r"macro .*; its chat template's special tokens \(its EOS\) were read as "
                                          r"text.*Prepare it again \(prepare-data does so\)"):
         check_training_data(cfg, tokenizer)
     prepare(cfg.data)

@@ -114,7 +114,9 @@ ENCODING_CHANGES = {"conversation_encoding": "its conversations were tokenized t
                     "first_token": "a document's first token (with tiktoken, an empty prompt's response's, or an "
                                    "opening assistant turn's) took the loss, learnt from the document packed before it",
                     "split_characters": "with tiktoken, a token holding the first bytes of a reply's first character "
-                                        "took no loss"}
+                                        "took no loss",
+                    "generation_blocks": "its chat template's {% generation %} blocks written by a macro or inside a "
+                                         "filter gave the loss to the text before the assistant's"}
 TOKENIZER_CHANGES = {"template_special_tokens": "its chat template's special tokens (its EOS) were read as text, "
                                                 "which the model would learn to write instead of stopping",
                      "special_texts": "the tokenizer read a document's literal </s> as its end"}
@@ -130,7 +132,7 @@ def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: C
     tiktoken = prepared.get("tokenizer", {}).get("spec") in PACKAGED_TIKTOKEN
     # the data each marker is recorded for now (prepare's _fingerprint)
     marked_for = {"conversation_encoding": conversations, "pair_encoding": pairs, "without_prompt": pairs,
-                  "first_token": pairs or conversations, "split_characters": (pairs or conversations) and tiktoken}
+                  "first_token": pairs or conversations, "split_characters": (pairs or conversations) and tiktoken, "generation_blocks": conversations}
     stale = [why for marker, why in ENCODING_CHANGES.items() if marked_for[marker] and marker not in prepared]
     stale += [why for marker, why in TOKENIZER_CHANGES.items()
               if marker not in prepared.get("tokenizer", {}) and marker in encoding("messages_key" not in prepared)]

@@ -260,9 +260,11 @@ def _fingerprint(sources: list[Source], data: DataConfig, tokenizer: Tokenizer, 
         # a record without its prompt skipped (before: its response was trained on alone)
         **({"response_key": data.response_key, "pair_encoding": "one text", "without_prompt": "skipped"}
            if data.response_key is not None else {}),
-        # encoded as one text (before: piece by piece, which split tokens at the turns' edges)
+        # encoded as one text (before: piece by piece, which split tokens at the turns' edges); {% generation %} blocks
+        # found by the marks they write (before: by transformers' tracker, which gave a block written by a macro or
+        # inside a filter the range of earlier text)
         **({"messages_key": data.messages_key, "chat_template": hashlib.sha256(chat_template.encode()).hexdigest(),
-            "conversation_encoding": "one text"} if chat_template is not None else {}),
+            "conversation_encoding": "one text", "generation_blocks": "marked"} if chat_template is not None else {}),
         # a document's first token takes no loss (before: without a start token, an empty prompt's response or an
         # opening assistant turn was learnt from the document packed before it)
         **({"first_token": "context"} if data.masks_loss else {}),
