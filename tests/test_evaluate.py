@@ -449,6 +449,11 @@ def test_hf_losses_and_logits_are_the_models_own_after_its_head(tmp_path, monkey
                                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
                                           logits_scaling=8.0)).eval()
     model = HFCausalLM(hf, build_tokenizer(tmp_path), 32)
+    assert_measures_as_its_own_forward(model, hf)
+
+
+def assert_measures_as_its_own_forward(model, hf) -> None:
+    """HFCausalLM `model`'s losses and logits of random ids are those of transformers' `hf` forward."""
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     labels = ids.roll(-1, 1)
     with torch.no_grad():
@@ -473,12 +478,7 @@ def test_hf_measures_a_mixture_of_experts_as_its_own_forward_does(tmp_path, arch
                               num_experts_per_tok=2)).eval()
     hf.save_pretrained(build_tokenizer(tmp_path))
     model = load_hf_model(tmp_path)
-    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-    labels = ids.roll(-1, 1)
-    with torch.no_grad():
-        logits = hf(ids).logits
-    torch.testing.assert_close(model(ids, labels), F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
-    torch.testing.assert_close(model.logits_at(ids, [0, 5, 11]), logits[:, [0, 5, 11]])
+    assert_measures_as_its_own_forward(model, hf)
 
 
 def test_hf_refuses_a_model_saved_without_its_head(tmp_path):
