@@ -168,21 +168,38 @@ def _adam_states(engine) -> list[torch.Tensor]:
             for key, tensor in sorted(state.items()) if key != "step"]
 
 
-def _padded_buckets_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
-    from megadiff.checkpoint.format import iteration_dir
-    from megadiff.checkpoint.training_checkpoint import CheckpointWriter, load_training_checkpoint
+def _trained_and_saved(world_size: int, checkpoints: str, save_state=None):
+    """(config, engine) of the padded-buckets layout trained STEPS steps and saved to `checkpoints`; `save_state`
+    replaces optimizer_state's (e) mend during the save."""
+    from megadiff.checkpoint import optimizer_state
+    from megadiff.checkpoint.training_checkpoint import CheckpointWriter
     from megadiff.config import build_config
-    from megadiff.parallel import initialize, shutdown
+    from megadiff.parallel import initialize
     from megadiff.training.engine import build_engine
 
     cfg = build_config({}, MODEL + PADDED_BETWEEN_BUCKETS, world_size)
     initialize(cfg.parallel, seed=0)
-    uninterrupted = build_engine(cfg)
+    engine = build_engine(cfg)
     for _ in range(STEPS):
-        _step_all_chunks(uninterrupted, cfg)
-    writer = CheckpointWriter(checkpoints, cfg)
-    writer.save(STEPS, uninterrupted.unwrapped(), uninterrupted.optimizer, {"iteration": STEPS})
-    writer.close()
+        _step_all_chunks(engine, cfg)
+    mend = optimizer_state._gathered_in_buffer_layout
+    optimizer_state._gathered_in_buffer_layout = save_state or mend
+    try:
+        writer = CheckpointWriter(checkpoints, cfg)
+        writer.save(STEPS, engine.unwrapped(), engine.optimizer, {"iteration": STEPS})
+        writer.close()
+    finally:
+        optimizer_state._gathered_in_buffer_layout = mend
+    return cfg, engine
+
+
+def _padded_buckets_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    from megadiff.checkpoint.format import iteration_dir
+    from megadiff.checkpoint.training_checkpoint import load_training_checkpoint
+    from megadiff.parallel import shutdown
+    from megadiff.training.engine import build_engine
+
+    cfg, uninterrupted = _trained_and_saved(world_size, checkpoints)
     resumed = build_engine(cfg)
     load_training_checkpoint(iteration_dir(checkpoints, STEPS), resumed.unwrapped(), resumed.optimizer,
                              restore_rng=False)
@@ -235,23 +252,13 @@ def _after_padding(engine) -> list[str]:
 def _unmended_save_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
     from megadiff.checkpoint import optimizer_state
     from megadiff.checkpoint.format import CheckpointError, iteration_dir, model_sharded_state
-    from megadiff.checkpoint.training_checkpoint import CheckpointWriter, load_training_checkpoint
+    from megadiff.checkpoint.training_checkpoint import load_training_checkpoint
     from megadiff.checkpoint.weights import load_into_chunks, load_sharded
-    from megadiff.config import build_config
-    from megadiff.parallel import initialize, shutdown
+    from megadiff.parallel import shutdown
     from megadiff.training.engine import build_engine
 
-    cfg = build_config({}, MODEL + PADDED_BETWEEN_BUCKETS, world_size)
-    initialize(cfg.parallel, seed=0)
-    trained = build_engine(cfg)
-    for _ in range(STEPS):
-        _step_all_chunks(trained, cfg)
-    mend = optimizer_state._gathered_in_buffer_layout
-    optimizer_state._gathered_in_buffer_layout = lambda inner: inner.get_parameter_state_dp_zero  # megadiff before (e)
-    writer = CheckpointWriter(checkpoints, cfg)
-    writer.save(STEPS, trained.unwrapped(), trained.optimizer, {"iteration": STEPS})
-    writer.close()
-    optimizer_state._gathered_in_buffer_layout = mend
+    # saved as megadiff saved before (e)
+    cfg, _ = _trained_and_saved(world_size, checkpoints, save_state=lambda inner: inner.get_parameter_state_dp_zero)
     checkpoint = iteration_dir(checkpoints, STEPS)
     resumed = build_engine(cfg)
     request = model_sharded_state(resumed.unwrapped())
