@@ -22,6 +22,10 @@ With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1
      pipeline parallelism): it gathers the state with the padding between buckets left out, then slices it at
      the parameters' offsets in the padded buffer. The parameters after such a padding were saved shifted into
      their neighbours' values, and a resumed run trained from corrupted weights and moments.
+A save gathers each tensor/pipeline shard's state on its data-parallel rank 0 alone, over gloo (megatron's
+`distrib_optim_fully_reshardable_mem_efficient`): by default every data-parallel rank all-gathers the whole shard's
+state (fp32 weights and both moments, 12 bytes a parameter) into host memory though only rank 0's copy is written,
+DP times the state on every node (a 13B model at TP 1: 157 GB on each rank). The files written are the same.
 Each mend below is local to one optimizer instance and keeps megatron's own code paths.
 
 A checkpoint saved without mend (e) (before it existed) holds such shifted state: `main_params_unlike_weights`
@@ -33,6 +37,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 DISTRIBUTED_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+SAVE_FORMAT = {**DISTRIBUTED_FORMAT, "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -55,7 +60,8 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
     for inner in distributed:
         inner.get_parameter_state_dp_zero = _gathered_in_buffer_layout(inner)  # (e)
     try:
-        return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=DISTRIBUTED_FORMAT)
+        metadata = DISTRIBUTED_FORMAT if is_loading else SAVE_FORMAT  # a load reads, whatever the flag, on every rank
+        return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=metadata)
     finally:
         for inner in distributed:
             del inner.get_parameter_state_dp_zero  # back to the class's method
