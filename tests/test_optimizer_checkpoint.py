@@ -364,3 +364,49 @@ def test_a_save_gathers_the_optimizer_state_on_one_data_parallel_rank_only(tmp_p
     assert reports[1]["gathered_on_save"] == 0
     for report in reports:
         assert report["loads_equal"] == [True, True]
+
+
+def _requested_bytes(request: dict) -> int:
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return sum(tensor.data.nbytes for tensor in nested_values(request["optimizer"]) if isinstance(tensor, ShardedBase)
+               and torch.is_tensor(tensor.data))
+
+
+def _requested_on_load_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    from megadiff.checkpoint.format import model_sharded_state
+    from megadiff.checkpoint.optimizer_state import optimizer_sharded_state
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, shutdown
+    from megadiff.training.engine import build_engine
+
+    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
+    initialize(cfg.parallel, seed=0)
+    trained = build_engine(cfg)
+    _train(trained, cfg)
+    _save(trained, cfg, checkpoints)
+    resumed = build_engine(cfg)
+    request = model_sharded_state(resumed.unwrapped())
+    request["optimizer"] = optimizer_sharded_state(resumed.optimizer, request, is_loading=True)
+    held = {param for inner in resumed.optimizer.chained_optimizers for param in inner.model_param_group_index_map}
+    report = {"requested": _requested_bytes(request),
+              "held_parameters": sum(12 * param.numel() for param in held),
+              "shard_state": sum(12 * buffer.numel_unpadded for chunk in resumed.model for buffer in chunk.buffers),
+              "adam_states_equal": all(torch.equal(a, b) for a, b in zip(
+                  _adam_states(trained), _loaded_adam_states(cfg, checkpoints), strict=True))}
+    shutdown()
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(report, handle)
+
+
+def test_a_load_reads_on_each_rank_only_the_parameters_its_optimizer_holds(tmp_path):
+    """Every rank requested (into zeroed buffers: written, so resident) its tensor/pipeline shard's whole optimizer
+    state at each resume, DP times what the data-parallel ranks hold. Each rank reads the parameters of which its
+    optimizer holds a part, whole, and resumes the same state."""
+    out = tmp_path / "report.json"
+    run_ranks(4, _requested_on_load_worker, str(tmp_path / "checkpoints"), str(out))
+    for rank in range(4):
+        report = json.loads(Path(f"{out}.{rank}").read_text())
+        assert report["requested"] == report["held_parameters"] < report["shard_state"], rank
+        assert report["adam_states_equal"], rank

@@ -26,12 +26,17 @@ A save gathers each tensor/pipeline shard's state on its data-parallel rank 0 al
 `distrib_optim_fully_reshardable_mem_efficient`): by default every data-parallel rank all-gathers the whole shard's
 state (fp32 weights and both moments, 12 bytes a parameter) into host memory though only rank 0's copy is written,
 DP times the state on every node (a 13B model at TP 1: 157 GB on each rank). The files written are the same.
+A load reads, on each rank, only the parameters of which its optimizer holds a part, into uninitialised buffers
+whose untouched pages take no memory: megatron had every rank request every parameter of its shard into zeroed ones,
+the whole shard's state written on each rank at every resume. What a rank reads is whole parameters, as before.
 Each mend below is local to one optimizer instance and keeps megatron's own code paths.
 
 A checkpoint saved without mend (e) (before it existed) holds such shifted state: `main_params_unlike_weights`
 finds it at load, where the saved fp32 main weights, cast to the model's dtype, are not the saved weights.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -58,13 +63,69 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
             _create_state_before_first_update(inner)  # (d)
     distributed = _distributed(optimizer)
     for inner in distributed:
-        inner.get_parameter_state_dp_zero = _gathered_in_buffer_layout(inner)  # (e)
+        if is_loading:
+            inner.get_parameter_state_dp_zero = _load_targets_in_buffer_layout(inner)
+            inner.sharded_param_state_fully_reshardable = _requesting_held_parameters(inner)
+        else:
+            inner.get_parameter_state_dp_zero = _gathered_in_buffer_layout(inner)  # (e)
     try:
         metadata = DISTRIBUTED_FORMAT if is_loading else SAVE_FORMAT  # a load reads, whatever the flag, on every rank
         return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=metadata)
     finally:
-        for inner in distributed:
-            del inner.get_parameter_state_dp_zero  # back to the class's method
+        for inner in distributed:  # back to the class's methods
+            del inner.get_parameter_state_dp_zero
+            inner.__dict__.pop("sharded_param_state_fully_reshardable", None)
+
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _load_targets_in_buffer_layout(inner: DistributedOptimizer):
+    """What megatron's gather returns for a load (its shape only), laid out as each buffer is, as (e) lays out a save's:
+    uninitialised, so that only the pages a load writes take memory. Every element a load uses is read into them:
+    the parameters `_requesting_held_parameters` requests, whole."""
+    def empty_in_buffer_layout(*args, **kwargs):
+        state = {"buckets_coalesced": True}
+        for index, (buffer, ranges) in enumerate(zip(inner.buffers, inner.gbuf_ranges, strict=True)):
+            state[index] = {dtype: {**{key: torch.empty(buffer.numel, dtype=torch.float32) for key in STATE_KEYS},
+                                    "numel_unpadded": buffer.numel_unpadded}
+                            for dtype in ranges}
+        return state
+
+    return empty_in_buffer_layout
+
+
+def _requesting_held_parameters(inner: DistributedOptimizer):
+    """megatron's loading request, less the parameters of which this rank's optimizer holds nothing (its loading
+    skips them), so that each rank reads about its share of the state, not its whole tensor/pipeline shard's.
+
+    Each parameter's main replica (which megatron checks that exactly one rank of each replica set requests) is
+    then the data-parallel rank holding its first element, not DP rank 0, which may no longer request it."""
+    describe = inner.sharded_param_state_fully_reshardable
+
+    def held_parameters_only(model_sharded_state_dict, is_loading=False, metadata=None):
+        request = describe(model_sharded_state_dict, is_loading, metadata)
+        held = _held_parameter_ranges(inner)
+        return {index: {key: replace(tensor, replica_id=_replica_id(tensor.replica_id, held[index]))
+                        for key, tensor in tensors.items()}
+                for index, tensors in request.items() if index in held}
+
+    return held_parameters_only
+
+
+def _held_parameter_ranges(inner: DistributedOptimizer) -> dict:
+    """The ranges (megatron's `param_range_map`) of the parameters of which this rank's optimizer holds a part, by
+    their index in megatron's order of the fully_reshardable state (each buffer's `param_index_map`)."""
+    held = {param: param_range for ranges in inner.gbuf_ranges for bucket_ranges in ranges.values()
+            for bucket_range in bucket_ranges for param, param_range in bucket_range["param_map"].items()}
+    in_order = (param for buffer in inner.buffers for param in buffer.param_index_map)
+    return {index: held[param] for index, param in enumerate(in_order) if param in held}
+
+
+def _replica_id(model_replica_id: tuple, param_range: dict) -> tuple:
+    """The model parameter's replica id (its last entry the data-parallel rank's), the data-parallel part main (0)
+    on the rank whose part of the parameter begins it."""
+    return (*model_replica_id[:-1], int(param_range["param"].start != 0))
 
 
 def _gathered_in_buffer_layout(inner: DistributedOptimizer):
