@@ -345,12 +345,14 @@ def test_a_checkpoint_saved_with_shifted_optimizer_state_is_refused_naming_the_p
     out = tmp_path / "report.json"
     run_ranks(2, _unmended_save_worker, str(tmp_path / "checkpoints"), str(out))
     reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
-    assert any(report["expected"] for report in reports), "no padding between buckets: nothing was shifted"
+    expected = sorted({name for report in reports for name in report["expected"]})
+    assert expected, "no padding between buckets: nothing was shifted"
+    # each rank compares the parameters its optimizer holds a part of (the ones it loads the state of)
+    assert sorted({name for report in reports for name in report["unlike"]}) == expected
     for rank, report in enumerate(reports):
-        assert report["unlike"] == report["expected"], rank
+        assert set(report["unlike"]) <= set(report["expected"]), rank
         assert "load_optimizer=false" in report["refusal"], rank
-        if report["expected"]:
-            assert report["expected"][0] in report["refusal"], rank
+    assert any(expected[0] in report["refusal"] for report in reports)
 
 
 def test_a_save_gathers_the_optimizer_state_on_one_data_parallel_rank_only(tmp_path):

@@ -161,14 +161,17 @@ def _insert_bucket_padding(buffer, world_tensors: dict) -> None:
 def main_params_unlike_weights(optimizer, state: dict, chunks: list) -> list[str]:
     """The parameters of `chunks` (holding the checkpoint's weights) whose fp32 main weights in the loaded distributed
     optimizer `state` are not those weights: every step ends by casting its main weights into the model's, and a
-    checkpoint is written from both after it, so they agree exactly wherever the state was saved where it belongs."""
+    checkpoint is written from both after it, so they agree exactly wherever the state was saved where it belongs.
+    A rank loads the state of the parameters its optimizer holds a part of (`_requesting_held_parameters`): those are
+    the ones it compares."""
     names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}
     inners = _inner_optimizers(optimizer)
     inner_states = [state] if len(inners) == 1 else [state[index] for index in range(len(inners))]
     return [names[param] for inner, inner_state in zip(inners, inner_states, strict=True)
             if isinstance(inner, DistributedOptimizer)
             for index, param in enumerate(_params_in_saved_order(inner))
-            if not _is_cast_of(inner_state["param_state"][index]["param"], param)]
+            if index in inner_state["param_state"]
+            and not _is_cast_of(inner_state["param_state"][index]["param"], param)]
 
 
 def _is_cast_of(main_param: torch.Tensor, param: torch.Tensor) -> bool:
