@@ -216,6 +216,25 @@ def test_a_model_with_attention_sinks_is_refused(tokenizer_dir):
         hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
 
 
+@pytest.mark.parametrize("family, unread", [("Inkling2", "sinks, position_bias"), ("Inkling", "position_bias")])
+def test_a_model_whose_attention_calls_carry_what_the_reading_leaves_out_is_refused(tokenizer_dir, family, unread):
+    """Inkling 2 projects each head's sink logit from the token's state (no `.sinks` parameter to find): its rows
+    were read, and the pass run (logits moved by ~0.5 here), as another model's. Inkling's relative-position bias
+    SDPA folds into its mask, which the rows read never saw."""
+    import transformers
+
+    config = getattr(transformers, f"{family}TextConfig")(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=HEADS * HEAD_DIM * 2,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM, sliding_window_size=8,
+        rel_extent=8, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with pytest.raises(ConfigError, match=f"Attention is given {unread} beside its queries and keys"):
+        hf_attention_rows(HFCausalLM(model, tokenizer_dir, 256), TOKENS, POSITION)
+
+
 @pytest.mark.parametrize("apply", [None, apply_dex, apply_daa])
 def test_a_layers_queries_keys_and_values_are_freed_before_the_next_layer_attends(tokenizer_dir, monkeypatch, apply):
     """Only each layer's rows outlive its attention: every layer's tensors of a 64K context kept to

@@ -28,6 +28,10 @@ from megadiff.adapt.selection import attention_implementation
 from megadiff.config import ConfigError
 
 CAPTURE = "megadiff_attention_rows"
+# what an attention call may be given beside its queries, keys, values and mask that the reading leaves out: SDPA
+# drops a sink logit (gpt-oss's `s_aux`; Inkling 2's `sinks`, projected from each token's state, so no parameter
+# names them) and a soft cap; it folds an additive position bias (Inkling's) into its mask, which the rows never see
+UNREAD_CALL_ARGUMENTS = ("sinks", "s_aux", "softcap", "position_bias")
 # the adaptations whose second map is a second softmax over the same keys
 TWO_MAPS = ("daa", "diff_q", "diff_k")
 
@@ -112,6 +116,15 @@ def _refuse_what_sdpa_leaves_out(hf) -> None:
                           "through SDPA would leave out: its attention cannot be read")
 
 
+def _refuse_unread_arguments(module, arguments: dict) -> None:
+    """The call-time check behind _refuse_what_sdpa_leaves_out's: what a model computes per call, and names its own
+    way, no parameter or config key shows up front."""
+    given = [name for name in UNREAD_CALL_ARGUMENTS if arguments.get(name) is not None]
+    if given:
+        raise ConfigError(f"{type(module).__name__} is given {', '.join(given)} beside its queries and keys, which "
+                          "reading its attention through SDPA would leave out: its attention cannot be read")
+
+
 @contextmanager
 def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     """Within: every attention call of `hf`'s forward passes is shown to on_call(module, query,
@@ -126,6 +139,7 @@ def attention_calls(hf, on_call: Callable[..., None]) -> Iterator[None]:
     _refuse_what_sdpa_leaves_out(hf)
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        _refuse_unread_arguments(module, kwargs)
         attended = attention_mask
         if attended is not None and attended.dtype != torch.bool:  # an additive mask: 0 where attended
             attended = attended == 0
