@@ -412,3 +412,37 @@ def test_a_load_reads_on_each_rank_only_the_parameters_its_optimizer_holds(tmp_p
         report = json.loads(Path(f"{out}.{rank}").read_text())
         assert report["requested"] == report["held_parameters"] < report["shard_state"], rank
         assert report["adam_states_equal"], rank
+
+
+def _common_state_warnings_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    import logging
+
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, shutdown
+    from megadiff.training.engine import build_engine
+
+    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
+    initialize(cfg.parallel, seed=0)
+    engine = build_engine(cfg)
+    _train(engine, cfg)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("megatron.core.dist_checkpointing").addHandler(handler)
+    _save(engine, cfg, checkpoints)
+    report = {"warned": [message for message in warned if "common state dict differs" in message],
+              "resumed": all(torch.equal(saved, loaded) for saved, loaded in zip(
+                  _adam_states(engine), _loaded_adam_states(cfg, checkpoints), strict=True))}
+    shutdown()
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(report, handle)
+
+
+def test_a_save_gathered_on_data_parallel_rank_0_keeps_the_common_state_alike_on_every_rank(tmp_path):
+    """The ranks that gather nothing held a `param_state` of None, a common value rank 0 has not: every save warned
+    on each of them that its common state dict differs from rank 0's. The checkpoint still resumes exactly."""
+    out = tmp_path / "report.json"
+    run_ranks(2, _common_state_warnings_worker, str(tmp_path / "checkpoints"), str(out))
+    for rank in range(2):
+        report = json.loads(Path(f"{out}.{rank}").read_text())
+        assert report == {"warned": [], "resumed": True}, rank

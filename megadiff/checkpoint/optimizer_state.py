@@ -70,12 +70,24 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
             inner.get_parameter_state_dp_zero = _gathered_in_buffer_layout(inner)  # (e)
     try:
         metadata = DISTRIBUTED_FORMAT if is_loading else SAVE_FORMAT  # a load reads, whatever the flag, on every rank
-        return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=metadata)
+        state = optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=metadata)
+        return state if is_loading else _without_state_gathered_elsewhere(state, len(_inner_optimizers(optimizer)))
     finally:
         for inner in distributed:  # back to the class's methods
             del inner.get_parameter_state_dp_zero
             inner.__dict__.pop("sharded_param_state_fully_reshardable", None)
 
+
+
+def _without_state_gathered_elsewhere(state: dict, inner_count: int) -> dict:
+    """`state` less the `param_state` of None that megatron's SAVE_FORMAT leaves on every data-parallel rank but 0
+    (which gathers and writes it): a None is a common value, which dist_checkpointing compares with rank 0's (a dict of
+    sharded tensors, not common), and every save warned on each of those ranks that its "common state dict differs
+    from rank 0 common state dict". Rank 0 writes the common state, which this leaves as it was."""
+    for inner_state in [state] if inner_count == 1 else [state[index] for index in range(inner_count)]:
+        if "param_state" in inner_state and inner_state["param_state"] is None:
+            del inner_state["param_state"]
+    return state
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
