@@ -78,7 +78,6 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
             inner.__dict__.pop("sharded_param_state_fully_reshardable", None)
 
 
-
 def _without_state_gathered_elsewhere(state: dict, inner_count: int) -> dict:
     """`state` less the `param_state` of None that megatron's SAVE_FORMAT leaves on every data-parallel rank but 0
     (which gathers and writes it): a None is a common value, which dist_checkpointing compares with rank 0's (a dict of
@@ -88,6 +87,7 @@ def _without_state_gathered_elsewhere(state: dict, inner_count: int) -> dict:
         if "param_state" in inner_state and inner_state["param_state"] is None:
             del inner_state["param_state"]
     return state
+
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
