@@ -24,6 +24,19 @@ def _train(engine, cfg) -> None:
         train_step(engine, iter(batches), len(batches))
 
 
+def _trained_diff(world_size: int):
+    """(config, engine) of a DIFF model with the distributed optimizer, trained a few steps on this rank."""
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize
+    from megadiff.training.engine import build_engine
+
+    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
+    initialize(cfg.parallel, seed=0)
+    engine = build_engine(cfg)
+    _train(engine, cfg)
+    return cfg, engine
+
+
 def _settings(optimizer) -> list[dict]:
     """What of each param group a run configures (loading also adds megatron's bookkeeping, e.g. a `step`)."""
     keys = ("max_lr", "min_lr", "lr", "betas", "eps", "weight_decay")
@@ -37,14 +50,10 @@ def _worker(rank: int, world_size: int, checkpoint: str, out: str) -> None:
     from megadiff.checkpoint.optimizer_state import (
         DISTRIBUTED_FORMAT, load_optimizer_state, optimizer_sharded_state,
     )
-    from megadiff.config import build_config
-    from megadiff.parallel import initialize, shutdown
+    from megadiff.parallel import shutdown
     from megadiff.training.engine import build_engine
 
-    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
-    initialize(cfg.parallel, seed=0)
-    trained = build_engine(cfg)
-    _train(trained, cfg)
+    cfg, trained = _trained_diff(world_size)
     for group in trained.optimizer.param_groups:  # a checkpoint of another run's settings (its peak lr)
         group["max_lr"] *= 10
     state = model_sharded_state(trained.unwrapped())
@@ -313,16 +322,17 @@ def _loaded_adam_states(cfg, checkpoints: str) -> list[torch.Tensor]:
     return _adam_states(engine)
 
 
+def _resumes_its_adam_state(engine, cfg, checkpoints: str) -> bool:
+    """Whether a fresh engine loading `checkpoints` holds `engine`'s Adam state exactly."""
+    return all(torch.equal(saved, loaded) for saved, loaded in zip(
+        _adam_states(engine), _loaded_adam_states(cfg, checkpoints), strict=True))
+
+
 def _gathered_on_save_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
     from megadiff.checkpoint import optimizer_state
-    from megadiff.config import build_config
-    from megadiff.parallel import initialize, shutdown
-    from megadiff.training.engine import build_engine
+    from megadiff.parallel import shutdown
 
-    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
-    initialize(cfg.parallel, seed=0)
-    trained = build_engine(cfg)
-    _train(trained, cfg)
+    cfg, trained = _trained_diff(world_size)
     gathered: list[int] = []
     _gathered_bytes_recorded(gathered)
     _save(trained, cfg, f"{checkpoints}/now")
@@ -379,14 +389,10 @@ def _requested_bytes(request: dict) -> int:
 def _requested_on_load_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
     from megadiff.checkpoint.format import model_sharded_state
     from megadiff.checkpoint.optimizer_state import optimizer_sharded_state
-    from megadiff.config import build_config
-    from megadiff.parallel import initialize, shutdown
+    from megadiff.parallel import shutdown
     from megadiff.training.engine import build_engine
 
-    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
-    initialize(cfg.parallel, seed=0)
-    trained = build_engine(cfg)
-    _train(trained, cfg)
+    cfg, trained = _trained_diff(world_size)
     _save(trained, cfg, checkpoints)
     resumed = build_engine(cfg)
     request = model_sharded_state(resumed.unwrapped())
@@ -395,8 +401,7 @@ def _requested_on_load_worker(rank: int, world_size: int, checkpoints: str, out:
     report = {"requested": _requested_bytes(request),
               "held_parameters": sum(12 * param.numel() for param in held),
               "shard_state": sum(12 * buffer.numel_unpadded for chunk in resumed.model for buffer in chunk.buffers),
-              "adam_states_equal": all(torch.equal(a, b) for a, b in zip(
-                  _adam_states(trained), _loaded_adam_states(cfg, checkpoints), strict=True))}
+              "adam_states_equal": _resumes_its_adam_state(trained, cfg, checkpoints)}
     shutdown()
     with open(f"{out}.{rank}", "w") as handle:
         json.dump(report, handle)
@@ -417,22 +422,16 @@ def test_a_load_reads_on_each_rank_only_the_parameters_its_optimizer_holds(tmp_p
 def _common_state_warnings_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
     import logging
 
-    from megadiff.config import build_config
-    from megadiff.parallel import initialize, shutdown
-    from megadiff.training.engine import build_engine
+    from megadiff.parallel import shutdown
 
-    cfg = build_config({}, MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true"], world_size)
-    initialize(cfg.parallel, seed=0)
-    engine = build_engine(cfg)
-    _train(engine, cfg)
+    cfg, engine = _trained_diff(world_size)
     warned = []
     handler = logging.Handler()
     handler.emit = lambda record: warned.append(record.getMessage())
     logging.getLogger("megatron.core.dist_checkpointing").addHandler(handler)
     _save(engine, cfg, checkpoints)
     report = {"warned": [message for message in warned if "common state dict differs" in message],
-              "resumed": all(torch.equal(saved, loaded) for saved, loaded in zip(
-                  _adam_states(engine), _loaded_adam_states(cfg, checkpoints), strict=True))}
+              "resumed": _resumes_its_adam_state(engine, cfg, checkpoints)}
     shutdown()
     with open(f"{out}.{rank}", "w") as handle:
         json.dump(report, handle)

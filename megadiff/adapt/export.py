@@ -7,6 +7,7 @@ The control (adaptation.method finetune) has no adapter: save_finetuned writes i
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Optional

@@ -132,7 +132,8 @@ def _warn_of_an_earlier_encoding(prefix: str, manifest: dict | None, encoding: C
     tiktoken = prepared.get("tokenizer", {}).get("spec") in PACKAGED_TIKTOKEN
     # the data each marker is recorded for now (prepare's _fingerprint)
     marked_for = {"conversation_encoding": conversations, "pair_encoding": pairs, "without_prompt": pairs,
-                  "first_token": pairs or conversations, "split_characters": (pairs or conversations) and tiktoken, "generation_blocks": conversations}
+                  "first_token": pairs or conversations, "split_characters": (pairs or conversations) and tiktoken,
+                  "generation_blocks": conversations}
     stale = [why for marker, why in ENCODING_CHANGES.items() if marked_for[marker] and marker not in prepared]
     stale += [why for marker, why in TOKENIZER_CHANGES.items()
               if marker not in prepared.get("tokenizer", {}) and marker in encoding("messages_key" not in prepared)]
