@@ -32,8 +32,13 @@ def resolved_head_dim(model: ModelConfig) -> int:
     return model.hidden_size // (maps_per_head * model.num_attention_heads)
 
 
+def head_norm_of(variant: str, head_norm: bool | None) -> bool:
+    """Whether heads are normed: `head_norm`, or (None) the variant's default, on for the differential ones."""
+    return variant in DIFFERENTIAL_VARIANTS if head_norm is None else head_norm
+
+
 def resolved_head_norm(model: ModelConfig) -> bool:
-    return model.variant in DIFFERENTIAL_VARIANTS if model.head_norm is None else model.head_norm
+    return head_norm_of(model.variant, model.head_norm)
 
 
 def resolved_ffn_hidden_size(model: ModelConfig) -> int:

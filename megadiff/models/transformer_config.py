@@ -18,6 +18,7 @@ from megatron.core.transformer import TransformerConfig
 from megadiff.config import (
     DIFFERENTIAL_VARIANTS, Config, resolved_ffn_hidden_size, resolved_head_dim, resolved_head_norm, resolved_kv_heads,
 )
+from megadiff.config.validate import head_norm_of
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -38,7 +39,7 @@ class MegadiffTransformerConfig(TransformerConfig):
 
     @property
     def normed_heads(self) -> bool:
-        return self.variant in DIFFERENTIAL_VARIANTS if self.head_norm is None else self.head_norm
+        return head_norm_of(self.variant, self.head_norm)
 
     @property
     def differential_heads(self) -> int:
