@@ -31,8 +31,8 @@ def baseline_size_for(variant: str, x: float) -> float:
     return s_b * (x / s_v) ** (a_v / a_b)
 
 
-def paper_size(variant: str, size: str) -> float:
-    count = count_parameters(load_config(ROOT / "configs" / "scaling" / f"{variant}-{size}.yaml").model)
+def paper_size(variant: str, size: str, overrides: tuple[str, ...] = ()) -> float:
+    count = count_parameters(load_config(ROOT / "configs" / "scaling" / f"{variant}-{size}.yaml", overrides).model)
     return float(count.non_embedding + count.embedding)
 
 
@@ -218,3 +218,30 @@ def test_a_variant_is_matched_at_its_fitted_curve_or_else_at_its_one_point(size_
         assert m["baseline_x"] == pytest.approx(scale * fitted ** (-1 / alpha), rel=1e-5)
     assert dint_match["variant"] == "dint" and dint_match["loss"] == 2.3
     assert dint_match["baseline_x"] == pytest.approx(LAWS["softmax"][1] * 2.3 ** (-1 / LAWS["softmax"][0]), rel=1e-5)
+
+
+def test_ablation_runs_draw_their_own_curves_beside_their_variants(size_runs, tmp_path):
+    """Table 6's arms passed with the scaling runs: DIFF without its head norm, DIFF at another lambda_init and a
+    Transformer with a head norm each get a curve of their own; the plain fits are those without them."""
+    scaling = ROOT / "configs" / "scaling"
+    arms = {"diff(head_norm=false)": ("diff", ("model.head_norm=false",), 1.01),
+            "diff(lambda_init=0.8)": ("diff", ("model.lambda_init=0.8",), 1.02),
+            "softmax(head_norm=true)": ("softmax", ("model.head_norm=true",), 0.99)}
+    ablations = []
+    for arm, (variant, overrides, factor) in arms.items():
+        for size in SIZES[:2]:
+            directory = tmp_path / f"{arm}-{size}"
+            ablations.append(write_run(directory, scaling / f"{variant}-{size}.yaml", ["train.iters=1", *overrides],
+                                       {1: factor * law_loss(variant, paper_size(variant, size, overrides))}))
+    out = tmp_path / "report.json"
+    assert main(["scaling", *map(str, size_runs), *map(str, ablations), "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["fits"]) == {"softmax", "diff", *arms}
+    for variant, (alpha, scale) in LAWS.items():  # the plain curves, untouched by the ablations
+        assert report["fits"][variant]["alpha"] == pytest.approx(alpha, rel=1e-6)
+        assert report["fits"][variant]["points"] == len(SIZES)
+    for arm, (variant, _, factor) in arms.items():
+        alpha, scale = LAWS[variant]  # factor * (X_c / x)^alpha = (X_c factor^(1/alpha) / x)^alpha
+        assert report["fits"][arm]["alpha"] == pytest.approx(alpha, rel=1e-6)
+        assert report["fits"][arm]["scale"] == pytest.approx(scale * factor ** (1 / alpha), rel=1e-4)
+    assert {m["variant"] for m in report["matches"]} == {"diff", *arms}

@@ -8,7 +8,8 @@ law the paper says fits its runs), and every point of the other variants is matc
 baseline's curve: the baseline size (or tokens) that reaches the same loss, and the share
 ("6.8B DIFF matches an 11B Transformer: 62.2% of the parameters"). A variant with a curve of
 its own is matched at its fitted losses, as the paper reads its figure; `--at` asks for sizes that
-no run has (its "7.8B DIFF matches the 13.1B Transformer").
+no run has (its "7.8B DIFF matches the 13.1B Transformer"). Ablation runs (a DIFF without its head
+norm, another lambda_init) draw curves of their own, named after the settings they change.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from rich.table import Table
 
 from megadiff.checkpoint.format import CONFIG_FILE, checkpoint_config
 from megadiff.config import ConfigError
+from megadiff.config.schema import DIFFERENTIAL_VARIANTS, ModelConfig
+from megadiff.config.validate import resolved_head_norm
 from megadiff.console import plain_console
 from megadiff.inference.reporting import write_report
 from megadiff.models.param_count import count_parameters
@@ -80,10 +83,30 @@ def fit_power_law(xs: Sequence[float], losses: Sequence[float]) -> PowerLaw:
     return PowerLaw(alpha, math.exp(log_scale))
 
 
+# settings that make a run an ablation of its variant (the papers' Table 6, lambda_init sweeps) rather than one
+# of its sizes: such runs draw their own curve, named after what they change, instead of joining the variant's
+ABLATION_DEFAULTS = {"lambda_init": "depth", "lambda_std": 0.1, "lowrank_zero_init": True}
+
+
+def run_arm(model: ModelConfig) -> str:
+    """The curve a run belongs to: its variant, plus each ablation setting it changes ('diff(head_norm=false)')."""
+    changed = {}
+    if resolved_head_norm(model) != (model.variant in DIFFERENTIAL_VARIANTS):
+        changed["head_norm"] = resolved_head_norm(model)
+    if model.variant in DIFFERENTIAL_VARIANTS:  # the softmax baseline has no lambda to ablate
+        changed.update({key: getattr(model, key) for key, default in ABLATION_DEFAULTS.items()
+                        if getattr(model, key) != default and (key != "lowrank_zero_init" or model.lowrank_rank)})
+    if not changed:
+        return model.variant
+    settings = ",".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                        for key, value in changed.items())
+    return f"{model.variant}({settings})"
+
+
 @dataclass(frozen=True)
 class Point:
     run: str
-    variant: str
+    variant: str      # the curve it joins: the variant, or an ablation of it (run_arm)
     x: float          # parameters, or tokens trained on
     iteration: int
     loss: float
@@ -112,10 +135,10 @@ def run_points(path: str | Path, by: str, metric: str = "valid_loss") -> list[Po
         if iteration < trained:  # a run from before runs evaluated after their last iteration
             warnings.warn(f"{path}: its last {metric} is at iteration {iteration} of {trained}, and enters the fit "
                           "for the trained model", stacklevel=2)
-        return [Point(str(path), cfg.model.variant, float(count.non_embedding + count.embedding), iteration, loss)]
+        return [Point(str(path), run_arm(cfg.model), float(count.non_embedding + count.embedding), iteration, loss)]
     # the samples the run had read by then: a resumed run may have changed its global batch size
     consumed = {r["iteration"]: r["consumed_samples"] for r in records if "consumed_samples" in r}
-    return [Point(str(path), cfg.model.variant,
+    return [Point(str(path), run_arm(cfg.model),
                   float(consumed.get(iteration, iteration * cfg.train.global_batch_size) * cfg.model.seq_length),
                   iteration, loss)
             for iteration, loss in logged]
