@@ -127,8 +127,8 @@ def test_accuracy_equals_naive_constrained_decoding(root, monkeypatch):
 
 
 def test_one_cells_cache_is_freed_before_the_next_cells_is_allocated(root, monkeypatch):
-    """Each cell's shared context holds a cache of the whole window (at 64K, 34 GB for a 6.8B model):
-    two at once would not fit beside the weights."""
+    """Each cell's shared context holds a cache as long as its prompts (a 64K window's, 34 GB for a 6.8B
+    model): two at once would not fit beside the weights."""
     from megadiff.models.kv_cache import KVCache
 
     caches, alive = [], []

@@ -22,8 +22,10 @@ from megadiff.inference import load_checkpoint
 from megadiff.inference.generate import (
     HeldContext, TextStream, decodable_ids, generate, generate_batch, next_tokens, stop_texts_check,
 )
+from megadiff.inference.icl import SharedContext, constrained_answer
 from tests.convert_worker import build_tokenizer, reference_model, save_in_process, variant_config
 from tests.hostile_files import OpensAFile
+from tests.test_icl import naive_answer
 
 PROMPT = "In the beginning"
 
@@ -851,6 +853,67 @@ def test_a_held_context_runs_each_turn_from_what_it_holds(run, variant, monkeypa
         assert sorted(context.cache.call_ends) == ([] if variant == "diff" else
                                                    [expected_reuse] * (expected_reuse > 0) +
                                                    list(range(len(prompt), len(prompt) + 5)))
+
+
+# a converted Llama 3.1's window: a cache of it all is 17 GB for an 8B model
+LONG_WINDOW = 131072
+
+
+def long_window_model(variant: str, tokenizer: str):
+    return reference_model(build_config(variant_config(variant, "single", tokenizer).model_dump(mode="json"),
+                                        [f"model.seq_length={LONG_WINDOW}"]))
+
+
+def cache_bytes(cache) -> int:
+    return sum(buffer.nbytes for buffers in cache.context.key_value_memory_dict.values() for buffer in buffers)
+
+
+def kv_bytes_per_position(model) -> int:
+    """A position's keys and values over every layer: each variant's are as wide as a softmax model's
+    (DIFF's heads split in two where softmax has one)."""
+    m = model.cfg.model
+    return m.num_layers * 2 * m.num_kv_heads * (m.hidden_size // m.num_attention_heads) * model.dtype.itemsize
+
+
+def greedy_argmax_loop(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens from whole forward passes (no cache), the undecodable ids never drawn."""
+    padding, ids = ~decodable_ids(model), list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].masked_fill(padding, float("-inf")).argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("variant", ["softmax", "diff", "dint", "shared_diff"])
+def test_a_conversations_cache_holds_what_it_ran_not_the_whole_window(run, variant):
+    """A conversation with a model of a 131072-token window: the held cache's buffers stay within twice the
+    positions run (they grow as the turns come), and each turn's reply is the whole forward passes' greedy one."""
+    model = long_window_model(variant, run[1].cfg.data.tokenizer)
+    draw = torch.Generator().manual_seed(9)
+    context, prompt, reply = HeldContext(model), [], []
+    for more in (9, 4, 30):
+        prompt = prompt + reply + torch.randint(1, 300, (more,), generator=draw).tolist()
+        reply = generate(model, prompt, max_new_tokens=5, context=context)
+        assert reply == greedy_argmax_loop(model, prompt, 5)
+        assert cache_bytes(context.cache) <= 2 * context.cache.length * kv_bytes_per_position(model)
+
+
+@pytest.mark.parametrize("variant", ["diff", "dint"])
+def test_in_context_prompts_cache_what_they_run_not_the_whole_window(run, variant):
+    """icl's demonstrations run once in a shared context, each query rewinding to them: with a 131072-token
+    window the cache stays within twice the longest prompt and its label, and each answer is the one whole
+    forward passes' constrained decoding gives."""
+    model = long_window_model(variant, run[1].cfg.data.tokenizer)
+    draw = torch.Generator().manual_seed(10)
+    demonstrations = torch.randint(1, 300, (24,), generator=draw).tolist()
+    labels = [[7, 8], [7, 9], [11, 12]]
+    shared = SharedContext(model, demonstrations)
+    for length in (3, 8, 5):
+        prompt = demonstrations + torch.randint(1, 300, (length,), generator=draw).tolist()
+        with torch.no_grad():
+            assert constrained_answer(model, prompt, labels, shared) == naive_answer(model, prompt, labels)
+        longest = len(demonstrations) + 8 + 2
+        assert cache_bytes(shared.cache) <= 2 * longest * kv_bytes_per_position(model)
 
 
 def test_a_document_masked_checkpoint_generates_within_documents(run):

@@ -151,7 +151,8 @@ class CausalLM(torch.nn.Module):
         return self.gpt.embedding.word_embeddings.weight.dtype
 
     def new_cache(self, batch_size: int = 1, max_length: int | None = None, rewindable: bool = False) -> KVCache:
-        """A KV cache for hidden_states(cache=) (default room: the model's window); `rewindable`: see KVCache."""
+        """A KV cache for hidden_states(cache=) of at most `max_length` positions (default: the model's window),
+        its buffers growing with the positions run; `rewindable`: see KVCache."""
         return KVCache(self.gpt, batch_size, max_length or self.cfg.model.seq_length, rewindable)
 
     def hidden_states(self, input_ids: torch.Tensor, document_eod: int | None = None,

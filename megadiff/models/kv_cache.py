@@ -7,6 +7,11 @@ call's queries see the cached positions and each other causally). The DINT integ
 sum of the first map's outputs over the cached positions: an IntegralCarry per layer, attached to
 its core attention while the cache runs.
 
+The buffers hold what the calls so far need, not `max_length` up front: a converted Llama 3.1's window of
+131072 positions is 17 GB of keys and values for an 8B model, whatever the prompt (a conversation, an
+in-context prompt). A call that would overflow them moves them into buffers of twice their length (or of
+what the call needs, when more), never past `max_length`, as transformers' DynamicCache grows by each call.
+
 A cache can also go back to an earlier length (truncate), e.g. to a conversation's prefix that the
 next prompt shares: the keys and values beyond it are simply overwritten later; DINT's running sum
 is known only where a call ended, so a `rewindable` cache keeps a snapshot of it there: at every
@@ -27,19 +32,22 @@ CALL_END_SPACING = 64
 
 
 class KVCache:
-    """Room for `max_length` positions of `batch_size` sequences of `gpt` (TP1/PP1); `rewindable`:
-    truncate() may go back to an earlier call's end (the kept ones: see the module), not only to the
-    start (DINT only: the other variants go back to any length anyway)."""
+    """Up to `max_length` positions (buffers growing as they run) of `batch_size` sequences of `gpt` (TP1/PP1);
+    `rewindable`: truncate() may go back to an earlier call's end (the kept ones: see the module), not only
+    to the start (DINT only: the other variants go back to any length anyway)."""
 
     def __init__(self, gpt, batch_size: int, max_length: int, rewindable: bool = False):
+        # megatron sizes its rotary table by max_sequence_length (one table, shared by the layers); the buffers
+        # need only hold the positions run
         self.context = StaticInferenceContext(batch_size, max_length)
+        self.allocated_length = 0
         activations = gpt.embedding.word_embeddings.weight  # keys and values share its dtype and device
         self.core_attentions = [layer.self_attention.core_attention for layer in gpt.decoder.layers]
         for layer in gpt.decoder.layers:
             attention = layer.self_attention
             # megatron would allocate these on torch.cuda.current_device(); here they sit with the model
             self.context.key_value_memory_dict[attention.layer_number] = tuple(
-                torch.empty(max_length, batch_size, attention.num_query_groups_per_partition, width,
+                torch.empty(0, batch_size, attention.num_query_groups_per_partition, width,
                             dtype=activations.dtype, device=activations.device)
                 for width in (attention.key_hidden_size, attention.val_hidden_size))
         self.carries = [IntegralCarry() if getattr(core, "integral", False) else None for core in self.core_attentions]
@@ -55,7 +63,18 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
+        """The most positions it may hold (its buffers hold allocated_length now)."""
         return self.context.max_sequence_length
+
+    def _make_room(self, length: int) -> None:
+        """Buffers of at least `length` positions (within max_length), the cached ones moved into them."""
+        if length <= self.allocated_length:
+            return
+        grown = min(self.max_length, max(length, 2 * self.allocated_length))
+        memory = self.context.key_value_memory_dict
+        for layer_number, buffers in memory.items():  # one layer at a time: its old buffers go as it moves
+            memory[layer_number] = tuple(_longer(buffer, grown, self.length) for buffer in buffers)
+        self.allocated_length = grown
 
     def reset(self) -> None:
         """Forget every position (the buffers are reused)."""
@@ -104,6 +123,7 @@ class KVCache:
         then counts the positions as cached."""
         if self.length + positions > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} positions: {self.length} cached, {positions} more")
+        self._make_room(self.length + positions)
         for core, carry in zip(self.core_attentions, self.carries):
             if carry is not None:
                 core.integral_carry = carry
@@ -128,3 +148,10 @@ class KVCache:
             if end // spacing in spans_seen:
                 del self.call_ends[end]
             spans_seen.add(end // spacing)
+
+
+def _longer(buffer: torch.Tensor, length: int, kept: int) -> torch.Tensor:
+    """A [length, ...] buffer holding `buffer`'s first `kept` positions."""
+    longer = buffer.new_empty(length, *buffer.shape[1:])
+    longer[:kept] = buffer[:kept]
+    return longer
