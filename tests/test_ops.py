@@ -17,6 +17,7 @@ from megadiff.ops import (
     differential_attention_sdpa, paired_differential_attention, reparameterized_lambda, resolve_backend,
     sdpa_kernel_order, softmax_attention,
 )
+from megadiff.ops.reference import softmax_attention_reference
 from megadiff.ops.sdpa import recording_sdpa_kernels
 
 IMPLEMENTATIONS = {
@@ -184,6 +185,24 @@ def test_incremental_calls_continue_the_whole_sequence(backend, integral):
     rows = attended_in_calls(inputs, [5, 6, 7, 10], carry, integral=integral, backend=backend)
     torch.testing.assert_close(rows.double(), expected, rtol=1e-9, atol=1e-9)
     assert carry.count == (10 if integral else 0)
+
+
+@pytest.mark.parametrize("op", ["softmax", "differential"])
+def test_a_decoding_step_attends_every_cached_key_without_a_mask(op, monkeypatch):
+    """One query after 8 cached keys (a decoding step), grouped queries: SDPA is given no mask, which on CUDA keeps
+    a call off the flash kernel, the only fused one that runs grouped queries (torch's SDPA notes): the math kernel
+    then repeats every cached key and value for each query head, at every step. The rows are the paper's."""
+    masks, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: masks.append(kwargs["attn_mask"]) or real(*args, **kwargs))
+    q1, k1, q2, k2, v, lam = (t.detach() for t in make_inputs(n=1, n_k=9, dv=8))
+    if op == "softmax":
+        got, expected = softmax_attention(q1, k1, v), softmax_attention_reference(q1, k1, v)
+    else:
+        got = differential_attention(q1, k1, q2, k2, v, lam, backend="sdpa")
+        expected = paper_formula(q1, k1, q2, k2, v, lam, causal=True, integral=False)
+    torch.testing.assert_close(got.double(), expected.double())
+    assert masks and all(mask is None for mask in masks)
 
 
 def attended_in_calls(inputs, stops: list[int], carry: IntegralCarry, **kwargs) -> torch.Tensor:

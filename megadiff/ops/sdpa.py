@@ -74,12 +74,14 @@ _KERNEL_NAMES = {int(backend): name for name, backend in SDPA_KERNELS.items()}
 
 def _sdpa_call(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> dict:
     """SDPA's keyword arguments for q [B, Hq, Nq, d] over k [B, Hkv, Nk, d]: causal masking aligned
-    bottom-right (queries fewer than keys are the last ones), GQA by SDPA itself."""
+    bottom-right (queries fewer than keys are the last ones), GQA by SDPA itself. A single query (a decoding
+    step) sees every key: it takes no mask, which would keep it off CUDA's flash kernel, and grouped queries
+    then on the math kernel, which repeats the cached keys and values for every query head, at every step."""
     n_q, n_k = q.shape[2], k.shape[2]
     mask = None
-    if causal and n_q != n_k:  # SDPA's is_causal is top-left aligned; we need bottom-right
+    if causal and 1 < n_q != n_k:  # SDPA's is_causal is top-left aligned; we need bottom-right
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-    return dict(attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return dict(attn_mask=mask, is_causal=causal and n_q == n_k, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
