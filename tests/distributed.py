@@ -57,16 +57,35 @@ def _rank_entry(rank: int, world_size: int, port: int, environ: dict, log_path: 
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()  # the test's environment, not the one the forkserver started with
-    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # torch read OMP_NUM_THREADS when the forkserver imported it
+    tempfile.tempdir = None  # found again from this rank's TMPDIR, not the one the forkserver found
     target(rank, world_size, *args)
 
 
-def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0, fresh: bool = False) -> None:
+NODES = 2
+
+
+def node_environment(nodes: Path, rank: int, world_size: int) -> dict:
+    """What rank `rank` of a run over NODES nodes (world_size / NODES ranks each, in node order, as torchrun's static
+    rendezvous numbers them) has of its own node's: node-local disks (TMPDIR, HOME, XDG_CACHE_HOME under
+    `nodes`/node<N>, made here) and the local rank and size torchrun --nnodes sets."""
+    per_node = world_size // NODES
+    node = nodes / f"node{rank // per_node}"
+    local = {name: node / name.lower() for name in ("TMPDIR", "HOME", "XDG_CACHE_HOME")}
+    for directory in local.values():
+        directory.mkdir(parents=True, exist_ok=True)
+    return {**{name: str(directory) for name, directory in local.items()}, "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node)}
+
+
+def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0, fresh: bool = False,
+              nodes: Path | None = None) -> None:
     """Run target(rank, world_size, *args) in `world_size` fresh processes; fail if any rank fails. `fresh`: each
     rank a new interpreter, for settings read as a module is imported (TRITON_INTERPRET, read as the kernel's
-    module is), which the forkserver may have imported before the test set them."""
+    module is), which the forkserver may have imported before the test set them. `nodes`: the ranks as NODES
+    nodes would run them, each node's disks a directory of `nodes` (node_environment)."""
     import torch
 
     if torch.cuda.is_available() or fresh:
@@ -78,7 +97,9 @@ def run_ranks(world_size: int, target: Callable, *args, timeout: float = 300.0, 
         ctx.set_forkserver_preload(PRELOAD)
     with reserved_port() as port, tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         log_paths = [str(Path(logs) / f"rank{rank}.log") for rank in range(world_size)]
-        procs = [ctx.Process(target=_rank_entry, args=(rank, world_size, port, dict(os.environ), log_paths[rank],
+        environ = [{**os.environ, "LOCAL_RANK": str(rank),
+                    **(node_environment(nodes, rank, world_size) if nodes else {})} for rank in range(world_size)]
+        procs = [ctx.Process(target=_rank_entry, args=(rank, world_size, port, environ[rank], log_paths[rank],
                                                        target, args))
                  for rank in range(world_size)]
         for proc in procs:
@@ -113,13 +134,14 @@ def _reporting_rank(rank: int, world_size: int, outputs: str, command: Callable[
     Path(f"{outputs}/{rank}.code").write_text(str(code))
 
 
-def run_reporting_ranks(nproc: int, command: Callable[..., int], *args, timeout: float = 300, expect: int = 0
-                        ) -> subprocess.CompletedProcess:
+def run_reporting_ranks(nproc: int, command: Callable[..., int], *args, timeout: float = 300, expect: int = 0,
+                        nodes: Path | None = None) -> subprocess.CompletedProcess:
     """command(*args) (a module's function: the ranks import it) in `nproc` ranks, as torchrun would run a
     command line, but started in a second where a torchrun process takes ten: the ranks' output, one after
-    another as torchrun gathers it as it comes, and the exit code every rank returned (`expect`)."""
+    another as torchrun gathers it as it comes, and the exit code every rank returned (`expect`). `nodes`: as
+    run_ranks'."""
     with tempfile.TemporaryDirectory(prefix="command-") as outputs:
-        run_ranks(nproc, _reporting_rank, outputs, command, args, timeout=timeout)
+        run_ranks(nproc, _reporting_rank, outputs, command, args, timeout=timeout, nodes=nodes)
         codes = {int(Path(outputs, f"{rank}.code").read_text()) for rank in range(nproc)}
         stdout, stderr = ("".join(Path(outputs, f"{rank}.{stream}").read_text() for rank in range(nproc))
                           for stream in ("out", "err"))

@@ -70,13 +70,13 @@ def run_pretrain(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG, t
 
 
 def run_pretrain_in_ranks(nproc: int, overrides: list[str], config: Path = DEMO_CONFIG, timeout: float = 300,
-                          expect: int = 0) -> subprocess.CompletedProcess:
+                          expect: int = 0, nodes: Path | None = None) -> subprocess.CompletedProcess:
     """run_pretrain's run in the gloo ranks of tests/distributed.py (run_reporting_ranks). For tests of what a run
-    does, not of how torchrun starts it (test_launch.py, test_slurm.py)."""
+    does, not of how torchrun starts it (test_launch.py, test_slurm.py). `nodes`: as run_ranks'."""
     from tests.distributed import megadiff_main, run_reporting_ranks
 
     return run_reporting_ranks(nproc, megadiff_main, ["pretrain", str(config), *overrides], timeout=timeout,
-                               expect=expect)
+                               expect=expect, nodes=nodes)
 
 
 def losses(output_dir: Path) -> list[float]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from megadiff.data.indexed import bin_path, idx_path
-from megadiff.data.manifest import read_manifest
+from megadiff.data.manifest import read_manifest, tokenizer_identity
 from megadiff.data.tokenizers import Tokenizer
 
 
@@ -33,8 +33,12 @@ class MegatronTokenizerView:
 
 
 def megatron_tokenizer(tokenizer: Tokenizer) -> MegatronTokenizerView:
+    """The tokenizer by what it is, not where it is: named by its directory's path, a node reading its own copy
+    (data.tokenizer may be node-local) at another path looked for index files of another name than those rank 0
+    built, and failed with a FileNotFoundError."""
+    identity = tokenizer_identity(tokenizer.name) or tokenizer.name  # a packaged encoding's: its name, as before
     return MegatronTokenizerView(tokenizer.vocab_size, tokenizer.eod,
-                                 {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod})
+                                 {"name": identity, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod})
 
 
 def prepared_files_digest(prefix: str) -> str:
