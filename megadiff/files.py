@@ -24,12 +24,20 @@ def temporary_name(path: str | Path) -> Path:
 
 
 def write_atomically(path: str | Path, data: bytes) -> None:
+    with written_atomically(path) as out:
+        out.write(data)
+
+
+@contextlib.contextmanager
+def written_atomically(path: str | Path) -> Iterator[IO[bytes]]:
+    """A binary file that takes `path`'s name once the block has written it whole (nothing at `path` where the
+    block fails)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as out:
-            out.write(data)
+            yield out
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

@@ -7,6 +7,7 @@ computed naively in the test from the same ids.
 from __future__ import annotations
 
 import collections
+import io
 import json
 import shutil
 import tracemalloc
@@ -150,6 +151,40 @@ def test_a_job_sharing_the_index_cache_builds_after_the_one_writing_it(corpus, t
     lock = index_cache_dir(cfg.data) / ".build.lock"
     said = capsys.readouterr().err
     assert f"megadiff: waiting for another job building the data's index cache (holding {lock})" in said
+
+
+class Killed(BaseException):
+    """A process killed where it stood (no `except Exception` stops it)."""
+
+
+def test_an_index_build_killed_while_writing_leaves_no_index_a_later_run_reads(corpus, tmp_path, monkeypatch):
+    """megatron wrote each index array in place: a rank 0 killed in the middle (a node lost, a time limit's SIGKILL)
+    left a cut index under its own name, which every later run on the cache took for whole and failed on; and
+    another job's rank 0 on another node, where the cache's lock is no lock (a shared filesystem without
+    cluster-wide flock), read it torn while it was written."""
+    cfg = config(tmp_path, f"data.prefix={corpus[0]}", "data.split=9,1,0")
+    write_array, written = np.lib.format.write_array, []
+
+    def killed_writing_the_third(stream, array, *args, **kwargs):
+        """megatron's third array (the shuffle index) cut half way, header and all, as a kill leaves it."""
+        if len(written) < 2:
+            written.append(array)
+            return write_array(stream, array, *args, **kwargs)
+        whole = io.BytesIO()
+        write_array(whole, array, *args, **kwargs)
+        stream.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+        raise Killed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(np.lib.format, "write_array", killed_writing_the_third)
+        with pytest.raises(Killed):
+            build_datasets(cfg, TOKENIZER, (10, 0, 0), seed=0)
+    rebuilt, _, _ = build_datasets(cfg, TOKENIZER, (10, 0, 0), seed=0)
+    whole, _, _ = build_datasets(config(tmp_path / "uninterrupted", f"data.prefix={corpus[0]}", "data.split=9,1,0"),
+                                 TOKENIZER, (10, 0, 0), seed=0)
+    assert len(rebuilt) == len(whole)
+    for i in range(len(whole)):
+        assert rebuilt[i]["tokens"].tolist() == whole[i]["tokens"].tolist()
 
 
 def test_an_index_cache_file_that_is_a_pickle_is_refused_unrun(corpus, tmp_path):

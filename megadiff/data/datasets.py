@@ -34,7 +34,7 @@ from megadiff.data.prepared_dataset import PreparedGPTDataset, megatron_tokenize
 from megadiff.data.responses import ResponseMaskedGPTDataset
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.data.upsampling import LengthUpsampledGPTDataset, LengthUpsampledGPTDatasetConfig
-from megadiff.files import exclusive_lock
+from megadiff.files import exclusive_lock, written_atomically
 
 __all__ = ["build_datasets", "source_config", "source_names", "sources_read_again"]
 
@@ -146,17 +146,28 @@ def _load_index_array(load: Callable, file, *args, **kwargs):
     return load(file, *args, **{**kwargs, "allow_pickle": False})
 
 
+def _save_index_array(save: Callable, file, *args, **kwargs) -> None:
+    """numpy.save of an index array under its name only once whole: megatron writes each in place, so a rank 0
+    killed while writing (a lost node, a time limit's SIGKILL) left a cut array that every later run on the cache
+    took for whole ("mmap length is greater than file size"), and another job's rank 0 on another node, whose lock
+    on the cache holds nothing there (a shared filesystem without cluster-wide flock), read it torn."""
+    with written_atomically(file) as out:
+        save(out, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def _index_cache_arrays_only() -> Iterator[None]:
     """megatron reads its index cache with numpy.load(allow_pickle=True), which unpickles a file that is no .npy
     array: one put in a data.cache_dir that jobs, nodes or people share ran its code in every process that read
-    it. The cache holds integer arrays only, which load without pickle (numpy.save writes them without)."""
-    load = numpy.load
+    it. The cache holds integer arrays only, which load without pickle (numpy.save writes them without); they are
+    written whole or not at all (_save_index_array)."""
+    load, save = numpy.load, numpy.save
     numpy.load = lambda file, *args, **kwargs: _load_index_array(load, file, *args, **kwargs)
+    numpy.save = lambda file, *args, **kwargs: _save_index_array(save, file, *args, **kwargs)
     try:
         yield
     finally:
-        numpy.load = load
+        numpy.load, numpy.save = load, save
 
 
 @contextlib.contextmanager
