@@ -26,7 +26,7 @@ from megadiff.data.errors import DataError
 from megadiff.data.indexed import token_dtype
 from megadiff.data.prepare import ensure_prepared, prepare
 from megadiff.data.tokenizers import load_tokenizer
-from tests.conftest import kjv_verses
+from tests.conftest import kjv_verses, save_small_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = 24  # a KJV subset keeps each preparation well under a second
@@ -953,13 +953,17 @@ def test_many_batches_on_several_workers_keep_the_documents_order(corpus, tmp_pa
 
 def test_tokenizer_directories_of_the_same_name_get_their_own_tag(tmp_path):
     """Two tokenizers both saved as ".../tokenizer" must not share a bundled corpus's prepared prefix: one
-    would be trained on the other's ids."""
+    would be trained on the other's ids; a copy of one elsewhere (a node's own) reads text into the same ids."""
     from megadiff.data.locations import data_prefix, tokenizer_tag
 
-    first, second = tmp_path / "a" / "tok", tmp_path / "b" / "tok"
-    for directory in (first, second):
+    first, second, copy = tmp_path / "a" / "tok", tmp_path / "b" / "tok", tmp_path / "c" / "tok"
+    verses = kjv_verses()
+    for directory, some in ((first, verses[:300]), (second, verses[300:600])):
         directory.mkdir(parents=True)
+        save_small_tokenizer(directory, some)
+    shutil.copytree(first, copy)
     assert tokenizer_tag(str(first)) != tokenizer_tag(str(second))
+    assert tokenizer_tag(str(first)) == tokenizer_tag(str(copy))
     assert tokenizer_tag(str(first)) == tokenizer_tag(str(tmp_path / "b" / ".." / "a" / "tok"))
     assert tokenizer_tag(str(first)).startswith("tok-") and tokenizer_tag("cl100k_base") == "cl100k_base"
     prefixes = {data_prefix(data_config(tmp_path, "data.bundled_corpus=kjv", f"data.tokenizer={directory}"))

@@ -9,15 +9,29 @@ from typing import Optional
 from megadiff.config.schema import DataConfig
 from megadiff.config.validate import parse_blend
 from megadiff.data.errors import DataError
+from megadiff.data.manifest import tokenizer_identity
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN
 
 
 def tokenizer_tag(spec: str) -> str:
-    """A file-name-safe tokenizer name: packaged ones by name, directories by name + a hash of their path."""
+    """A file-name-safe tokenizer name: packaged ones by name, directories by name + a hash of what they read text
+    into (tokenizer_identity; of the path where there is none to read). By path, the nodes of a run reading their
+    own copies of one tokenizer (data.tokenizer may be node-local) looked for the bundled corpus under as many
+    prefixes, all but rank 0's never prepared."""
     if spec in PACKAGED_TIKTOKEN:
         return spec
     path = Path(spec).resolve()
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", path.name) + "-" + hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    identity = _identity_or_path(spec, path)
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", path.name) + "-" + hashlib.sha1(identity.encode()).hexdigest()[:8]
+
+
+def _identity_or_path(spec: str, path: Path) -> str:
+    """tokenizer_identity(spec); the path of a directory that is no tokenizer, or none that can be read, which
+    loading it then names (the tokenizers library raises a bare Exception for a broken tokenizer.json)."""
+    try:
+        return tokenizer_identity(spec) or str(path)
+    except Exception:  # noqa: BLE001
+        return str(path)
 
 
 def corpus_dir(data: DataConfig) -> Path:
