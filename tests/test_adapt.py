@@ -392,6 +392,47 @@ def test_lambda_schedule_follows_spec():
     assert current_lambdas(apply_dex(tiny_model("llama"), {"selection": "all"})) == {"layer_0": 0.0, "layer_1": 0.0}
 
 
+def test_lambda_schedule_of_a_bf16_model_is_not_rounded_to_bf16():
+    """lambda(t) of a bf16 model is SPEC 6's value for its (bf16) lambda_learn to fp32's precision at every step, as
+    the differential layers compute theirs: in the model's dtype the ramp of lambda_init was a staircase of bf16 steps
+    (311 distinct values over 1000 annealing steps, up to 0.7% off)."""
+    model = apply_dex(tiny_model("llama"), {"anneal_steps": 1000}, calibration=[tokens()]).to(torch.bfloat16)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attn.lambda_learn.fill_(0.01)
+    fp32_eps = torch.finfo(torch.float32).eps
+    for t in range(0, 1002, 7):
+        attn.step = t
+        want = naive_lambda(t, 1000, attn.lambda_init, attn.lambda_learn.double().item())
+        assert attn.current_lambda().item() == pytest.approx(want, rel=4 * fp32_eps, abs=1e-30), t
+
+
+@pytest.mark.parametrize("variant", ["dex-entropy", "daa", "diff_q", "diff_k"])
+def test_bf16_adapted_heads_round_their_difference_once(variant):
+    """With the adapter matrices at the identity, an adapted head's two outputs are the stock head's O, and the
+    adapted one (1 - lambda) O: in bf16 it must be that product rounded once (within one bf16 step of its exact
+    value). Computed in bf16, lambda O was rounded before the subtraction, which cancels most of it: lambda / (1 -
+    lambda) bf16 steps off (4 at lambda 0.8)."""
+    apply, config = VARIANTS[variant]
+    stock = tiny_model("llama", init=0.2).to(torch.bfloat16)
+    adapted = apply(copy.deepcopy(stock).float(), {**config, "anneal_steps": 0}, calibration=[tokens()])
+    adapted = adapted.to(torch.bfloat16)
+    outputs = {}
+    for name, model in (("stock", stock), ("adapted", adapted)):
+        attn = model.model.layers[0].self_attn
+        attn.o_proj.register_forward_pre_hook(lambda module, args, name=name: outputs.__setitem__(name, args[0]))
+    attn = adapted.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.lambda_learn.fill_(0.8)
+        for model in (stock, adapted):
+            model(tokens(batch=4, length=64))
+    d, heads = attn.head_dim, attn.adapter_heads
+    columns = torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])
+    exact = (1 - attn.lambda_learn.double()) * outputs["stock"][..., columns].double()
+    error = (outputs["adapted"][..., columns].double() - exact).abs()
+    assert (error <= torch.finfo(torch.bfloat16).eps * exact.abs()).all(), (error / exact.abs()).max().item()
+
+
 def trained(model) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
 

@@ -39,6 +39,11 @@ METHODS = ("dex", "daa", "diff_q", "diff_k", "diff_v")
 INPUT_METHODS = ("diff_q", "diff_k", "diff_v")
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp32 where it is in a lower precision (bf16, fp16), else as it is (an fp64 check stays fp64)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def annealed_lambda(step: float, anneal_steps: int, lambda_init: float, lambda_learn):
     """Dex eq. 4: lambda(t) = (1 - alpha) (t / T) lambda_init + alpha lambda_learn, alpha = min(1, t / T).
     T = 0 means no annealing (lambda = lambda_learn)."""
@@ -83,7 +88,9 @@ class AdaptedAttention(nn.Module):
             self.input_weight = nn.Parameter(torch.eye(self.config.hidden_size, **factory))
 
     def current_lambda(self) -> torch.Tensor:
-        lam = annealed_lambda(self.step, self.anneal_steps, self.lambda_init, self.lambda_learn)
+        """lambda(t) in fp32, as the differential layers compute theirs: in a bf16 model's dtype lambda_init's ramp
+        was rounded to bf16's 8 bits, a staircase (311 values over 1000 annealing steps, up to 0.7% off)."""
+        lam = annealed_lambda(self.step, self.anneal_steps, self.lambda_init, at_least_fp32(self.lambda_learn))
         self.last_lambda = lam.detach()
         return lam
 
@@ -104,7 +111,8 @@ class AdaptedAttention(nn.Module):
         return index
 
     def _subtract_on_heads(self, first, second, lam, dim: int):
-        """first - lam * second on the adapted heads (tensor dim `dim`), first elsewhere."""
+        """first - lam * second on the adapted heads (tensor dim `dim`), first elsewhere; in fp32 (lam's dtype), rounded
+        once: the two maps' outputs cancel where they are alike."""
         if first is None or second is None:
             return first
         index = self._head_index(first.device)
@@ -156,7 +164,7 @@ class AdaptedAttention(nn.Module):
             key2 = self._rotate(self._project(self.k_proj, shifted), cos, sin)
         elif method == "diff_v":
             # lambda is fixed during generation, so the cache can hold V1 - lambda V2 itself
-            value = value - lam * self._project(self.v_proj, shifted)
+            value = (value - lam * self._project(self.v_proj, shifted)).to(value.dtype)
 
         if past_key_values is not None:
             # transformers 4's static cache writes at cache_position, and without it over the first positions
@@ -170,7 +178,8 @@ class AdaptedAttention(nn.Module):
         if method == "dex":
             index = self._head_index(output.device)
             selected = output.index_select(2, index)
-            delta = torch.einsum("bnhd,hde->bnhe", selected, self.dex_weight)
+            # in fp32, rounded once: O and lambda O W_D cancel (W_D starts at the identity, lambda grows to ~0.8)
+            delta = torch.einsum("bnhd,hde->bnhe", *map(at_least_fp32, (selected, self.dex_weight)))
             output = output.index_copy(2, index, (selected - lam * delta).to(output.dtype))
         elif method != "diff_v":
             if method == "daa":
