@@ -294,6 +294,62 @@ def test_ranks_share_one_index_cache_and_see_the_same_samples(corpus, tmp_path):
     assert len(list((tmp_path / "cache" / "indices").glob("*-PreparedGPTDataset-train-shuffle_index.npy"))) == 1
 
 
+def _count_index_reads_on_rank(rank: int, world_size: int, prefixes: list[str], cache: str, out: str) -> None:
+    """Builds a blend of `prefixes`, counting the indexes this rank reads whole; then a run refused for a too long
+    sample: every rank's refusal."""
+    import torch.distributed as dist
+
+    reads = collections.Counter()
+    whole = indexed.sequence_lengths  # what reads an .idx's length per document
+    indexed.sequence_lengths = lambda prefix, count: (reads.update([Path(prefix).name]), whole(prefix, count))[1]
+    dist.init_process_group("gloo")
+    try:
+        blend = f"data.blend=[{','.join(prefixes)}]"
+        train = build_datasets(config(Path(cache), blend, "data.split=80,10,10"), TOKENIZER, (100, 10, 0), seed=9)[0]
+        built_with = dict(reads)
+        refusal = None
+        try:
+            build_datasets(config(Path(cache), blend, "data.split=80,10,10", "model.seq_length=100000"), TOKENIZER,
+                           (100, 10, 0), seed=9)
+        except DataError as error:
+            refusal = str(error)
+        Path(out, f"{rank}.json").write_text(json.dumps({"reads": built_with, "samples": len(train), "refusal": refusal}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_one_rank_reads_the_indexes_for_the_checks_and_every_rank_hears_its_refusal(corpus, tmp_path):
+    """An index holds 4 bytes a document (8 GB for a 1T-token corpus): every rank of a 1,000-rank job read every
+    prefix's whole at each start, for checks whose verdict is the same on all ranks."""
+    other = tmp_path / "other"
+    write_documents(other, synthetic_documents(120, seed=1))
+    prefixes = [str(corpus[0]), str(other)]
+    run_ranks(2, _count_index_reads_on_rank, prefixes, str(tmp_path), str(tmp_path), timeout=240)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["reads"] == {Path(prefix).name: 1 for prefix in prefixes}  # each index once, on one rank
+    assert ranks[1]["reads"] == {}
+    assert ranks[0]["samples"] == ranks[1]["samples"] >= 100
+    assert "model.seq_length" in ranks[0]["refusal"]
+    assert ranks[1]["refusal"] == f"rank 0 refused the run: {ranks[0]['refusal']}"
+
+
+def test_a_rank_checking_its_own_files_finds_a_bin_of_other_data(corpus, tmp_path):
+    """What the ranks that leave the checks to rank 0 read of their files (a node's copy): a few bytes, which tell
+    a .bin cut short or longer than its .idx says, as read_index does."""
+    prefix = _copy_corpus(corpus, tmp_path)
+    indexed.check_bin_ends_with_index(prefix)
+    whole = (tmp_path / "docs.bin").read_bytes()
+    for damaged in (whole[:-2], whole + b"\0\0"):
+        (tmp_path / "docs.bin").write_bytes(damaged)
+        expected = f"docs.idx describes {len(whole)} bytes of tokens but .*docs.bin holds {len(damaged)}"
+        for check in (read_index, indexed.check_bin_ends_with_index):
+            with pytest.raises(DataError, match=expected):
+                check(prefix)
+    write_documents(tmp_path / "empty", [])
+    indexed.check_bin_ends_with_index(tmp_path / "empty")
+
+
 # ---- bad data, caught before any compute -------------------------------------------------------
 
 def test_build_datasets_refuses_a_split_without_tokens_instead_of_hanging(corpus, tmp_path):

@@ -20,11 +20,13 @@ from megadiff.config import Config
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import (
-    IndexSummary, bin_path, idx_path, loss_mask_prefix, read_index, refuse_too_many_documents, token_dtype,
+    IndexSummary, bin_path, check_bin_ends_with_index, idx_path, loss_mask_prefix, read_index,
+    refuse_too_many_documents, token_dtype,
 )
 from megadiff.data.locations import training_blend
 from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, document_start
+from megadiff.errors import refused_together
 
 SPLITS = ("train", "valid", "test")
 
@@ -49,6 +51,25 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer, splits_read: Collecti
                 _check_documents_whole(prefix, manifest)
         else:
             _warn_of_a_loss_mask_left_out(prefix, manifest, key)
+
+
+def check_training_data_once(cfg: Config, tokenizer: Tokenizer, splits_read: Collection[str] = SPLITS) -> None:
+    """check_training_data on one rank of a process group (the first; collective: every rank raises where it
+    refuses): its checks read every document's length, 4 bytes a document (8 GB for a 1T-token corpus), which every
+    rank of a 1,000-rank job read from the shared filesystem at each start. The others check that the files they
+    read themselves (a node's own copy) are whole, a few bytes each."""
+    import torch.distributed as dist
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    refused_together(lambda: check_training_data(cfg, tokenizer, splits_read) if first else _check_files_whole(cfg))
+
+
+def _check_files_whole(cfg: Config) -> None:
+    key = _data_key(cfg)
+    for prefix in training_blend(cfg.data)[0]:
+        check_bin_ends_with_index(prefix, key)
+        if cfg.data.masks_loss and idx_path(loss_mask_prefix(prefix)).is_file():  # a missing one: rank 0 names it
+            check_bin_ends_with_index(loss_mask_prefix(prefix), cfg.data.loss_mask_key)
 
 
 def _data_key(cfg: Config) -> str:

@@ -11,7 +11,7 @@ A blend of prefixes without weights is weighted by their tokens.
 
 Under torch.distributed every rank must call it: megatron builds the index cache on rank 0,
 then the other ranks load it after a barrier (so data.cache_dir must be shared by all nodes).
-It runs `check_training_data` first, so bad data fails before any index is built.
+It runs `check_training_data` first (on rank 0, for every rank), so bad data fails before any index is built.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
 from megadiff.config import Config, DataConfig
 from megadiff.config.loader import saved_config
-from megadiff.data.checks import SPLITS, check_training_data
+from megadiff.data.checks import SPLITS, check_training_data_once
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import token_count
 from megadiff.data.locations import index_cache_dir, training_blend
@@ -53,7 +53,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, in
                    is_built_on_rank: Callable[[], bool] = lambda: True):
     """(train, valid, test) with at least num_samples[i] samples each (None where it or data.split's weight is 0)."""
     # megatron would loop forever on a split without tokens
-    check_training_data(cfg, tokenizer, [name for name, wanted in zip(SPLITS, num_samples) if wanted])
+    check_training_data_once(cfg, tokenizer, [name for name, wanted in zip(SPLITS, num_samples) if wanted])
     data = cfg.data
     blend = megatron_blend(data)
     options = dict(

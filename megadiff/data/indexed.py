@@ -175,23 +175,55 @@ def refuse_unprepared(prefix: str | Path, key: str = "data.prefix") -> None:
                         f"megadiff prepare-data CONFIG (with data.prefix={prefix})")
 
 
-def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
-    """Read <prefix>.idx and check that <prefix>.bin holds exactly the tokens it describes."""
-    bin_file, idx_file = bin_path(prefix), idx_path(prefix)
+def _readable_header(prefix: str | Path, key: str) -> tuple[np.dtype, int]:
+    """(token dtype, sequences) of <prefix>.idx, whose files are there, whose header is megatron's and whose size
+    holds the arrays that header describes (a check of a few bytes)."""
+    idx_file = idx_path(prefix)
     refuse_unprepared(prefix, key)
     try:
         dtype, sequences, documents = read_header(prefix)
         described = INDEX_HEADER_BYTES + 12 * sequences + 8 * documents  # lengths, offsets, document indices
         if idx_file.stat().st_size < described:
             raise ValueError(f"{idx_file.stat().st_size} bytes, fewer than the {described} its header describes")
-        lengths = sequence_lengths(prefix, sequences)
-        if sequences and lengths.min() < 0:  # lengths that still add up to the .bin's size would be misread silently
-            raise ValueError(f"a negative document length ({int(lengths.min())})")
     except (ValueError, OSError, struct.error) as err:
-        raise DataError(f"{key}: {idx_file} is not a readable megatron index ({err}); re-run prepare-data") from None
-    expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
-    actual = bin_file.stat().st_size
+        raise _unreadable(prefix, key, err) from None
+    return dtype, sequences
+
+
+def _unreadable(prefix: str | Path, key: str, why: Exception | str) -> DataError:
+    return DataError(f"{key}: {idx_path(prefix)} is not a readable megatron index ({why}); re-run prepare-data")
+
+
+def _refuse_another_bin(prefix: str | Path, key: str, expected: int) -> None:
+    """<prefix>.bin holds `expected` bytes, what its .idx describes."""
+    actual = bin_path(prefix).stat().st_size
     if actual != expected:
-        raise DataError(f"{key}: {idx_file} describes {expected} bytes of tokens but {bin_file} holds {actual}: "
-                        "the two files do not belong together; re-run prepare-data")
+        raise DataError(f"{key}: {idx_path(prefix)} describes {expected} bytes of tokens but {bin_path(prefix)} holds "
+                        f"{actual}: the two files do not belong together; re-run prepare-data")
+
+
+def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
+    """Read <prefix>.idx and check that <prefix>.bin holds exactly the tokens it describes: every document's
+    length is read (4 bytes a document, GBs for a large corpus)."""
+    dtype, sequences = _readable_header(prefix, key)
+    lengths = sequence_lengths(prefix, sequences)
+    if sequences and lengths.min() < 0:  # lengths that still add up to the .bin's size would be misread silently
+        raise _unreadable(prefix, key, f"a negative document length ({int(lengths.min())})")
+    _refuse_another_bin(prefix, key, int(lengths.sum(dtype=np.int64)) * dtype.itemsize)
     return IndexSummary(dtype, lengths)
+
+
+def check_bin_ends_with_index(prefix: str | Path, key: str = "data.prefix") -> None:
+    """read_index's checks that read a few bytes, not a length per document: the files are there, the .idx is
+    megatron's, and the .bin ends where its last document does (by its offset and length), which a copy cut short
+    or a .bin of other data does not. What a rank that leaves read_index to another one checks of its own files."""
+    dtype, sequences = _readable_header(prefix, key)
+    end = 0
+    if sequences:
+        with open(idx_path(prefix), "rb") as index:  # the last length, then the last offset
+            index.seek(INDEX_HEADER_BYTES + 4 * (sequences - 1))
+            (length,) = struct.unpack("<i", index.read(4))
+            index.seek(INDEX_HEADER_BYTES + 4 * sequences + 8 * (sequences - 1))
+            (offset,) = struct.unpack("<q", index.read(8))
+        end = offset + length * dtype.itemsize
+    _refuse_another_bin(prefix, key, end)

@@ -28,7 +28,7 @@ from megadiff.checkpoint.single_process import CausalLM
 from megadiff.config import Config, ConfigError
 from megadiff.config.loader import saved_config
 from megadiff.config.validate import validate_data
-from megadiff.data.checks import check_training_data, split_documents
+from megadiff.data.checks import check_training_data_once, split_documents
 from megadiff.data.datasets import build_datasets, megatron_blend, source_config
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import read_index, refuse_unprepared
@@ -211,7 +211,7 @@ def evaluate(load: str | None, split: str = "valid", seq_length: int | None = No
     ensure_prepared(cfg)
     # every source checked before the first is evaluated: a blend's later source prepared with another tokenizer
     # (or too short for one sample) was refused only when its turn came, the earlier ones' hours at 64K lost
-    check_training_data(cfg, model.tokenizer, (split,))
+    check_training_data_once(cfg, model.tokenizer, (split,))
     prefixes, weights = megatron_blend(cfg.data)  # an unweighted blend is weighted by tokens, as in training
     progress = command_progress("evaluate")
     with progress:
