@@ -648,6 +648,26 @@ def test_reading_an_index_copies_none_of_it(tmp_path):
     assert peak < count
 
 
+def test_a_split_s_tokens_are_counted_without_a_copy_of_its_lengths(tmp_path):
+    """What a run says at each start of the sources it reads again counts each split's tokens: megatron's count
+    copies the split's lengths (8 GB for a 1T-token corpus) on rank 0 at every start."""
+    count = 300_000
+    many_short_documents(tmp_path / "docs", count)
+    cfg = config(tmp_path, f"data.prefix={tmp_path / 'docs'}", "data.split=80,20,0")
+    train = build_datasets(cfg, TOKENIZER, (100, 0, 0), seed=0)[0]
+    lengths = np.arange(count) % 3 + 1  # many_short_documents' lengths
+    tracemalloc.start()
+    try:
+        read_again = sources_read_again(train)
+        tokens = train._get_num_tokens_per_epoch()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tokens == int(lengths[:round(0.8 * count)].sum())
+    assert read_again == [] and len(train) == (tokens - 1) // SEQ  # one pass: samples of SEQ + 1 tokens
+    assert peak < count
+
+
 # ---- boundaries of the checks (each found unchecked by mutation testing) -------------------------
 
 def _copy_corpus(corpus, directory: Path) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megadiff.data.prepared_dataset import PreparedGPTDataset
 
@@ -46,7 +46,7 @@ class LengthUpsampledGPTDataset(PreparedGPTDataset):
         if not self._upsampled:
             repeats = length_repeats(self.dataset.sequence_lengths[self.indices], self.config.length_upsampling_unit)
             self.indices, self._upsampled = np.repeat(self.indices, repeats), True
-        return super()._get_num_tokens_per_epoch()
+        return GPTDataset._get_num_tokens_per_epoch(self)  # repeated documents: no range, summed one by one
 
     def _build_document_sample_shuffle_indices(self):
         split_documents = self.indices
