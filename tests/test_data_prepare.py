@@ -747,6 +747,32 @@ def test_a_directory_of_many_files_becomes_one_source_in_one_pass(tmp_path, monk
     assert sum(files_given) == 300
 
 
+def test_preparing_reads_each_part_s_count_a_number_of_times_that_does_not_grow_with_the_parts(tmp_path,
+                                                                                                monkeypatch):
+    """A corpus of 10,000 files: the document count checked after each part was summed over every part done so
+    far (50 million reads)."""
+    reads = []
+
+    class CountedStats(dict):
+        def __getitem__(self, key):
+            reads.append(key)
+            return super().__getitem__(key)
+
+    prepare_part = prepare_module._prepare_part
+    monkeypatch.setattr(prepare_module, "_prepare_part", lambda *args: CountedStats(prepare_part(*args)))
+
+    def documents_read_per_part(files: int) -> float:
+        source_dir = tmp_path / f"src{files}"
+        source_dir.mkdir()
+        for i in range(files):
+            (source_dir / f"{i:03d}.jsonl").write_text(json.dumps({"text": f"document {i}"}) + "\n")
+        reads.clear()
+        prepare(data_config(tmp_path, f"data.sources=[{source_dir}]", f"data.prefix={tmp_path / str(files) / 'x'}"))
+        return reads.count("documents") / files
+
+    assert documents_read_per_part(12) == documents_read_per_part(3)
+
+
 def test_a_prefix_with_brackets_is_printed_as_written(corpus, tmp_path, capsys):
     prefix = tmp_path / "web[v2]" / "subset"
     config = data_config(tmp_path, f"data.sources=[{corpus[0]}]", f"data.prefix='{prefix}'")

@@ -288,14 +288,16 @@ def _prepare_parts(plan: _Plan, indices: range) -> dict[int, dict]:
     progress = progress_bars(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                              _TokensPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                              console=Console(stderr=True))
-    stats = {}
+    stats, documents = {}, 0
     with Encoder(plan.data.tokenizer, plan.dtype.name, plan.data.workers) as encoder, progress:
         overall = progress.add_task("parts", total=len(indices), visible=len(indices) > 1)
         for index in indices:
             stats[index] = _prepare_part(plan, index, encoder, progress)
             progress.advance(overall)
-            # refused as soon as the parts pass it, not after the rest of a corpus was tokenized
-            refuse_too_many_documents(sum(part["documents"] for part in stats.values()), plan.prefix)
+            # refused as soon as the parts pass it, not after the rest of a corpus was tokenized; a running count
+            # (summing the parts done at each part was quadratic in a corpus's thousands of files)
+            documents += stats[index]["documents"]
+            refuse_too_many_documents(documents, plan.prefix)
     return stats
 
 
