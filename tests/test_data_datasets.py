@@ -299,9 +299,11 @@ def _count_index_reads_on_rank(rank: int, world_size: int, prefixes: list[str], 
     sample: every rank's refusal."""
     import torch.distributed as dist
 
+    from megadiff.data import checks
+
     reads = collections.Counter()
-    whole = indexed.sequence_lengths  # what reads an .idx's length per document
-    indexed.sequence_lengths = lambda prefix, count: (reads.update([Path(prefix).name]), whole(prefix, count))[1]
+    whole = checks.read_index  # what reads an .idx's length per document
+    checks.read_index = lambda prefix, *args: (reads.update([Path(prefix).name]), whole(prefix, *args))[1]
     dist.init_process_group("gloo")
     try:
         blend = f"data.blend=[{','.join(prefixes)}]"
@@ -338,16 +340,16 @@ def test_a_rank_checking_its_own_files_finds_a_bin_of_other_data(corpus, tmp_pat
     """What the ranks that leave the checks to rank 0 read of their files (a node's copy): a few bytes, which tell
     a .bin cut short or longer than its .idx says, as read_index does."""
     prefix = _copy_corpus(corpus, tmp_path)
-    indexed.check_bin_ends_with_index(prefix)
+    indexed.open_index(prefix)
     whole = (tmp_path / "docs.bin").read_bytes()
     for damaged in (whole[:-2], whole + b"\0\0"):
         (tmp_path / "docs.bin").write_bytes(damaged)
         expected = f"docs.idx describes {len(whole)} bytes of tokens but .*docs.bin holds {len(damaged)}"
-        for check in (read_index, indexed.check_bin_ends_with_index):
+        for check in (read_index, indexed.open_index):
             with pytest.raises(DataError, match=expected):
                 check(prefix)
     write_documents(tmp_path / "empty", [])
-    indexed.check_bin_ends_with_index(tmp_path / "empty")
+    indexed.open_index(tmp_path / "empty")
 
 
 # ---- bad data, caught before any compute -------------------------------------------------------
@@ -752,6 +754,33 @@ def test_the_data_check_reads_each_index_once(corpus, tmp_path, monkeypatch):
                     for part in ("read_header", "sequence_lengths")}
 
 
+def test_a_later_start_reads_no_index_whole_and_data_changed_since_is_read_again(corpus, tmp_path, monkeypatch):
+    """Every start read each prefix's and loss mask's whole .idx (8 GB each for a 1T-token corpus), where megatron's
+    cached indices need none of it: once per prepared data, as long as its files stay as they were."""
+    from megadiff.data import checks
+
+    prefix = _prompt_response_data(corpus, tmp_path, [len(doc) for doc in corpus[1]], inner_eods=0)
+    reads = collections.Counter()
+    monkeypatch.setattr(checks, "read_index", lambda path, *args, _read=checks.read_index: (
+        reads.update([Path(path).name]), _read(path, *args))[1])
+    cfg = config(tmp_path, f"data.prefix={prefix}", "data.response_key=response", "data.split=80,10,10")
+    starts = 3
+    for _ in range(starts):
+        check_training_data(cfg, TOKENIZER)
+    assert reads == {"docs": 1, "docs-loss-mask": 1}
+    train_tokens = sum(map(len, corpus[1][:160]))  # documents 0..160 of 200 (80%)
+    with pytest.raises(DataError, match=rf"model.seq_length: the train split .* holds {train_tokens} tokens"):
+        check_training_data(config(tmp_path, f"data.prefix={prefix}", "data.response_key=response",
+                                   "data.split=80,10,10", f"model.seq_length={sum(map(len, corpus[1]))}"), TOKENIZER)
+    lengths = sequence_lengths(prefix, 2)
+    with open(f"{prefix}.idx", "r+b") as index:  # changed in place, its size kept: read again
+        index.seek(INDEX_HEADER_BYTES)
+        index.write(np.array([-1000, lengths[0] + lengths[1] + 1000], dtype=np.int32).tobytes())
+    with pytest.raises(DataError, match=r"docs.idx is not a readable megatron index \(a negative document length"):
+        check_training_data(cfg, TOKENIZER)
+    assert reads["docs"] == 2
+
+
 def test_document_masking_refuses_data_with_one_eod_inside_a_document(corpus, tmp_path):
     """Document masking cuts at every EOD: one inside a conversation already cuts it in two."""
     lengths = [len(doc) for doc in corpus[1]]
@@ -775,7 +804,7 @@ def test_the_checks_split_the_documents_as_megatrons_builder_does(tmp_path, coun
     write_documents(tmp_path / "docs", documents)
     built = build_datasets(config(tmp_path, f"data.prefix={tmp_path / 'docs'}", f"data.split={split}"), TOKENIZER,
                            (5, 5, 5), seed=0)
-    ranges = split_documents(read_index(tmp_path / "docs").sequence_lengths, split)
+    ranges = split_documents(read_index(tmp_path / "docs"), split)
     for name, dataset in zip(("train", "valid", "test"), built):
         begin, end, tokens = ranges[name]
         assert (begin, end) == (int(dataset.indices[0]), int(dataset.indices[-1]) + 1), name

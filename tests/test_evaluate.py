@@ -304,16 +304,16 @@ def test_a_split_of_whole_samples_counts_the_samples_it_can_label(monkeypatch):
     """A sample reads seq_length + 1 tokens (its last label is the next sample's first token): a split of exactly
     k x seq_length tokens gives k - 1 distinct samples, one token more gives k. Counting one too many, evaluate
     asked megatron for a sample the split lacks, which it fills from a second, shuffled epoch: a repeat."""
-    from types import SimpleNamespace
-
+    from megadiff.data.indexed import IndexSummary
     from megadiff.inference import evaluate as module
 
     seq, k = 32, 3
     cfg = build_config({}, ["data.prefix=/nowhere/docs", "data.split=50,50,0", f"model.seq_length={seq}"])
     for valid_lengths, samples in (([40, k * seq - 40], k - 1), ([40, k * seq - 39], k)):
         lengths = np.array([25, 35] + valid_lengths)  # 4 documents: the last two are the valid split's
-        monkeypatch.setattr(module, "read_index", lambda prefix, lengths=lengths: SimpleNamespace(
-            sequence_lengths=lengths))
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * 4  # int32 tokens, one document after another
+        monkeypatch.setattr(module, "open_index", lambda prefix, lengths=lengths, offsets=offsets: IndexSummary(
+            np.dtype(np.int32), lengths, offsets))
         assert module.distinct_samples(cfg, "valid") == samples
     assert module.distinct_samples(cfg, "test") is None
 
@@ -354,9 +354,10 @@ def training_tokens(cfg) -> np.ndarray:
     """The training split's tokens, read document by document through megatron's IndexedDataset."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megadiff.data.checks import split_documents
+    from megadiff.data.indexed import read_index
 
     documents = IndexedDataset(cfg.data.prefix)
-    first, last, _ = split_documents(documents.sequence_lengths, cfg.data.split)["train"]
+    first, last, _ = split_documents(read_index(cfg.data.prefix), cfg.data.split)["train"]
     return np.concatenate([documents[i] for i in range(first, last)]).astype(np.int64)
 
 

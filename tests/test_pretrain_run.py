@@ -463,7 +463,7 @@ def test_a_run_that_never_evaluates_needs_no_valid_split(base, tmp_path, capsys)
     data = [*base, "data.bundled_corpus=null", f"data.sources=[{tmp_path / 'corpus'}]",
             f"data.prefix={tmp_path / 'prepared'}", f"model.seq_length={seq}", "train.iters=2"]
     assert main(["prepare-data", str(DEMO_CONFIG), *data]) == 0
-    splits = {split: split_documents(read_index(str(tmp_path / "prepared")).sequence_lengths, split)
+    splits = {split: split_documents(read_index(str(tmp_path / "prepared")), split)
               for split in ("969,30,1", "969,0,31")}
     assert splits["969,30,1"]["valid"][2] < seq + 1  # less than a sample
     assert splits["969,30,1"]["train"] == splits["969,0,31"]["train"]  # the same training documents

@@ -6,9 +6,12 @@ without tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import warnings
 from functools import cache
+from pathlib import Path
 from typing import Callable, Collection
 
 import numpy as np
@@ -16,14 +19,14 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix, parse_and_normalize_split,
 )
 
-from megadiff.config import Config
+from megadiff.config import Config, DataConfig
 from megadiff.data.conversations import chat_template_of
 from megadiff.data.errors import DataError
 from megadiff.data.indexed import (
-    IndexSummary, bin_path, check_bin_ends_with_index, idx_path, loss_mask_prefix, read_index,
-    refuse_too_many_documents, token_dtype,
+    IndexSummary, bin_path, idx_path, loss_mask_prefix, open_index, read_index, refuse_too_many_documents,
+    refuse_unprepared, token_dtype,
 )
-from megadiff.data.locations import training_blend
+from megadiff.data.locations import index_cache_dir, training_blend
 from megadiff.data.manifest import read_manifest, tokenizer_fingerprint
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, document_start
 from megadiff.errors import refused_together
@@ -45,7 +48,7 @@ def check_training_data(cfg: Config, tokenizer: Tokenizer, splits_read: Collecti
         _check_splits(prefix, summary, cfg, key, splits_read)
         _warn_of_an_earlier_encoding(prefix, manifest, encoding)
         if cfg.data.masks_loss:
-            _check_loss_mask(prefix, summary, cfg.data.loss_mask_key)
+            _check_loss_mask(prefix, summary, cfg.data)
             _check_same_masking(prefix, manifest, cfg, tokenizer)
             if cfg.data.document_masking:
                 _check_documents_whole(prefix, manifest)
@@ -67,9 +70,9 @@ def check_training_data_once(cfg: Config, tokenizer: Tokenizer, splits_read: Col
 def _check_files_whole(cfg: Config) -> None:
     key = _data_key(cfg)
     for prefix in training_blend(cfg.data)[0]:
-        check_bin_ends_with_index(prefix, key)
+        open_index(prefix, key)
         if cfg.data.masks_loss and idx_path(loss_mask_prefix(prefix)).is_file():  # a missing one: rank 0 names it
-            check_bin_ends_with_index(loss_mask_prefix(prefix), cfg.data.loss_mask_key)
+            open_index(loss_mask_prefix(prefix), cfg.data.loss_mask_key)
 
 
 def _data_key(cfg: Config) -> str:
@@ -82,10 +85,38 @@ def _encoding_reader(cfg: Config, tokenizer: Tokenizer) -> Callable[[bool], dict
 
 
 def _read_prepared(cfg: Config) -> list[tuple[str, IndexSummary, dict | None]]:
-    """(prefix, its checked index, its manifest) of each prefix of cfg's data, read once for all the checks: a
-    corpus's index is 4 bytes a document, read from a shared filesystem on every rank."""
+    """(prefix, its checked index, its manifest) of each prefix of cfg's data, read once for all the checks."""
     key = _data_key(cfg)
-    return [(prefix, read_index(prefix, key), read_manifest(prefix)) for prefix in training_blend(cfg.data)[0]]
+    return [(prefix, _checked_index(prefix, key, cfg.data), read_manifest(prefix))
+            for prefix in training_blend(cfg.data)[0]]
+
+
+def _checked_index(prefix: str, key: str, data: DataConfig) -> IndexSummary:
+    """read_index (every document's length read: 8 GB for a 1T-token corpus, at each start) once per prepared
+    data; a later start finds its mark and opens the index (a few bytes read)."""
+    refuse_unprepared(prefix, key)
+    mark = _check_mark(data, [prefix], "index")
+    if mark.is_file():
+        return open_index(prefix, key)
+    summary = read_index(prefix, key)
+    _set(mark)
+    return summary
+
+
+def _check_mark(data: DataConfig, prefixes: list[str], check: str) -> Path:
+    """Where a check of every document of `prefixes` that passed is marked: beside megatron's indices, named by
+    their files' paths, sizes and modification times, so data prepared again, or changed in place, is checked
+    again."""
+    files = [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
+             for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))]
+    return index_cache_dir(data) / f"{hashlib.sha256(json.dumps(files).encode()).hexdigest()[:32]}-{check}-checked"
+
+
+def _set(mark: Path) -> None:
+    """Marked where the cache can be written (megatron writes its indices there); else checked again next time."""
+    with contextlib.suppress(OSError):
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
 
 
 def check_prepared_with(cfg: Config, tokenizer: Tokenizer) -> None:
@@ -194,17 +225,23 @@ def _warn_of_a_loss_mask_left_out(prefix: str, manifest: dict | None, key: str) 
                           stacklevel=2)
 
 
-def _check_loss_mask(prefix: str, summary: IndexSummary, key: str) -> None:
+def _check_loss_mask(prefix: str, summary: IndexSummary, data: DataConfig) -> None:
     """Prompt/response and conversation data need the loss mask prepare-data writes beside their
-    tokens, document for document."""
-    mask_prefix = loss_mask_prefix(prefix)
+    tokens, document for document (compared once per prepared data, as _checked_index reads it)."""
+    key, mask_prefix = data.loss_mask_key, loss_mask_prefix(prefix)
     if not idx_path(mask_prefix).is_file():
         raise DataError(f"{key}: {prefix} has no loss mask ({mask_prefix}.bin/.idx): it was prepared "
                         f"without {key}; prepare it again with it")
+    refuse_unprepared(mask_prefix, key)
+    mark = _check_mark(data, [prefix, mask_prefix], "loss-mask")
+    if mark.is_file():
+        open_index(mask_prefix, key)
+        return
     mask = read_index(mask_prefix, key)
     if not np.array_equal(mask.sequence_lengths, summary.sequence_lengths):
         raise DataError(f"{key}: {mask_prefix} does not describe the documents of {prefix}; prepare "
                         "the data again")
+    _set(mark)
 
 
 def _check_documents_whole(prefix: str, manifest: dict | None) -> None:
@@ -219,15 +256,14 @@ def _check_documents_whole(prefix: str, manifest: dict | None) -> None:
                         "data.document_masking=false")
 
 
-def split_documents(sequence_lengths: np.ndarray, split: str) -> dict[str, tuple[int, int, int]]:
+def split_documents(summary: IndexSummary, split: str) -> dict[str, tuple[int, int, int]]:
     """{split name: (first document, end document, tokens)} for each split `split` (data.split) gives
     a share: the same document ranges megatron's BlendedMegatronDatasetBuilder cuts."""
-    count = len(sequence_lengths)
+    count = len(summary.sequence_lengths)
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     ranges = {name: (int(round(bounds[0] * count)), int(round(bounds[1] * count)))
               for name, bounds in zip(SPLITS, matrix) if bounds is not None}
-    return {name: (begin, end, int(np.sum(sequence_lengths[begin:end], dtype=np.int64)))
-            for name, (begin, end) in ranges.items()}
+    return {name: (begin, end, summary.tokens_between(begin, end)) for name, (begin, end) in ranges.items()}
 
 
 def split_tokens(prefix: str, data_split: str, split: str) -> np.ndarray | None:
@@ -235,11 +271,11 @@ def split_tokens(prefix: str, data_split: str, split: str) -> np.ndarray | None:
     prepared), memory-mapped from the stretch of its .bin they fill: a copy (or an offset per
     document) would grow with the corpus. None when `data_split` gives `split` no documents."""
     summary = read_index(prefix)
-    splits = split_documents(summary.sequence_lengths, data_split)
+    splits = split_documents(summary, data_split)
     if split not in splits:
         return None
     begin, _, tokens = splits[split]
-    start = int(np.sum(summary.sequence_lengths[:begin], dtype=np.int64))
+    start = summary.tokens_between(0, begin)
     return np.memmap(bin_path(prefix), dtype=summary.dtype, mode="r")[start:start + tokens]
 
 
@@ -251,7 +287,7 @@ def _check_splits(prefix: str, summary: IndexSummary, cfg: Config, key: str, spl
     if summary.tokens == 0:
         raise DataError(f"{key}: {prefix} holds no tokens ({count} documents); prepare it from non-empty text")
     needed = cfg.model.seq_length + 1
-    for name, (begin, end, tokens) in split_documents(summary.sequence_lengths, cfg.data.split).items():
+    for name, (begin, end, tokens) in split_documents(summary, cfg.data.split).items():
         if name in splits_read and tokens < needed:
             raise DataError(f"model.seq_length: the {name} split of {prefix} (documents {begin}..{end} of {count}, "
                             f"data.split={cfg.data.split}) holds {tokens} tokens, fewer than one sample of "

@@ -134,10 +134,19 @@ class IndexSummary:
     dtype: np.dtype
     sequence_lengths: np.ndarray   # tokens per sequence (what GPTDataset calls a document), EOD included;
                                    # int32, memory-mapped from the .idx
+    sequence_pointers: np.ndarray  # each sequence's byte offset in the .bin; int64, memory-mapped
+
+    def tokens_between(self, begin: int, end: int) -> int:
+        """The tokens of sequences begin..end-1, from the offsets of the first and last (a few bytes read, where
+        summing their lengths reads 4 bytes a document)."""
+        if end <= begin:
+            return 0
+        start, last = int(self.sequence_pointers[begin]), int(self.sequence_pointers[end - 1])
+        return (last - start) // self.dtype.itemsize + int(self.sequence_lengths[end - 1])
 
     @property
     def tokens(self) -> int:
-        return int(self.sequence_lengths.sum(dtype=np.int64))
+        return self.tokens_between(0, len(self.sequence_lengths))
 
 
 def read_header(prefix: str | Path) -> tuple[np.dtype, int, int]:
@@ -156,6 +165,12 @@ def sequence_lengths(prefix: str | Path, sequences: int) -> np.ndarray:
     """The int32 tokens per sequence of <prefix>.idx, memory-mapped: 4 bytes a document stay on disk
     (6 GB for a 1T-token corpus, on every rank that checks it)."""
     return np.memmap(idx_path(prefix), dtype=np.int32, mode="r", offset=INDEX_HEADER_BYTES, shape=(sequences,))
+
+
+def sequence_pointers(prefix: str | Path, sequences: int) -> np.ndarray:
+    """The int64 byte offsets of <prefix>.idx's sequences in its .bin, memory-mapped (after the lengths)."""
+    return np.memmap(idx_path(prefix), dtype=np.int64, mode="r", offset=INDEX_HEADER_BYTES + 4 * sequences,
+                     shape=(sequences,))
 
 
 def token_count(prefix: str | Path) -> int:
@@ -202,28 +217,23 @@ def _refuse_another_bin(prefix: str | Path, key: str, expected: int) -> None:
                         f"{actual}: the two files do not belong together; re-run prepare-data")
 
 
+def open_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
+    """<prefix>.idx, checked by reading a few bytes: the files are there, the .idx is megatron's, and the .bin ends
+    where its last document does (by its offset and length), which a copy cut short or a .bin of other data does
+    not. What a rank that leaves read_index to another one checks of its own files, and what a start reads of data
+    read_index passed before."""
+    dtype, sequences = _readable_header(prefix, key)
+    summary = IndexSummary(dtype, sequence_lengths(prefix, sequences), sequence_pointers(prefix, sequences))
+    _refuse_another_bin(prefix, key, summary.tokens * dtype.itemsize)
+    return summary
+
+
 def read_index(prefix: str | Path, key: str = "data.prefix") -> IndexSummary:
-    """Read <prefix>.idx and check that <prefix>.bin holds exactly the tokens it describes: every document's
-    length is read (4 bytes a document, GBs for a large corpus)."""
-    dtype, sequences = _readable_header(prefix, key)
-    lengths = sequence_lengths(prefix, sequences)
-    if sequences and lengths.min() < 0:  # lengths that still add up to the .bin's size would be misread silently
+    """open_index, and every document's length read (4 bytes a document, GBs for a large corpus): none negative,
+    and the .bin holds exactly the tokens they add up to."""
+    summary = open_index(prefix, key)
+    lengths = summary.sequence_lengths
+    if len(lengths) and lengths.min() < 0:  # lengths that still add up to the .bin's size would be misread silently
         raise _unreadable(prefix, key, f"a negative document length ({int(lengths.min())})")
-    _refuse_another_bin(prefix, key, int(lengths.sum(dtype=np.int64)) * dtype.itemsize)
-    return IndexSummary(dtype, lengths)
-
-
-def check_bin_ends_with_index(prefix: str | Path, key: str = "data.prefix") -> None:
-    """read_index's checks that read a few bytes, not a length per document: the files are there, the .idx is
-    megatron's, and the .bin ends where its last document does (by its offset and length), which a copy cut short
-    or a .bin of other data does not. What a rank that leaves read_index to another one checks of its own files."""
-    dtype, sequences = _readable_header(prefix, key)
-    end = 0
-    if sequences:
-        with open(idx_path(prefix), "rb") as index:  # the last length, then the last offset
-            index.seek(INDEX_HEADER_BYTES + 4 * (sequences - 1))
-            (length,) = struct.unpack("<i", index.read(4))
-            index.seek(INDEX_HEADER_BYTES + 4 * sequences + 8 * (sequences - 1))
-            (offset,) = struct.unpack("<q", index.read(8))
-        end = offset + length * dtype.itemsize
-    _refuse_another_bin(prefix, key, end)
+    _refuse_another_bin(prefix, key, int(lengths.sum(dtype=np.int64)) * summary.dtype.itemsize)
+    return summary

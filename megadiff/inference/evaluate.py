@@ -31,7 +31,7 @@ from megadiff.config.validate import validate_data
 from megadiff.data.checks import check_training_data_once, split_documents
 from megadiff.data.datasets import build_datasets, megatron_blend, source_config
 from megadiff.data.errors import DataError
-from megadiff.data.indexed import read_index, refuse_unprepared
+from megadiff.data.indexed import open_index, refuse_unprepared
 from megadiff.data.locations import training_blend
 from megadiff.data.prepare import ensure_prepared
 from megadiff.inference.hf_model import HFCausalLM, hf_run_config, hf_window, load_model
@@ -87,7 +87,7 @@ def distinct_samples(cfg, split: str) -> int | None:
     megatron's GPTDataset shuffles a second epoch, i.e. repeats, in among them); None for a
     split data.split gives no share."""
     (prefix,), _ = training_blend(cfg.data)
-    splits = split_documents(read_index(prefix).sequence_lengths, cfg.data.split)
+    splits = split_documents(open_index(prefix), cfg.data.split)  # the data was checked (read_index) first
     if split not in splits:
         return None
     _, _, tokens = splits[split]
