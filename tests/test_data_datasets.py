@@ -315,7 +315,8 @@ def _count_index_reads_on_rank(rank: int, world_size: int, prefixes: list[str], 
                            (100, 10, 0), seed=9)
         except DataError as error:
             refusal = str(error)
-        Path(out, f"{rank}.json").write_text(json.dumps({"reads": built_with, "samples": len(train), "refusal": refusal}))
+        report = {"reads": built_with, "samples": len(train), "refusal": refusal}
+        Path(out, f"{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
 
