@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed import run_ranks
@@ -191,23 +192,25 @@ def _trained_and_saved(world_size: int, checkpoints: str, save_state=None):
     engine = build_engine(cfg)
     for _ in range(STEPS):
         _step_all_chunks(engine, cfg)
-    mend = optimizer_state._gathered_in_buffer_layout
-    optimizer_state._gathered_in_buffer_layout = save_state or mend
+    mend = optimizer_state._gathered_in_saved_tensors
+    optimizer_state._gathered_in_saved_tensors = save_state or mend
     try:
         writer = CheckpointWriter(checkpoints, cfg)
         writer.save(STEPS, engine.unwrapped(), engine.optimizer, {"iteration": STEPS})
         writer.close()
     finally:
-        optimizer_state._gathered_in_buffer_layout = mend
+        optimizer_state._gathered_in_saved_tensors = mend
     return cfg, engine
 
 
 def _padded_buckets_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    from megadiff.checkpoint import optimizer_state
     from megadiff.checkpoint.format import iteration_dir
     from megadiff.checkpoint.training_checkpoint import load_training_checkpoint
     from megadiff.parallel import shutdown
     from megadiff.training.engine import build_engine
 
+    optimizer_state.GATHER_NUMEL = 1000  # windows of the gather that begin and end inside parameters
     cfg, uninterrupted = _trained_and_saved(world_size, checkpoints)
     resumed = build_engine(cfg)
     load_training_checkpoint(iteration_dir(checkpoints, STEPS), resumed.unwrapped(), resumed.optimizer,
@@ -224,12 +227,13 @@ def _padded_buckets_worker(rank: int, world_size: int, checkpoints: str, out: st
         json.dump(report, handle)
 
 
-def test_a_checkpoint_of_buckets_padded_between_resumes_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("world_size", [2, 4])  # data-parallel size 1 and 2
+def test_a_checkpoint_of_buckets_padded_between_resumes_the_uninterrupted_run(tmp_path, world_size):
     """(e) megatron slices the gathered state at the parameters' offsets in the padded buffer: the parameters after
     a padding were saved shifted (here the tied embedding, on the first stage and the last)."""
     out = tmp_path / "report.json"
-    run_ranks(2, _padded_buckets_worker, str(tmp_path / "checkpoints"), str(out))
-    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    run_ranks(world_size, _padded_buckets_worker, str(tmp_path / "checkpoints"), str(out))
+    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world_size)]
     assert any(report["padding"] for report in reports), "no padding between buckets: the mend goes unexercised"
     for rank, report in enumerate(reports):
         assert report["weights_differ"] == [] and report["adam_states_equal"], rank
@@ -266,8 +270,9 @@ def _unmended_save_worker(rank: int, world_size: int, checkpoints: str, out: str
     from megadiff.parallel import shutdown
     from megadiff.training.engine import build_engine
 
-    # saved as megadiff saved before (e)
-    cfg, _ = _trained_and_saved(world_size, checkpoints, save_state=lambda inner: inner.get_parameter_state_dp_zero)
+    # saved as megadiff saved before (e): by megatron's own description and gather
+    cfg, _ = _trained_and_saved(world_size, checkpoints,
+                                save_state=lambda inner: inner.sharded_param_state_fully_reshardable)
     checkpoint = iteration_dir(checkpoints, STEPS)
     resumed = build_engine(cfg)
     request = model_sharded_state(resumed.unwrapped())
@@ -288,19 +293,21 @@ def _unmended_save_worker(rank: int, world_size: int, checkpoints: str, out: str
 
 
 def _gathered_bytes_recorded(sizes: list) -> None:
-    """Each call of megatron's gather of the optimizer state appends the bytes of the state it returned here."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    """Each save's description of the optimizer state appends here the bytes of the tensors it holds on this rank."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    gather = DistributedOptimizer.get_parameter_state_dp_zero
+    from megadiff.checkpoint import training_checkpoint
 
-    def recorded(inner, *args, **kwargs):
-        state = gather(inner, *args, **kwargs)
-        sizes.append(0 if state is None else sum(
-            tensor.nbytes for index in range(len(inner.buffers)) for world_tensors in state[index].values()
-            for tensor in world_tensors.values() if torch.is_tensor(tensor)))
+    describe = training_checkpoint.optimizer_sharded_state
+
+    def recorded(*args, **kwargs):
+        state = describe(*args, **kwargs)
+        sizes.append(sum(tensor.data.untyped_storage().nbytes() for tensor in nested_values(state)
+                         if isinstance(tensor, ShardedBase) and torch.is_tensor(tensor.data)))
         return state
 
-    DistributedOptimizer.get_parameter_state_dp_zero = recorded
+    training_checkpoint.optimizer_sharded_state = recorded
 
 
 def _save(engine, cfg, checkpoints: str) -> None:
@@ -339,7 +346,8 @@ def _gathered_on_save_worker(rank: int, world_size: int, checkpoints: str, out: 
     optimizer_state.SAVE_FORMAT = optimizer_state.DISTRIBUTED_FORMAT  # as saved before: all-gathered on every rank
     _save(trained, cfg, f"{checkpoints}/before")
     report = {"gathered_on_save": gathered[0],
-              "shard_state": sum(12 * buffer.numel_unpadded for chunk in trained.model for buffer in chunk.buffers),
+              "shard_state": sum(12 * param.numel() for chunk in trained.model for buffer in chunk.buffers
+                                 for param in buffer.params),
               "loads_equal": [all(torch.equal(a, b) for a, b in zip(_adam_states(trained),
                                                                     _loaded_adam_states(cfg, f"{checkpoints}/{name}"),
                                                                     strict=True))
@@ -445,3 +453,118 @@ def test_a_save_gathered_on_data_parallel_rank_0_keeps_the_common_state_alike_on
     for rank in range(2):
         report = json.loads(Path(f"{out}.{rank}").read_text())
         assert report == {"warned": [], "resumed": True}, rank
+
+
+# a model whose optimizer state (S = 12 bytes a parameter, ~140 MB) outweighs a process's noise in host memory
+SAVED_MODEL = MODEL + ["model.variant=diff", "parallel.distributed_optimizer=true", "model.hidden_size=384",
+                       "model.ffn_hidden_size=768", "model.vocab_size=8000"]
+WINDOW_NUMEL = 1 << 18  # the elements a save gathers at a time (optimizer_state.GATHER_NUMEL), this model's size
+
+
+def _resident_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
+
+
+def _peak_host_memory_of(action) -> int:
+    """The bytes by which this process's resident memory rose at most above its level before `action` ran."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the kernel's high-water mark back to the current size
+    before = _resident_bytes("VmRSS")
+    action()
+    return _resident_bytes("VmHWM") - before
+
+
+def _losses(engine, cfg, steps: range) -> list[float]:
+    from megadiff.training.step import train_step
+
+    losses = []
+    for step in steps:
+        batches = global_micro_batches(cfg, step)
+        losses.append(train_step(engine, iter(batches), len(batches)).loss)
+    return losses
+
+
+def _save_memory_worker(rank: int, world_size: int, checkpoints: str, out: str) -> None:
+    from megadiff.checkpoint import optimizer_state
+    from megadiff.checkpoint.format import iteration_dir
+    from megadiff.checkpoint.training_checkpoint import load_training_checkpoint
+    from megadiff.config import build_config
+    from megadiff.parallel import initialize, shutdown
+    from megadiff.training.engine import build_engine
+
+    optimizer_state.GATHER_NUMEL = WINDOW_NUMEL
+    cfg = build_config({}, SAVED_MODEL, world_size)
+    initialize(cfg.parallel, seed=0)
+    uninterrupted = build_engine(cfg)
+    _losses(uninterrupted, cfg, range(STEPS))
+    params = [param for chunk in uninterrupted.unwrapped() for param in chunk.parameters()]
+    report = {"peak": _peak_host_memory_of(lambda: _save(uninterrupted, cfg, checkpoints)),
+              "state": 12 * sum(param.numel() for param in params),
+              # the model's weights, which a save copies to host memory too (the writer clones views of a buffer)
+              "weights": sum(param.numel() * param.element_size() for param in params)}
+    resumed = build_engine(cfg)
+    load_training_checkpoint(iteration_dir(checkpoints, STEPS), resumed.unwrapped(), resumed.optimizer,
+                             restore_rng=False)
+    report["losses"] = [_losses(engine, cfg, range(STEPS, 2 * STEPS)) for engine in (uninterrupted, resumed)]
+    shutdown()
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(report, handle)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_save_holds_the_optimizer_state_once_on_the_rank_that_gathers_it(tmp_path, world_size):
+    """Data-parallel rank 0 gathered its shard's optimizer state S into one tensor a buffer and megatron described
+    views of it, which dist_checkpointing's writer cloned: it peaked over 2 x S (157 GB for 13B at TP 1, twice over).
+    It holds S once (in the tensors written) besides the weights the writer copies and a window of the gather, and the
+    checkpoint resumes the uninterrupted run."""
+    out = tmp_path / "report.json"
+    run_ranks(world_size, _save_memory_worker, str(tmp_path / "checkpoints"), str(out))
+    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world_size)]
+    gathering, *sending = reports
+    window_bytes = 4 * WINDOW_NUMEL
+    # 0.1 x S: what else a process allocates meanwhile (megatron's own gather: over 2 x S, and S / DP on the others)
+    assert gathering["peak"] < gathering["state"] + gathering["weights"] + 0.1 * gathering["state"] + 4 * window_bytes
+    for rank, report in enumerate(sending, start=1):
+        assert report["peak"] < 0.1 * report["state"] + 4 * window_bytes, rank
+    for rank, report in enumerate(reports):
+        uninterrupted, resumed = report["losses"]
+        assert resumed == uninterrupted, rank
+
+
+def _megatron_and_own_saves_worker(rank: int, world_size: int, checkpoints: str) -> None:
+    from megadiff.checkpoint import optimizer_state
+    from megadiff.parallel import shutdown
+
+    cfg, trained = _trained_diff(world_size)
+    _save(trained, cfg, f"{checkpoints}/own")
+    mend = optimizer_state._gathered_in_saved_tensors
+    optimizer_state._gathered_in_saved_tensors = lambda inner: inner.sharded_param_state_fully_reshardable
+    try:
+        _save(trained, cfg, f"{checkpoints}/megatron")
+    finally:
+        optimizer_state._gathered_in_saved_tensors = mend
+    shutdown()
+
+
+def _contents(path: Path):
+    """A checkpoint file's bytes; torch's `.metadata`, less what names this save (its directory, a uuid)."""
+    if path.name != ".metadata":
+        return path.read_bytes()
+    import dataclasses
+    import pickle
+
+    return dataclasses.replace(pickle.loads(path.read_bytes()), storage_meta=None)
+
+
+def test_a_save_writes_the_files_megatron_writes_where_its_buckets_are_unpadded(tmp_path):
+    """The state gathered by parameter is written as megatron's own save writes it where that is right (no padding
+    between buckets): the same files, byte for byte, so checkpoints saved before and after load alike."""
+    run_ranks(2, _megatron_and_own_saves_worker, str(tmp_path))
+    own, megatron = (sorted(path.relative_to(tmp_path / name) for path in (tmp_path / name).rglob("*")
+                            if path.is_file()) for name in ("own", "megatron"))
+    assert own == megatron and any(path.suffix == ".distcp" for path in own)
+    assert [path for path in own if _contents(tmp_path / "own" / path) != _contents(tmp_path / "megatron" / path)] == []

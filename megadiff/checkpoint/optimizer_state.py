@@ -21,7 +21,11 @@ With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1
      size such as 3 or 6 with parallel.overlap_grad_reduce's buckets, or the tied embedding's own bucket under
      pipeline parallelism): it gathers the state with the padding between buckets left out, then slices it at
      the parameters' offsets in the padded buffer. The parameters after such a padding were saved shifted into
-     their neighbours' values, and a resumed run trained from corrupted weights and moments.
+     their neighbours' values, and a resumed run trained from corrupted weights and moments;
+  f) holds the state about twice over on the data-parallel rank 0 that gathers it: it gathers it into one tensor a
+     buffer, of which it describes views, and dist_checkpointing's writer clones every host tensor that is a view.
+     Rank 0 instead gathers each parameter's state, a window of elements at a time, into a tensor of its own that
+     is the one written: its peak is the state plus a window (GATHER_NUMEL), where it was over twice the state.
 A save gathers each tensor/pipeline shard's state on its data-parallel rank 0 alone, over gloo (megatron's
 `distrib_optim_fully_reshardable_mem_efficient`): by default every data-parallel rank all-gathers the whole shard's
 state (fp32 weights and both moments, 12 bytes a parameter) into host memory though only rank 0's copy is written,
@@ -36,6 +40,8 @@ finds it at load, where the saved fp32 main weights, cast to the model's dtype, 
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import replace
 
 import torch
@@ -67,15 +73,15 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
             inner.get_parameter_state_dp_zero = _load_targets_in_buffer_layout(inner)
             inner.sharded_param_state_fully_reshardable = _requesting_held_parameters(inner)
         else:
-            inner.get_parameter_state_dp_zero = _gathered_in_buffer_layout(inner)  # (e)
+            inner.sharded_param_state_fully_reshardable = _gathered_in_saved_tensors(inner)  # (e), (f)
     try:
         metadata = DISTRIBUTED_FORMAT if is_loading else SAVE_FORMAT  # a load reads, whatever the flag, on every rank
         state = optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=metadata)
         return state if is_loading else _without_state_gathered_elsewhere(state, len(_inner_optimizers(optimizer)))
     finally:
         for inner in distributed:  # back to the class's methods
-            del inner.get_parameter_state_dp_zero
-            inner.__dict__.pop("sharded_param_state_fully_reshardable", None)
+            inner.__dict__.pop("get_parameter_state_dp_zero", None)
+            del inner.sharded_param_state_fully_reshardable
 
 
 def _without_state_gathered_elsewhere(state: dict, inner_count: int) -> dict:
@@ -93,7 +99,7 @@ STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
 def _load_targets_in_buffer_layout(inner: DistributedOptimizer):
-    """What megatron's gather returns for a load (its shape only), laid out as each buffer is, as (e) lays out a save's:
+    """What megatron's gather returns for a load (its shape only), laid out as each buffer is (its padding included):
     uninitialised, so that only the pages a load writes take memory. Every element a load uses is read into them:
     the parameters `_requesting_held_parameters` requests, whole."""
     def empty_in_buffer_layout(*args, **kwargs):
@@ -140,34 +146,100 @@ def _replica_id(model_replica_id: tuple, param_range: dict) -> tuple:
     return (*model_replica_id[:-1], int(param_range["param"].start != 0))
 
 
-def _gathered_in_buffer_layout(inner: DistributedOptimizer):
-    """(e) megatron's gathered state, each buffer's tensors laid out as the buffer is (zeros in the padding between
-    buckets), where its `param_index_map` offsets, by which the state is then sliced per parameter, point."""
-    gather = inner.get_parameter_state_dp_zero
+def _gathered_in_saved_tensors(inner: DistributedOptimizer):
+    """megatron's description of a save, its tensors ones that hold each parameter's gathered state whole (f), filled
+    from a few elements of each data-parallel rank at a time.
 
-    def gather_in_buffer_layout(*args, **kwargs):
-        state = gather(*args, **kwargs)
-        if state is not None:
-            for index, buffer in enumerate(inner.buffers):
-                for world_tensors in state[index].values():
-                    _insert_bucket_padding(buffer, world_tensors)
-        return state
+    megatron gathered the state into one tensor a buffer (the shard's whole state) and described views of it, which
+    dist_checkpointing's writer then cloned (it clones every host tensor that is a view): data-parallel rank 0 held the
+    state about twice over. (e) each parameter's state is copied from its own range of its padded bucket."""
+    describe = inner.sharded_param_state_fully_reshardable
 
-    return gather_in_buffer_layout
+    def gathered_into_saved_tensors(model_sharded_state_dict, is_loading=False, metadata=None):
+        everywhere = not metadata.get("distrib_optim_fully_reshardable_mem_efficient", False)
+        receiving = everywhere or inner.data_parallel_group_gloo.rank() == 0
+        inner.get_parameter_state_dp_zero = lambda **_: _shapes_in_buffer_layout(inner) if receiving else None
+        try:
+            described = describe(model_sharded_state_dict, is_loading, metadata)
+        finally:
+            del inner.get_parameter_state_dp_zero
+        gathered = _gathered_by_parameter(inner, everywhere, receiving)
+        if described is None:
+            return None
+        params = _params_in_saved_order(inner)
+        return {index: {key: replace(tensor, data=gathered[params[index]][key]) for key, tensor in tensors.items()}
+                for index, tensors in described.items()}
+
+    return gathered_into_saved_tensors
 
 
-def _insert_bucket_padding(buffer, world_tensors: dict) -> None:
-    """The buckets' unpadded state, stored one after another, moved to the buckets' offsets in `buffer`: one
-    tensor at a time, so that a large model's state is held twice only a tensor's worth."""
-    for key, coalesced in world_tensors.items():
-        if not torch.is_tensor(coalesced):  # "numel_unpadded", a count
-            continue
-        padded = torch.zeros(buffer.numel, dtype=coalesced.dtype, device=coalesced.device)
-        read = 0
-        for bucket, (start, _) in zip(buffer.buckets, buffer.bucket_indices, strict=True):
-            padded[start:start + bucket.numel_unpadded] = coalesced[read:read + bucket.numel_unpadded]
-            read += bucket.numel_unpadded
-        world_tensors[key] = padded
+def _shapes_in_buffer_layout(inner: DistributedOptimizer) -> dict:
+    """What megatron's gather returns, on the meta device (no memory): for megatron to describe the state from."""
+    return {"buckets_coalesced": True,
+            **{index: {dtype: {key: torch.empty(buffer.numel, dtype=torch.float32, device="meta") for key in STATE_KEYS}
+                       for dtype in ranges}
+               for index, (buffer, ranges) in enumerate(zip(inner.buffers, inner.gbuf_ranges, strict=True))}}
+
+
+def _gathered_by_parameter(inner: DistributedOptimizer, everywhere: bool, receiving: bool) -> dict:
+    """{model parameter: {state key: its fp32 state, whole, in the parameter's shape}} of the tensor/pipeline shard,
+    on data-parallel rank 0 (on every rank if `everywhere`); empty on the others, which only send."""
+    targets = {param: {key: torch.zeros(param.shape, dtype=torch.float32) for key in STATE_KEYS}
+               for param in _params_in_saved_order(inner)} if receiving else {}
+    for buffer, ranges in zip(inner.buffers, inner.gbuf_ranges, strict=True):
+        (bucket_ranges,) = ranges.values()  # one dtype a buffer, as megatron asserts
+        for bucket, bucket_range in zip(buffer.buckets, bucket_ranges, strict=True):
+            for key in STATE_KEYS:
+                sent = _Pieces((param_range["gbuf_local"].start,
+                                inner._get_main_param_and_optimizer_states(param)[key].detach().view(-1))
+                               for param, param_range in bucket_range["param_map"].items())
+                received = _Pieces((buffer.param_index_map[param][0] - bucket.offset, targets[param][key].view(-1))
+                                   for param in bucket.params_list) if receiving else None
+                _gather_bucket(inner.data_parallel_group_gloo, bucket.grad_data.numel(), sent, received, everywhere)
+    return targets
+
+
+# fp32 elements of one state tensor that a save gathers at a time, all data-parallel ranks' together: rank 0 holds
+# twice this (gloo's receiving buffer and the one it fills) besides the state it writes
+GATHER_NUMEL = 1 << 24
+
+
+def _gather_bucket(group, bucket_numel: int, sent: "_Pieces", received: "_Pieces | None", everywhere: bool) -> None:
+    """One bucket's state of one key, each rank's contiguous part (bucket_numel / DP elements, as the distributed
+    optimizer splits a bucket) gathered a window at a time, from the ranks' `sent` pieces into `received`'s."""
+    ranks = group.size()
+    local_numel = bucket_numel // ranks
+    window = max(1, GATHER_NUMEL // ranks)
+    for start in range(0, local_numel, window):
+        send = torch.zeros(min(window, local_numel - start), dtype=torch.float32)  # zeros in the padding
+        for window_part, piece in sent.overlapping(start, send.numel()):
+            send[window_part].copy_(piece)
+        receive = [torch.empty_like(send) for _ in range(ranks)] if received is not None else None
+        if everywhere:
+            torch.distributed.all_gather(receive, send, group=group)
+        else:
+            torch.distributed.gather(send, receive, group=group, group_dst=0)
+        for rank, part in enumerate(receive or []):
+            for window_part, piece in received.overlapping(rank * local_numel + start, part.numel()):
+                piece.copy_(part[window_part])
+
+
+class _Pieces:
+    """Flat tensors that hold disjoint ranges of one coordinate (a bucket, or a rank's part of it), each given by
+    where it starts there."""
+
+    def __init__(self, pieces):
+        self.pieces = sorted(pieces, key=lambda piece: piece[0])
+        self.ends = [start + tensor.numel() for start, tensor in self.pieces]
+
+    def overlapping(self, window_start: int, window_numel: int):
+        """(slice of the window, view of the piece) for each piece overlapping the window's range: its common part."""
+        window_end = window_start + window_numel
+        for start, tensor in itertools.islice(self.pieces, bisect.bisect_right(self.ends, window_start), None):
+            if start >= window_end:
+                return
+            low, high = max(start, window_start), min(start + tensor.numel(), window_end)
+            yield slice(low - window_start, high - window_start), tensor[low - start:high - start]
 
 
 def main_params_unlike_weights(optimizer, state: dict, chunks: list) -> list[str]:
