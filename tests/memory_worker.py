@@ -26,8 +26,13 @@ def live_tensor_bytes() -> int:
         warnings.simplefilter("ignore")
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        try:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a wrapper of no storage of its own (torch's ShardedTensor)
+            continue  # its shards are counted
+        if storage.device.type != "meta":  # shapes only
+            storages[address] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -478,6 +478,29 @@ def _peak_host_memory_of(action) -> int:
     return _resident_bytes("VmHWM") - before
 
 
+def _tensor_bytes_held_as_the_writer_starts(action) -> int:
+    """The bytes of the tensors live once dist_checkpointing's writer has taken what it writes (its copies made),
+    above those live before `action`: exact, where the resident high-water mark also counts the allocator's slack."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from tests.memory_worker import live_tensor_bytes
+
+    prepare = FileSystemWriterAsync.prepare_write_data
+    held = []
+
+    def prepared(writer, *args):
+        prepare(writer, *args)
+        held.append(live_tensor_bytes())
+
+    before = live_tensor_bytes()
+    FileSystemWriterAsync.prepare_write_data = prepared
+    try:
+        action()
+    finally:
+        FileSystemWriterAsync.prepare_write_data = prepare
+    return max(held) - before
+
+
 def _losses(engine, cfg, steps: range) -> list[float]:
     from megadiff.training.step import train_step
 
@@ -503,6 +526,7 @@ def _save_memory_worker(rank: int, world_size: int, checkpoints: str, out: str) 
     _losses(uninterrupted, cfg, range(STEPS))
     params = [param for chunk in uninterrupted.unwrapped() for param in chunk.parameters()]
     report = {"peak": _peak_host_memory_of(lambda: _save(uninterrupted, cfg, checkpoints)),
+              "held": _tensor_bytes_held_as_the_writer_starts(lambda: _save(uninterrupted, cfg, f"{checkpoints}.2")),
               "state": 12 * sum(param.numel() for param in params),
               # the model's weights, which a save copies to host memory too (the writer clones views of a buffer)
               "weights": sum(param.numel() * param.element_size() for param in params)}
@@ -520,7 +544,8 @@ def test_a_save_holds_the_optimizer_state_once_on_the_rank_that_gathers_it(tmp_p
     """Data-parallel rank 0 gathered its shard's optimizer state S into one tensor a buffer and megatron described
     views of it, which dist_checkpointing's writer cloned: it peaked over 2 x S (157 GB for 13B at TP 1, twice over).
     It holds S once (in the tensors written) besides the weights the writer copies and a window of the gather, and the
-    checkpoint resumes the uninterrupted run."""
+    checkpoint resumes the uninterrupted run. SwiGLU's fc1 state, split in halves by megatron's factory, was held
+    twice."""
     out = tmp_path / "report.json"
     run_ranks(world_size, _save_memory_worker, str(tmp_path / "checkpoints"), str(out))
     reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world_size)]
@@ -528,8 +553,11 @@ def test_a_save_holds_the_optimizer_state_once_on_the_rank_that_gathers_it(tmp_p
     window_bytes = 4 * WINDOW_NUMEL
     # 0.1 x S: what else a process allocates meanwhile (megatron's own gather: over 2 x S, and S / DP on the others)
     assert gathering["peak"] < gathering["state"] + gathering["weights"] + 0.1 * gathering["state"] + 4 * window_bytes
+    # as the files are written: the state and the weights' copies, once (SwiGLU's fc1 state was held twice)
+    assert gathering["held"] < gathering["state"] + gathering["weights"] + 0.001 * gathering["state"]
     for rank, report in enumerate(sending, start=1):
         assert report["peak"] < 0.1 * report["state"] + 4 * window_bytes, rank
+        assert report["held"] < 0.001 * report["state"], rank
     for rank, report in enumerate(reports):
         uninterrupted, resumed = report["losses"]
         assert resumed == uninterrupted, rank
