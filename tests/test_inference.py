@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 import megadiff.inference.generate as generate_module
 from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, CheckpointError, iteration_dir
@@ -764,6 +765,32 @@ def test_a_generator_per_prompt_samples_each_prompts_answer_whatever_its_batch(r
     together = sampled([0, 1, 2, 3])
     assert together == [sampled([row])[0] for row in range(4)]
     assert [len(answer) for answer in together] == [2, 8, 5, 8] and together[0] != together[3][:2]
+
+
+def test_inference_keeps_one_rotary_table_and_megatrons_logits(run):
+    """Whole forwards of three widths and KV caches of three lengths keep one rotary table, of the window's
+    positions (megatron's own forward keeps one per length asked, for the process's life: 2 GiB at 131072
+    positions), and give the logits of megatron's own rotary embedding exactly."""
+    model = reference_model(variant_config("dint", "single", run[1].cfg.data.tokenizer))
+    rotary, window = model.gpt.rotary_pos_emb, model.cfg.model.seq_length
+    ids = torch.randint(1, 300, (2, window), generator=torch.Generator().manual_seed(7))
+    widths = (5, 13, window)
+
+    def logits() -> list[torch.Tensor]:
+        with torch.no_grad():
+            whole = [model(ids[:, :width]) for width in widths]
+            cached = [model.next_token_logits(ids[:, :width], model.new_cache(2, max_length=width))
+                      for width in widths]
+        return whole + cached
+
+    RotaryEmbedding.forward.cache_clear()
+    kept = logits()
+    assert RotaryEmbedding.forward.cache_info().currsize == 0
+    assert rotary.one_table.shape[0] == window
+    rotary.__class__ = RotaryEmbedding  # megatron's own forward, on the same weights
+    megatrons = logits()
+    assert RotaryEmbedding.forward.cache_info().currsize == len(widths)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(kept, megatrons))
 
 
 @pytest.mark.parametrize("variant", ["diff", "dint"])

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megadiff.checkpoint.format import (
     CheckpointError, checkpoint_config, checkpoint_tokenizer_spec, reading_checkpoint,
@@ -111,6 +112,32 @@ def checkpoint_tokenizer(checkpoint_dir: Path, cfg: Config) -> Tokenizer:
     return tokenizer
 
 
+class OneTableRotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding keeping one table: the longest asked for (at least `window` positions), whose
+    prefix answers every shorter request. megatron's forward is an lru_cache on the class (32 entries, held for
+    the process's life): a table for each length asked, and inference asks for each KV cache's length and each
+    batch's width; at 131072 positions (a converted Llama 3.1) a table is 64 MiB, up to 2 GiB of GPU memory kept.
+    A position's row does not depend on the table's length, so the prefix holds the same values. One process
+    only: there is no context-parallel rank to take a share of the table."""
+
+    window: int
+    one_table: torch.Tensor | None
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        end = offset + max_seq_len
+        if self.one_table is None or len(self.one_table) < end or self.one_table.device != self.inv_freq.device:
+            self.one_table = None  # the old table goes before the longer one (or the moved model's) is made
+            self.one_table = self.get_emb(max(end, self.window))
+        return self.one_table[offset:end]
+
+
+def keep_one_rotary_table(gpt, window: int) -> None:
+    """`gpt`'s rotary embedding becomes a OneTableRotaryEmbedding sized for `window` positions."""
+    rotary = gpt.rotary_pos_emb
+    rotary.__class__ = OneTableRotaryEmbedding
+    rotary.window, rotary.one_table = window, None
+
+
 class CausalLM(torch.nn.Module):
     """model(input_ids [B, N]) -> logits [B, N, V] (batch first, V = padded vocabulary);
     model(input_ids, labels) -> next-token losses [B, N]; model.logits_at(input_ids, positions) -> [B, P, V].
@@ -122,6 +149,7 @@ class CausalLM(torch.nn.Module):
                  loss_chunk_tokens: int = LOSS_CHUNK_TOKENS):
         """cfg: the checkpoint's own config (its training layout included)."""
         super().__init__()
+        keep_one_rotary_table(gpt, cfg.model.seq_length)
         self.gpt = gpt
         self.cfg = cfg
         self.checkpoint_dir = checkpoint_dir
