@@ -4,6 +4,7 @@ two gloo ranks against one process; a Hugging Face model (--hf): the checkpoint'
 the checkpoint, a Dex-adapted Llama as the naive decoding through transformers."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import weakref
@@ -405,3 +406,96 @@ def test_a_label_is_decoded_as_the_demonstrations_write_it(tmp_path):
             example = Example("It rained all day.", label)
             written = tokenizer.encode(demonstration(example) + "sentence:")
             assert written == tokenizer.encode(query(example)) + label_tokens(tokenizer, [label])[0] + following
+
+
+def held_bytes(*holders) -> int:
+    """Bytes of the distinct storages of the (non-scalar) tensors reachable from `holders` through attributes,
+    lists, tuples and dicts: what a cache and its marks keep alive."""
+    storages, seen, pending = {}, set(), list(holders)
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.dim():
+                storages[item.untyped_storage().data_ptr()] = item.untyped_storage().nbytes()
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif hasattr(item, "__dict__") and not isinstance(item, (type, torch.nn.Module)):
+            pending.extend(vars(item).values())
+    return sum(storages.values())
+
+
+def position_bytes(layer) -> int:
+    """A cache layer's bytes per position of its keys and values, from their shapes."""
+    return sum(t.element_size() * t.numel() // t.shape[-2] for t in (layer.keys, layer.values))
+
+
+def allowed_bytes(cache) -> int:
+    """One copy of what `cache` holds plus what rewinding needs, from the shapes: a full-attention layer's keys and
+    values of every position once; a sliding window's twice (the cache's, over the last call's token too, and the
+    mark's); DINT's running sums twice."""
+    total = 0
+    for layer in cache.layers:
+        window = getattr(layer, "sliding_window", None)
+        rows = cache.get_seq_length() if window is None else (window - 1 + 1) + (window - 1)
+        total += rows * position_bytes(layer)
+        total += 2 * sum(state.nbytes for state in getattr(layer, "recurrent_states", {}).values() if state is not None)
+    return total
+
+
+def dint_export(root: Path, tmp_path: Path):
+    from megadiff.inference.hf_model import load_hf_model
+
+    cfg = build_config(variant_config("dint", "single", str(root / "tokenizer")).model_dump(mode="json"),
+                       [f"model.seq_length={WINDOW}"])
+    save_in_process(cfg, iteration_dir(tmp_path / "run" / CHECKPOINTS_DIR, 1))
+    (tmp_path / "run" / CHECKPOINTS_DIR / LATEST_FILE).write_text("1")
+    assert main(["convert", "to-hf", "--load", str(tmp_path / "run"), "--save", str(tmp_path / "hf")]) == 0
+    return load_hf_model(tmp_path / "hf", "fp32").hf
+
+
+def sliding_window_model():
+    """A Qwen2 whose second layer attends over a sliding window of 8 positions."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                        use_sliding_window=True, max_window_layers=1,
+                                        max_position_embeddings=WINDOW)).eval()
+
+
+@pytest.mark.parametrize("kind", ["dint", "sliding window"])
+def test_a_rewound_hf_cache_holds_the_demonstrations_once(root, tmp_path, kind):
+    """--hf's shared demonstrations (40 tokens), rewound to for three queries of 6 tokens (two calls each): the
+    answers of a whole forward and of a fresh copy of the demonstrations' cache for each query, the cache and its
+    mark holding one copy of the keys and values (plus a sliding window's rows and DINT's running sums)."""
+    from megadiff.inference.hf_model import HFCache
+
+    hf = dint_export(root, tmp_path) if kind == "dint" else sliding_window_model()
+    draw = torch.Generator().manual_seed(8)
+    demonstrations = torch.randint(1, 300, (1, 40), generator=draw)
+    queries = [torch.randint(1, 300, (1, 6), generator=draw) for _ in range(3)]
+
+    def last_logits(ids, cache):
+        return hf(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    cache = HFCache(hf)
+    with torch.no_grad():
+        last_logits(demonstrations, cache.cache)
+        mark, copied = cache.mark(), copy.deepcopy(cache.cache)
+        for asked in queries:
+            cache.rewind(mark)
+            last_logits(asked[:, :5], cache.cache)
+            got = last_logits(asked[:, 5:], cache.cache)
+            fresh = copy.deepcopy(copied)
+            last_logits(asked[:, :5], fresh)
+            assert torch.equal(got, last_logits(asked[:, 5:], fresh))
+            whole = hf(input_ids=torch.cat([demonstrations, asked], dim=1), use_cache=False).logits[:, -1]
+            torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+            assert cache.length == 46
+            assert held_bytes(cache.cache, mark) <= allowed_bytes(cache.cache)

@@ -31,9 +31,9 @@ from megadiff.parallel import compute_device, init_process_group
 
 
 class HFCache:
-    """A transformers cache with the KVCache calls the commands make. Where every layer holds keys
-    and values alone, a mark is a length and rewinding crops the cache; otherwise (DINT's running
-    sum, a sliding window) a mark is a copy of the whole cache."""
+    """A transformers cache with the KVCache calls the commands make. A mark holds no copy of the keys and values
+    that hold every position (a 128K context's are gigabytes): rewinding crops them, and restores a copy of the
+    rest of each layer's state taken at the mark (DINT's running sum, a sliding window's last keys and values)."""
 
     def __init__(self, model):
         from transformers import DynamicCache
@@ -48,20 +48,48 @@ class HFCache:
     def reset(self) -> None:
         self.cache = self.new()
 
-    def _keys_and_values_only(self) -> bool:
-        from transformers.cache_utils import DynamicLayer
+    def mark(self) -> tuple[int, list]:
+        """This cache's state now, for rewind(): its length, and each layer as _marked() keeps it."""
+        return self.length, [_marked(layer) for layer in self.cache.layers]
 
-        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+    def rewind(self, mark: tuple[int, list]) -> None:
+        length, marked = mark
+        self.cache.layers = [_rewound(at_mark, layer, length) for at_mark, layer in zip(marked, self.cache.layers)]
 
-    def mark(self):
-        return self.length if self._keys_and_values_only() else copy.deepcopy(self.cache)
 
-    def rewind(self, mark) -> None:
-        if isinstance(mark, int):
-            if mark < self.length:
-                self.cache.crop(mark - self.length)  # transformers crops by how many tokens to drop, negative
-        else:
-            self.cache = copy.deepcopy(mark)
+def _positional(layer) -> bool:
+    """Whether `layer`'s keys and values hold one row per cached position and nothing else (a full-attention layer's,
+    DINT's included: its running sum is a recurrent state beside them), so that their prefix is an earlier state's."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer
+
+    full_attention = type(layer) is DynamicLayer or isinstance(layer, LinearAttentionAndFullAttentionLayer)
+    return layer.is_initialized and full_attention
+
+
+def _sliding(layer) -> bool:
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized
+
+
+def _marked(layer):
+    """A copy of `layer` for rewind(): without its positional keys and values (rewind crops the cache's), with a
+    sliding window's rows alone (the cache's are a view of the whole call's keys and values that made them), the
+    rest copied as it is (a recurrent state, DINT's running sum, is written in place)."""
+    if _positional(layer):
+        return copy.deepcopy(layer, {id(layer.keys): None, id(layer.values): None})
+    window_rows = {id(kept): kept.clone() for kept in (layer.keys, layer.values)} if _sliding(layer) else {}
+    return copy.deepcopy(layer, window_rows)
+
+
+def _rewound(at_mark, layer, length: int):
+    """`layer` as it was at the mark (`at_mark`, of `length` positions). A sliding window's keys and values are the
+    mark's own, not copied: the cache's calls replace them by new tensors, never write into them."""
+    rewound = copy.deepcopy(at_mark, {id(kept): kept for kept in (at_mark.keys, at_mark.values)}
+                            if _sliding(at_mark) else {})
+    if _positional(layer):
+        rewound.keys, rewound.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+    return rewound
 
 
 class HFCausalLM:
