@@ -831,6 +831,44 @@ def test_the_checks_split_the_documents_as_megatrons_builder_does(tmp_path, coun
         assert tokens == 41 * (end - begin)
 
 
+class EntriesRead(np.ndarray):
+    """An index array that counts the entries read of it, by indexing or whole by a numpy reduction (min, sum)."""
+
+    @classmethod
+    def of(cls, array: np.ndarray, read: list[int]) -> "EntriesRead":
+        view = array.view(cls)
+        view.read = read
+        return view
+
+    def __getitem__(self, key):
+        item = np.asarray(self)[key]
+        self.read.append(np.size(item))
+        return item
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        self.read.append(self.size)
+        return getattr(ufunc, method)(*(np.asarray(x) if isinstance(x, EntriesRead) else x for x in inputs), **kwargs)
+
+
+def test_split_tokens_reads_a_few_index_entries_not_every_documents_length(tmp_path, monkeypatch):
+    """needles and recall read a split's tokens in place: the index was read whole to find the split's stretch of
+    the .bin (4 bytes a document, 6 GB for a 1T-token corpus), where its first and last entries give it."""
+    from megadiff.data.checks import split_tokens
+
+    documents = synthetic_documents(3000, seed=4)
+    write_documents(tmp_path / "docs", documents)
+    read = []
+    for name in ("sequence_lengths", "sequence_pointers"):
+        monkeypatch.setattr(indexed, name, lambda prefix, count, _read=getattr(indexed, name): EntriesRead.of(
+            _read(prefix, count), read))
+    valid = split_range(len(documents), [80, 10, 10], 1)
+    tokens = split_tokens(str(tmp_path / "docs"), "80,10,10", "valid")
+    assert tokens.tolist() == np.concatenate(documents[valid.start:valid.stop]).tolist()
+    # stretches of documents measured, each by a first and last offset and a length: the whole (open_index's check
+    # of the .bin), each of the three splits, and the documents before the valid split
+    assert sum(read) <= (1 + 3 + 1) * 3
+
+
 def test_blend_prefixes_sharing_a_file_name_get_a_metric_name_each():
     from megadiff.data.datasets import source_names
 

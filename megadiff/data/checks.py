@@ -269,8 +269,10 @@ def split_documents(summary: IndexSummary, split: str) -> dict[str, tuple[int, i
 def split_tokens(prefix: str, data_split: str, split: str) -> np.ndarray | None:
     """The tokens of `split`'s documents of `prefix`, one after another (EOD ids between them, as
     prepared), memory-mapped from the stretch of its .bin they fill: a copy (or an offset per
-    document) would grow with the corpus. None when `data_split` gives `split` no documents."""
-    summary = read_index(prefix)
+    document) would grow with the corpus. None when `data_split` gives `split` no documents. The index is opened,
+    not read whole: the split's bounds need a few of its entries, where reading every document's length took 4
+    bytes a document (6 GB for a 1T-token corpus) at each needles or recall run."""
+    summary = open_index(prefix)
     splits = split_documents(summary, data_split)
     if split not in splits:
         return None
