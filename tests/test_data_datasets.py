@@ -47,6 +47,33 @@ def synthetic_documents(count: int, seed: int, low: int = 0, high: int = EOD, ma
     return [np.append(rng.integers(low, high, rng.integers(1, max_len)), EOD) for _ in range(count)]
 
 
+class EntriesRead(np.ndarray):
+    """An index array that counts the entries read of it: by indexing, or whole by a numpy function or reduction."""
+
+    @classmethod
+    def of(cls, array: np.ndarray, read: list[int]) -> "EntriesRead":
+        view = array.view(cls)
+        view.read = read
+        return view
+
+    def __getitem__(self, key):
+        item = np.asarray(self)[key]
+        self.read.append(np.size(item))
+        return item
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        self.read.append(self.size)
+        return getattr(ufunc, method)(*self._plain(inputs), **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):  # numpy.bincount, numpy.unique, ... read it whole
+        self.read.append(self.size)
+        return func(*self._plain(args), **kwargs)
+
+    @staticmethod
+    def _plain(arrays: tuple) -> list:
+        return [np.asarray(x) if isinstance(x, EntriesRead) else x for x in arrays]
+
+
 def config(tmp_path: Path, *overrides: str):
     return build_config({}, [f"model.seq_length={SEQ}", "model.vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}",
                              *overrides])
@@ -99,6 +126,29 @@ def test_a_blended_source_is_named_only_where_the_blend_reads_a_token_of_it_twic
         twice = [prefix for prefix, tokens in read.items() if len(set(tokens)) < len(tokens)]
         assert twice == ([] if asked == 2 * distinct else [str(tmp_path / n) for n in "ab"])
         assert [prefix for prefix, _, _ in sources_read_again(train)] == twice
+
+
+def test_a_blends_samples_per_source_are_counted_from_the_end_of_its_index(corpus, tmp_path, monkeypatch):
+    """The start report counted a blend's samples of each source over its whole index at every start (2 bytes a
+    sample, 0.5 GB at 1T tokens in 4K windows): read back from its end, the index gives each source's count at
+    its last place there. The counts are checked against counting every place."""
+    from megadiff.data import datasets
+
+    other = tmp_path / "other"
+    write_documents(other, synthetic_documents(150, seed=5))
+    cfg = config(tmp_path, f"data.blend=[3,{corpus[0]},1,{other}]", "data.split=1,0,0")
+    train = build_datasets(cfg, TOKENIZER, (3000, 0, 0), seed=2)[0]
+    index = np.asarray(train.dataset_index)
+    counts = np.bincount(index, minlength=2)
+    chunk = 64
+    monkeypatch.setattr(datasets, "BLEND_INDEX_CHUNK", chunk, raising=False)
+    read = []
+    train.dataset_index = EntriesRead.of(index, read)
+    asked = {str(corpus[0]): int(counts[0]), str(other): int(counts[1])}
+    assert {prefix: reads for prefix, reads, _ in sources_read_again(train)} == asked
+    # the chunks back to the earliest of the sources' last places
+    last_places = [np.flatnonzero(index == source)[-1] for source in range(2)]
+    assert sum(read) <= -(-(len(index) - min(last_places)) // chunk) * chunk < len(index) // 10
 
 
 def test_samples_are_consecutive_windows_of_the_shuffled_document_stream(corpus, tmp_path):
@@ -829,25 +879,6 @@ def test_the_checks_split_the_documents_as_megatrons_builder_does(tmp_path, coun
         begin, end, tokens = ranges[name]
         assert (begin, end) == (int(dataset.indices[0]), int(dataset.indices[-1]) + 1), name
         assert tokens == 41 * (end - begin)
-
-
-class EntriesRead(np.ndarray):
-    """An index array that counts the entries read of it, by indexing or whole by a numpy reduction (min, sum)."""
-
-    @classmethod
-    def of(cls, array: np.ndarray, read: list[int]) -> "EntriesRead":
-        view = array.view(cls)
-        view.read = read
-        return view
-
-    def __getitem__(self, key):
-        item = np.asarray(self)[key]
-        self.read.append(np.size(item))
-        return item
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        self.read.append(self.size)
-        return getattr(ufunc, method)(*(np.asarray(x) if isinstance(x, EntriesRead) else x for x in inputs), **kwargs)
 
 
 def test_split_tokens_reads_a_few_index_entries_not_every_documents_length(tmp_path, monkeypatch):

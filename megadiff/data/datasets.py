@@ -107,8 +107,30 @@ def _samples_read(dataset) -> list[tuple[object, int]]:
     sizes, which megatron makes 0.5% larger than their shares (a share of exactly one pass is read once)."""
     if not hasattr(dataset, "dataset_index"):
         return [(dataset, dataset.num_samples)]
-    reads = numpy.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
-    return [(part, int(count)) for part, count in zip(dataset.datasets, reads)]
+    reads = _samples_per_source(dataset.dataset_index, dataset.dataset_sample_index, len(dataset.datasets))
+    return list(zip(dataset.datasets, reads))
+
+
+# entries of a blend's dataset index read at a time, from its end
+BLEND_INDEX_CHUNK = 1 << 20
+
+
+def _samples_per_source(dataset_index, dataset_sample_index, sources: int) -> list[int]:
+    """The samples a blend reads of each of its sources. megatron numbers a source's samples 0, 1, 2, ... in the
+    order the blend reads them, so a source's count is one more than the number at its last place: the index is
+    read back from its end until every source's last place is found (about a sample per source's share; counting
+    the whole index read 2 bytes a sample, 0.5 GB at 1T tokens in 4K windows, at every start)."""
+    reads, end = [0] * sources, len(dataset_index)
+    unseen = set(range(sources))
+    while unseen and end > 0:
+        start = max(end - BLEND_INDEX_CHUNK, 0)
+        found, from_end = numpy.unique(numpy.asarray(dataset_index[start:end])[::-1], return_index=True)
+        for source, offset in zip(found.tolist(), from_end.tolist()):
+            if source in unseen:
+                unseen.discard(source)
+                reads[source] = int(dataset_sample_index[end - 1 - offset]) + 1
+        end = start
+    return reads
 
 
 def source_config(cfg: Config, prefix: str) -> Config:
