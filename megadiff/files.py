@@ -169,19 +169,29 @@ def reading(directory: str | Path) -> contextlib.AbstractContextManager:
     return held_shared(Path(directory) / READERS_LOCK, wait_seconds=math.inf)
 
 
-@contextlib.contextmanager
-def exclusive_lock(path: str | Path, waiting_for: str = "another process") -> Iterator[None]:
+def exclusive_lock(path: str | Path, waiting_for: str = "another process") -> contextlib.AbstractContextManager:
     """Hold an exclusive lock on `path` (created if needed; left in place, as lock files must be), saying on
     standard error what it waits for where another process holds it (a wait that says nothing looks like a hang)."""
+    return _waited_lock(path, fcntl.LOCK_EX, waiting_for)
+
+
+def shared_lock(path: str | Path, waiting_for: str = "another process") -> contextlib.AbstractContextManager:
+    """exclusive_lock's shared lock: held by any number of processes at once, waiting while one holds it
+    exclusively (and saying so)."""
+    return _waited_lock(path, fcntl.LOCK_SH, waiting_for)
+
+
+@contextlib.contextmanager
+def _waited_lock(path: str | Path, operation: int, waiting_for: str) -> Iterator[None]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
         try:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(handle, operation | fcntl.LOCK_NB)
             except BlockingIOError:
                 print(f"megadiff: waiting for {waiting_for} (holding {path})", file=sys.stderr, flush=True)
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                fcntl.flock(handle, operation)
         except OSError:  # ENOLCK, ENOSYS: a filesystem without locks (Lustre without -o flock): none to take
             yield
             return

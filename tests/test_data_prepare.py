@@ -5,11 +5,13 @@ called document by document, megatron's own IndexedDataset reading the files bac
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import runpy
 import shutil
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -257,6 +259,51 @@ def test_shares_of_the_parts_then_a_plain_run_that_only_merges(corpus, prepared,
     # once merged, a share has nothing left to do
     assert cli_main(["prepare-data", str(config), "--part", "0/2"]) == 0
     assert "up to date" in capsys.readouterr().out and len(calls) == 3
+
+
+def _taken_elsewhere(lock: Path) -> bool:
+    """Whether another holder keeps `lock` from being taken exclusively (as a plain run, which merges, takes it)."""
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def test_shares_plan_side_by_side_and_a_merge_waits_for_them(corpus, prepared, tmp_path, monkeypatch):
+    """Each share loads the tokenizer and checks every source file holding <prefix>.lock: held exclusively, hundreds
+    of shares started one after another (minutes on a shared filesystem). Every share now plans at once (they meet
+    in the tokenizer's loading), and none while a plain run could take the lock to merge and remove the parts."""
+    source_dir = _split_corpus(corpus, tmp_path / "src")
+    prefix = tmp_path / "out" / "x"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  sources: [{source_dir}]\n  prefix: {prefix}\n")
+    shares, planning, merge_locked_out = 2, threading.Barrier(2, timeout=10), []
+    load = prepare_module.load_tokenizer
+
+    def load_together(spec):
+        if len(merge_locked_out) < shares:  # the shares' loads, not the merging run's
+            planning.wait()
+            merge_locked_out.append(_taken_elsewhere(Path(f"{prefix}.lock")))
+        return load(spec)
+
+    monkeypatch.setattr(prepare_module, "load_tokenizer", load_together)
+    calls = _count_encodings(monkeypatch)
+    ended = []
+    runs = [threading.Thread(target=lambda share=share: ended.append(
+        prepare_module.prepare_from_config(str(config), (), f"{share}/{shares}"))) for share in range(shares)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert ended == [0] * shares and merge_locked_out == [True] * shares
+    assert len(calls) == 3  # the three files, each tokenized by one share
+    assert cli_main(["prepare-data", str(config)]) == 0
+    assert len(calls) == 3
+    for ext in (".bin", ".idx"):
+        assert Path(f"{prefix}{ext}").read_bytes() == Path(f"{prepared[0]}{ext}").read_bytes()
 
 
 def test_more_documents_than_megatron_numbers_are_refused(corpus, prepared, tmp_path, monkeypatch, capsys):

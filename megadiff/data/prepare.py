@@ -53,7 +53,7 @@ from megadiff.data.manifest import (
 from megadiff.data.sources import Source, load_texts, record_fields, resolve_sources
 from megadiff.data.tokenize_workers import Encoder
 from megadiff.data.tokenizers import PACKAGED_TIKTOKEN, Tokenizer, load_tokenizer
-from megadiff.files import HeldElsewhere, exclusive_lock, held_shared
+from megadiff.files import HeldElsewhere, exclusive_lock, held_shared, shared_lock
 
 DOCUMENTS_PER_BATCH = 256
 PARTS_SUFFIX = ".parts"
@@ -168,7 +168,8 @@ def parts_dir(prefix: str | Path) -> Path:
 
 
 def _plan(data: DataConfig) -> _Plan:
-    """Call with the prefix's lock held: a bundled corpus is written here."""
+    """Call with the prefix's lock held: a bundled corpus is written here (whole, by a rename: shares holding
+    the lock shared may each write it)."""
     prefix = data_prefix(data)
     entries = [str(write_bundled_corpus(data.bundled_corpus, corpus_dir(data)))] if data.bundled_corpus \
         else data.sources
@@ -218,13 +219,16 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
     """Tokenize parts index, index + count, ... only (one of `count` processes sharing the work);
     a plain `prepare` afterwards finds them done and merges."""
     console = console or plain_console()
-    with exclusive_lock(f"{data_prefix(data)}.lock", "another process preparing this data"):
+    # shared: shares plan (a tokenizer loaded, every source file checked) and tokenize side by side, where taking
+    # turns on it serialised their starts (minutes for hundreds of shares of 10,000 files); a plain run, which
+    # merges and removes the parts, holds it exclusively, so it waits for the shares running and they for it
+    with shared_lock(f"{data_prefix(data)}.lock", "a plain prepare-data of this data (it tokenizes, then merges)"):
         plan = _plan(data)
         _refuse_replacing_other_data(plan)
-    if plan.up_to_date(console) is not None:
-        return
-    mine = range(index, len(plan.parts), count)
-    _prepare_parts(plan, mine)
+        if plan.up_to_date(console) is not None:
+            return
+        mine = range(index, len(plan.parts), count)
+        _prepare_parts(plan, mine)
     console.print(f"prepare-data: --part {index}/{count} of {plan.prefix} done ({len(mine)} of its {len(plan.parts)} "
                   "parts); once every share is done, run prepare-data without --part to merge them", soft_wrap=True)
 
