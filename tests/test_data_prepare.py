@@ -261,6 +261,17 @@ def test_shares_of_the_parts_then_a_plain_run_that_only_merges(corpus, prepared,
     assert "up to date" in capsys.readouterr().out and len(calls) == 3
 
 
+def _run_together(calls: list, count: int) -> list:
+    """What `count` threads each calling calls[i] return, all started before any is waited for."""
+    ended = [None] * count
+    runs = [threading.Thread(target=lambda i=i: ended.__setitem__(i, calls[i]())) for i in range(count)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    return ended
+
+
 def _taken_elsewhere(lock: Path) -> bool:
     """Whether another holder keeps `lock` from being taken exclusively (as a plain run, which merges, takes it)."""
     with open(lock, "a") as handle:
@@ -291,19 +302,35 @@ def test_shares_plan_side_by_side_and_a_merge_waits_for_them(corpus, prepared, t
 
     monkeypatch.setattr(prepare_module, "load_tokenizer", load_together)
     calls = _count_encodings(monkeypatch)
-    ended = []
-    runs = [threading.Thread(target=lambda share=share: ended.append(
-        prepare_module.prepare_from_config(str(config), (), f"{share}/{shares}"))) for share in range(shares)]
-    for run in runs:
-        run.start()
-    for run in runs:
-        run.join()
+    ended = _run_together([lambda share=share: prepare_module.prepare_from_config(str(config), (), f"{share}/{shares}")
+                           for share in range(shares)], shares)
     assert ended == [0] * shares and merge_locked_out == [True] * shares
     assert len(calls) == 3  # the three files, each tokenized by one share
     assert cli_main(["prepare-data", str(config)]) == 0
     assert len(calls) == 3
     for ext in (".bin", ".idx"):
         assert Path(f"{prefix}{ext}").read_bytes() == Path(f"{prepared[0]}{ext}").read_bytes()
+
+
+def test_processes_finding_the_data_prepared_check_it_side_by_side(corpus, prepared, tmp_path, monkeypatch):
+    """Every rank of a checkpoint command calls ensure_prepared: each loaded the tokenizer and checked the sources
+    holding <prefix>.lock exclusively, one rank after another (seconds each). Data found prepared is now checked by
+    all at once (they meet in the tokenizer's loading); data not yet prepared is tokenized by one of them only."""
+    source_dir = _split_corpus(corpus, tmp_path / "src")
+    data = build_config({}, [f"data.sources=[{source_dir}]", f"data.prefix={tmp_path / 'out' / 'x'}"]).data
+    ranks = 3
+    calls = _count_encodings(monkeypatch)
+    stats = _run_together([lambda: prepare(data)] * ranks, ranks)
+    assert len(calls) == 3 and all(s is not None and s["tokens"] == prepared[1]["tokens"] for s in stats)
+    checking, load = threading.Barrier(ranks, timeout=10), prepare_module.load_tokenizer
+
+    def load_together(spec):
+        checking.wait()
+        return load(spec)
+
+    monkeypatch.setattr(prepare_module, "load_tokenizer", load_together)
+    assert [s["tokens"] for s in _run_together([lambda: prepare(data)] * ranks, ranks)] == [stats[0]["tokens"]] * ranks
+    assert len(calls) == 3
 
 
 def test_more_documents_than_megatron_numbers_are_refused(corpus, prepared, tmp_path, monkeypatch, capsys):

@@ -188,10 +188,15 @@ def _plan(data: DataConfig) -> _Plan:
 def prepare(data: DataConfig, console: Console | None = None) -> dict:
     """Prepare data.sources (or data.bundled_corpus) at data_prefix(data); returns the manifest's stats."""
     console = console or plain_console()
-    with exclusive_lock(f"{data_prefix(data)}.lock", "another process preparing this data"):
-        plan = _plan(data)
-        _refuse_replacing_other_data(plan)
-        stats = plan.up_to_date(console)
+    lock = f"{data_prefix(data)}.lock"
+    # checked holding the lock shared first: most calls find the data prepared (every rank of a checkpoint command
+    # calls it), and took turns loading the tokenizer and checking the sources (seconds each, for every rank)
+    with shared_lock(lock, "another process preparing this data"):
+        stats = _checked_plan(data, console)[1]
+    if stats is not None:
+        return stats
+    with exclusive_lock(lock, "another process preparing this data"):
+        plan, stats = _checked_plan(data, console)  # again: another process may have prepared it meanwhile
         if stats is not None:
             return stats
         _remove_outputs(plan)
@@ -201,6 +206,13 @@ def prepare(data: DataConfig, console: Console | None = None) -> dict:
         shutil.rmtree(parts_dir(plan.prefix))
     _print_summary(console, plan.output_prefixes(), stats, data)
     return stats
+
+
+def _checked_plan(data: DataConfig, console: Console) -> tuple[_Plan, Optional[dict]]:
+    """The plan, and the manifest's stats where the data prepared at its prefix is up to date (said so)."""
+    plan = _plan(data)
+    _refuse_replacing_other_data(plan)
+    return plan, plan.up_to_date(console)
 
 
 def _remove_outputs(plan: _Plan) -> None:
@@ -223,9 +235,8 @@ def prepare_share(data: DataConfig, index: int, count: int, console: Console | N
     # turns on it serialised their starts (minutes for hundreds of shares of 10,000 files); a plain run, which
     # merges and removes the parts, holds it exclusively, so it waits for the shares running and they for it
     with shared_lock(f"{data_prefix(data)}.lock", "a plain prepare-data of this data (it tokenizes, then merges)"):
-        plan = _plan(data)
-        _refuse_replacing_other_data(plan)
-        if plan.up_to_date(console) is not None:
+        plan, stats = _checked_plan(data, console)
+        if stats is not None:
             return
         mine = range(index, len(plan.parts), count)
         _prepare_parts(plan, mine)
