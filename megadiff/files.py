@@ -281,3 +281,19 @@ def hold_lock(path: str | Path) -> IO | None:
     handle.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
     handle.flush()
     return handle
+
+
+# a shared filesystem (NFS, Lustre) may show a file another node just wrote a moment late (its attribute and
+# directory caches): what one node expects of another's writes is looked for this long before it is missing
+VISIBILITY_WAIT_SECONDS = 5.0
+
+
+def appears(path: str | Path, directory: bool = False) -> bool:
+    """Whether `path` exists here (as a `directory` where asked) within VISIBILITY_WAIT_SECONDS; OSError (a stale
+    handle, a dead mount) goes to the caller."""
+    path, deadline = Path(path), time.monotonic() + VISIBILITY_WAIT_SECONDS
+    while not (path.is_dir() if directory else path.exists()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True

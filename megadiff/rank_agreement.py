@@ -14,20 +14,17 @@ import hashlib
 import json
 import secrets
 import socket
-import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megadiff.config import ConfigError
 from megadiff.errors import first_line, refused_together
-from megadiff.files import HeldElsewhere, hold_lock
+from megadiff.files import HeldElsewhere, appears, hold_lock
 
 RUN_LOCK = "run.lock"  # in a run's output_dir, held by rank 0 while the run lasts
 
 PROBE_PREFIX = ".rank0-probe-"
-# a shared filesystem may show another node's new file a moment late (attribute caches)
-PROBE_WAIT_SECONDS = 5.0
 
 
 def check_ranks_agree(shared: dict[str, str | Path], facts: dict[str, object]) -> None:
@@ -94,15 +91,10 @@ def _remove_probes(directories: list[str | Path], names: list[str]) -> None:
 def _view(directory: Path, probe: str) -> tuple[str, bool, str | None]:
     """(the directory as this rank resolves it, whether it sees rank 0's probe there, why not where an error
     says: a stale handle, a dead mount, no permission)."""
-    deadline = time.monotonic() + PROBE_WAIT_SECONDS
     try:
-        while not (directory / probe).exists():
-            if time.monotonic() > deadline:
-                return str(directory.absolute()), False, None
-            time.sleep(0.5)
+        return str(directory.absolute()), appears(directory / probe), None
     except OSError as err:
         return str(directory.absolute()), False, first_line(err)
-    return str(directory.absolute()), True, None
 
 
 def _refuse_unshared(key: str, views: list[tuple[str, str, bool, str | None]]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -217,3 +218,21 @@ def test_the_universal_conversion_says_how_far_it_is_while_it_runs(tmp_path, mon
     assert len(said) >= items * seconds / every - 2 and done == sorted(done) and 0 < done[-1] <= items, out
     converted = re.fullmatch(r"iter_0000002: converted in (\d+) s", out.splitlines()[-1])
     assert converted and items * seconds - 0.5 <= int(converted[1]) <= measured + 0.5, out
+
+
+def test_a_universal_form_shown_late_by_a_shared_filesystem_is_waited_for(tmp_path, monkeypatch):
+    """NFS shows a directory another node just made a moment late (its attribute caches): a rank on another node
+    than rank 0 looked once and refused a shared checkpoint directory as not shared. Looked for as long as the
+    ranks' check of their shared directories looks for rank 0's probe; still missing then, refused."""
+    checkpoint = tmp_path / "iter_0000002"
+    checkpoint.mkdir()
+    torch.save({"dp_world_size": 2}, checkpoint / "mp_rank_00_model_states.pt")
+    # rank 0's conversion, renamed into place on another node, that this one's filesystem shows a second late
+    threading.Timer(1.0, lambda: (checkpoint / "universal" / "zero").mkdir(parents=True)).start()
+    assert universal_form(checkpoint, 1, 1) == checkpoint / "universal"
+    unseen = tmp_path / "unseen"
+    unseen.mkdir()
+    torch.save({"dp_world_size": 2}, unseen / "mp_rank_00_model_states.pt")
+    monkeypatch.setattr("megadiff.files.VISIBILITY_WAIT_SECONDS", 0.5)
+    with pytest.raises(DamagedCheckpoint, match="is not seen here"):
+        universal_form(unseen, 1, 1)

@@ -20,6 +20,7 @@ from megadiff.adapt.resume import DamagedCheckpoint, saved_dp_world_size
 from megadiff import console as console_module
 from megadiff.console import plain_console
 from megadiff.errors import refused_together
+from megadiff.files import appears
 
 UNIVERSAL_DIR = "universal"  # inside a checkpoint: its universal form (a DeepSpeed tag of the checkpoint itself)
 LAST_LINE_BYTES = 4096  # what is read back of the converter's output for its last line
@@ -36,7 +37,7 @@ def universal_form(checkpoint: Path, rank: int, world: int) -> Path | None:
     refused_together(lambda: _convert(checkpoint, universal, written_by, world) if rank == 0 else None)
 
     def seen_here() -> None:
-        if not (universal / "zero").is_dir():
+        if not appears(universal / "zero", directory=True):  # renamed into place on another node, maybe a moment ago
             raise DamagedCheckpoint(f"{universal} (made by rank 0) is not seen here: a rerun on another number of "
                                     "ranks needs the checkpoint directory shared by every node")
     refused_together(seen_here)
