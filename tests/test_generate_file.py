@@ -230,6 +230,24 @@ def test_two_ranks_write_what_one_process_writes(root, tmp_path, sampling):
     assert (tmp_path / "two.jsonl_rank1.jsonl").is_file()
 
 
+def _rank_listing_no_other_ranks_file(rank: int, world_size: int, root: str, output: str) -> None:
+    """Rank 0 on a node whose shared filesystem lists the others' new files late (NFS's directory caches): a
+    listing of the output's directory shows its own file alone, which opened by its name is there."""
+    if rank == 0:
+        listed = Path.glob
+        Path.glob = lambda self, pattern: (found for found in listed(self, pattern)
+                                           if not found.name.endswith("_rank1.jsonl"))
+    run_file(Path(root), Path(output))
+
+
+def test_a_rank_file_another_node_wrote_is_read_though_not_yet_listed(root, tmp_path):
+    """Rank 0 found the ranks' files by listing the directory: a file another node had just written, not listed
+    yet, was taken for none, and rank 0 failed writing the output (KeyError: a completion it lacked)."""
+    run_ranks(2, _rank_listing_no_other_ranks_file, str(root), str(tmp_path / "two.jsonl"))
+    run_file(root, tmp_path / "one.jsonl")
+    assert completions(tmp_path / "two.jsonl") == completions(tmp_path / "one.jsonl")
+
+
 @pytest.mark.parametrize("content,extra,message", [
     ("not json\n", (), ":1: not JSON"),
     ('{"text": "x"}\n', (), 'a "prompt" string field is missing'),

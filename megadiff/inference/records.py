@@ -8,8 +8,13 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from megadiff.config import ConfigError
-from megadiff.parallel import rank_and_world, wait_for_ranks
+from megadiff.errors import refused_together
+from megadiff.files import appears
+from megadiff.inference.ranks import gather_across_ranks
+from megadiff.parallel import rank_and_world
 
 
 @contextmanager
@@ -64,19 +69,34 @@ class RankRecords:
     def __init__(self, path: str | Path, request: dict, option: str, defaults: dict | None = None):
         self.path, self.request, self.option = Path(path), request, option
         self.defaults = defaults or {}
-        self.own_file = self.path.with_name(f"{self.path.name}_rank{rank_and_world()[0]}.jsonl")
+        self.own_file = self._file_of(rank_and_world()[0])
 
     def read(self) -> list[tuple[Path, dict]]:
-        """(file, record) of every rank's records so far (read by all ranks before any writes more)."""
-        found = []
-        for file in sorted(self.path.parent.glob(f"{self.path.name}_rank*.jsonl")):
-            for record in read_records(file):
-                if {**self.defaults, **record["request"]} != self.request:
-                    raise ConfigError(f"{file} holds the results of another request ({record['request']}): give "
-                                      f"this one another {self.option}")
-                found.append((file, record))
-        wait_for_ranks()
-        return found
+        """(file, record) of every rank's records so far (read by all ranks before any writes more). Collective."""
+        files = self._files()
+        return refused_together(lambda: [(file, record) for file in files for record in self._records_of(file)])
+
+    def _files(self) -> list[Path]:
+        """Every rank's file: those listed (ranks of earlier runs on more ranks too) and, by name, those of the
+        ranks of this run that wrote one: a shared filesystem may list a file another node just made a moment
+        late (NFS's directory caches), and its results, missing, were taken for never made."""
+        written = gather_across_ranks(torch.tensor([int(self.own_file.exists())]))
+        by_name = {self._file_of(rank) for rank, wrote in enumerate(written.tolist()) if wrote}
+        return sorted(set(self.path.parent.glob(f"{self.path.name}_rank*.jsonl")) | by_name)
+
+    def _file_of(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.path.name}_rank{rank}.jsonl")
+
+    def _records_of(self, file: Path) -> list[dict]:
+        if not appears(file):
+            raise ConfigError(f"{file}, written by another rank, is not seen here: {self.option} must be on a "
+                              "directory every node shares")
+        records = read_records(file)
+        for record in records:
+            if {**self.defaults, **record["request"]} != self.request:
+                raise ConfigError(f"{file} holds the results of another request ({record['request']}): give "
+                                  f"this one another {self.option}")
+        return records
 
     def add(self, record: dict) -> None:
         append_record(self.own_file, {"request": self.request, **record})
