@@ -24,7 +24,7 @@ from megadiff.adapt.schedule import lr_multiplier
 from megadiff.adapt.settings import load_finetune_config
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
-from megadiff.files import iteration_dir
+from megadiff.files import iteration_dir, write_atomically
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import megadiff_main, reserved_port, run_ranks, run_reporting_ranks
 from tests.test_chat_data import CHATML
@@ -1386,13 +1386,13 @@ def test_adaptation_ranks_started_differently_are_refused_before_the_model_loads
 
 
 def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | None, error: str, report: str) -> None:
-    """finetune's data build, leader (LOCAL_RANK 0) first, failing on `failing_rank` with a refusal
+    """finetune's data build, rank 0 first, failing on `failing_rank` with a refusal
     (`error` "config") or an unexpected error ("os", "local": of a class defined here)."""
     import time
 
     import torch.distributed as dist
 
-    from megadiff.adapt.finetune import _node_leader_first
+    from megadiff.adapt.finetune import _rank_0_first
 
     leader_built = Path(report, "leader_built")
 
@@ -1412,7 +1412,7 @@ def built_by_node_leader_first(rank: int, world_size: int, failing_rank: int | N
 
     dist.init_process_group("gloo")
     try:
-        outcome = _node_leader_first(build)
+        outcome = _rank_0_first(build, rank)
     except Exception as err:
         outcome = f"{type(err).__name__}: {err}"
     Path(report, f"rank{rank}").write_text(outcome)
@@ -1433,6 +1433,41 @@ def test_the_data_is_built_by_the_node_leader_first_and_refused_on_every_rank(fa
     """Every rank stops, as the same kind of refusal (the same exit code), where any rank's build fails."""
     run_ranks(2, built_by_node_leader_first, failing_rank, error, str(tmp_path), timeout=120)
     assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == expected
+
+
+def built_into_a_shared_cache(rank: int, world_size: int, cache: str) -> None:
+    """finetune's data build in turns, a stand-in for datasets' building into a cache every node shares: the data
+    read from `cache` where it is there, else tokenized (a while) and written there, the rank noted as tokenizing."""
+    import time
+
+    import torch.distributed as dist
+
+    from megadiff.adapt.finetune import _rank_0_first
+
+    built = Path(cache, "tokens")
+
+    def build() -> str:
+        if not built.exists():
+            with open(Path(cache, "tokenized_by"), "a") as log:
+                log.write(f"{rank}\n")
+            time.sleep(1.0)
+            write_atomically(built, b"tokens")  # renamed over what another rank may be reading
+        return built.read_text()
+
+    dist.init_process_group("gloo")
+    Path(cache, f"rank{rank}").write_text(_rank_0_first(build, rank))
+    dist.destroy_process_group()
+
+
+def test_the_data_is_tokenized_once_into_a_cache_every_node_shares(tmp_path):
+    """The datasets cache under a shared $HOME or data.cache_dir: every node's leader tokenized into it at once,
+    renaming its file over the one the other nodes' ranks had memory-mapped (a stale handle, SIGBUS, on NFS). Rank 0
+    builds first; every other rank reads what it built."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    run_ranks(4, built_into_a_shared_cache, str(cache), nodes=tmp_path / "nodes", timeout=120)
+    assert (cache / "tokenized_by").read_text().split() == ["0"]
+    assert [(cache / f"rank{rank}").read_text() for rank in range(4)] == ["tokens"] * 4
 
 
 def test_adapt_imports_no_megatron():

@@ -83,14 +83,16 @@ def _load_model(cfg: FinetuneConfig, ds_config: dict):
     return model, hf_ds_config
 
 
-def _node_leader_first(build):
-    """Local rank 0 of each node builds first (filling the node's datasets cache); the others
-    then read that cache instead of tokenizing concurrently. A build failing on any rank (the data's
-    checks) stops every rank, rather than leaving the others waiting for it."""
-    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    led = refused_together(build if leader else _nothing)  # the followers wait here for their leader
-    followed = refused_together(_nothing if leader else build)
-    return led if leader else followed
+def _rank_0_first(build, rank: int):
+    """Global rank 0 builds first, filling the datasets cache; then each other node's local rank 0, which reads that
+    cache where it is shared (data.cache_dir or $HOME on a shared filesystem) and fills its node's own otherwise;
+    then the others, reading their node's. Every node's leader building at once into a shared cache tokenized the
+    data once a node, each renaming its finished file over the one another node's ranks had memory-mapped (a stale
+    handle, SIGBUS, on NFS), and flock, which datasets' cache locks use, is no lock across nodes. A build failing
+    on any rank (the data's checks) stops every rank, rather than leaving the others waiting for it."""
+    turn = 0 if rank == 0 else 1 if int(os.environ.get("LOCAL_RANK", "0")) == 0 else 2
+    built = [refused_together(build if turn == step else _nothing) for step in range(3)]
+    return built[turn]
 
 
 def _nothing() -> None:
@@ -162,7 +164,7 @@ def _prepare(cfg: FinetuneConfig, ds_config: dict, rank: int, world: int):
     if cfg.data.chat_template is not None:  # the export is chatted with as it was tuned
         tokenizer.chat_template = chat_template_of(cfg.data, HFTokenizer("model.tokenizer", tokenizer))
     # the data first: its refusals (template, fields, too few tokens) come before minutes of loading weights
-    dataset = _node_leader_first(lambda: build_packed_dataset(cfg.data, tokenizer))
+    dataset = _rank_0_first(lambda: build_packed_dataset(cfg.data, tokenizer), rank)
     model, hf_ds_config = _load_model(cfg, ds_config)
     reader = BatchReader(dataset, cfg.data.seed, cfg.train.micro_batch_size, cfg.train.grad_accum, rank, world,
                          document_eos=tokenizer.eos_token_id if cfg.data.document_masking else None)
