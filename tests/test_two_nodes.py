@@ -4,11 +4,14 @@ the output and data directories are shared. What one node writes and another rea
 and named alike on every node."""
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 from megadiff.config import load_config
 from megadiff.data.prepare import prepare
+from tests.distributed import megadiff_main, run_reporting_ranks
 from tests.pretrain_runs import DEMO_CONFIG, losses, run_pretrain_in_ranks, tiny_overrides
 
 NODE_LOCAL_TOKENIZER = "~/tokenizer"  # each node's copy, in its own HOME
@@ -49,3 +52,28 @@ def test_the_bundled_corpus_is_found_by_every_node_reading_its_own_tokenizer_cop
     assert len(one_path) == 3
     assert _losses(tmp_path / "node-local", small_tokenizer_dir, NODE_LOCAL_TOKENIZER, [],
                    nodes=tmp_path / "nodes") == one_path
+
+
+NEW_DATA_LAG_SECONDS = 2.0  # how late a node's filesystem shows the prepared data another node just wrote
+
+
+def _pretrain_on_nodes_seeing_new_data_late(argv: list[str]) -> int:
+    """`megadiff ARGV` where every rank but rank 0 runs on a node whose shared filesystem (NFS's attribute caches)
+    shows a .bin or .idx another node wrote in the last NEW_DATA_LAG_SECONDS as not there yet."""
+    if os.environ["RANK"] != "0":
+        for name in ("exists", "is_file"):
+            seen = getattr(Path, name)
+            setattr(Path, name, lambda path, seen=seen: seen(path) and not (
+                path.suffix in (".bin", ".idx") and time.time() - os.stat(path).st_mtime < NEW_DATA_LAG_SECONDS))
+    return megadiff_main(argv)
+
+
+def test_new_data_seen_late(tmp_path, small_tokenizer_dir):
+    """Rank 0 prepares the bundled corpus on a first run while the others wait; a node that saw its files a moment
+    late refused the run: "not found; prepare the data first". (A short name: a long TMPDIR of the test's nodes is
+    too long for the socket of the checkpoint writers' manager process, AF_UNIX paths being 107 bytes at most.)"""
+    root = tmp_path / "late"
+    overrides = [*tiny_overrides(small_tokenizer_dir, root / "cache"), "train.iters=1", f"output_dir={root / 'run'}"]
+    run_reporting_ranks(2, _pretrain_on_nodes_seeing_new_data_late, ["pretrain", str(DEMO_CONFIG), *overrides],
+                        nodes=tmp_path / "nodes")
+    assert len(losses(root / "run")) == 1

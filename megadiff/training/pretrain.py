@@ -28,7 +28,7 @@ from megadiff.config import (
 )
 from megadiff.console import plain_console, timed_step
 from megadiff.errors import MegadiffError, refused_together
-from megadiff.files import remove_staging_leftovers
+from megadiff.files import appears, remove_staging_leftovers
 from megadiff.models.memory import (
     GIB, activations_warning, check_fits, estimate_activations, model_state_memory,
 )
@@ -490,6 +490,7 @@ def _prepare_data(cfg: Config, train_samples: int):
     # a run that never evaluates reads no valid split: none is built, nor refused for holding less than a sample
     num_samples = (train_samples, t.eval_iters * t.global_batch_size if t.eval_interval else 0, 0)
     prefixes, _ = training_blend(cfg.data)
+    _wait_until_seen(prefixes)
     # minutes at scale (megatron's sample indexes of a large corpus), before the run's first line
     reading = timed_step(_rank_0_console(), "megadiff pretrain: reading the data (its sample indexes built on a "
                                             "first run)")
@@ -506,6 +507,17 @@ def _prepare_data(cfg: Config, train_samples: int):
         digests = training_data_digests(cfg)
         dist.barrier()
     return datasets, valid_sets, tokenizer, digests
+
+
+def _wait_until_seen(prefixes: list[str]) -> None:
+    """Until the prefixes' files are seen here, for a while: rank 0 may just have prepared them (the bundled corpus
+    on a first run), and a shared filesystem shows another node's new files a moment late (NFS's attribute caches),
+    which then refused the run as not prepared. Files still missing after that are build_datasets' to refuse."""
+    from megadiff.data.indexed import bin_path, idx_path
+
+    for prefix in prefixes:
+        for path in (bin_path(prefix), idx_path(prefix)):
+            appears(path)
 
 
 def _rank_0_console():
