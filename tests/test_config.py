@@ -102,6 +102,8 @@ def test_softmax_head_dim_uses_all_heads():
     (["train.precision=fp8", "model.ffn_hidden_size=5000", "parallel.tensor=2"],
      "train.precision: .*: model.ffn_hidden_size per rank \\(2500\\) is not \\(with parallel.tensor=2\\)"),
     (["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather"),
+    (["checkpoint.optimizer_format=parallel"], "checkpoint.optimizer_format: .* needs parallel.distributed_optimizer"),
+    (["checkpoint.optimizer_format=sharded"], "checkpoint.optimizer_format"),
     (["model.transformer_impl=te"], "model.transformer_impl"),
     (["model.sdpa_kernels=[flash,math,flash]"], "model.sdpa_kernels: .*names a kernel twice"),
     (["model.sdpa_kernels=[]"], "model.sdpa_kernels"),

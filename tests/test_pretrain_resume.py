@@ -78,6 +78,20 @@ def test_rerun_continues_bit_for_bit(base, runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rerun_switching_the_optimizer_format_reads_each_checkpoint_in_its_own(base, runs, tmp_path):
+    """The stopped run's reshardable checkpoint resumed by a run saving checkpoint.optimizer_format=parallel, whose
+    checkpoint at iteration 5 a last rerun resumes: the uninterrupted curve throughout."""
+    switched = tmp_path / "switched"
+    shutil.copytree(runs["part"], switched)
+    parallel = base + LAYOUT + ["checkpoint.optimizer_format=parallel", f"output_dir={switched}"]
+    run_pretrain_in_ranks(4, parallel + ["train.exit_interval=5"])
+    assert read_train_state(latest_checkpoint(switched / CHECKPOINTS_DIR))["iteration"] == 5
+    run_pretrain_in_ranks(4, parallel)
+    assert losses(switched) == losses(runs["full"])
+    assert _grad_norms(switched) == _grad_norms(runs["full"])
+
+
+@pytest.mark.slow
 def test_a_rerun_without_the_spike_guard_keeps_no_window_for_a_later_one(base, tmp_path):
     """The spike guard's window is of the steps just before a checkpoint. A run that turns it off (after a part
     with it) saves none, as a run that never had it: a later rerun turning it on again starts from an empty
@@ -108,14 +122,15 @@ FP16_ITERS = 16  # fp16's loss scaler skips the first 13 steps (from 2^32), then
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("distributed_optimizer", [False, True])
-def test_an_fp16_run_stopped_before_its_first_update_resumes_as_the_uninterrupted_one(base, tmp_path,
-                                                                                        distributed_optimizer):
+@pytest.mark.parametrize("optimizer", [["parallel.distributed_optimizer=false"],
+                                       ["parallel.distributed_optimizer=true"],
+                                       ["parallel.distributed_optimizer=true", "checkpoint.optimizer_format=parallel"]],
+                         ids=["optimizer", "distributed", "distributed-parallel-format"])
+def test_an_fp16_run_stopped_before_its_first_update_resumes_as_the_uninterrupted_one(base, tmp_path, optimizer):
     """A run preempted as it starts stops after its first step, which fp16's scaler skips: its optimizer had
     no state. The distributed optimizer's save failed (an AssertionError in place of exit code 75), the
     other's checkpoint could not be loaded (dist_checkpointing's "Different dict keys")."""
-    run = base + ["train.precision=fp16", f"train.iters={FP16_ITERS}",
-                  f"parallel.distributed_optimizer={str(distributed_optimizer).lower()}"]
+    run = base + ["train.precision=fp16", f"train.iters={FP16_ITERS}", *optimizer]
     full, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
     run_pretrain_in_ranks(1, run + [f"output_dir={full}"])
     run_pretrain_in_ranks(1, run + [f"output_dir={stopped}", "train.exit_interval=1"])

@@ -26,6 +26,12 @@ With the distributed optimizer and torch's AdamW (no Apex/TE fused Adam), 0.16.1
      buffer, of which it describes views, and dist_checkpointing's writer clones every host tensor that is a view.
      Rank 0 instead gathers each parameter's state, a window of elements at a time, into a tensor of its own that
      is the one written: its peak is the state plus a window (GATHER_NUMEL), where it was over twice the state.
+checkpoint.optimizer_format=parallel saves megatron's `dp_reshardable` format instead: each data-parallel rank writes
+its own part of each bucket, padding included (no gather: (e) and (f) do not arise), and reads it back into the same
+bucket layout (any data-parallel size). Mends (b)-(d) hold for it as they are, and
+  g) its load copies the saved fp32 main weights into the optimizer's outside torch.no_grad: where the model is fp32,
+     those are views of the model's parameters, and the load failed ("a view of a leaf Variable that requires grad is
+     being used in an in-place operation"). The load runs under no_grad.
 A save gathers each tensor/pipeline shard's state on its data-parallel rank 0 alone, over gloo (megatron's
 `distrib_optim_fully_reshardable_mem_efficient`): by default every data-parallel rank all-gathers the whole shard's
 state (fp32 weights and both moments, 12 bytes a parameter) into host memory though only rank 0's copy is written,
@@ -51,6 +57,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 DISTRIBUTED_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 SAVE_FORMAT = {**DISTRIBUTED_FORMAT, "distrib_optim_fully_reshardable_mem_efficient": True}
+# checkpoint.optimizer_format=parallel: each data-parallel rank writes (and reads) its own part of each bucket
+PARALLEL_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -61,7 +69,10 @@ def _distributed(optimizer) -> list[DistributedOptimizer]:
     return [inner for inner in _inner_optimizers(optimizer) if isinstance(inner, DistributedOptimizer)]
 
 
-def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bool) -> dict:
+def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bool,
+                            optimizer_format: str = "reshardable") -> dict:
+    """The optimizer's part of a save or a loading request, in `optimizer_format` (checkpoint.optimizer_format's
+    values): a load's the checkpoint's own (saved_optimizer_format)."""
     if is_loading:
         for inner in _distributed(optimizer):
             if not inner.optimizer.state:  # (b) Adam state must exist before its layout is described
@@ -69,6 +80,8 @@ def optimizer_sharded_state(optimizer, model_sharded_state: dict, is_loading: bo
     else:
         for inner in _with_torch_adam(optimizer):
             _create_state_before_first_update(inner)  # (d)
+    if optimizer_format == "parallel":  # no gather, so none of (e) and (f): each rank's own buckets, as they are
+        return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=PARALLEL_FORMAT)
     distributed = _distributed(optimizer)
     for inner in distributed:
         if is_loading:
@@ -271,12 +284,13 @@ def main_params_unlike_weights(optimizer, state: dict, chunks: list) -> list[str
     optimizer `state` are not those weights: every step ends by casting its main weights into the model's, and a
     checkpoint is written from both after it, so they agree exactly wherever the state was saved where it belongs.
     A rank loads the state of the parameters its optimizer holds a part of (`_requesting_held_parameters`): those are
-    the ones it compares."""
+    the ones it compares. The parallel format, never gathered, was never shifted."""
     names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}
     inners = _inner_optimizers(optimizer)
     inner_states = [state] if len(inners) == 1 else [state[index] for index in range(len(inners))]
     return [names[param] for inner, inner_state in zip(inners, inner_states, strict=True)
             if isinstance(inner, DistributedOptimizer)
+            and inner_state["param_state_sharding_type"] == DISTRIBUTED_FORMAT["distrib_optim_sharding_type"]
             for index, param in enumerate(_params_in_saved_order(inner))
             if index in inner_state["param_state"]
             and not _is_cast_of(inner_state["param_state"][index]["param"], param)]
@@ -338,7 +352,8 @@ def _load_adam_state(optimizer, state: dict) -> None:
     for adam in adams:
         adam.load_state_dict = _load_with_steps(adam)
     try:
-        optimizer.load_state_dict(state)
+        with torch.no_grad():  # (g) the parallel format's load copies into fp32 main weights, views of the model's
+            optimizer.load_state_dict(state)
     finally:
         for inner in distributed:
             del inner._set_main_param_and_optimizer_states  # back to the class's method

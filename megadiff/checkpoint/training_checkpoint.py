@@ -36,6 +36,7 @@ from megadiff.checkpoint.weights import (
     damage_reported, load_into_chunks, load_sharded, require_common_file, start_write_results_queue, write_failure,
 )
 from megadiff.config import Config, dump_config
+from megadiff.config.validate import gradient_bucket_numel
 from megadiff.data.tokenizers import Tokenizer
 from megadiff.errors import refused_together
 from megadiff.files import commit_iteration, remove_staging_leftovers, staging_dir
@@ -43,6 +44,28 @@ from megadiff.parallel import rank_and_world, wait_for_ranks
 
 TRAIN_STATE_KEY = "train_state"
 RNG_KEY = "rng_state"
+# the distributed optimizer's checkpoint.optimizer_format and the layout it was saved in (common state): a load
+# reads the format the checkpoint holds, and the parallel one loads into its own layout only
+OPTIMIZER_FORMAT_KEY = "optimizer_format"
+
+
+def optimizer_layout(cfg: Config, world_size: int) -> dict:
+    """What lays out the distributed optimizer's buckets on each rank, but for the data-parallel size: the
+    parallel format's parts of a bucket reshard over data-parallel ranks alone. TransformerEngine's layers hold
+    other parameters in another order than the local ones, which a continued run may change to."""
+    parallel = cfg.parallel
+    return {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "virtual_pipeline": parallel.virtual_pipeline,
+            "context": parallel.context, "gradient_bucket_numel": gradient_bucket_numel(parallel, world_size),
+            "transformer_impl": cfg.model.transformer_impl}
+
+
+def saved_optimizer_format(checkpoint_dir: str | Path) -> dict:
+    """{"format": checkpoint.optimizer_format, "layout": optimizer_layout} of a checkpoint's distributed
+    optimizer state; a checkpoint saved before the choice existed is reshardable."""
+    with damage_reported(checkpoint_dir, also=(RuntimeError,)):
+        require_common_file(checkpoint_dir)
+        common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
+    return common.get(OPTIMIZER_FORMAT_KEY, {"format": "reshardable"})
 
 
 def _rng_states() -> dict:
@@ -103,7 +126,11 @@ class CheckpointWriter:
         with self._failure_reported(iteration):
             self._on_rank_zero(iteration, lambda: _prepare_staging(self.dir, staging))
             state = model_sharded_state(chunks)
-            state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False)
+            optimizer_format = self.cfg.checkpoint.optimizer_format
+            state["optimizer"] = optimizer_sharded_state(optimizer, state, is_loading=False,
+                                                         optimizer_format=optimizer_format)
+            state[OPTIMIZER_FORMAT_KEY] = {"format": optimizer_format,
+                                           "layout": optimizer_layout(self.cfg, rank_and_world()[1])}
             state[TRAIN_STATE_KEY] = train_state
             state[RNG_KEY] = _rng_sharded_object(_rng_states())
             commit = self._commit_fn(iteration, kept_before)
@@ -216,14 +243,16 @@ def _refuse_shifted_optimizer_state(checkpoint_dir, chunks: list, optimizer, sta
 
 
 def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer, *, load_optimizer: bool = True,
-                             restore_rng: bool = True) -> None:
+                             restore_rng: bool = True, optimizer_format: str = "reshardable") -> None:
     """Load into this rank's model chunks (any TP/PP layout) and, optionally, the optimizer.
 
-    `restore_rng` only where the run's world size and TP/PP/CP equal the saved run's.
+    `restore_rng` only where the run's world size and TP/PP/CP equal the saved run's. `optimizer_format`: the
+    checkpoint's (saved_optimizer_format), whose layout, if parallel, must be this run's.
     """
     request = model_sharded_state(chunks)
     if load_optimizer:
-        request["optimizer"] = optimizer_sharded_state(optimizer, request, is_loading=True)
+        request["optimizer"] = optimizer_sharded_state(optimizer, request, is_loading=True,
+                                                       optimizer_format=optimizer_format)
     if restore_rng:
         request[RNG_KEY] = _rng_sharded_object(None)
     loaded = load_sharded(request, checkpoint_dir)

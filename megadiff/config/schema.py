@@ -249,6 +249,11 @@ class CheckpointConfig(Section):
     load: Optional[str] = Field(None, description="initial checkpoint when output_dir has none (e.g. 4K -> 64K)")
     load_optimizer: bool = True
     reset_iteration: bool = Field(False, description="with `load`: start counting iterations and data from 0")
+    optimizer_format: Literal["reshardable", "parallel"] = Field(
+        "reshardable", description="the distributed optimizer's state on disk. reshardable: gathered on each "
+        "tensor/pipeline shard's data-parallel rank 0, which writes it; loads into any TP/PP/CP/DP layout. "
+        "parallel: every rank writes its own part, no gather; loads only into the saving run's TP/PP/CP layout, "
+        "transformer_impl and bucketing (the data-parallel size may change); see docs/pretraining.md")
 
     _expand_home = field_validator("load", mode="before")(expand_home)
 

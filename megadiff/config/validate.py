@@ -199,6 +199,14 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // (parallel.tensor * parallel.pipeline * parallel.context)
 
 
+def gradient_bucket_numel(parallel: ParallelConfig, world_size: int) -> int | None:
+    """The elements of each gradient bucket (None: one bucket a buffer, as without parallel.overlap_grad_reduce):
+    megatron's default, larger past 40 data-parallel ranks. It lays out the distributed optimizer's state."""
+    if not parallel.overlap_grad_reduce:
+        return None
+    return max(40_000_000, 1_000_000 * data_parallel_size(parallel, world_size))
+
+
 def micro_batches_per_step(cfg: Config, world_size: int) -> int:
     """Micro-batches each data-parallel rank runs per optimizer step."""
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg.parallel, world_size))
@@ -238,6 +246,9 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         _validate_fp8(train.fp8_backend, cfg.model.transformer_impl)
     if cfg.data.document_masking:
         _validate_document_masking(cfg.model)
+    if cfg.checkpoint.optimizer_format == "parallel" and not cfg.parallel.distributed_optimizer:
+        _fail("checkpoint.optimizer_format", "parallel is a format of the distributed optimizer's state: it needs "
+              "parallel.distributed_optimizer")
 
 
 def refuse_a_file_for_directory(key: str, path: str | Path, writes: str) -> None:

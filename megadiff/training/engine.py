@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
 from megadiff.config import Config
+from megadiff.config.validate import gradient_bucket_numel
 from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
 from megadiff.models.differential_attention import sum_partial_gradients
 from megadiff.training.multi_tensor import use_sync_free_fallbacks
@@ -58,6 +60,8 @@ def wrap_model(cfg: Config, config: MegadiffTransformerConfig, chunks: list) -> 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
+        # megatron's default, given here: a checkpoint's optimizer_format records it (checkpoint.optimizer_format)
+        bucket_size=gradient_bucket_numel(parallel, torch.distributed.get_world_size()),
         overlap_param_gather=parallel.overlap_param_gather,
         use_distributed_optimizer=parallel.distributed_optimizer,
         align_param_gather=schedule_gathers,

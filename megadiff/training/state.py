@@ -17,7 +17,9 @@ from megadiff.checkpoint.format import (
     CHECKPOINTS_DIR, CheckpointError, checkpoint_config, checkpoint_tokenizer_spec, latest_checkpoint,
     resolve_checkpoint_dir,
 )
-from megadiff.checkpoint.training_checkpoint import load_training_checkpoint, read_train_state
+from megadiff.checkpoint.training_checkpoint import (
+    load_training_checkpoint, optimizer_layout, read_train_state, saved_optimizer_format,
+)
 from megadiff.config import Config, ConfigError, TrainConfig, padded_vocab_size, resolved_architecture
 from megadiff.config.validate import parse_blend
 from megadiff.data.locations import training_blend
@@ -158,6 +160,24 @@ def _check_same_optimizer(saved: Config, cfg: Config, where: Path) -> None:
                               f"{where} checkpoint.load_optimizer=false")
 
 
+def _saved_optimizer_format(cfg: Config, where: Path) -> str:
+    """The format of the checkpoint's distributed optimizer state, refused where it cannot load into this run."""
+    saved = saved_optimizer_format(where)
+    now = optimizer_layout(cfg, dist.get_world_size())
+    if saved["format"] == "parallel" and saved["layout"] != now:
+        raise ConfigError(
+            f"checkpoint.optimizer_format: the optimizer state of {where} was saved in the parallel format, which "
+            f"loads only into the layout that saved it ({_layout_text(saved['layout'])}); this run has "
+            f"{_layout_text(now)}. Resume it in its layout with checkpoint.optimizer_format=reshardable (its next "
+            "checkpoint loads into any layout), or start a new output_dir from its weights with "
+            f"checkpoint.load={where} checkpoint.load_optimizer=false")
+    return saved["format"]
+
+
+def _layout_text(layout: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in layout.items())
+
+
 @dataclass
 class Start:
     """Where a run starts, known before its data and model are built."""
@@ -165,6 +185,7 @@ class Start:
     own: bool = False               # this run's own: it resumes exactly (RNG states included)
     saved: dict | None = None       # the checkpoint's training state; None for a model-only checkpoint
     load_optimizer: bool = False
+    optimizer_format: str = "reshardable"  # of the checkpoint's distributed optimizer state, which a load reads
     continues: bool = False         # its iteration count, data position and LR schedule go on
     tokenizer: str | None = None    # tokenizer_identity of the run's data.tokenizer
     data_changes: list[str] = field(default_factory=list)  # "key: before -> now" of DATA_ORDER_KEYS, if it continues
@@ -246,8 +267,10 @@ def plan_start(cfg: Config) -> Start:
     if saved is not None and "data_samples" not in saved:
         saved["data_samples"] = _drawn_before_data_samples_were_kept(saved, saved_cfg)
     load_optimizer = saved is not None and (own or cfg.checkpoint.load_optimizer)
+    optimizer_format = "reshardable"
     if load_optimizer:
         _check_same_optimizer(saved_cfg, cfg, path)
+        optimizer_format = _saved_optimizer_format(cfg, path)
     continues = saved is not None and (own or not cfg.checkpoint.reset_iteration)
     pairs = [(f"{section}.{key}", getattr(getattr(saved_cfg, section), key), getattr(getattr(cfg, section), key))
              for section, key in DATA_ORDER_KEYS]
@@ -258,7 +281,8 @@ def plan_start(cfg: Config) -> Start:
     # with their tokenizer, unless checkpoint.reset_iteration says the run starts afresh from them
     if continues or (saved is None and not cfg.checkpoint.reset_iteration):
         _check_same_tokenizer(cfg, tokenizer, _trained_tokenizer(path, saved_cfg, saved), saved_cfg, path)
-    start = Start(path, own, saved, load_optimizer, continues, data_changes=changes if continues else [],
+    start = Start(path, own, saved, load_optimizer, optimizer_format, continues,
+                  data_changes=changes if continues else [],
                   position_changes=positions, tokenizer=tokenizer,
                   checkpoint_train=saved_cfg.train if continues else None)
     (iteration, consumed), batch = start.position(), cfg.train.global_batch_size
@@ -278,7 +302,7 @@ def restore(cfg: Config, start: Start, engine, scheduler) -> tuple[TrainState, s
     if start.path is None:
         return fresh, "starting from scratch"
     load_training_checkpoint(start.path, engine.unwrapped(), engine.optimizer, load_optimizer=start.load_optimizer,
-                             restore_rng=start.own and start.saved is not None
+                             optimizer_format=start.optimizer_format, restore_rng=start.own and start.saved is not None
                              and start.saved["layout"] == fresh.layout)
     if not start.continues:
         return fresh, f"initialised from {start.path} (iteration count, data position and LR schedule start afresh)"
