@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megadiff.checkpoint.format import CHECKPOINTS_DIR, read_latest_iteration
+from megadiff.checkpoint.format import CHECKPOINTS_DIR, LATEST_FILE, iteration_dir, read_latest_iteration
 from megadiff.observability.metrics import read_metrics
 from tests.distributed import run_ranks
 from tests.parity_worker import MODEL
@@ -79,6 +79,20 @@ def test_a_parallel_checkpoint_resumes_at_another_data_parallel_size(base, dp2_r
     resumed = _resumed(base, stopped, tmp_path / "resumed", 1, [])
     assert len(losses(resumed)) == ITERS
     assert losses(resumed) == pytest.approx(losses(full), abs=1e-5)  # DP=1 sums the gradients in another order
+
+
+@pytest.mark.slow
+def test_a_parallel_checkpoint_saved_in_the_background_holds_its_own_step(base, dp2_runs, tmp_path):
+    """checkpoint.async_save writes the optimizer's own tensors (no gathered copies) while the next steps change
+    them: the checkpoint of iteration 2, written while iteration 3 trained, resumes the uninterrupted curve."""
+    full, _ = dp2_runs
+    stopped = tmp_path / "stopped"
+    run_pretrain_in_ranks(2, base + PARALLEL + [f"output_dir={stopped}", "checkpoint.save_interval=1",
+                                                "checkpoint.async_save=true", f"train.exit_interval={STOP}"])
+    shutil.rmtree(iteration_dir(stopped / CHECKPOINTS_DIR, STOP))
+    (stopped / CHECKPOINTS_DIR / LATEST_FILE).write_text(f"{STOP - 1}\n")
+    run_pretrain_in_ranks(2, base + PARALLEL + [f"output_dir={stopped}"])
+    assert losses(stopped) == losses(full)  # iterations STOP.. trained again from the background save
 
 
 @pytest.mark.slow
