@@ -598,3 +598,43 @@ def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(
     assert at_checks == [[0], [0]] and at_hf_loads == [[0], [0]]
     assert max(map(len, layers_held)) == 1  # the layer being read, never an earlier one
     assert set(read) == {None, 0, 1} and merged and all(megadiff_models.values())
+
+
+def _tensor_bytes_after(owner, name: str, monkeypatch) -> list[int]:
+    """Patches `owner`'s function `name` to record the bytes of every live tensor as each call returns."""
+    from tests.memory_worker import live_tensor_bytes
+
+    held, original = [], getattr(owner, name)
+
+    def measuring(*args, **kwargs):
+        result = original(*args, **kwargs)
+        held.append(live_tensor_bytes())
+        return result
+    monkeypatch.setattr(owner, name, measuring)
+    return held
+
+
+def _weight_bytes(model, names_ending: str = "") -> int:
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name.endswith(names_ending))
+
+
+def test_a_loaded_checkpoint_is_held_once_while_it_is_read(tmp_path, monkeypatch):
+    """dist_checkpointing reads SwiGLU's fc1 into its halves (views of the parameter) and merged them with torch.cat
+    after the load: every fc1 weight once more (about 40% of a SwiGLU model: 11 GB for 13B in bf16, on the GPU where
+    the model sits) while load_checkpoint (to-hf, generate, evaluate) read a checkpoint. The tensors live as the read
+    ends are the model's alone, and it holds the saved weights."""
+    from megatron.core import dist_checkpointing
+
+    from tests.memory_worker import live_tensor_bytes
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    cfg = build_config({}, MODEL + VARIANTS["softmax"] + [f"data.tokenizer={tokenizer}", "model.ffn_hidden_size=384"])
+    saved = save_in_process(cfg, tmp_path / "checkpoint").gpt
+    weights, fc1 = _weight_bytes(saved), _weight_bytes(saved, "linear_fc1.weight")
+    assert fc1 > weights / 3
+    before = live_tensor_bytes()
+    held = _tensor_bytes_after(dist_checkpointing, "load", monkeypatch)
+    loaded = load_checkpoint(tmp_path / "checkpoint").gpt
+    assert weights <= held[0] - before < weights + fc1 / 10, (held[0] - before, weights, fc1)
+    for (name, tensor), (_, expected) in zip(loaded.named_parameters(), saved.named_parameters(), strict=True):
+        assert torch.equal(tensor, expected), name
