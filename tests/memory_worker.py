@@ -19,7 +19,8 @@ MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_hea
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of the storages behind every tensor the garbage collector can reach."""
+    """Bytes of the storages behind every tensor the garbage collector can reach, memory shared by several
+    storages (a tensor made over another's bytes) counted once."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():  # isinstance() touches deprecated module attributes
@@ -32,8 +33,17 @@ def live_tensor_bytes() -> int:
         except (RuntimeError, NotImplementedError):  # a wrapper of no storage of its own (torch's ShardedTensor)
             continue  # its shards are counted
         if storage.device.type != "meta":  # shapes only
-            storages[address] = storage.nbytes()
-    return sum(storages.values())
+            storages[address] = max(storages.get(address, 0), storage.nbytes())
+    return _covered_bytes(sorted(storages.items()))
+
+
+def _covered_bytes(ranges: list[tuple[int, int]]) -> int:
+    """The bytes of the union of the (start, length) ranges, sorted by start."""
+    covered, end = 0, 0
+    for start, length in ranges:
+        covered += max(0, start + length - max(start, end))
+        end = max(end, start + length)
+    return covered
 
 
 def measure(rank: int, world_size: int, overrides: list[str], results) -> None:
