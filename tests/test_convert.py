@@ -24,7 +24,9 @@ from transformers import AutoModelForCausalLM
 from megadiff.checkpoint.format import CheckpointError, checkpoint_config, resolve_checkpoint_dir
 from megadiff.config import Config, build_config
 from megadiff.convert import ConversionError, convert_from_hf, convert_to_hf, from_hf, to_hf
-from megadiff.convert.hf_io import CODE_FILES, EXPORT_STAGING, SAFETENSORS_INDEX, HFWeights, read_hf_dir
+from megadiff.convert.hf_io import (
+    CODE_FILES, EXPORT_STAGING, SAFETENSORS_INDEX, SIDECAR_UNFOLDED as SIDECAR, HFWeights, read_hf_dir,
+)
 from megadiff.inference import load_checkpoint
 from tests.convert_worker import MODEL, VARIANTS, build_tokenizer, reference_model, save_checkpoints, save_in_process
 from tests.distributed import run_ranks
@@ -569,8 +571,13 @@ def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(
     save_in_process(cfg, tmp_path / "checkpoint")
     megadiff_models = {module: _record(module, monkeypatch, "megadiff_logits", lambda args, _: [args[0].gpt])
                        for module in (to_hf, from_hf)}
-    exported = _record(to_hf, monkeypatch, "megatron_to_hf", lambda _, result: [*result[0].values(),
-                                                                                *result[1].values()])
+    exported, original_export = [], to_hf.megatron_to_hf_parts
+
+    def exporting(params, dims, extras):
+        for part in original_export(params, dims, extras):
+            exported.extend(weakref.ref(tensor) for tensor in [*part.values(), *extras.values()])
+            yield part
+    monkeypatch.setattr(to_hf, "megatron_to_hf_parts", exporting)
     read, read_refs, layers_held = [], [], []  # the layer of every tensor read; the layers alive at each read
     original_read = HFWeights.__getitem__
 
@@ -597,7 +604,7 @@ def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(
     convert_from_hf(convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf"), tmp_path / "back")
     assert at_checks == [[0], [0]] and at_hf_loads == [[0], [0]]
     assert max(map(len, layers_held)) == 1  # the layer being read, never an earlier one
-    assert set(read) == {None, 0, 1} and merged and all(megadiff_models.values())
+    assert set(read) == {None, 0, 1} and merged and exported and all(megadiff_models.values())
 
 
 def _tensor_bytes_after(owner, name: str, monkeypatch) -> list[int]:
@@ -677,3 +684,65 @@ def _metadata_but_the_save(checkpoint: Path) -> dict:
 
     with open(checkpoint / ".metadata", "rb") as file:  # a test's own checkpoint
         return {key: value for key, value in vars(pickle.load(file)).items() if key != "storage_meta"}
+
+
+def _exported_at_once(checkpoint: Path, dtype: torch.dtype, directory: Path) -> None:
+    """The reference: every tensor converted (and cast) first, then split and written by huggingface_hub's
+    helpers, each shard from contiguous copies."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from megadiff.convert.hf_config import choose_family
+    from megadiff.convert.hf_layout import Dims, megatron_to_hf
+
+    cfg = checkpoint_config(checkpoint)
+    params = {name: tensor if name.endswith(to_hf.FP32_SUFFIXES) else tensor.to(dtype)
+              for name, tensor in load_checkpoint(checkpoint).parameters_by_name().items()}
+    state, extras = megatron_to_hf(params, Dims.of(cfg.model, choose_family(cfg.model, False)))
+    split = split_torch_state_dict_into_shards(state, max_shard_size="100KB")
+    directory.mkdir()
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name].contiguous().clone() for name in names}, str(directory / filename),
+                  metadata={"format": "pt"})
+    (directory / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": split.metadata,
+                                                           "weight_map": split.tensor_to_filename}, indent=2))
+    save_file({name: tensor.contiguous().clone() for name, tensor in extras.items()}, str(directory / SIDECAR),
+              metadata={"format": "pt"})
+
+
+def test_to_hf_converts_a_layer_at_a_time_as_it_writes_the_shards(tmp_path, monkeypatch):
+    """to-hf converted every tensor first: the QKV weights regrouped (copies), and with --dtype every weight cast,
+    all held beside the source model until the last shard was written (a bf16 13B exported in fp32: 26 + 52 GB).
+    Exported in fp32 from bf16 in shards of 100 KB, the tensors live as each shard is written are the source's and
+    less than a sixth of the export more (a layer's conversion and the shards being written); the files are those
+    of the conversion done at once, byte for byte."""
+    import safetensors.torch
+
+    from megadiff.convert import hf_io
+    from tests.memory_worker import live_tensor_bytes
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    cfg = build_config({}, MODEL + VARIANTS["diff"] + [f"data.tokenizer={tokenizer}", "train.precision=bf16",
+                                                       "model.num_layers=8"])
+    weights = _weight_bytes(save_in_process(cfg, tmp_path / "checkpoint").gpt)
+    gc.collect()
+    before, held, save = live_tensor_bytes(), [], safetensors.torch.save_file
+
+    def measuring(tensors, filename, metadata=None):
+        held.append(live_tensor_bytes())
+        return save(tensors, filename, metadata=metadata)
+    monkeypatch.setattr(safetensors.torch, "save_file", measuring)
+    monkeypatch.setattr(hf_io, "MAX_SHARD_SIZE", "100KB")
+    hf_dir = convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf", dtype="fp32", check=False)
+    shards = sorted(path.name for path in hf_dir.glob("model-*.safetensors"))
+    assert len(shards) > 8 and len(held) == len(shards) + 1  # and the sidecar
+    monkeypatch.undo()
+    _exported_at_once(tmp_path / "checkpoint", torch.float32, tmp_path / "reference")
+    layer = sum(tensor.nbytes for name, tensor in load_file(hf_dir / SIDECAR).items() if ".0." in name) + sum(
+        tensor.nbytes for shard in shards for name, tensor in load_file(hf_dir / shard).items() if ".layers.0." in name)
+    shard = max((hf_dir / name).stat().st_size for name in shards)
+    sidecar = (hf_dir / SIDECAR).stat().st_size  # DiffLlama's unfolded tensors, cast as the layers are converted
+    assert max(held[:-1]) - before - weights < layer + 2 * shard + sidecar  # the shard's tensors and their copies
+    written = sorted(path.name for path in hf_dir.glob("*.safetensors*"))
+    assert written == sorted(path.name for path in (tmp_path / "reference").iterdir())
+    for name in written:
+        assert (hf_dir / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name

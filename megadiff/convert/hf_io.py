@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,19 +45,47 @@ def _owned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for name, t in tensors.items()}
 
 
-def _save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
-    """huggingface_hub's save_torch_state_dict files (shards and their index), each shard's tensors
-    copied as it is written: copying them all first held a second model (26 GB for 13B in bf16)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+def _save_weights(layout: dict[str, torch.Tensor], parts: Iterable[dict[str, torch.Tensor]], directory: Path) -> None:
+    """huggingface_hub's save_torch_state_dict files (shards and their index) of the tensors `parts` give, part
+    after part in `layout`'s order; `layout`: those tensors on the meta device, views where they are views (which
+    the split keeps in one shard, as it keeps views of one tensor). Each shard's tensors are copied as it is
+    written, and the parts made as the shards need them: converting and copying them all first held the converted
+    tensors of every layer (QKV regrouped, --dtype's casts: up to twice a bf16 model for an fp32 export) beside the
+    source model."""
     from safetensors.torch import save_file
 
-    split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD_SIZE)
-    for filename, names in split.filename_to_tensors.items():
-        save_file(_owned_copies({name: state[name] for name in names}), str(directory / filename),
-                  metadata={"format": "pt"})
+    split = _split(layout)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # the shards begun, by file name
+    for part in parts:
+        for name in list(part):
+            filename = split.tensor_to_filename[name]
+            shard = pending.setdefault(filename, {})
+            shard[name] = part.pop(name)  # the part keeps none: it goes before the next one is made
+            if len(shard) == len(split.filename_to_tensors[filename]):
+                save_file(_owned_copies(pending.pop(filename)), str(directory / filename), metadata={"format": "pt"})
+    if pending:
+        raise ConversionError(f"no tensor converted for {', '.join(sorted(set().union(*pending.values())))}")
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+
+
+def _split(layout: dict[str, torch.Tensor]):
+    """split_torch_state_dict_into_shards of the tensors `layout` describes on the meta device."""
+    from huggingface_hub import constants, split_state_dict_into_shards_factory
+
+    return split_state_dict_into_shards_factory(layout, get_storage_size=_storage_bytes, get_storage_id=_storage_id,
+                                                filename_pattern=constants.SAFETENSORS_WEIGHTS_FILE_PATTERN,
+                                                max_shard_size=MAX_SHARD_SIZE)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()  # a view's: its whole storage, as huggingface_hub counts it
+
+
+def _storage_id(tensor: torch.Tensor) -> tuple[int, int]:
+    """Its storage's identity: huggingface_hub's (an address) gives none on the meta device."""
+    return tensor.untyped_storage()._cdata, _storage_bytes(tensor)
 
 
 EXPORT_STAGING = ".megadiff-export.partial"  # inside the export's directory: its files' own disk
@@ -79,9 +107,10 @@ class StagedExport:
         _remove(self.staged)  # a killed export's
         self.staged.mkdir()
 
-    def write(self, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], tokenizer,
-              source_cfg: Config) -> None:
-        _write_export(self.staged, config, state, extras, tokenizer, source_cfg)
+    def write(self, config, layout: dict[str, torch.Tensor], parts: Iterable[dict[str, torch.Tensor]],
+              extras: dict[str, torch.Tensor], tokenizer, source_cfg: Config) -> None:
+        """`parts`: the weights (as _save_weights takes them), adding DiffLlama's sidecar tensors to `extras`."""
+        _write_export(self.staged, config, layout, parts, extras, tokenizer, source_cfg)
 
     def discard(self) -> None:
         _remove(self.staged)
@@ -131,8 +160,8 @@ def _replace(source: Path, target: Path) -> None:
     os.replace(source, target)
 
 
-def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
-                  tokenizer, source_cfg: Config) -> None:
+def _write_export(directory: Path, config, layout: dict[str, torch.Tensor], parts: Iterable[dict[str, torch.Tensor]],
+                  extras: dict[str, torch.Tensor], tokenizer, source_cfg: Config) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
@@ -141,7 +170,7 @@ def _write_export(directory: Path, config, state: dict[str, torch.Tensor], extra
         name_rope_for_transformers4(directory, config)
     _generation_config(GenerationConfig.from_model_config(config), tokenizer, source_cfg).save_pretrained(
         str(directory))
-    _save_weights(state, directory)
+    _save_weights(layout, parts, directory)  # before the sidecar: the parts fill `extras`
     tokenizer.save_hf(directory, source_cfg.model.seq_length)
     save_chat_template(source_cfg.data, tokenizer, directory)
     dump_config(source_cfg, directory / SIDECAR_CONFIG)

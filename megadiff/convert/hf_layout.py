@@ -177,16 +177,30 @@ def _layer_names(names: Iterable[str], prefix: str, layers: int) -> list[dict[st
     return per_layer
 
 
-def megatron_to_hf(params: dict[str, torch.Tensor], dims: Dims) -> tuple[dict, dict]:
+def megatron_to_hf(params: Mapping[str, torch.Tensor], dims: Dims) -> tuple[dict, dict]:
     """TP1 megatron parameters -> (HF state dict, sidecar tensors; DiffLlama's pre-fold weights)."""
-    hf, extras = {"model.embed_tokens.weight": params["embedding.word_embeddings.weight"],
-                  "model.norm.weight": params["decoder.final_layernorm.weight"]}, {}
-    if not dims.tie_embeddings:
-        hf["lm_head.weight"] = params["output_layer.weight"]
-    for i, names in enumerate(_layer_names(params, "decoder.layers.", dims.layers)):
-        layer = {rest: params[name] for rest, name in names.items()}
-        hf.update({f"model.layers.{i}.{k}": v for k, v in _layer_to_hf(layer, dims, extras, i).items()})
+    hf, extras = {}, {}
+    for part in megatron_to_hf_parts(params, dims, extras):
+        hf.update(part)
     return hf, extras
+
+
+def megatron_to_hf_parts(params: Mapping[str, torch.Tensor], dims: Dims, extras: dict) -> Iterator[dict]:
+    """megatron_to_hf a part at a time (the embeddings, final norm and head, then each layer), in its order, each
+    layer's parameters read from `params` as it is converted; DiffLlama's sidecar tensors added to `extras`."""
+    head = {"model.embed_tokens.weight": params["embedding.word_embeddings.weight"],
+            "model.norm.weight": params["decoder.final_layernorm.weight"]}
+    if not dims.tie_embeddings:
+        head["lm_head.weight"] = params["output_layer.weight"]
+    yield head
+    for i, names in enumerate(_layer_names(params, "decoder.layers.", dims.layers)):
+        yield _layer_of(params, names, dims, extras, i)
+
+
+def _layer_of(params: Mapping[str, torch.Tensor], names: dict[str, str], dims: Dims, extras: dict, i: int) -> dict:
+    """Layer i in Hugging Face's names; what it read from `params` (casts) kept only by what it returns."""
+    layer = {rest: params[name] for rest, name in names.items()}
+    return {f"model.layers.{i}.{k}": v for k, v in _layer_to_hf(layer, dims, extras, i).items()}
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], dims: Dims,

@@ -6,6 +6,7 @@ copied into the directory (trust_remote_code=True). The tokenizer goes along.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from megadiff.console import plain_console
 from megadiff.convert.check import compare_logits, hf_logits, megadiff_logits, thresholds_for
 from megadiff.convert.hf_config import build_hf_config, choose_family
 from megadiff.convert.hf_io import StagedExport, load_hf_model
-from megadiff.convert.hf_layout import ConversionError, Dims, megatron_to_hf
+from megadiff.convert.hf_layout import ConversionError, Dims, megatron_to_hf, megatron_to_hf_parts
 from megadiff.convert.steps import step, writing_alone
 from megadiff.files import raise_if_a_file_is_in_the_way
 from megadiff.models.transformer_config import PRECISION_DTYPES
@@ -26,8 +27,26 @@ from megadiff.models.transformer_config import PRECISION_DTYPES
 FP32_SUFFIXES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
 
-def cast_weights(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {name: t if name.endswith(FP32_SUFFIXES) else t.to(dtype) for name, t in state.items()}
+class CastWeights(Mapping[str, torch.Tensor]):
+    """`state`'s tensors in `dtype` (lambda's vectors as they are), each cast as it is read: the export converts
+    a layer at a time, and all of them cast at once were a second model beside the source."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype):
+        self.state, self.dtype = state, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.state[name]
+        return tensor if name.endswith(FP32_SUFFIXES) else tensor.to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+def _on_the_meta_device(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.empty_like(tensor, device="meta") for name, tensor in state.items()}
 
 
 def convert_to_hf(load: str | Path, save: str | Path, dtype: str | None = None, check: bool = True,
@@ -61,16 +80,9 @@ def _export(checkpoint_dir: Path, out: Path, dtype: str | None, check: bool, rem
     hf_config = build_hf_config(cfg.model, family, vocab_size, tokenizer.bos, tokenizer.eod, target_dtype)
     with step(console, f"reading {checkpoint_dir}"):
         source = load_checkpoint(checkpoint_dir)
-    # cast before DiffLlama's head-norm fold: from-hf refolds the sidecar's tensors to recognise o_proj
-    state, extras = megatron_to_hf(cast_weights(source.parameters_by_name(), target_dtype),
-                                   Dims.of(cfg.model, family))
     export = StagedExport(out)
     try:
-        with step(console, f"writing {sum(t.numel() for t in state.values()):,} parameters to {out}"):
-            export.write(hf_config, state, extras, tokenizer, cfg)
-        # views of the source's weights (or casts of them): kept, they would hold a third model (26 GB for 13B
-        # in bf16) beside the check's two fp32 ones, and keep `del source` below from freeing anything
-        del state, extras
+        _write(export, source, Dims.of(cfg.model, family), target_dtype, hf_config, tokenizer, cfg, console)
         if check:  # before the export replaces an earlier one: failing, it leaves that as it was
             with step(console, "checking the export's logits against the checkpoint's"):
                 if source_dtype != torch.float32:
@@ -88,3 +100,15 @@ def _export(checkpoint_dir: Path, out: Path, dtype: str | None, check: bool, rem
     console.print(f"megadiff convert: {checkpoint_dir} ({cfg.model.variant}) -> {out} "
                   f"({hf_config.architectures[0]}, {str(target_dtype).removeprefix('torch.')})")
     return out
+
+
+def _write(export: StagedExport, source, dims: Dims, dtype: torch.dtype, hf_config, tokenizer, cfg, console) -> None:
+    """The export's files, its weights converted a layer at a time as its shards are written. What it holds goes
+    with it: the source's host weights (copies of a GPU model's) and the sidecar's views or casts of them would
+    hold another model (26 GB for 13B in bf16) beside the check's fp32 ones."""
+    weights, extras = source.parameters_by_name(), {}
+    # cast before DiffLlama's head-norm fold: from-hf refolds the sidecar's tensors to recognise o_proj
+    layout = megatron_to_hf(CastWeights(_on_the_meta_device(weights), dtype), dims)[0]
+    with step(console, f"writing {sum(t.numel() for t in layout.values()):,} parameters to {export.directory}"):
+        export.write(hf_config, layout, megatron_to_hf_parts(CastWeights(weights, dtype), dims, extras), extras,
+                     tokenizer, cfg)
