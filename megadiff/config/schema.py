@@ -220,6 +220,9 @@ class TrainConfig(Section):
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0)
     seed: int = Field(1234, ge=0, le=2**32 - 1)
+    layout_invariant_init: bool = Field(
+        False, description="draw each initial weight from a generator of train.seed and the weight's name: the "
+        "same model whatever the tensor/pipeline layout (megatron's default seeds each pipeline stage apart)")
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     fp8_backend: Literal["te", "torchao"] = Field("te", description="fp8: TransformerEngine layers (te) or "
                                                   "torch-native float8 linear layers (torchao)")

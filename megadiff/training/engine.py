@@ -16,6 +16,7 @@ from megatron.core.utils import unwrap_model
 from megadiff.config import Config
 from megadiff.config.validate import gradient_bucket_numel
 from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
+from megadiff.training.initial_weights import redraw_layout_invariant
 from megadiff.models.differential_attention import sum_partial_gradients
 from megadiff.training.multi_tensor import use_sync_free_fallbacks
 
@@ -113,5 +114,8 @@ def build_optimizer(cfg: Config, config: MegadiffTransformerConfig, model: list)
 def build_engine(cfg: Config) -> Engine:
     """Model-parallel state must be initialised (megadiff.parallel.initialize)."""
     config = to_transformer_config(cfg)
-    model = wrap_model(cfg, config, build_model(cfg, config))
+    chunks = build_model(cfg, config)
+    if cfg.train.layout_invariant_init:  # before wrapping: DDP's buffers and the optimizer copy these weights
+        redraw_layout_invariant(chunks, config, cfg.train.seed)
+    model = wrap_model(cfg, config, chunks)
     return Engine(cfg=cfg, config=config, model=model, optimizer=build_optimizer(cfg, config, model))
