@@ -16,8 +16,8 @@ from megatron.core.utils import unwrap_model
 from megadiff.config import Config
 from megadiff.config.validate import gradient_bucket_numel
 from megadiff.models import MegadiffTransformerConfig, build_model, to_transformer_config
-from megadiff.training.initial_weights import redraw_layout_invariant
 from megadiff.models.differential_attention import sum_partial_gradients
+from megadiff.training.initial_weights import redraw_layout_invariant
 from megadiff.training.multi_tensor import use_sync_free_fallbacks
 
 
