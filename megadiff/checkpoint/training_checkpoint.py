@@ -33,7 +33,8 @@ from megadiff.checkpoint.optimizer_state import (
     load_optimizer_state, main_params_unlike_weights, optimizer_sharded_state,
 )
 from megadiff.checkpoint.weights import (
-    damage_reported, load_into_chunks, load_sharded, require_common_file, start_write_results_queue, write_failure,
+    damage_reported, load_into_chunks, load_sharded, merged_in_place, require_common_file, start_write_results_queue,
+    write_failure,
 )
 from megadiff.config import Config, dump_config
 from megadiff.config.validate import gradient_bucket_numel
@@ -251,8 +252,12 @@ def load_training_checkpoint(checkpoint_dir: str | Path, chunks: list, optimizer
     """
     request = model_sharded_state(chunks)
     if load_optimizer:
-        request["optimizer"] = optimizer_sharded_state(optimizer, request, is_loading=True,
-                                                       optimizer_format=optimizer_format)
+        optimizer_request = optimizer_sharded_state(optimizer, request, is_loading=True,
+                                                    optimizer_format=optimizer_format)
+    # after the optimizer's request, whose entries megatron derives from the model's: theirs merge as they did
+    request = merged_in_place(request)
+    if load_optimizer:
+        request["optimizer"] = optimizer_request
     if restore_rng:
         request[RNG_KEY] = _rng_sharded_object(None)
     loaded = load_sharded(request, checkpoint_dir)
