@@ -205,6 +205,7 @@ def _planned_from(monkeypatch, saved_overrides: list[str], overrides: list[str],
     monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (path, own))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: saved_cfg)
     monkeypatch.setattr(state, "read_train_state", lambda path: None if train_state is None else dict(train_state))
+    monkeypatch.setattr(state, "saved_optimizer_format", lambda path: {"format": "reshardable"})
     cfg = build_config({}, overrides)
     return state.plan_start(cfg), cfg
 
@@ -276,6 +277,7 @@ def test_a_continued_run_names_what_of_its_data_order_changed(monkeypatch):
     monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("ckpt"), True))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: build_config({}, ["data.prefix=web", "train.seed=1"]))
     monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 3})
+    monkeypatch.setattr(state, "saved_optimizer_format", lambda path: {"format": "reshardable"})
     start = state.plan_start(build_config({}, ["data.prefix=web", "train.seed=1"]))
     assert start.continues and start.data_changes == []
     start = state.plan_start(build_config({}, ["data.blend=[0.5,web,0.5,books]", "data.prefix=web", "train.seed=2"]))
@@ -292,6 +294,7 @@ def test_a_data_prefix_given_from_the_working_directory_or_whole_is_the_same_dat
     monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("ckpt"), True))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: build_config({}, ["data.prefix=data/web"]))
     monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 3})
+    monkeypatch.setattr(state, "saved_optimizer_format", lambda path: {"format": "reshardable"})
     start = state.plan_start(build_config({}, [f"data.prefix={tmp_path / 'data' / 'web'}"]))
     assert start.continues and start.data_changes == []
 
@@ -321,6 +324,7 @@ def test_blend_weights_are_the_same_data_order_where_megatron_normalises_them_al
     monkeypatch.setattr(state, "_starting_checkpoint", lambda cfg: (Path("ckpt"), True))
     monkeypatch.setattr(state, "checkpoint_config", lambda path: saved)
     monkeypatch.setattr(state, "read_train_state", lambda path: {"iteration": 3, "consumed_samples": 3})
+    monkeypatch.setattr(state, "saved_optimizer_format", lambda path: {"format": "reshardable"})
     same_orders = {}
     for weights in ([70, 30], [0.7, 0.3], [7, 3], [60, 40]):
         rerun = blend_config(weights)

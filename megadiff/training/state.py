@@ -163,8 +163,10 @@ def _check_same_optimizer(saved: Config, cfg: Config, where: Path) -> None:
 def _saved_optimizer_format(cfg: Config, where: Path) -> str:
     """The format of the checkpoint's distributed optimizer state, refused where it cannot load into this run."""
     saved = saved_optimizer_format(where)
+    if saved["format"] != "parallel":  # loads into any layout
+        return saved["format"]
     now = optimizer_layout(cfg, dist.get_world_size())
-    if saved["format"] == "parallel" and saved["layout"] != now:
+    if saved["layout"] != now:
         raise ConfigError(
             f"checkpoint.optimizer_format: the optimizer state of {where} was saved in the parallel format, which "
             f"loads only into the layout that saved it ({_layout_text(saved['layout'])}); this run has "
