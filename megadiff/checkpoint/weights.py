@@ -8,6 +8,7 @@ import os
 import pickle
 from contextlib import contextmanager
 from dataclasses import replace
+from multiprocessing.connection import arbitrary_address
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from megadiff.checkpoint.format import (
 from megadiff.checkpoint.safe_metadata import metadata_read_once
 from megadiff.config import Config, dump_config
 from megadiff.errors import first_line
-from megadiff.helper_processes import follow_the_trainer
+from megadiff.helper_processes import follow_the_trainer, socket_directory
 from megadiff.parallel import rank_and_world
 
 # TransformerEngine layers keep their FP8 scaling history as `_extra_state`. Checkpoints of
@@ -187,9 +188,11 @@ def start_write_results_queue() -> None:
     process takes the default action of Slurm's preemption signals (they reach every process of the job step),
     so it died as the preemption checkpoint was being written, and the save with it; and it outlived a process
     killed outright (a conversion's: minutes, holding its output pipe). Started here, it ignores the signals and
-    exits with the process that started it."""
+    exits with the process that started it. Its socket is named here (the spawned manager would name it under
+    TMPDIR, which may be too long for one)."""
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        socket_directory()  # the directory arbitrary_address names the socket in
+        manager = SyncManager(address=arbitrary_address("AF_UNIX"), ctx=multiprocessing.get_context("spawn"))
         manager.start(initializer=follow_the_trainer, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager running
 

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from megadiff.data.errors import DataError
-from megadiff.helper_processes import ignore_preemption_signals
+from megadiff.helper_processes import ignore_preemption_signals, socket_directory
 from megadiff.models.documents import document_cu_seqlens
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -62,6 +62,8 @@ def micro_batch_loader(dataset, sampler: MicroBatchSampler, num_workers: int = 0
     step takes them all at once: with torch's default of two per worker, the rest were read while
     the GPU waited)."""
     ahead = max(2, math.ceil(micro_batches_per_step / num_workers)) if num_workers else None
+    if num_workers:
+        socket_directory()  # the workers hand each batch's shared memory over a socket there
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(_collate, document_eod=document_eod),
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), prefetch_factor=ahead,
                       persistent_workers=num_workers > 0, worker_init_fn=ignore_preemption_signals)
