@@ -288,12 +288,19 @@ def hold_lock(path: str | Path) -> IO | None:
 VISIBILITY_WAIT_SECONDS = 5.0
 
 
-def appears(path: str | Path, directory: bool = False) -> bool:
-    """Whether `path` exists here (as a `directory` where asked) within VISIBILITY_WAIT_SECONDS; OSError (a stale
-    handle, a dead mount) goes to the caller."""
+def appears(path: str | Path, directory: bool = False, matching: str | None = None) -> bool:
+    """Whether `path` exists here (as a `directory` where asked; as a directory holding a file whose name matches
+    the glob pattern `matching` where one is given) within VISIBILITY_WAIT_SECONDS; OSError (a stale handle, a
+    dead mount) goes to the caller."""
     path, deadline = Path(path), time.monotonic() + VISIBILITY_WAIT_SECONDS
-    while not (path.is_dir() if directory else path.exists()):
+    while not _present(path, directory, matching):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.5)
     return True
+
+
+def _present(path: Path, directory: bool, matching: str | None) -> bool:
+    if matching is not None:
+        return any(path.glob(matching))
+    return path.is_dir() if directory else path.exists()

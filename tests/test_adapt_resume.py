@@ -47,6 +47,28 @@ def test_the_marker_must_name_a_whole_checkpoint_with_this_ranks_optimizer_state
         resume_point(tmp_path, 2, 3, {})
 
 
+
+def test_this_ranks_optimizer_state_listed_late_is_waited_for(tmp_path, monkeypatch):
+    """A requeued job starting seconds after the save, on another node than the rank that wrote this rank's shard:
+    NFS listed the shard a moment late, and the rank was refused as lacking its optimizer state. Looked for as
+    long as files.appears looks; still missing then, refused."""
+    whole = _checkpoint(tmp_path / "iter_0000002", "mp_rank_00_model_states.pt",
+                        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    (tmp_path / "latest").write_text("iter_0000002\n")
+    listed_after = {"time": time.monotonic() + 1.0}
+    glob = Path.glob
+
+    def listed_late(self, pattern, *args, **kwargs):
+        return [path for path in glob(self, pattern, *args, **kwargs)
+                if "rank_1_" not in path.name or time.monotonic() >= listed_after["time"]]
+
+    monkeypatch.setattr(Path, "glob", listed_late)
+    assert resume_point(tmp_path, 1, 2, {}) == whole
+    listed_after["time"] = float("inf")
+    monkeypatch.setattr("megadiff.files.VISIBILITY_WAIT_SECONDS", 0.5)
+    with pytest.raises(DamagedCheckpoint, match=r"iter_0000002 lacks rank 1's optimizer state"):
+        resume_point(tmp_path, 1, 2, {})
+
 class _RunsCodeWhenRead:
     """What a planted pickle can hold: an object whose unpickling calls a function of the planter's choice."""
 

@@ -17,7 +17,7 @@ from megadiff.adapt.deepspeed_setup import NO_WEIGHT_DECAY, zero_stage
 from megadiff.adapt.settings import TrainSection
 from megadiff.config import ConfigError
 from megadiff.errors import MegadiffError
-from megadiff.files import ITERATION_PREFIX, numbered_dirs
+from megadiff.files import ITERATION_PREFIX, appears, numbered_dirs
 
 LATEST_FILE = "latest"  # beside the checkpoints: the tag a rerun resumes from (DeepSpeed's name for it)
 MODEL_STATES = "*model_states.pt"  # one at least in every DeepSpeed checkpoint, whatever the ZeRO stage
@@ -53,7 +53,8 @@ def resume_point(checkpoint_dir: Path, rank: int, world: int, ds_config: dict) -
     _refuse_code_in_files(path)
     shard = f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # with a bf16_ prefix under DeepSpeed's bf16 optimizer
     written_here = saved_dp_world_size(path) in (None, world)  # else loaded whole (reshard.universal_form)
-    if written_here and any(path.glob(OPTIMIZER_STATES)) and not any(path.glob(shard)):
+    # looked for a while: NFS lists the files another node saved a moment late (a requeued job starts at once)
+    if written_here and any(path.glob(OPTIMIZER_STATES)) and not appears(path, matching=shard):
         raise DamagedCheckpoint(f"{path} lacks rank {rank}'s optimizer state ({shard}): a checkpoint copied in "
                                 f"part?{_others(path)}")
     return path
