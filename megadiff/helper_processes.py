@@ -51,15 +51,16 @@ def _socket_fits(directory: str) -> bool:
     return len(os.fsencode(os.path.join(directory, SOCKET))) <= SOCKET_PATH_LIMIT
 
 
-def socket_directory() -> str:
+def socket_directory(library=multiprocessing) -> str:
     """multiprocessing's directory for this process's sockets (a manager's listener, the file descriptors a data
     loader's worker hands over), chosen short where TMPDIR's would make their paths too long for a socket: Slurm
     sites give jobs a TMPDIR of 80 characters and more, and a checkpoint writer's manager then failed at start-up
     (a bare EOFError), a data loader's worker silently (the run waited forever for its first batch). Forked
-    helpers inherit it; it is removed as this process exits."""
-    own = multiprocessing.current_process()._config.get("tempdir")  # multiprocessing's record of it (util.py)
-    if _socket_fits(own or os.path.join(tempfile.gettempdir(), OWN_DIR)):
-        return multiprocessing.util.get_temp_dir()
+    helpers inherit it; it is removed as this process exits. `library`: multiprocessing or a copy of it with
+    state of its own (`multiprocess`, which Hugging Face datasets' workers use)."""
+    config = library.current_process()._config  # where multiprocessing's util.get_temp_dir records it
+    if _socket_fits(config.get("tempdir") or os.path.join(tempfile.gettempdir(), OWN_DIR)):
+        return library.util.get_temp_dir()
     base = next((base for base in SHORT_TEMP_DIRS
                  if os.access(base, os.W_OK | os.X_OK) and _socket_fits(os.path.join(base, OWN_DIR))), None)
     if base is None:
@@ -69,6 +70,6 @@ def socket_directory() -> str:
                             f"of {', '.join(SHORT_TEMP_DIRS)} can be written: set TMPDIR to a shorter directory")
     directory = tempfile.mkdtemp(prefix="pymp-", dir=base)
     # as multiprocessing's own directory is removed: after the other exit handlers, which may use its sockets
-    multiprocessing.util.Finalize(None, shutil.rmtree, args=(directory, True), exitpriority=-100)
-    multiprocessing.current_process()._config["tempdir"] = directory
+    library.util.Finalize(None, shutil.rmtree, args=(directory, True), exitpriority=-100)
+    config["tempdir"] = directory
     return directory

@@ -1632,6 +1632,27 @@ def test_tokenizer_workers_give_the_same_sequences(workspace, tmp_path):
     assert torch.equal(packed[1], packed[2])
 
 
+
+def test_tokenizer_workers_start_under_a_long_tmpdir(workspace, tmp_path):
+    """datasets' workers report to a manager whose socket lies below TMPDIR: under a Slurm job's long one its path
+    was too long, and adapt failed tokenizing (a bare EOFError). The sequences are those of one process."""
+    from transformers import AutoTokenizer
+
+    from megadiff.adapt.data import build_packed_dataset
+    from tests.test_long_tmpdir import long_tmpdir, run_under
+
+    code = (f"import torch\nfrom transformers import AutoTokenizer\n"
+            f"from megadiff.adapt.data import build_packed_dataset\nfrom megadiff.adapt.settings import "
+            f"load_finetune_config\ncfg = load_finetune_config({str(workspace / 'adapt.yaml')!r}, "
+            f"['data.workers=2', 'data.cache_dir={tmp_path / 'two'}'])\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({str(workspace / 'model')!r})\n"
+            f"torch.save(build_packed_dataset(cfg.data, tokenizer)[:]['input_ids'], {str(tmp_path / 'two.pt')!r})")
+    proc = run_under(long_tmpdir(tmp_path), code, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = load_finetune_config(str(workspace / "adapt.yaml"), [f"data.cache_dir={tmp_path / 'one'}"])
+    alone = build_packed_dataset(cfg.data, AutoTokenizer.from_pretrained(workspace / "model"))[:]["input_ids"]
+    assert torch.equal(torch.load(tmp_path / "two.pt"), alone)
+
 def _calibration_worker(rank: int, world_size: int, workspace: str, selection: str, out_path: str) -> None:
     """ZeRO-3 on 2 ranks: head scores measured with each block gathered while it runs (forward, and
     backward for importance), against the whole model gathered; and how many weights a rank held at

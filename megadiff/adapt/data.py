@@ -25,6 +25,7 @@ from megadiff.adapt.settings import JSON_SUFFIXES, DataSection
 from megadiff.config import ConfigError
 from megadiff.data.conversations import PROBE, encode_conversation, resolve_chat_template
 from megadiff.data.tokenizers import HFTokenizer, document_start
+from megadiff.helper_processes import socket_directory
 
 
 IGNORED_LABEL = -100  # transformers' cross entropy skips these labels
@@ -77,6 +78,9 @@ def build_packed_dataset(data: DataSection, tokenizer):
 
     column = "messages" if conversations else "text"
     documents = _load_documents(data, column)
+    if data.workers > 1:  # datasets' workers report to a manager, whose socket lies in multiprocess's directory
+        import multiprocess  # datasets' own multiprocessing, loaded with it
+        socket_directory(multiprocess)
     tokens = documents.map(tokenize_conversations if conversations else tokenize, batched=True,
                            remove_columns=[column], desc="tokenizing",
                            num_proc=data.workers if data.workers > 1 else None)  # rows keep their order
