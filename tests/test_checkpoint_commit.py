@@ -240,7 +240,7 @@ class _FakeWrites:
     def __init__(self, checkpoints):
         self.checkpoints, self.marker_while_writing = checkpoints, []
 
-    def save(self, state, directory, async_sharded_save=False):
+    def save(self, state, directory, sharded_strategy=None, async_sharded_save=False):
         if async_sharded_save:
             return _FakeRequest(lambda: self.save(state, directory))
         self.marker_while_writing.append(read_latest_iteration(self.checkpoints))

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadiff.checkpoint.format import (
@@ -91,6 +93,19 @@ def _rng_sharded_object(states: dict | None) -> ShardedObject:
     return ShardedObject(RNG_KEY, states, (world,), (rank,), replica_id=0)
 
 
+def save_strategy(fully_parallel: bool):
+    """dist_checkpointing's save strategy: with `fully_parallel` (checkpoint.fully_parallel_save), the tensors that
+    data-parallel ranks hold alike (the model's weights, replicated over DP) are written by one of them each, spread
+    evenly, as Megatron-LM's --ckpt-fully-parallel-save: without it each tensor/pipeline shard's data-parallel rank 0
+    wrote them all, its write bandwidth the save's bound. Only who writes a tensor changes, not the files' format. The
+    group is data-parallel with context parallelism, whose ranks hold the same weights too."""
+    strategy = get_default_save_sharded_strategy()
+    if not fully_parallel or not parallel_state.model_parallel_is_initialized():
+        return strategy
+    data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(strategy, data_parallel)
+
+
 def _staging_dir(checkpoints_dir: Path, iteration: int) -> Path:
     """Where a save writes before its commit renames it to iteration_dir(...)."""
     return staging_dir(iteration_dir(checkpoints_dir, iteration))
@@ -135,13 +150,15 @@ class CheckpointWriter:
             state[TRAIN_STATE_KEY] = train_state
             state[RNG_KEY] = _rng_sharded_object(_rng_states())
             commit = self._commit_fn(iteration, kept_before)
+            strategy = save_strategy(self.cfg.checkpoint.fully_parallel_save)
             if self.queue is None:
-                dist_checkpointing.save(state, str(staging))
+                dist_checkpointing.save(state, str(staging), sharded_strategy=strategy)
                 wait_for_ranks()
                 commit()
                 wait_for_ranks()
             else:
-                request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+                request = dist_checkpointing.save(state, str(staging), sharded_strategy=strategy,
+                                                  async_sharded_save=True)
                 request.add_finalize_fn(commit)
                 self.queue.schedule_async_request(self._keeping_staged_copies(request))
                 self.in_flight = iteration

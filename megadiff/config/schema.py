@@ -249,6 +249,10 @@ class CheckpointConfig(Section):
     save_interval: Optional[int] = Field(None, ge=1)
     keep_last: Optional[int] = Field(None, ge=1)
     async_save: bool = False
+    fully_parallel_save: bool = Field(
+        True, description="spread the writes of what data-parallel ranks hold alike (the model's weights) over them, "
+        "as Megatron-LM's --ckpt-fully-parallel-save: each of DP ranks writes about 1/DP of them, where each "
+        "tensor/pipeline shard's data-parallel rank 0 wrote them all. The files are the same format")
     load: Optional[str] = Field(None, description="initial checkpoint when output_dir has none (e.g. 4K -> 64K)")
     load_optimizer: bool = True
     reset_iteration: bool = Field(False, description="with `load`: start counting iterations and data from 0")
