@@ -46,6 +46,18 @@ def _covered_bytes(ranges: list[tuple[int, int]]) -> int:
     return covered
 
 
+def tensor_bytes_after(owner, name: str, monkeypatch) -> list[int]:
+    """Patches `owner`'s function `name` to record the bytes of every live tensor as each call returns."""
+    held, original = [], getattr(owner, name)
+
+    def measuring(*args, **kwargs):
+        result = original(*args, **kwargs)
+        held.append(live_tensor_bytes())
+        return result
+    monkeypatch.setattr(owner, name, measuring)
+    return held
+
+
 def measure(rank: int, world_size: int, overrides: list[str], results) -> None:
     cfg = build_config({}, MODEL + overrides, world_size)
     initialize(cfg.parallel, seed=1)

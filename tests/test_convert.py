@@ -607,18 +607,33 @@ def test_conversions_free_what_they_converted_and_hold_one_fp32_model_at_a_time(
     assert set(read) == {None, 0, 1} and merged and exported and all(megadiff_models.values())
 
 
-def _tensor_bytes_after(owner, name: str, monkeypatch) -> list[int]:
-    """Patches `owner`'s function `name` to record the bytes of every live tensor as each call returns."""
-    from tests.memory_worker import live_tensor_bytes
+@pytest.mark.parametrize("dtype", [None, "fp32", "fp16"], ids=["bf16", "fp32", "fp16"])
+def test_from_hf_checks_with_one_fp32_model_in_memory_and_writes_what_it_writes_unchecked(tmp_path, monkeypatch,
+                                                                                           dtype):
+    """from-hf's check held its fp32 model beside the converted one (bf16: 6 bytes a parameter, 420 GB for a Llama
+    70B that --no-check converts in 140), and an fp32 conversion the converted model beside the Hugging Face one
+    (8 bytes a parameter). The tensors live as each side's logits are computed are one fp32 model and less than a
+    layer more, and the checkpoint is the one --no-check writes, tensor for tensor."""
+    from tests.memory_worker import live_tensor_bytes, tensor_bytes_after
 
-    held, original = [], getattr(owner, name)
-
-    def measuring(*args, **kwargs):
-        result = original(*args, **kwargs)
-        held.append(live_tensor_bytes())
-        return result
-    monkeypatch.setattr(owner, name, measuring)
-    return held
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    cfg = build_config({}, MODEL + VARIANTS["diff"] + [f"data.tokenizer={tokenizer}", "train.precision=bf16",
+                                                       "model.num_layers=6"])
+    save_in_process(cfg, tmp_path / "checkpoint")
+    hf_dir = convert_to_hf(tmp_path / "checkpoint", tmp_path / "hf", check=False)
+    unchecked = load_checkpoint(convert_from_hf(hf_dir, tmp_path / "unchecked", dtype=dtype, check=False))
+    fp32_model = sum(t.numel() for t in unchecked.parameters_by_name().values()) * 4
+    layer = sum(t.numel() for name, t in unchecked.parameters_by_name().items() if ".layers.0." in name) * 4
+    gc.collect()
+    before = live_tensor_bytes()
+    at_ours, at_theirs = (tensor_bytes_after(from_hf, name, monkeypatch) for name in ("megadiff_logits",
+                                                                                       "load_hf_model"))
+    checked = load_checkpoint(convert_from_hf(hf_dir, tmp_path / "checked", dtype=dtype))
+    at_checks = at_ours + at_theirs
+    assert len(at_checks) == 2 and max(at_checks) - before < fp32_model + layer, (at_checks, before, fp32_model)
+    for (name, tensor), (_, expected) in zip(checked.parameters_by_name().items(),
+                                             unchecked.parameters_by_name().items(), strict=True):
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
 
 
 def _weight_bytes(model, names_ending: str = "") -> int:
@@ -632,7 +647,7 @@ def test_a_loaded_checkpoint_is_held_once_while_it_is_read(tmp_path, monkeypatch
     ends are the model's alone, and it holds the saved weights."""
     from megatron.core import dist_checkpointing
 
-    from tests.memory_worker import live_tensor_bytes
+    from tests.memory_worker import live_tensor_bytes, tensor_bytes_after
 
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
     cfg = build_config({}, MODEL + VARIANTS["softmax"] + [f"data.tokenizer={tokenizer}", "model.ffn_hidden_size=384"])
@@ -640,7 +655,7 @@ def test_a_loaded_checkpoint_is_held_once_while_it_is_read(tmp_path, monkeypatch
     weights, fc1 = _weight_bytes(saved), _weight_bytes(saved, "linear_fc1.weight")
     assert fc1 > weights / 3
     before = live_tensor_bytes()
-    held = _tensor_bytes_after(dist_checkpointing, "load", monkeypatch)
+    held = tensor_bytes_after(dist_checkpointing, "load", monkeypatch)
     loaded = load_checkpoint(tmp_path / "checkpoint").gpt
     assert weights <= held[0] - before < weights + fc1 / 10, (held[0] - before, weights, fc1)
     for (name, tensor), (_, expected) in zip(loaded.named_parameters(), saved.named_parameters(), strict=True):
@@ -657,7 +672,7 @@ def test_a_converted_checkpoint_is_written_from_the_model_alone_and_as_megatron_
 
     from megadiff.checkpoint.format import model_sharded_state
     from megadiff.checkpoint.weights import save_model_weights
-    from tests.memory_worker import live_tensor_bytes
+    from tests.memory_worker import live_tensor_bytes, tensor_bytes_after
 
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
     cfg = build_config({}, MODEL + VARIANTS["softmax"] + [f"data.tokenizer={tokenizer}", "model.ffn_hidden_size=384"])
@@ -667,7 +682,7 @@ def test_a_converted_checkpoint_is_written_from_the_model_alone_and_as_megatron_
     (tmp_path / "megatron").mkdir()
     dist_checkpointing.save(model_sharded_state([model]), str(tmp_path / "megatron"))
     before = live_tensor_bytes()
-    held = _tensor_bytes_after(FileSystemWriterAsync, "prepare_write_data", monkeypatch)
+    held = tensor_bytes_after(FileSystemWriterAsync, "prepare_write_data", monkeypatch)
     save_model_weights([model], cfg, tmp_path / "converted")
     assert held[0] - before < fc1 / 10, (held[0] - before, weights, fc1)
     written = sorted(path.name for path in (tmp_path / "megatron").iterdir())

@@ -8,7 +8,7 @@ export's vocab_size).
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +62,9 @@ def _preserved_rng():
         np.random.set_state(numpy_state)
 
 
-def build_single_process_model(cfg: Config):
-    """An uninitialised TP1/PP1 GPTModel for `cfg` (already passed through single_process_config)."""
+def build_single_process_model(cfg: Config, on_meta_device: bool = False):
+    """An uninitialised TP1/PP1 GPTModel for `cfg` (already passed through single_process_config); on the meta
+    device: its parameters' names, shapes and dtypes, and no memory."""
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() > 1
             or parallel_state.get_pipeline_model_parallel_world_size() > 1):
@@ -79,7 +80,9 @@ def build_single_process_model(cfg: Config):
         # megatron's fused SwiGLU (CUDA) is torch.compile'd anew in every process and for each new shape:
         # every generate or evaluate command paid that compilation to save two elementwise passes
         config.bias_activation_fusion = False
-        (model,) = build_model(cfg, config)
+        config.use_cpu_initialization |= on_meta_device  # megatron's layers then allocate on the default device
+        with torch.device("meta") if on_meta_device else nullcontext():
+            (model,) = build_model(cfg, config)
     return model.eval()
 
 

@@ -34,6 +34,7 @@ from megadiff.data.tokenizers import (
     GENERATION_CONFIG, PACKAGED_TIKTOKEN, HFTokenizer, TokenizerError, load_tokenizer, why_unreadable,
 )
 from megadiff.files import publish_staged, raise_if_a_file_is_in_the_way, staging_dir
+from megadiff.models.transformer_config import PRECISION_DTYPES
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 VOCAB_PARAMETERS = {"embedding.word_embeddings.weight", "output_layer.weight"}  # megatron's names of their rows
@@ -80,15 +81,41 @@ def _load_parts(model, parts: Iterable[dict[str, torch.Tensor]]) -> int:
                 name, tensor = part.popitem()
                 parameter = own.pop(name)
                 parameter.copy_(tensor)
-                if not parameter.isfinite().all() and tensor.isfinite().all():
-                    raise ConversionError(
-                        f"{name}: values up to {float(tensor.abs().max()):.4g} overflow {parameter.dtype} (whose "
-                        f"largest is {torch.finfo(parameter.dtype).max:.4g}): convert with --dtype bf16 or fp32")
+                _refuse_overflow(name, tensor, parameter)
                 copied += tensor.numel()
                 del tensor
     if own:
         raise ConversionError(f"no tensor converted for {', '.join(sorted(own))}")
     return copied
+
+
+def _read_weights(model, hf_dir: HFDirectory, dims: Dims, rows: int) -> int:
+    """The directory's weights copied into the model, a layer at a time; returns how many numbers it copied."""
+    return _load_parts(model, _with_padded_vocab(hf_to_megatron(hf_dir.state, dims, hf_dir.extras), rows))
+
+
+def _refuse_overflow(name: str, value: torch.Tensor, stored: torch.Tensor) -> None:
+    if not stored.isfinite().all() and value.isfinite().all():
+        raise ConversionError(f"{name}: values up to {float(value.abs().max()):.4g} overflow {stored.dtype} (whose "
+                              f"largest is {torch.finfo(stored.dtype).max:.4g}): convert with --dtype bf16 or fp32")
+
+
+def _checkpoint_dtypes(cfg: Config) -> dict[str, torch.dtype]:
+    """Each parameter's dtype in the checkpoint's model (lambda's vectors stay fp32), that model built on the meta
+    device: no memory."""
+    model = build_single_process_model(single_process_config(cfg), on_meta_device=True)
+    return {name: parameter.dtype for name, parameter in model.named_parameters()}
+
+
+def _round_as_the_checkpoint(checked, dtypes: dict[str, torch.dtype]) -> None:
+    """The fp32 model's weights rounded, a parameter at a time, to what the checkpoint will hold, so that the check
+    runs on those (rounding them through a model in the checkpoint's dtype held it beside the fp32 one: 6 bytes a
+    parameter in bf16, 420 GB for a Llama 70B)."""
+    with torch.no_grad():
+        for name, parameter in checked.named_parameters():
+            rounded = parameter.to(dtypes[name])
+            _refuse_overflow(name, parameter, rounded)
+            parameter.copy_(rounded)
 
 
 def _with_padded_vocab(parts: Iterable[dict[str, torch.Tensor]], rows: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -215,18 +242,17 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
     check_tensors({name: state.shape(name) for name in state if _is_weight(name, hf_config.tie_word_embeddings)},
                   expected, f"{hf_dir.path} (config.json)")
     with step(console, f"reading {load}"):
-        parameters = _load_parts(checked, _with_padded_vocab(hf_to_megatron(state, dims, hf_dir.extras), rows))
+        parameters = _read_weights(checked, hf_dir, dims, rows)
     if rows > hf_config.vocab_size:
         console.print(f"megadiff convert: the vocabulary padded from {hf_config.vocab_size:,} to {rows:,} rows "
                       "(--pad-vocab), the new rows the mean of the old")
-    model, rounded_to = checked, hf_dtype
-    if check and precision != "fp32":
-        model = build_single_process_model(single_process_config(cfg))
-        _load_parts(model, [dict(checked.named_parameters())])  # rounded as from the read tensors
-        # and back: the check runs (in fp32) on the weights the checkpoint holds, --dtype's rounding with them
-        _load_parts(checked, [dict(model.named_parameters())])
-        rounded_to = next(model.parameters()).dtype
-    if check:  # before anything is written
+    if not check:
+        model = checked
+    else:  # before anything is written, holding one fp32 model at a time and nothing else as large
+        rounded_to = hf_dtype
+        if precision != "fp32":  # the check runs (in fp32) on the weights the checkpoint holds, --dtype's rounding
+            _round_as_the_checkpoint(checked, _checkpoint_dtypes(cfg))
+            rounded_to = PRECISION_DTYPES[precision]
         with step(console, "checking the checkpoint's logits against the Hugging Face model's"):
             embedded = min(vocab_in_use, hf_config.vocab_size)  # the ids both models have rows for
             ours = megadiff_logits(CausalLM(checked, cfg), embedded)[..., :hf_config.vocab_size]  # not the padding
@@ -234,6 +260,11 @@ def _convert(load: str | Path, out: Path, dtype: str | None, check: bool, pad_vo
             theirs = hf_logits(load_hf_model(hf_dir.path, family), embedded)
             result = compare_logits(ours, theirs, thresholds_for(family, hf_dtype, rounded_to))
         console.print(f"megadiff convert: check passed: {result.summary()}")
+        # read again into the checkpoint's model: built beside the check's, it was a second model in memory; each
+        # weight is rounded once from the same tensors, so it holds what the check ran on
+        model = build_single_process_model(single_process_config(cfg))
+        with step(console, f"reading {load} into the checkpoint's model"):
+            _read_weights(model, hf_dir, dims, rows)
     # written aside and named when whole: killed before its tokenizer, it loaded, naming a tokenizer it lacked
     staged = staging_dir(out)
     shutil.rmtree(staged, ignore_errors=True)  # a killed conversion's
